@@ -1,0 +1,94 @@
+"""The ``attnlab`` command line: ``attnlab <command> --help`` explains each command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+import attnlab
+
+EXAMPLE_HELP = """\
+Reproduce the lesson's worked example: draw X, W_Q, W_K, W_V with the given seed,
+run attnlab's from-scratch self-attention step by step, print every intermediate
+tensor with its name and shape (projections, scores, max-shifted scores, weights,
+output), then check the output against torch's own scaled_dot_product_attention
+(MATH backend) and print the largest absolute difference.
+
+With the defaults (seed 42, B=1, T=4, d=8, d_k=d_v=4, float32) the numbers are the
+lesson's, which it rounds to 4 decimals.
+
+examples:
+  attnlab example
+  attnlab example --causal --seq-len 6
+  attnlab example --json > example.json
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from attnlab.example import DTYPES
+
+    parser = argparse.ArgumentParser(
+        prog="attnlab",
+        description="Learn, check and run self-attention, built from scratch and verified against PyTorch.",
+        epilog="Run 'attnlab <command> --help' for the options of each command.",
+    )
+    parser.add_argument("--version", action="version", version=f"attnlab {attnlab.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+
+    ex = sub.add_parser("example", help="print the lesson's worked example, step by step, and its parity with torch",
+                        description=EXAMPLE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ex.add_argument("--seed", type=int, default=42, help="random seed for X and the weights (default: 42)")
+    ex.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="batch size B (default: 1)")
+    ex.add_argument("--seq-len", type=_positive_int, default=4, metavar="T", help="sequence length T (default: 4)")
+    ex.add_argument("--d-model", type=_positive_int, default=8, metavar="d", help="embedding size d (default: 8)")
+    ex.add_argument("--d-k", type=_positive_int, default=4, help="query/key size d_k (default: 4)")
+    ex.add_argument("--d-v", type=_positive_int, default=4, help="value size d_v (default: 4)")
+    ex.add_argument("--causal", action="store_true", help="apply a causal mask (position i sees 0..i)")
+    ex.add_argument("--dtype", choices=list(DTYPES), default="float32", help="compute dtype (default: float32)")
+    ex.add_argument("--json", action="store_true",
+                    help="print one JSON object instead: keys X, Q, K, V, scores, scores_shifted, weights, "
+                         "output (nested lists; -inf as the string \"-Infinity\"), config, max_abs_diff_vs_sdpa")
+    ex.set_defaults(func=_cmd_example)
+    return parser
+
+
+def _cmd_example(args: argparse.Namespace) -> int:
+    from attnlab.example import ExampleConfig, format_example, run_example
+
+    config = ExampleConfig(seed=args.seed, batch=args.batch, seq_len=args.seq_len, d_model=args.d_model,
+                           d_k=args.d_k, d_v=args.d_v, causal=args.causal, dtype=args.dtype)
+    result = run_example(config)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        print(format_example(result))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # e.g. `attnlab example | head`: the reader left, that is fine
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,342 @@
+"""attnlab's reference attention: SDPA's semantics, written from scratch.
+
+Legend (one layout everywhere in attnlab)::
+
+    B    batch            L   number of queries     E   query/key feature size
+    H    query heads      S   number of keys        Ev  value feature size
+    Hkv  key/value heads (H when not grouped)
+
+Tensors are laid out like ``torch.nn.functional.scaled_dot_product_attention``:
+``query (..., L, E)``, ``key (..., S, E)``, ``value (..., S, Ev)``, output
+``(..., L, Ev)``. The leading dimensions ``...`` broadcast, typically ``(B, H)``.
+
+The computation is the textbook one, nothing fused::
+
+    scores  = query @ key^T * scale            # (..., L, S)
+    scores  = scores + mask                    # bool mask: -inf where False
+    weights = stable_softmax(scores, dim=-1)   # rows sum to 1; all-masked rows are 0
+    output  = dropout(weights) @ value         # (..., L, Ev)
+
+This module never calls torch's SDPA, softmax or attention helpers: those are
+the oracles attnlab is tested against (see :mod:`attnlab.testing`).
+
+Semantics that match torch's SDPA exactly (MATH backend):
+
+* bool ``attn_mask``: ``True`` = the key takes part. Float ``attn_mask``: added to
+  the scores (its dtype must be bool, float32 or the query's dtype).
+* ``is_causal=True`` is aligned top-left: query ``i`` sees keys ``0..i`` also when
+  ``L != S`` (see :func:`attnlab.masks.causal` for a picture).
+* a query row whose keys are all masked outputs zeros, with finite gradients.
+* float16/bfloat16 inputs are computed in float32 and the output cast back.
+* ``dropout_p > 0`` drops weights exactly as torch does, drawing the same random
+  numbers, so the same seed gives torch's result.
+* ``enable_gqa=True`` maps query head ``h`` onto key/value head ``h // (H // Hkv)``,
+  i.e. ``repeat_interleave`` on dim -3.
+
+Deviations, all of them errors where torch would also fail, only clearer:
+bad input raises ``TypeError``/``ValueError`` naming the argument, instead of
+torch's ``RuntimeError``/``IndexError`` from deep inside a matmul.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from attnlab import masks
+from attnlab.softmax import shift_by_max, stable_softmax
+
+__all__ = ["scaled_dot_product_attention", "attention_weights"]
+
+Recorder = Callable[[str, Tensor], None]
+"""Called as ``record(step_name, tensor)`` at each step of the computation (tracing)."""
+
+_REDUCED_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    *,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """Scaled dot-product attention with exactly the signature and results of torch's SDPA.
+
+    ``softmax(query @ key^T * scale + mask) @ value``, from scratch.
+
+    Args:
+        query: ``(..., L, E)``, e.g. ``(B, H, L, E)``.
+        key: ``(..., S, E)``, e.g. ``(B, Hkv, S, E)``.
+        value: ``(..., S, Ev)``, e.g. ``(B, Hkv, S, Ev)``.
+        attn_mask: ``None``, or a tensor that broadcasts to the scores ``(..., L, S)``
+            without enlarging them. Bool: ``True`` = attend. Float (float32 or the
+            query's dtype): added to the scores, so ``-inf`` masks.
+        dropout_p: probability of dropping each attention weight, in ``[0, 1]``.
+            Applied whenever it is > 0 (SDPA has no ``training`` flag); kept weights
+            are scaled by ``1 / (1 - dropout_p)``.
+        is_causal: mask with a top-left aligned causal mask (query ``i`` sees keys
+            ``0..i``). May not be combined with ``attn_mask``. For ``L = 2, S = 3``::
+
+                # . .
+                # # .
+
+        scale: factor applied to ``query @ key^T``; default ``1 / sqrt(E)`` with ``E``
+            the query's last dimension. Zero and negative values are allowed.
+        enable_gqa: group query heads onto key/value heads (dim -3): ``H`` must be a
+            multiple of ``Hkv``; query heads ``0..H/Hkv-1`` share key/value head 0.
+
+    Returns:
+        ``(..., L, Ev)`` in the query's dtype, where ``...`` is the broadcast of the
+        three inputs' leading dimensions.
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype.
+        ValueError: shapes that do not fit, ``is_causal`` with ``attn_mask``,
+            ``dropout_p`` outside ``[0, 1]``, head counts that do not divide.
+    """
+    _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+              fn="scaled_dot_product_attention")
+    output, _ = _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return output
+
+
+def attention_weights(
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    *,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """The ``(..., L, S)`` softmax weights that SDPA computes but does not return.
+
+    Same arguments and semantics as :func:`scaled_dot_product_attention` (without
+    ``value`` and dropout). Each row sums to 1, except fully masked rows, which are 0.
+
+    Args:
+        query: ``(..., L, E)``.
+        key: ``(..., S, E)``.
+        attn_mask: ``None`` or bool/float, broadcastable to ``(..., L, S)``.
+        is_causal: top-left causal mask; not together with ``attn_mask``.
+        scale: default ``1 / sqrt(E)``.
+        enable_gqa: group query heads onto key heads (dim -3).
+
+    Returns:
+        ``(..., L, S)`` in the query's dtype.
+    """
+    _validate(query, key, None, attn_mask, 0.0, is_causal, scale, enable_gqa, fn="attention_weights")
+    compute_dtype = _compute_dtype(query.dtype)
+    q, k = query.to(compute_dtype), key.to(compute_dtype)
+    if enable_gqa:
+        k = _repeat_kv_heads(k, q)
+    weights = _softmax_weights(q, k, attn_mask, is_causal, scale)
+    return weights.to(query.dtype)
+
+
+# --------------------------------------------------------------------------- #
+# The computation. Inputs are already validated.
+# --------------------------------------------------------------------------- #
+
+
+def _attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor],
+    dropout_p: float,
+    is_causal: bool,
+    scale: Optional[float],
+    enable_gqa: bool,
+    record: Optional[Recorder] = None,
+) -> tuple[Tensor, Tensor]:
+    """Validated inputs -> ``(output (..., L, Ev), weights (..., L, S))``, weights before dropout.
+
+    ``record``, when given, is called with each intermediate step (used by tracing).
+    """
+    compute_dtype = _compute_dtype(query.dtype)
+    q, k, v = query.to(compute_dtype), key.to(compute_dtype), value.to(compute_dtype)
+    if enable_gqa:
+        k, v = _repeat_kv_heads(k, q), _repeat_kv_heads(v, q)
+    weights = _softmax_weights(q, k, attn_mask, is_causal, scale, record)  # (..., L, S)
+    dropped = _dropout(weights, dropout_p) if dropout_p > 0 else weights
+    output = (dropped @ v).to(query.dtype)  # (..., L, Ev)
+    if record is not None:
+        record("output", output)
+    return output, weights.to(query.dtype)
+
+
+def _softmax_weights(
+    q: Tensor,
+    k: Tensor,
+    attn_mask: Optional[Tensor],
+    is_causal: bool,
+    scale: Optional[float],
+    record: Optional[Recorder] = None,
+) -> Tensor:
+    """``stable_softmax(q @ k^T * scale + mask)`` in ``q``'s dtype: ``(..., L, S)``."""
+    L, E, S = q.shape[-2], q.shape[-1], k.shape[-2]
+    scale_factor = 1.0 / math.sqrt(E) if scale is None else float(scale)
+    scores = (q @ k.transpose(-2, -1)) * scale_factor  # (..., L, S)
+    if record is not None:
+        record("scores", scores)
+
+    if is_causal:
+        attn_mask = masks.causal(L, S, align="top_left", device=q.device)  # (L, S)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            # -inf, not a large negative number: exp(-inf) is exactly 0 and fully
+            # masked rows are detected (and zeroed) by stable_softmax.
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(scores.dtype)
+        if record is not None:
+            record("masked_scores", scores)
+
+    if record is not None:
+        record("scores_shifted", shift_by_max(scores, dim=-1))
+    weights = stable_softmax(scores, dim=-1)  # (..., L, S)
+    if record is not None:
+        record("weights", weights)
+    return weights
+
+
+def _dropout(weights: Tensor, p: float) -> Tensor:
+    """Dropout as ``torch.nn.functional.dropout(weights, p, training=True)`` computes it.
+
+    Same random stream (one ``bernoulli_(1 - p)`` draw over a tensor shaped like
+    ``weights``) and the same order of operations, so a fixed seed reproduces
+    torch's SDPA bit for bit.
+    """
+    if p == 1.0:
+        return weights * torch.zeros((), dtype=weights.dtype, device=weights.device)  # no draw
+    keep = torch.empty_like(weights).bernoulli_(1.0 - p)  # (..., L, S): 1 = keep
+    keep.div_(1.0 - p)
+    return weights * keep
+
+
+def _repeat_kv_heads(kv: Tensor, q: Tensor) -> Tensor:
+    """``kv (..., Hkv, S, D) -> (..., H, S, D)``, equal to ``repeat_interleave(H // Hkv, dim=-3)``."""
+    H, Hkv = q.shape[-3], kv.shape[-3]
+    if H == Hkv:
+        return kv
+    r = H // Hkv
+    expanded = kv.unsqueeze(-3).expand(*kv.shape[:-2], r, *kv.shape[-2:])  # (..., Hkv, r, S, D)
+    return expanded.reshape(*kv.shape[:-3], H, *kv.shape[-2:])  # (..., H, S, D)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in _REDUCED_PRECISION else dtype
+
+
+# --------------------------------------------------------------------------- #
+# Validation at the public boundary.
+# --------------------------------------------------------------------------- #
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _validate(
+    query: Tensor,
+    key: Tensor,
+    value: Optional[Tensor],
+    attn_mask: Optional[Tensor],
+    dropout_p: float,
+    is_causal: bool,
+    scale: Optional[float],
+    enable_gqa: bool,
+    *,
+    fn: str,
+) -> None:
+    """Raise a clear ``TypeError``/``ValueError`` for anything SDPA would reject (or get wrong)."""
+    named = [("query", query), ("key", key)] + ([("value", value)] if value is not None else [])
+    for name, t in named:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if not query.is_floating_point():
+        raise TypeError(f"{fn}: query must have a floating dtype (float16/bfloat16/float32/float64), "
+                        f"got {query.dtype}")
+    for name, t in named[1:]:
+        if t.dtype != query.dtype:
+            raise TypeError(f"{fn}: query, key and value must share one dtype: expected {name}.dtype "
+                            f"{query.dtype} (query's), got {t.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{fn}: {name} is on {t.device} but query is on {query.device}; "
+                             f"move them to one device")
+    for name, t in named:
+        if t.dim() < 2:
+            raise ValueError(f"{fn}: {name} must be at least 2-D (..., {'L' if name == 'query' else 'S'}, "
+                             f"{'Ev' if name == 'value' else 'E'}), got shape {_shape(t)}")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"{fn}: key's last dim must equal query's E={query.shape[-1]}: expected key "
+                         f"(..., S, {query.shape[-1]}), got {_shape(key)}")
+    if value is not None and value.shape[-2] != key.shape[-2]:
+        raise ValueError(f"{fn}: value must have as many rows as key (S={key.shape[-2]}): expected value "
+                         f"(..., {key.shape[-2]}, Ev), got {_shape(value)}")
+
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"{fn}: is_causal must be a bool, got {type(is_causal).__name__}")
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"{fn}: enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"{fn}: scale must be None or a real number, got {type(scale).__name__}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"{fn}: dropout_p must be a float in [0, 1], got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1], got {dropout_p}")
+
+    # Leading (batch/head) dims after grouping must broadcast.
+    kv_batch = [("key", key.shape[:-2])] + ([("value", value.shape[:-2])] if value is not None else [])
+    if enable_gqa:
+        for name, t in named:
+            if t.dim() < 3:
+                raise ValueError(f"{fn}: enable_gqa=True needs a head dim: {name} must be at least 3-D "
+                                 f"(..., H, L/S, E), got shape {_shape(t)}")
+        H = query.shape[-3]
+        for name, t in named[1:]:
+            Hkv = t.shape[-3]
+            if Hkv == 0 or H % Hkv != 0:
+                raise ValueError(f"{fn}: with enable_gqa=True the query heads (dim -3) must be a multiple of "
+                                 f"the {name} heads: query has H={H} ({_shape(query)}), {name} has "
+                                 f"Hkv={Hkv} ({_shape(t)})")
+        kv_batch = [(name, (*s[:-1], H)) for name, s in kv_batch]
+    try:
+        batch = torch.broadcast_shapes(query.shape[:-2], *(s for _, s in kv_batch))
+    except RuntimeError:
+        shapes = ", ".join(f"{n} {_shape(t)}" for n, t in named)
+        hint = (" (different head counts need enable_gqa=True)"
+                if not enable_gqa and all(t.dim() >= 3 for _, t in named) else "")
+        raise ValueError(f"{fn}: the leading (batch/head) dims of query, key and value must broadcast; "
+                         f"got {shapes}{hint}") from None
+
+    if attn_mask is None:
+        return
+    if is_causal:
+        raise ValueError(f"{fn}: pass either attn_mask or is_causal=True, not both "
+                         f"(fold the causal mask into attn_mask, e.g. with attnlab.masks.causal)")
+    if not isinstance(attn_mask, Tensor):
+        raise TypeError(f"{fn}: attn_mask must be None or a torch.Tensor, got {type(attn_mask).__name__}")
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise TypeError(f"{fn}: attn_mask must be bool (True = attend) or float (added to the scores) "
+                        f"with dtype float32 or the query's {query.dtype}, got {attn_mask.dtype}")
+    if attn_mask.device != query.device:
+        raise ValueError(f"{fn}: attn_mask is on {attn_mask.device} but query is on {query.device}")
+    scores_shape = (*batch, query.shape[-2], key.shape[-2])
+    try:
+        fits = torch.broadcast_shapes(attn_mask.shape, scores_shape) == torch.Size(scores_shape)
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{fn}: attn_mask must broadcast to the scores' shape (..., L, S) = {scores_shape} "
+                         f"without enlarging it, got {_shape(attn_mask)}")

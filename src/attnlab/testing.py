@@ -1,0 +1,249 @@
+"""Parity helpers: check any attention implementation against torch's SDPA.
+
+Importable by other projects::
+
+    from attnlab.testing import assert_close_to_sdpa
+    report = assert_close_to_sdpa(my_attention, q, k, v, is_causal=True)
+    print(report)
+
+The tolerance rule is FlashAttention's: an implementation may be off from a
+float64 golden by at most ``2x`` the error that torch's own SDPA (MATH backend,
+same inputs, same dtype) makes against that golden, and ``3x`` for gradients,
+plus a tiny floor of a few ulps for the cases where torch happens to be exact.
+So the bound adapts to the dtype, the sizes and the magnitudes of each case,
+instead of being a hand-picked constant.
+
+For comparisons that have no golden (two tensors that should simply agree),
+:func:`tolerance` is the one table of per-dtype tolerances, and
+:func:`assert_close` applies it.
+
+This module (and only it) calls ``torch.nn.functional.scaled_dot_product_attention``:
+it is the oracle, never part of attnlab's own math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Tolerance",
+    "tolerance",
+    "max_abs_diff",
+    "assert_close",
+    "sdpa_oracle",
+    "ParityReport",
+    "assert_close_to_sdpa",
+]
+
+AttentionFn = Callable[..., Tensor]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``|actual - expected| <= atol + rtol * |expected|``, elementwise."""
+
+    atol: float
+    rtol: float
+
+
+# torch.testing's defaults, except float32's atol: attention sums many products,
+# so 1e-5 absolute on O(1) outputs is the honest single-precision floor.
+_TOLERANCES = {
+    torch.float64: Tolerance(atol=1e-7, rtol=1e-7),
+    torch.float32: Tolerance(atol=1e-5, rtol=1.3e-6),
+    torch.float16: Tolerance(atol=1e-3, rtol=1e-3),
+    torch.bfloat16: Tolerance(atol=1e-2, rtol=1.6e-2),
+}
+
+
+def tolerance(dtype: torch.dtype) -> Tolerance:
+    """The per-dtype tolerance for two results that should agree (no golden available)."""
+    try:
+        return _TOLERANCES[dtype]
+    except KeyError:
+        raise ValueError(f"tolerance: no tolerance for dtype {dtype}; expected one of "
+                         f"{sorted(str(d) for d in _TOLERANCES)}") from None
+
+
+def max_abs_diff(actual: Tensor, expected: Tensor) -> float:
+    """``max |actual - expected|`` in float64; NaN in the same places counts as equal,
+    NaN in only one of them counts as ``inf``. Empty tensors give 0."""
+    if actual.shape != expected.shape:
+        raise ValueError(f"max_abs_diff: shapes differ: actual {tuple(actual.shape)}, "
+                         f"expected {tuple(expected.shape)}")
+    a, e = actual.detach().to(torch.float64), expected.detach().to(torch.float64)
+    if a.numel() == 0:
+        return 0.0
+    both_nan = a.isnan() & e.isnan()
+    same_inf = (a == e) & a.isinf()
+    diff = (a - e).abs()
+    diff = torch.where(both_nan | same_inf, torch.zeros_like(diff), diff)
+    diff = torch.where(diff.isnan(), torch.full_like(diff, float("inf")), diff)
+    return diff.max().item()
+
+
+def assert_close(actual: Tensor, expected: Tensor, *, dtype: Optional[torch.dtype] = None, msg: str = "") -> None:
+    """``torch.testing.assert_close`` with attnlab's per-dtype :func:`tolerance`."""
+    tol = tolerance(dtype or expected.dtype)
+    torch.testing.assert_close(actual, expected, atol=tol.atol, rtol=tol.rtol, equal_nan=True,
+                               check_dtype=False, msg=(lambda m: f"{msg}\n{m}") if msg else None)
+
+
+def sdpa_oracle(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    *,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """torch's own SDPA, pinned to the MATH backend (deterministic and defined for
+    every input on the CPU): the oracle attnlab is measured against."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    with sdpa_kernel(backends=[SDPBackend.MATH]):
+        return scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+@dataclass
+class ParityReport:
+    """What :func:`assert_close_to_sdpa` measured. Errors are max-abs against the float64 golden."""
+
+    dtype: torch.dtype
+    output_error: float
+    torch_output_error: float
+    output_bound: float
+    grad_errors: dict[str, float] = field(default_factory=dict)
+    torch_grad_errors: dict[str, float] = field(default_factory=dict)
+    grad_bounds: dict[str, float] = field(default_factory=dict)
+
+    def ok(self) -> bool:
+        return self.output_error <= self.output_bound and all(
+            self.grad_errors[n] <= self.grad_bounds[n] for n in self.grad_errors)
+
+    def __str__(self) -> str:
+        lines = [f"{self.dtype}: output err {self.output_error:.3g} (torch {self.torch_output_error:.3g}, "
+                 f"bound {self.output_bound:.3g})"]
+        for n in self.grad_errors:
+            lines.append(f"  d{n} err {self.grad_errors[n]:.3g} (torch {self.torch_grad_errors[n]:.3g}, "
+                         f"bound {self.grad_bounds[n]:.3g})")
+        return "\n".join(lines)
+
+
+def _floor(dtype: torch.dtype, golden: Tensor) -> float:
+    """A few ulps at the golden's magnitude: the slack when torch itself is exact."""
+    magnitude = golden.abs().max().item() if golden.numel() else 0.0
+    return 4 * torch.finfo(dtype).eps * max(1.0, magnitude)
+
+
+def _run(fn: AttentionFn, inputs: dict[str, Optional[Tensor]], kwargs: dict, grad_names: list[str],
+         seed: int, dtype: torch.dtype) -> tuple[Tensor, dict[str, Tensor]]:
+    """Run ``fn`` on fresh leaf copies of ``inputs`` cast to ``dtype``; return output and grads.
+
+    A float mask keeps its own dtype (float32 is valid with any query dtype) except in
+    the float64 golden run. The output gradient is a seeded ``randn`` of the output's
+    shape, the same numbers in every run.
+    """
+    leaves: dict[str, Optional[Tensor]] = {}
+    for name, t in inputs.items():
+        if t is None:
+            leaves[name] = None
+            continue
+        cast = t.is_floating_point() and (name != "attn_mask" or dtype == torch.float64)
+        c = t.detach().to(dtype) if cast else t.detach().clone()
+        leaves[name] = c.requires_grad_(name in grad_names)
+    torch.manual_seed(seed)  # dropout draws the same numbers in every run
+    out = fn(leaves["query"], leaves["key"], leaves["value"], attn_mask=leaves["attn_mask"], **kwargs)
+    grads: dict[str, Tensor] = {}
+    if grad_names and out.numel() > 0:
+        targets = [leaves[n] for n in grad_names]
+        gen = torch.Generator().manual_seed(seed)
+        grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)
+        got = torch.autograd.grad(out, targets, grad_outputs=grad_out, allow_unused=True)
+        grads = {n: (g if g is not None else torch.zeros_like(leaves[n])) for n, g in zip(grad_names, got)}
+    return out.detach(), grads
+
+
+def assert_close_to_sdpa(
+    impl: AttentionFn,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    *,
+    enable_gqa: bool = False,
+    check_grads: bool = True,
+    seed: int = 0,
+    factor: float = 2.0,
+    grad_factor: float = 3.0,
+) -> ParityReport:
+    """Assert that ``impl`` (SDPA's signature) matches torch's SDPA on these inputs.
+
+    Three runs on copies of the same inputs: a float64 golden (torch MATH), torch
+    MATH in the inputs' dtype, and ``impl`` in the inputs' dtype. Passes when::
+
+        err(impl)      <= factor      * err(torch)      + floor    (output)
+        err(impl.grad) <= grad_factor * err(torch.grad) + floor    (each gradient)
+
+    where ``err`` is the max-abs difference to the golden and ``floor`` is 4 ulps
+    of the dtype at the golden's magnitude. With ``dropout_p > 0`` every run is
+    seeded with ``seed``, so all three drop the same weights.
+
+    Args:
+        impl: the attention function under test, called as
+            ``impl(query, key, value, attn_mask=..., dropout_p=..., is_causal=...,
+            scale=..., enable_gqa=...)``.
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as SDPA.
+        check_grads: also compare gradients for query, key, value, and for a float
+            ``attn_mask`` that has ``requires_grad=True``.
+        seed: the seed for dropout and for the random output gradient.
+        factor, grad_factor: the multiples of torch's own error allowed.
+
+    Returns:
+        The :class:`ParityReport` (also when it passes, so callers can log the numbers).
+
+    Raises:
+        AssertionError: with the report, when a bound is exceeded or shapes differ.
+    """
+    dtype = query.dtype
+    inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}
+    kwargs = dict(dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    grad_names: list[str] = []
+    if check_grads:
+        grad_names = ["query", "key", "value"]
+        if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad:
+            grad_names.append("attn_mask")
+
+    golden, golden_grads = _run(sdpa_oracle, inputs, kwargs, grad_names, seed, torch.float64)
+    theirs, their_grads = _run(sdpa_oracle, inputs, kwargs, grad_names, seed, dtype)
+    ours, our_grads = _run(impl, inputs, kwargs, grad_names, seed, dtype)
+
+    if ours.shape != golden.shape or ours.dtype != dtype:
+        raise AssertionError(f"assert_close_to_sdpa: expected output of shape {tuple(golden.shape)} and dtype "
+                             f"{dtype}, got {tuple(ours.shape)} and {ours.dtype}")
+    report = ParityReport(
+        dtype=dtype,
+        output_error=max_abs_diff(ours, golden),
+        torch_output_error=max_abs_diff(theirs, golden),
+        output_bound=0.0,
+    )
+    report.output_bound = factor * report.torch_output_error + _floor(dtype, golden)
+    for n in our_grads:
+        report.grad_errors[n] = max_abs_diff(our_grads[n], golden_grads[n])
+        report.torch_grad_errors[n] = max_abs_diff(their_grads[n], golden_grads[n])
+        report.grad_bounds[n] = grad_factor * report.torch_grad_errors[n] + _floor(dtype, golden_grads[n])
+    if not report.ok():
+        raise AssertionError(f"attention differs from torch SDPA by more than the bound:\n{report}")
+    return report
