@@ -9,7 +9,8 @@ Importable by other projects::
 The tolerance rule is FlashAttention's: an implementation may be off from a
 float64 golden by at most ``2x`` the error that torch's own SDPA (MATH backend,
 same inputs, same dtype) makes against that golden, and ``3x`` for gradients,
-plus a tiny floor of a few ulps for the cases where torch happens to be exact.
+plus a floor of a few ulps (scaled by the scores' magnitude) for the cases
+where torch happens to be exact.
 So the bound adapts to the dtype, the sizes and the magnitudes of each case,
 instead of being a hand-picked constant.
 
@@ -139,18 +140,36 @@ class ParityReport:
         return "\n".join(lines)
 
 
-def _floor(dtype: torch.dtype, golden: Tensor) -> float:
-    """A few ulps at the golden's magnitude: the slack when torch itself is exact."""
+def _floor(dtype: torch.dtype, golden: Tensor, score_bound: float) -> float:
+    """The slack added to ``factor * err(torch)``, for cases where torch happens to be exact.
+
+    4 ulps of the compute dtype (float32 for float16/bfloat16, which SDPA computes
+    in float32; their final rounding is part of torch's own error) at the golden's
+    magnitude, times the scores' magnitude: ``exp(s)`` turns an absolute rounding
+    error ``eps * |s|`` in a score into that relative error in its weight, so no
+    implementation can do better than this on ill-conditioned (large) scores.
+    """
+    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     magnitude = golden.abs().max().item() if golden.numel() else 0.0
-    return 4 * torch.finfo(dtype).eps * max(1.0, magnitude)
+    return 4 * torch.finfo(compute).eps * max(1.0, magnitude) * max(1.0, score_bound)
+
+
+def _score_bound(query: Tensor, key: Tensor, scale: Optional[float]) -> float:
+    """``|scale| * max ||q_i|| * max ||k_j||``: an upper bound on every ``|score|`` (Cauchy-Schwarz)."""
+    if query.numel() == 0 or key.numel() == 0:
+        return 0.0
+    s = 1.0 / query.shape[-1] ** 0.5 if scale is None else abs(float(scale))
+    q_norm = query.detach().double().norm(dim=-1).max().item()
+    k_norm = key.detach().double().norm(dim=-1).max().item()
+    return s * q_norm * k_norm
 
 
 def _run(fn: AttentionFn, inputs: dict[str, Optional[Tensor]], kwargs: dict, grad_names: list[str],
          seed: int, dtype: torch.dtype) -> tuple[Tensor, dict[str, Tensor]]:
     """Run ``fn`` on fresh leaf copies of ``inputs`` cast to ``dtype``; return output and grads.
 
-    A float mask keeps its own dtype (float32 is valid with any query dtype) except in
-    the float64 golden run. The output gradient is a seeded ``randn`` of the output's
+    A float mask keeps its own dtype where SDPA accepts it (float32, or the run's
+    dtype); in the float64 golden run it is float64. The output gradient is a seeded ``randn`` of the output's
     shape, the same numbers in every run.
     """
     leaves: dict[str, Optional[Tensor]] = {}
@@ -158,7 +177,8 @@ def _run(fn: AttentionFn, inputs: dict[str, Optional[Tensor]], kwargs: dict, gra
         if t is None:
             leaves[name] = None
             continue
-        cast = t.is_floating_point() and (name != "attn_mask" or dtype == torch.float64)
+        keep_mask_dtype = name == "attn_mask" and dtype != torch.float64 and t.dtype in (torch.float32, dtype)
+        cast = t.is_floating_point() and not keep_mask_dtype
         c = t.detach().to(dtype) if cast else t.detach().clone()
         leaves[name] = c.requires_grad_(name in grad_names)
     torch.manual_seed(seed)  # dropout draws the same numbers in every run
@@ -198,7 +218,10 @@ def assert_close_to_sdpa(
         err(impl.grad) <= grad_factor * err(torch.grad) + floor    (each gradient)
 
     where ``err`` is the max-abs difference to the golden and ``floor`` is 4 ulps
-    of the dtype at the golden's magnitude. With ``dropout_p > 0`` every run is
+    of the compute dtype at the golden's magnitude, times the largest possible
+    ``|score|`` (see ``_floor``). For float64 inputs, where torch's run
+    is the golden itself, ``err(torch)`` is torch's float32 error times
+    ``eps(float64) / eps(float32)``. With ``dropout_p > 0`` every run is
     seeded with ``seed``, so all three drop the same weights.
 
     Args:
@@ -227,7 +250,11 @@ def assert_close_to_sdpa(
             grad_names.append("attn_mask")
 
     golden, golden_grads = _run(sdpa_oracle, inputs, kwargs, grad_names, seed, torch.float64)
-    theirs, their_grads = _run(sdpa_oracle, inputs, kwargs, grad_names, seed, dtype)
+    # In float64 torch's run *is* the golden, so its error would read 0. Its float32
+    # error, rescaled by the ratio of the two machine epsilons, stands in for it.
+    torch_dtype = torch.float32 if dtype == torch.float64 else dtype
+    rescale = torch.finfo(dtype).eps / torch.finfo(torch_dtype).eps
+    theirs, their_grads = _run(sdpa_oracle, inputs, kwargs, grad_names, seed, torch_dtype)
     ours, our_grads = _run(impl, inputs, kwargs, grad_names, seed, dtype)
 
     if ours.shape != golden.shape or ours.dtype != dtype:
@@ -236,14 +263,15 @@ def assert_close_to_sdpa(
     report = ParityReport(
         dtype=dtype,
         output_error=max_abs_diff(ours, golden),
-        torch_output_error=max_abs_diff(theirs, golden),
+        torch_output_error=max_abs_diff(theirs, golden) * rescale,
         output_bound=0.0,
     )
-    report.output_bound = factor * report.torch_output_error + _floor(dtype, golden)
+    score_bound = _score_bound(query, key, scale)
+    report.output_bound = factor * report.torch_output_error + _floor(dtype, golden, score_bound)
     for n in our_grads:
         report.grad_errors[n] = max_abs_diff(our_grads[n], golden_grads[n])
-        report.torch_grad_errors[n] = max_abs_diff(their_grads[n], golden_grads[n])
-        report.grad_bounds[n] = grad_factor * report.torch_grad_errors[n] + _floor(dtype, golden_grads[n])
+        report.torch_grad_errors[n] = max_abs_diff(their_grads[n], golden_grads[n]) * rescale
+        report.grad_bounds[n] = grad_factor * report.torch_grad_errors[n] + _floor(dtype, golden_grads[n], score_bound)
     if not report.ok():
         raise AssertionError(f"attention differs from torch SDPA by more than the bound:\n{report}")
     return report

@@ -1,0 +1,31 @@
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# Deterministic, unhurried property tests: CI runs on a shared 2-core machine.
+settings.register_profile(
+    "default",
+    deadline=None,
+    max_examples=40,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile("large", parent=settings.get_profile("default"), max_examples=1000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture
+def gen():
+    """A seeded generator, so every test draws the same numbers on every run."""
+    return torch.Generator().manual_seed(1234)
+
+
+def pytest_terminal_summary(terminalreporter):
+    import parity_stats
+
+    if parity_stats.COUNT["cases"]:
+        terminalreporter.write_line(parity_stats.summary())
