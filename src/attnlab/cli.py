@@ -26,6 +26,57 @@ examples:
 """
 
 
+DOCTOR_HELP = """\
+Call an attention function on designed inputs (unequal sizes, large scores, bool and
+float masks, causal with L != S, fully masked rows, dropout) and compare it with
+torch's SDPA. When it is wrong, name the mistake, most likely first, with a hint:
+
+  missing_scale  wrong_scale  unstable_softmax  softmax_dim  wrong_transpose
+  value_swapped  mask_polarity  mask_after_softmax  causal_alignment
+  fully_masked_nan  dropout_scale  shape_error  unknown
+
+The function must take torch SDPA's signature:
+  fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None)
+(or the lab's self_attention signature, with --self-attention).
+It runs in this process: only check code you trust (graders use 'attnlab grade').
+
+exit status: 0 no problem found, 1 problems found, 2 the function could not be loaded.
+
+examples:
+  attnlab doctor mypkg.attention:sdpa
+  attnlab doctor labs/track1/01-attention/attention.py:self_attention --self-attention --json
+"""
+
+
+def _load_function(target: str):
+    """'pkg.mod:fn' or 'path/to/file.py:fn' -> the function."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    module_name, sep, func_name = target.rpartition(":")
+    if not sep or not module_name or not func_name:
+        raise ValueError(f"expected MODULE:FUNCTION (e.g. mypkg.attn:sdpa), got {target!r}")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise ValueError(f"cannot import {module_name}: no such file")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))  # like `python -m`: modules beside you import
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"cannot import {module_name}: {exc}") from None
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise ValueError(f"{module_name} has no function {func_name!r}")
+    return fn
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -61,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print one JSON object instead: keys X, Q, K, V, scores, scores_shifted, weights, "
                          "output (nested lists; -inf as the string \"-Infinity\"), config, max_abs_diff_vs_sdpa")
     ex.set_defaults(func=_cmd_example)
+
+    doc = sub.add_parser("doctor", help="probe your attention function and name what is wrong with it",
+                         description=DOCTOR_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    doc.add_argument("target", metavar="MODULE:FUNCTION",
+                     help="the function to check, e.g. mypkg.attn:sdpa or path/to/file.py:my_attention")
+    doc.add_argument("--self-attention", action="store_true",
+                     help="the function has the lab's signature self_attention(X, W_Q, W_K, W_V, mask=None)")
+    doc.add_argument("--json", action="store_true",
+                     help='print {"ok": ..., "max_abs_error": ..., "findings": [{"code": ..., "message": ...}]}')
+    doc.set_defaults(func=_cmd_doctor)
     return parser
 
 
@@ -75,6 +136,21 @@ def _cmd_example(args: argparse.Namespace) -> int:
     else:
         print(format_example(result))
     return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from attnlab import doctor
+
+    try:
+        fn = _load_function(args.target)
+    except Exception as exc:  # the user's module may fail to import in any way
+        print(f"attnlab doctor: {exc}", file=sys.stderr)
+        return 2
+    if args.self_attention:
+        fn = doctor.adapt_self_attention(fn)
+    report = doctor.diagnose(fn)
+    print(json.dumps(report.to_dict()) if args.json else str(report))
+    return 0 if report.ok else 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

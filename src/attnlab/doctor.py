@@ -1,0 +1,573 @@
+"""The attention doctor: probe an attention function and name what is wrong with it.
+
+``diagnose(fn)`` calls ``fn`` (torch SDPA's signature) on designed inputs, then
+explains each wrong answer with a *bug model*: attention computed with one choice
+changed (no 1/sqrt(E), softmax over the query axis, ``Q @ K`` without the
+transpose, the mask inverted, ...). A bug model that reproduces the function's
+output names the mistake. The core choices (scale, softmax axis, transpose, value
+source) are fitted first on plain inputs; masks, causal alignment, fully masked
+rows, large scores and dropout are then judged on top of that core, so two bugs
+in one function are both named.
+
+The run is split in two so that a grader can run learner code in a sandbox and
+judge in its own process::
+
+    probes = build_probes(capabilities)          # designed inputs (deterministic)
+    results = run_probes(fn, probes)             # calls fn (learner code)
+    report = analyze(probes, results)            # pure tensor maths, no learner code
+
+Finding codes (``CODES`` holds a hint for each):
+``missing_scale``, ``wrong_scale``, ``unstable_softmax``, ``softmax_dim``,
+``wrong_transpose``, ``value_swapped``, ``mask_polarity``, ``mask_after_softmax``,
+``causal_alignment``, ``fully_masked_nan``, ``dropout_scale``, ``shape_error``,
+``unknown``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from attnlab import masks
+from attnlab.softmax import stable_softmax
+from attnlab.testing import max_abs_diff
+
+__all__ = [
+    "CODES",
+    "Finding",
+    "DoctorReport",
+    "Probe",
+    "ProbeResult",
+    "build_probes",
+    "run_probes",
+    "analyze",
+    "diagnose",
+    "adapt_self_attention",
+]
+
+CODES: dict[str, str] = {
+    "missing_scale": "the scores are not scaled: multiply Q @ K^T by 1/sqrt(d_k) (E, the query size), "
+                     "or the weights come out too peaked",
+    "wrong_scale": "the scores are scaled by the wrong factor: the default is 1/sqrt(E) with E the "
+                   "query/key size, and an explicit `scale` argument replaces it",
+    "unstable_softmax": "softmax overflows on large scores: subtract each row's maximum before exp",
+    "softmax_dim": "softmax normalises the wrong axis: each query's row over the keys (dim=-1) must sum to 1",
+    "wrong_transpose": "the scores need Q @ K^T over the last two dims: use K.transpose(-2, -1) "
+                       "(K.T reverses every dim of a 3-D or 4-D tensor)",
+    "value_swapped": "the weights must multiply V: Q or K is used where V belongs",
+    "mask_polarity": "the bool mask is inverted: True means 'attend', so fill -inf where the mask is False",
+    "mask_after_softmax": "the mask is applied after softmax: mask the scores with -inf before softmax, "
+                          "so each row still sums to 1",
+    "causal_alignment": "the causal mask is misaligned: with is_causal=True query i sees keys 0..i "
+                        "(top-left, torch.ones(L, S).tril()), also when L != S",
+    "fully_masked_nan": "a row whose keys are all masked must give 0, not NaN (or an average): "
+                        "zero the weights of rows with no key left",
+    "dropout_scale": "dropout must keep each weight with probability 1-p and scale the kept ones "
+                     "by 1/(1-p), so the expected output is unchanged",
+    "shape_error": "the function fails or returns the wrong shape on valid inputs: check broadcasting "
+                   "over leading dims, L != S, and Ev != E",
+    "unknown": "the output differs from SDPA in a way the doctor has no model for",
+}
+
+# The most likely root causes first: the core choices affect every output.
+_PRIORITY = ["wrong_transpose", "value_swapped", "softmax_dim", "missing_scale", "wrong_scale",
+             "unstable_softmax", "mask_polarity", "mask_after_softmax", "causal_alignment",
+             "fully_masked_nan", "dropout_scale", "shape_error", "unknown"]
+
+
+# --------------------------------------------------------------------------- #
+# Bug models
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class BugModel:
+    """Attention with each textbook choice made explicit; the defaults are SDPA."""
+
+    scale: str = "sdpa"  # sdpa | one | inv_E | inv_sqrt_Ev | inv_sqrt_S | ignore_arg
+    softmax_dim: int = -1
+    scores: str = "q_kT"  # q_kT | q_k (no transpose) | k_qT (scores transposed)
+    values: str = "v"  # v | q | k
+    mask: str = "before"  # before | inverted | after_softmax | ignored
+    causal: str = "top_left"  # top_left | bottom_right | no_diag | plus_one | upper | ignored
+    empty_rows: str = "zero"  # zero | nan | uniform
+    softmax: str = "stable"  # stable | naive
+
+
+_SCALE_TEXT = {
+    "one": "the scores are not divided by sqrt(d_k)",
+    "inv_E": "the scores are divided by d_k instead of sqrt(d_k)",
+    "inv_sqrt_Ev": "the scores are divided by sqrt(d_v) instead of sqrt(d_k)",
+    "inv_sqrt_S": "the scores are divided by sqrt(S) (the number of keys) instead of sqrt(d_k)",
+    "ignore_arg": "the `scale` argument is ignored (1/sqrt(d_k) is always used)",
+}
+
+# (field, value) -> (code, message)
+_FIELD_FINDINGS: dict[tuple[str, Any], tuple[str, str]] = {
+    **{("scale", s): ("missing_scale" if s == "one" else "wrong_scale", t) for s, t in _SCALE_TEXT.items()},
+    ("softmax_dim", -2): ("softmax_dim", "softmax runs over the queries (dim=-2) instead of the keys (dim=-1)"),
+    ("scores", "q_k"): ("wrong_transpose", "the scores are Q @ K (K not transposed)"),
+    ("scores", "k_qT"): ("wrong_transpose", "the scores are transposed (K @ Q^T instead of Q @ K^T)"),
+    ("values", "q"): ("value_swapped", "the weights multiply Q instead of V"),
+    ("values", "k"): ("value_swapped", "the weights multiply K instead of V"),
+    ("mask", "inverted"): ("mask_polarity", "the bool mask is inverted (True was treated as 'masked')"),
+    ("mask", "after_softmax"): ("mask_after_softmax",
+                                "the mask zeroes weights after softmax, so rows no longer sum to 1"),
+    ("mask", "ignored"): ("unknown", "attn_mask has no effect on the output"),
+    ("causal", "bottom_right"): ("causal_alignment",
+                                 "is_causal is aligned bottom-right (tril(S - L)); SDPA aligns top-left"),
+    ("causal", "no_diag"): ("causal_alignment", "the causal mask hides the diagonal (tril(-1)): "
+                                                "query i must also see key i"),
+    ("causal", "plus_one"): ("causal_alignment", "the causal mask is off by one (tril(1)): query i sees key i+1"),
+    ("causal", "upper"): ("causal_alignment", "the causal mask is upper-triangular (triu): "
+                                              "query i sees the future, not the past"),
+    ("causal", "ignored"): ("causal_alignment", "is_causal=True has no effect"),
+    ("empty_rows", "nan"): ("fully_masked_nan", "rows whose keys are all masked come out NaN instead of 0"),
+    ("empty_rows", "uniform"): ("fully_masked_nan", "rows whose keys are all masked come out as the average "
+                                                    "of V (a finite fill such as -1e9) instead of 0"),
+    ("softmax", "naive"): ("unstable_softmax", "the output is NaN/inf for large scores: exp overflows "
+                                               "without the row-max shift"),
+}
+
+
+def _model_attention(m: BugModel, q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
+                     is_causal: bool, scale: Optional[float]) -> Optional[Tensor]:
+    """The bug model's output in float64, or None where its shapes do not fit."""
+    q, k, v = q.double(), k.double(), v.double()
+    E, Ev, L, S = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
+    factor = {
+        "sdpa": 1 / math.sqrt(E) if scale is None else scale,
+        "one": 1.0,
+        "inv_E": 1 / E,
+        "inv_sqrt_Ev": 1 / math.sqrt(Ev),
+        "inv_sqrt_S": 1 / math.sqrt(S),
+        "ignore_arg": 1 / math.sqrt(E),
+    }[m.scale]
+    try:
+        if m.scores == "q_kT":
+            s = q @ k.transpose(-2, -1)  # (..., L, S)
+        elif m.scores == "q_k":
+            s = q @ k
+        else:
+            s = k @ q.transpose(-2, -1)  # (..., S, L): the scores transposed
+        s = s * factor
+        keep = None  # bool (…, L, S): True = attend
+        if is_causal:
+            Ls, Ss = s.shape[-2], s.shape[-1]
+            keep = {
+                "top_left": masks.causal(Ls, Ss),
+                "bottom_right": masks.causal(Ls, Ss, align="bottom_right"),
+                "no_diag": torch.ones(Ls, Ss, dtype=torch.bool).tril(-1),
+                "plus_one": torch.ones(Ls, Ss, dtype=torch.bool).tril(1),
+                "upper": torch.ones(Ls, Ss, dtype=torch.bool).triu(),
+                "ignored": None,
+            }[m.causal]
+        elif attn_mask is not None and attn_mask.dtype == torch.bool:
+            keep = {"before": attn_mask, "after_softmax": attn_mask, "inverted": ~attn_mask,
+                    "ignored": None}[m.mask]
+        elif attn_mask is not None:
+            if m.mask != "ignored":
+                s = s + attn_mask.double()
+
+        after = keep is not None and m.mask == "after_softmax" and not is_causal
+        if keep is not None and not after:
+            fill = -1e9 if m.empty_rows == "uniform" else float("-inf")
+            s = s.masked_fill(~keep, fill)
+        if m.softmax == "naive":
+            e = torch.exp(s)
+            w = e / e.sum(m.softmax_dim, keepdim=True)
+        else:
+            w = stable_softmax(s, dim=m.softmax_dim)
+        if after:
+            w = w * keep
+        if m.empty_rows == "nan":
+            empty = torch.isneginf(s).all(-1, keepdim=True)
+            w = torch.where(empty, torch.full_like(w, float("nan")), w)
+        src = {"v": v, "q": q, "k": k}[m.values]
+        return w @ src
+    except RuntimeError:
+        return None
+
+
+# --------------------------------------------------------------------------- #
+# Probes
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class Probe:
+    """A designed call: ``fn(query, key, value, **kwargs)``; ``repeats > 1`` averages the output."""
+
+    name: str
+    description: str
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    kwargs: dict = field(default_factory=dict)
+    aspect: str = "core"  # core | rank | large | mask | float_mask | causal | empty | dropout
+    repeats: int = 1
+    tolerance: float = 1e-4  # relative to the expected output's magnitude
+
+    def call(self, fn: Callable) -> Tensor:
+        return fn(self.query, self.key, self.value, **self.kwargs)
+
+
+@dataclass
+class ProbeResult:
+    """What the function did on one probe: an output (mean output for repeats) or an error."""
+
+    output: Optional[Tensor] = None
+    error: Optional[str] = None  # "ExceptionType: message"
+    varied: bool = False  # repeats only: did the outputs differ between calls?
+
+
+@dataclass
+class Finding:
+    code: str
+    message: str
+
+    def to_dict(self) -> dict:
+        return {"code": self.code, "message": self.message, "hint": CODES[self.code]}
+
+
+@dataclass
+class DoctorReport:
+    ok: bool
+    max_abs_error: float
+    findings: list[Finding]
+    probes_run: int
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "max_abs_error": self.max_abs_error,
+                "findings": [f.to_dict() for f in self.findings], "probes_run": self.probes_run}
+
+    def __str__(self) -> str:
+        if self.ok:
+            return (f"OK: matches SDPA on all {self.probes_run} probes "
+                    f"(max |error| {self.max_abs_error:.2e}).")
+        lines = [f"{len(self.findings)} problem(s) found (max |error| {self.max_abs_error:.3g}), "
+                 f"most likely first:"]
+        for i, f in enumerate(self.findings, 1):
+            lines.append(f"  {i}. [{f.code}] {f.message}")
+            lines.append(f"     hint: {CODES[f.code]}")
+        return "\n".join(lines)
+
+
+_ALL_CAPABILITIES = frozenset({"rect", "scale", "float_mask", "dropout", "rank2", "causal"})
+
+
+def build_probes(capabilities: frozenset[str] = _ALL_CAPABILITIES, seed: int = 0) -> list[Probe]:
+    """The designed inputs, deterministic for a seed.
+
+    ``capabilities`` leaves out what an adapted function cannot take: ``rect``
+    (L != S, E != Ev), ``scale`` (an explicit scale), ``float_mask``, ``dropout``,
+    ``rank2`` (2-D inputs), ``causal`` (``is_causal``).
+    """
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    B, H = 2, 2
+    probes: list[Probe] = []
+    if "rect" in capabilities:
+        L, S, E, Ev = 5, 7, 8, 6
+        probes.append(Probe("basic", "B=2, H=2, L=5, S=7, E=8, Ev=6, no mask",
+                            rnd(B, H, L, E), rnd(B, H, S, E), rnd(B, H, S, Ev)))
+    # square in every size, so Q @ K, weights @ Q and weights @ K all have valid shapes
+    T = 8
+    probes.append(Probe("square", "B=2, H=2, L=S=E=Ev=8, no mask", rnd(B, H, T, T), rnd(B, H, T, T),
+                        rnd(B, H, T, T)))
+    probes.append(Probe("square_small", "B=2, H=2, L=S=E=Ev=4, no mask", rnd(B, H, 4, 4), rnd(B, H, 4, 4),
+                        rnd(B, H, 4, 4) * 3))
+    if "scale" in capabilities:
+        probes.append(Probe("explicit_scale", "L=S=E=Ev=8, scale=0.3", rnd(B, H, T, T), rnd(B, H, T, T),
+                            rnd(B, H, T, T), {"scale": 0.3}))
+    if "rank2" in capabilities:
+        probes.append(Probe("rank2", "2-D inputs (L, E): L=5, S=5, E=8", rnd(5, 8), rnd(5, 8), rnd(5, 8),
+                            aspect="rank"))
+    probes.append(Probe("large_scores", "L=S=E=Ev=8 with scores of magnitude ~1e3",
+                        rnd(B, H, T, T) * 12, rnd(B, H, T, T) * 12, rnd(B, H, T, T), aspect="large",
+                        tolerance=1e-3))
+    keep = torch.rand(B, H, T, T, generator=g) < 0.6
+    keep[..., 0] = True  # no empty rows here: that is a separate probe
+    keep[..., 3, 0] = False
+    keep[..., 3, 5] = True
+    probes.append(Probe("bool_mask", "L=S=8, random bool mask (True = attend), no fully masked row",
+                        rnd(B, H, T, T), rnd(B, H, T, T), rnd(B, H, T, T), {"attn_mask": keep}, aspect="mask"))
+    if "float_mask" in capabilities:
+        probes.append(Probe("float_mask", "L=S=8, additive float mask", rnd(B, H, T, T), rnd(B, H, T, T),
+                            rnd(B, H, T, T), {"attn_mask": rnd(T, T) * 2}, aspect="float_mask"))
+    if "causal" in capabilities:
+        probes.append(Probe("causal_square", "is_causal=True, L=S=8", rnd(B, H, T, T), rnd(B, H, T, T),
+                            rnd(B, H, T, T), {"is_causal": True}, aspect="causal"))
+        if "rect" in capabilities:
+            probes.append(Probe("causal_L_lt_S", "is_causal=True, L=4 < S=7", rnd(B, H, 4, 8), rnd(B, H, 7, 8),
+                                rnd(B, H, 7, 6), {"is_causal": True}, aspect="causal"))
+    empty = torch.rand(B, H, T, T, generator=g) < 0.6
+    empty[..., 0] = True
+    empty[..., 2, :] = False  # query 2 sees no key at all
+    empty[..., 6, :] = False
+    probes.append(Probe("fully_masked_rows", "L=S=8, bool mask with rows 2 and 6 fully masked",
+                        rnd(B, H, T, T), rnd(B, H, T, T), rnd(B, H, T, T) + 2, {"attn_mask": empty},
+                        aspect="empty"))
+    if "dropout" in capabilities:
+        probes.append(Probe("dropout", "dropout_p=0.4, L=S=8, the mean of 200 calls",
+                            rnd(1, 1, T, T), rnd(1, 1, T, T), rnd(1, 1, T, T) + 3, {"dropout_p": 0.4},
+                            aspect="dropout", repeats=200))
+    return probes
+
+
+def _short_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+
+
+def run_probes(fn: Callable, probes: list[Probe]) -> list[ProbeResult]:
+    """Call ``fn`` on every probe. Exceptions are recorded, never raised."""
+    results = []
+    for p in probes:
+        try:
+            with torch.no_grad():
+                if p.repeats == 1:
+                    out = p.call(fn)
+                    results.append(ProbeResult(output=_as_tensor(out)))
+                else:
+                    first = _as_tensor(p.call(fn)).double()
+                    total, varied = first.clone(), False
+                    for _ in range(p.repeats - 1):
+                        o = _as_tensor(p.call(fn)).double()
+                        varied = varied or not torch.equal(o, first)
+                        total += o
+                    results.append(ProbeResult(output=total / p.repeats, varied=varied))
+        except Exception as exc:  # the function under test may raise anything
+            results.append(ProbeResult(error=_short_error(exc)))
+    return results
+
+
+def _as_tensor(out: Any) -> Tensor:
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+        out = out[0]  # (output, weights) from a module-style function
+    if not isinstance(out, Tensor):
+        raise TypeError(f"expected a Tensor output, got {type(out).__name__}")
+    return out.detach()
+
+
+# --------------------------------------------------------------------------- #
+# Analysis
+# --------------------------------------------------------------------------- #
+
+_CORE_CHOICES = {
+    "scale": ["sdpa", "one", "inv_E", "inv_sqrt_Ev", "inv_sqrt_S", "ignore_arg"],
+    "softmax_dim": [-1, -2],
+    "scores": ["q_kT", "q_k", "k_qT"],
+    "values": ["v", "q", "k"],
+}
+_ASPECT_FIELD = {
+    "large": ("softmax", ["naive"]),
+    "mask": ("mask", ["inverted", "after_softmax", "ignored"]),
+    "float_mask": ("mask", ["ignored"]),
+    "causal": ("causal", ["bottom_right", "no_diag", "plus_one", "upper", "ignored"]),
+    "empty": ("empty_rows", ["nan", "uniform"]),
+}
+
+
+def _expected(m: BugModel, p: Probe) -> Optional[Tensor]:
+    kw = p.kwargs
+    return _model_attention(m, p.query, p.key, p.value, kw.get("attn_mask"), kw.get("is_causal", False),
+                            kw.get("scale"))
+
+
+def _matches(m: BugModel, p: Probe, r: ProbeResult) -> bool:
+    if r.output is None:
+        return False
+    exp = _expected(m, p)
+    if exp is None or exp.shape != r.output.shape:
+        return False
+    finite = exp[torch.isfinite(exp)]
+    magnitude = finite.abs().max().item() if finite.numel() else 1.0
+    return max_abs_diff(r.output, exp) <= p.tolerance * max(1.0, magnitude)
+
+
+def _distance_from_sdpa(m: BugModel) -> int:
+    return sum(getattr(m, f) != getattr(BugModel(), f) for f in _CORE_CHOICES)
+
+
+def analyze(probes: list[Probe], results: list[ProbeResult]) -> DoctorReport:
+    """Judge the recorded outputs: fit the core bug model, then each aspect on top of it."""
+    findings: list[Finding] = []
+    sdpa = BugModel()
+    max_err = 0.0
+    for p, r in zip(probes, results):
+        exp = _expected(sdpa, p)
+        if r.output is not None and exp is not None and r.output.shape == exp.shape and p.aspect != "dropout":
+            max_err = max(max_err, max_abs_diff(r.output, exp))
+        elif r.output is None or (exp is not None and r.output.shape != exp.shape):
+            max_err = float("inf")
+
+    # 1. the core: the model that explains the most core probes, closest to SDPA on ties
+    core = [(p, r) for p, r in zip(probes, results) if p.aspect == "core"]
+    best, best_hits = sdpa, -1
+    for values in itertools.product(*_CORE_CHOICES.values()):
+        m = BugModel(**dict(zip(_CORE_CHOICES, values)))
+        hits = sum(_matches(m, p, r) for p, r in core)
+        if hits > best_hits or (hits == best_hits and _distance_from_sdpa(m) < _distance_from_sdpa(best)):
+            best, best_hits = m, hits
+    if best_hits == 0:
+        best = sdpa
+    for f in _CORE_CHOICES:
+        if getattr(best, f) != getattr(sdpa, f):
+            code, msg = _FIELD_FINDINGS[(f, getattr(best, f))]
+            findings.append(Finding(code, msg))
+    core_explained = True
+    for p, r in core:
+        if not _matches(best, p, r):
+            core_explained = False
+            findings.append(_unexplained(p, r, best))
+
+    # 2. each aspect on top of the fitted core. When the core itself is unexplained,
+    #    comparisons against it mean nothing: only NaN/inf and exceptions are reported.
+    for p, r in zip(probes, results):
+        if p.aspect == "core":
+            continue
+        if not core_explained:
+            f = _unexplained(p, r, best)
+            if f.code != "unknown":
+                findings.append(f)
+            continue
+        if p.aspect == "dropout":
+            f = _judge_dropout(best, p, r)
+            if f:
+                findings.append(f)
+            continue
+        if p.aspect == "rank":
+            if r.output is None or not _matches(best, p, r):
+                f = _unexplained(p, r, best)
+                core_ok = best_hits == len(core) and all(_matches(best, *pr) for pr in core)
+                if f.code == "shape_error" and core_ok:
+                    f = Finding("shape_error", f"with {p.description}: {f.message.split(': ', 1)[-1]}")
+                findings.append(f)
+            continue
+        if _matches(best, p, r):
+            continue
+        field_name, alternatives = _ASPECT_FIELD[p.aspect]
+        for alt in alternatives:
+            m = replace(best, **{field_name: alt})
+            if _matches(m, p, r) or (p.aspect == "large" and _non_finite(r)):
+                code, msg = _FIELD_FINDINGS[(field_name, alt)]
+                findings.append(Finding(code, f"{msg} (probe: {p.description})"))
+                break
+        else:
+            findings.append(_unexplained(p, r, best))
+
+    findings = _dedupe(findings)
+    # K.T on an N-D tensor: fails on 3-D/4-D but right on 2-D inputs
+    rank_ok = any(p.aspect == "rank" and _matches(best, p, r) for p, r in zip(probes, results))
+    core_failed = [r for _, r in core if r.output is None]
+    if rank_ok and core_failed and len(core_failed) == len(core):
+        findings.insert(0, Finding("wrong_transpose", "correct on 2-D inputs but fails on 4-D ones "
+                                   f"({core_failed[0].error}): K.T reverses all dims, use "
+                                   "K.transpose(-2, -1)"))
+        findings = _dedupe(findings)
+    findings.sort(key=lambda f: _PRIORITY.index(f.code))
+    return DoctorReport(ok=not findings, max_abs_error=max_err, findings=findings, probes_run=len(probes))
+
+
+def _non_finite(r: ProbeResult) -> bool:
+    return r.output is not None and not torch.isfinite(r.output).all().item()
+
+
+def _unexplained(p: Probe, r: ProbeResult, model: BugModel) -> Finding:
+    exp = _expected(model, p)
+    if r.output is None:
+        return Finding("shape_error", f"with {p.description}: raised {r.error}")
+    if exp is not None and r.output.shape != exp.shape:
+        return Finding("shape_error", f"with {p.description}: returned shape {tuple(r.output.shape)}, "
+                                      f"expected {tuple(exp.shape)}")
+    if _non_finite(r) and exp is not None and torch.isfinite(exp).all():
+        if p.aspect == "empty":
+            return Finding("fully_masked_nan", f"non-finite output with {p.description}")
+        return Finding("unstable_softmax", f"non-finite output (NaN/inf) with {p.description}")
+    err = max_abs_diff(r.output, exp) if exp is not None else float("inf")
+    return Finding("unknown", f"with {p.description}: output differs from SDPA by up to {err:.3g}")
+
+
+def _judge_dropout(core: BugModel, p: Probe, r: ProbeResult) -> Optional[Finding]:
+    if r.output is None:
+        return _unexplained(p, r, core)
+    ref = _model_attention(core, p.query, p.key, p.value, None, False, None)
+    if ref is None or ref.shape != r.output.shape:
+        return _unexplained(p, r, core)
+    if not r.varied:
+        return Finding("dropout_scale", f"dropout_p={p.kwargs['dropout_p']} had no effect: every call "
+                                        "returned the same output")
+    ratio = (r.output * ref).sum().item() / max((ref * ref).sum().item(), 1e-12)
+    keep = 1 - p.kwargs["dropout_p"]
+    if abs(ratio - 1) < 0.08:
+        return None
+    if abs(ratio - keep) < 0.08:
+        return Finding("dropout_scale", f"the mean output is {ratio:.2f}x the expected one (~1-p = {keep:.2f}): "
+                                        "kept weights are not scaled by 1/(1-p)")
+    return Finding("dropout_scale", f"the mean output over {p.repeats} calls is {ratio:.2f}x the expected one "
+                                    "(should be 1.00)")
+
+
+def _dedupe(findings: list[Finding]) -> list[Finding]:
+    seen, out = set(), []
+    for f in findings:
+        key = f.code if f.code != "unknown" else (f.code, f.message)
+        if key not in seen:
+            seen.add(key)
+            out.append(f)
+    # 'unknown' and 'shape_error' are symptoms; drop them when a named cause explains the rest
+    named = [f for f in out if f.code not in ("unknown", "shape_error")]
+    return named if named else out
+
+
+def diagnose(fn: Callable, *, capabilities: Optional[frozenset[str]] = None, seed: int = 0) -> DoctorReport:
+    """Probe ``fn`` (torch SDPA's signature, or an adapter's) and name what is wrong.
+
+    Args:
+        fn: ``fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+            scale=None)``; it is called only with the keyword arguments a probe needs.
+            An adapter made by :func:`adapt_self_attention` carries its own capabilities.
+        capabilities: which kinds of probe ``fn`` can take (default: all, or the adapter's).
+        seed: the probes' seed.
+
+    Returns:
+        A :class:`DoctorReport`: ``ok``, ``max_abs_error`` and ``findings``, most likely first.
+    """
+    caps = capabilities or getattr(fn, "capabilities", _ALL_CAPABILITIES)
+    probes = build_probes(frozenset(caps), seed)
+    return analyze(probes, run_probes(fn, probes))
+
+
+def adapt_self_attention(self_attention: Callable) -> Callable:
+    """Make the lab's ``self_attention(X, W_Q, W_K, W_V, mask=None) -> (output, weights)``
+    answer SDPA-style probes.
+
+    Each ``(b, h)`` slice is run with ``X = I`` (identity, ``T x T``) and the probe's
+    Q, K, V as the weights, so ``Q = X @ W_Q`` is exactly the designed query. Only
+    square, default-scale, bool-mask probes without dropout fit this signature;
+    ``is_causal`` becomes a causal bool mask.
+    """
+
+    def sdpa_like(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        lead, T = query.shape[:-2], query.shape[-2]
+        q, k, v = (t.reshape(-1, T, t.shape[-1]) for t in (query, key, value))
+        mask = None
+        if is_causal:
+            mask = masks.causal(T, T)
+        elif attn_mask is not None:
+            mask = attn_mask.expand(*lead, T, T).reshape(-1, T, T)
+        eye = torch.eye(T, dtype=query.dtype)[None]  # (1, T, T)
+        outs = []
+        for i in range(q.shape[0]):
+            m = None if mask is None else (mask if mask.dim() == 2 else mask[i])[None]
+            out = self_attention(eye, q[i], k[i], v[i], m) if m is not None else self_attention(eye, q[i], k[i], v[i])
+            outs.append(_as_tensor(out)[0])
+        return torch.stack(outs).reshape(*lead, T, value.shape[-1])
+
+    sdpa_like.capabilities = frozenset({"causal"})  # type: ignore[attr-defined]
+    return sdpa_like

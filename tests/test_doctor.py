@@ -1,0 +1,85 @@
+import json
+
+import pytest
+import torch
+
+from attnlab import doctor
+from attnlab.cli import main
+from mutants import BUGGY, CORRECT
+
+
+@pytest.mark.parametrize("name", list(CORRECT))
+def test_correct_implementations_raise_no_alarm(name):
+    report = doctor.diagnose(CORRECT[name])
+    assert report.ok, str(report)
+    assert report.findings == [] and report.max_abs_error < 1e-4
+
+
+@pytest.mark.parametrize("code,name,fn", BUGGY, ids=[f"{c}-{n}" for c, n, _ in BUGGY])
+def test_each_mutant_is_named_first(code, name, fn):
+    report = doctor.diagnose(fn)
+    assert not report.ok
+    assert report.findings[0].code == code, str(report)
+
+
+def test_every_code_has_two_mutants_and_a_hint():
+    codes = [c for c, _, _ in BUGGY]
+    for code in doctor.CODES:
+        assert codes.count(code) >= 2, code
+        assert len(doctor.CODES[code]) > 20
+
+
+def test_two_bugs_are_both_named():
+    from mutants import variant
+    fn = variant(scale_fn=lambda scale, q, k, v: 1.0,
+                 mask_fn=lambda s, keep: (s if keep is None else s.masked_fill(keep, float("-inf")), None))
+    codes = [f.code for f in doctor.diagnose(fn).findings]
+    assert codes[:2] == ["missing_scale", "mask_polarity"]
+
+
+def test_report_text_and_dict():
+    _, _, fn = next(b for b in BUGGY if b[1] == "no_scale")
+    report = doctor.diagnose(fn)
+    text = str(report)
+    assert "[missing_scale]" in text and "1/sqrt(d_k)" in text
+    d = report.to_dict()
+    assert d["ok"] is False and d["findings"][0]["code"] == "missing_scale" and d["max_abs_error"] > 0.01
+
+
+def test_self_attention_adapter():
+    import math
+
+    def lab_style(X, W_Q, W_K, W_V, mask=None):
+        Q, K, V = X @ W_Q, X @ W_K, X @ W_V
+        s = Q @ K.transpose(-2, -1)  # forgot the scale
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        w = torch.softmax(s, -1)
+        return w @ V, w
+
+    assert doctor.diagnose(doctor.adapt_self_attention(lab_style)).findings[0].code == "missing_scale"
+
+    def lab_ok(X, W_Q, W_K, W_V, mask=None):
+        Q, K, V = X @ W_Q, X @ W_K, X @ W_V
+        s = Q @ K.transpose(-2, -1) / math.sqrt(K.shape[-1])
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        w = torch.nan_to_num(torch.softmax(s, -1))
+        return w @ V, w
+
+    assert doctor.diagnose(doctor.adapt_self_attention(lab_ok)).ok
+
+
+def test_cli_doctor(tmp_path, capsys, monkeypatch):
+    (tmp_path / "myattn.py").write_text(
+        "import torch\n"
+        "def attn(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):\n"
+        "    return torch.softmax(q @ k.transpose(-2, -1), -1) @ v\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["doctor", "myattn:attn", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and data["findings"][0]["code"] == "missing_scale"
+    assert main(["doctor", "attnlab.functional:scaled_dot_product_attention"]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert main(["doctor", "nosuchmodule:fn"]) == 2
+    assert "cannot import" in capsys.readouterr().err
