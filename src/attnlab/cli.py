@@ -48,6 +48,26 @@ examples:
 """
 
 
+GRADE_HELP = """\
+Grade a learner's attention.py for the lab in labs/track1/01-attention/.
+
+Each exercise runs in its own child process with a time limit, a memory limit, a cap
+on printed output and an empty working folder; learner code never runs inside the
+grader. The from-scratch rule is enforced: torch's softmax, SDPA and
+nn.MultiheadAttention are caught (except in compare_with_sdpa). Inputs are seeded and
+deliberately unequal in size; the reference is computed here, in float64.
+
+A failed check says why, and names the mistake when it recognises one
+(e.g. "you forgot the 1/sqrt(d_k) scale").
+
+exit status: 0 full marks, 1 some checks failed, 2 bad arguments.
+
+examples:
+  attnlab grade
+  attnlab grade my_attention.py --json results.json
+"""
+
+
 def _load_function(target: str):
     """'pkg.mod:fn' or 'path/to/file.py:fn' -> the function."""
     import importlib
@@ -87,9 +107,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from attnlab.example import DTYPES
+DTYPES = ["float32", "float64", "float16", "bfloat16"]  # attnlab.example.DTYPES, without importing torch
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attnlab",
         description="Learn, check and run self-attention, built from scratch and verified against PyTorch.",
@@ -122,6 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--json", action="store_true",
                      help='print {"ok": ..., "max_abs_error": ..., "findings": [{"code": ..., "message": ...}]}')
     doc.set_defaults(func=_cmd_doctor)
+
+    gr = sub.add_parser("grade", help="grade a lab submission safely and explain each failed check",
+                        description=GRADE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gr.add_argument("path", nargs="?", default=None,
+                    help="the learner's attention.py (default: labs/track1/01-attention/attention.py)")
+    gr.add_argument("--json", metavar="RESULTS_JSON", default=None,
+                    help="also write Gradescope's results.json to this path ('-' for stdout, no text report)")
+    gr.add_argument("--timeout", type=float, default=5.0, metavar="S", help="time limit per exercise (default: 5)")
+    gr.add_argument("--total-timeout", type=float, default=60.0, metavar="S",
+                    help="time limit for the whole file (default: 60)")
+    gr.add_argument("--memory-mb", type=_positive_int, default=1024, metavar="MB",
+                    help="memory an exercise may allocate (default: 1024)")
+    gr.add_argument("--no-colour", "--no-color", action="store_true", help="plain text even on a terminal")
+    gr.set_defaults(func=_cmd_grade)
     return parser
 
 
@@ -151,6 +186,34 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     report = doctor.diagnose(fn)
     print(json.dumps(report.to_dict()) if args.json else str(report))
     return 0 if report.ok else 1
+
+
+def _cmd_grade(args: argparse.Namespace) -> int:
+    from attnlab.grading import launch
+
+    launch.start()  # the sandbox server imports torch while this process does the same
+    from attnlab.grading import Limits, grade, supports_colour
+
+    to_stdout = args.json == "-"
+    progress = None
+    if not to_stdout and sys.stderr.isatty():
+        progress = lambda text: print(f"\rgrading {text:<40}", end="", file=sys.stderr, flush=True)  # noqa: E731
+    limits = Limits(timeout_s=args.timeout, memory_mb=args.memory_mb)
+    report = grade(args.path, limits=limits, total_timeout_s=args.total_timeout, progress=progress)
+    if progress:
+        print("\r" + " " * 50 + "\r", end="", file=sys.stderr, flush=True)
+    if args.json:
+        text = json.dumps(report.to_gradescope(), indent=2)
+        if to_stdout:
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if not to_stdout:
+        print(report.to_text(colour=supports_colour() and not args.no_colour))
+        if args.json:
+            print(f"results written to {args.json}")
+    return 0 if report.score == report.max_score else 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,0 +1,581 @@
+"""The lab's checks: inputs, a float64 reference computed on the fly, and named mistakes.
+
+Each :class:`Exercise` says which learner functions to call (``prepare``) and how
+to judge what came back (``judge``). Inputs are seeded and deliberately unequal
+(B = 3, T = 5 queries, S = 7 keys, d = 6, d_k = 4, d_v = 3) so that a swapped or
+missing transpose cannot hide. A wrong answer is compared with the answers that
+common mistakes produce; a match names the mistake.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from attnlab import doctor, masks
+from attnlab.functional import attention_weights, scaled_dot_product_attention
+from attnlab.grading.sandbox import Call, Outcome, Unsupported
+from attnlab.softmax import stable_softmax
+from attnlab.testing import max_abs_diff, tolerance
+
+__all__ = ["Verdict", "Exercise", "EXERCISES", "judge_outcome"]
+
+B, T, S, D, DK, DV = 3, 5, 7, 6, 4, 3
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Verdict:
+    passed: bool
+    message: str = ""
+    findings: list[dict] = field(default_factory=list)  # {"code", "message"} from the doctor or a check
+
+
+@dataclass
+class Exercise:
+    id: str
+    function: str
+    title: str
+    checks: dict[str, float]  # sub-check -> points, in report order
+    prepare: Callable[[torch.Generator], tuple[list[Call], Any]]
+    judge: Callable[[Any, list[dict], Outcome], dict[str, Verdict]]
+    policy: bool = True  # the from-scratch policy applies
+
+    @property
+    def max_score(self) -> float:
+        return sum(self.checks.values())
+
+
+# --------------------------------------------------------------------------- #
+# Helpers
+# --------------------------------------------------------------------------- #
+
+
+class CallFailed(Exception):
+    """A learner call raised; carries the message and trimmed traceback."""
+
+    def __init__(self, result: dict) -> None:
+        super().__init__(result.get("error", "failed"))
+        self.result = result
+
+
+def value(results: list[dict], i: int) -> Any:
+    r = results[i]
+    if "error" in r:
+        raise CallFailed(r)
+    return r["value"]
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, Tensor):
+        return f"a tensor of shape {list(x.shape)} and dtype {x.dtype}"
+    if isinstance(x, Unsupported):
+        return f"an object of type {x.type_name}"
+    return f"{type(x).__name__} {x!r}"[:120]
+
+
+def close(got: Tensor, expected: Tensor) -> bool:
+    """Learner float32 vs the float64 reference, with attnlab's float32 tolerance."""
+    if not isinstance(got, Tensor) or got.shape != expected.shape:
+        return False
+    tol = tolerance(torch.float32)
+    diff = (got.double() - expected.double()).abs()
+    both_inf = torch.isinf(got.double()) & (got.double() == expected.double())
+    ok = (diff <= tol.atol + tol.rtol * expected.double().abs()) | both_inf | (got.isnan() & expected.isnan())
+    return bool(ok.all())
+
+
+def tensor_verdict(got: Any, expected: Tensor, what: str,
+                   mistakes: Optional[list[tuple[str, str, Optional[Tensor]]]] = None) -> Verdict:
+    """Compare one returned tensor; on a mismatch try to name the mistake.
+
+    ``mistakes``: ``(code, message, what that mistake returns)``; checked in order.
+    """
+    if not isinstance(got, Tensor):
+        return Verdict(False, f"{what}: expected a tensor of shape {list(expected.shape)}, got {_describe(got)}")
+    if expected.dtype == torch.bool and got.dtype != torch.bool:
+        verdict = Verdict(False, f"{what}: expected a bool tensor (True = attend), got dtype {got.dtype}")
+        if got.shape == expected.shape and torch.equal(got.bool(), expected):
+            verdict.message += " (the values are right: add .bool() or build it with dtype=torch.bool)"
+        return verdict
+    for code, message, wrong in mistakes or []:
+        if wrong is not None and got.shape == wrong.shape and (
+                torch.equal(got, wrong) if wrong.dtype == torch.bool else close(got, wrong)):
+            if got.shape == expected.shape and close(got, expected):
+                break  # indistinguishable on these inputs: it is right
+            return Verdict(False, f"{what}: {message}", [{"code": code, "message": message}])
+    if got.shape != expected.shape:
+        return Verdict(False, f"{what}: expected shape {list(expected.shape)}, got {list(got.shape)}")
+    if expected.dtype == torch.bool:
+        if torch.equal(got, expected):
+            return Verdict(True)
+        wrong = (got != expected).nonzero()[:3].tolist()
+        return Verdict(False, f"{what}: {int((got != expected).sum())} entries differ, e.g. at {wrong}")
+    if close(got, expected):
+        return Verdict(True)
+    if not torch.isfinite(got).all() and torch.isfinite(expected).all():
+        return Verdict(False, f"{what}: contains NaN/inf where the reference is finite")
+    return Verdict(False, f"{what}: values differ from the reference by up to {max_abs_diff(got, expected):.3g}")
+
+
+def _all(names, verdict: Verdict) -> dict[str, Verdict]:
+    return {n: verdict for n in names}
+
+
+# --------------------------------------------------------------------------- #
+# Inputs
+# --------------------------------------------------------------------------- #
+
+
+def _layer_inputs(g: torch.Generator, T_: int = T) -> dict[str, Tensor]:
+    return {
+        "X": torch.randn(B, T_, D, generator=g),
+        "W_Q": torch.randn(D, DK, generator=g) * 0.7,
+        "W_K": torch.randn(D, DK, generator=g) * 0.7,
+        "W_V": torch.randn(D, DV, generator=g),
+    }
+
+
+def _args(inp: dict[str, Tensor]) -> tuple:
+    return inp["X"], inp["W_Q"], inp["W_K"], inp["W_V"]
+
+
+def _reference_layer(inp: dict[str, Tensor], mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """float64: (Q, K, V, output, weights) from attnlab's reference."""
+    X, W_Q, W_K, W_V = (t.double() for t in _args(inp))
+    Q, K, V = X @ W_Q, X @ W_K, X @ W_V
+    w = attention_weights(Q, K, attn_mask=mask)
+    return Q, K, V, w @ V, w
+
+
+# --------------------------------------------------------------------------- #
+# ex1 - ex4
+# --------------------------------------------------------------------------- #
+
+
+def _prep_ex1(g):
+    inp = _layer_inputs(g)
+    return [Call("project_qkv", _args(inp))], inp
+
+
+def _judge_ex1(inp, results, outcome):
+    got = value(results, 0)
+    X, W_Q, W_K, W_V = (t.double() for t in _args(inp))
+    expected = (X @ W_Q, X @ W_K, X @ W_V)
+    if not isinstance(got, (tuple, list)) or len(got) != 3:
+        bad = Verdict(False, f"expected a tuple (Q, K, V), got {_describe(got)}")
+        return {"shapes": bad, "values": bad}
+    shapes_ok = all(isinstance(a, Tensor) and a.shape == e.shape for a, e in zip(got, expected))
+    shape_msg = "" if shapes_ok else (
+        f"expected shapes Q {list(expected[0].shape)}, K {list(expected[1].shape)}, V {list(expected[2].shape)}; got "
+        + ", ".join(list(a.shape).__repr__() if isinstance(a, Tensor) else _describe(a) for a in got))
+    names = ("Q", "K", "V")
+    verdicts = [tensor_verdict(a, e, n, [("order", f"this is X @ W_{o}: return them in the order (Q, K, V)", x)
+                                         for o, x in zip(names, expected) if o != n])
+                for a, e, n in zip(got, expected, names)]
+    failed = [v for v in verdicts if not v.passed]
+    values = Verdict(not failed, "; ".join(v.message for v in failed), [f for v in failed for f in v.findings])
+    return {"shapes": Verdict(shapes_ok, shape_msg), "values": values}
+
+
+def _prep_ex2(g):
+    Q = torch.randn(B, T, DK, generator=g) * 1.5
+    K = torch.randn(B, S, DK, generator=g) * 1.5
+    return [Call("attention_scores", (Q, K))], (Q, K)
+
+
+def _judge_ex2(ctx, results, outcome):
+    Q, K = (t.double() for t in ctx)
+    got = value(results, 0)
+    raw = Q @ K.transpose(-2, -1)  # (B, T, S)
+    expected = raw / math.sqrt(DK)
+    mistakes = [
+        ("missing_scale", f"you forgot the 1/sqrt(d_k) scale: these are Q @ K^T, {math.sqrt(DK):g}x too large "
+                          "(d_k = 4); divide by math.sqrt(Q.shape[-1])", raw),
+        ("wrong_scale", "the scores are divided by d_k; divide by sqrt(d_k) instead", raw / DK),
+        ("wrong_transpose", "the scores are transposed: [B, S, T] = K @ Q^T; compute Q @ K^T to get [B, T, S]",
+         expected.transpose(-2, -1)),
+    ]
+    shape = Verdict(isinstance(got, Tensor) and got.shape == expected.shape,
+                    f"expected shape [B, T, S] = {list(expected.shape)}, got "
+                    f"{list(got.shape) if isinstance(got, Tensor) else _describe(got)}")
+    if isinstance(got, Tensor) and got.shape == (B, T, T) and T != S:
+        shape.message += " (did you transpose K over the wrong dims? K.transpose(-2, -1) gives [B, d_k, S])"
+    return {"shape": shape, "values": tensor_verdict(got, expected, "scores", mistakes)}
+
+
+def _prep_ex3(g):
+    ordinary = torch.randn(B, T, S, generator=g) * 3
+    large = torch.tensor([[1000.0, 1001.0, 999.0, 1002.0], [-1000.0, -1003.0, -999.5, -1001.0]])
+    masked = torch.randn(T, S, generator=g)
+    masked[1, :] = NEG_INF
+    masked[3, ::2] = NEG_INF
+    by_dim = torch.randn(4, 6, generator=g)
+    calls = [Call("stable_softmax", (ordinary,)), Call("stable_softmax", (large,)),
+             Call("stable_softmax", (masked,)), Call("stable_softmax", (by_dim,), {"dim": 0})]
+    return calls, (ordinary, large, masked, by_dim)
+
+
+def _naive(x: Tensor, dim: int = -1) -> Tensor:
+    e = torch.exp(x)
+    return e / e.sum(dim, keepdim=True)
+
+
+def _judge_ex3(ctx, results, outcome):
+    ordinary, large, masked, by_dim = (t.double() for t in ctx)
+    out: dict[str, Verdict] = {}
+
+    def run(name, i, expected, mistakes):
+        try:
+            out[name] = tensor_verdict(value(results, i), expected, name.replace("_", " "), mistakes)
+        except CallFailed as exc:
+            out[name] = Verdict(False, f"raised {exc.result['error']}\n{exc.result.get('traceback', '')}")
+
+    run("ordinary_scores", 0, stable_softmax(ordinary), [
+        ("softmax_dim", "the rows do not sum to 1 over the keys: normalise over dim (-1 by default), "
+                        "not over the queries", stable_softmax(ordinary, dim=-2))])
+    got_large = results[1].get("value")
+    large_mistakes = []
+    if isinstance(got_large, Tensor) and not torch.isfinite(got_large).all():
+        large_mistakes = [("unstable_softmax", "exp overflows on scores near 1000 and gives NaN: subtract each "
+                           "row's max (x - x.amax(dim, keepdim=True)) before exp", got_large)]
+    run("large_scores", 1, stable_softmax(large), large_mistakes)
+    masked_expected = stable_softmax(masked)
+    got_masked = results[2].get("value")
+    masked_mistakes = []
+    if isinstance(got_masked, Tensor) and got_masked.shape == masked_expected.shape and got_masked[1].isnan().any():
+        masked_mistakes = [("fully_masked_nan", "a row of all -inf gives NaN (-inf - (-inf) = NaN): where the row max "
+                            "is -inf, shift by 0 instead, and divide by 1 where the sum is 0", got_masked)]
+    run("fully_masked_row", 2, masked_expected, masked_mistakes)
+    run("dim_argument", 3, stable_softmax(by_dim, dim=0), [
+        ("softmax_dim", "the dim argument is ignored: normalise along the dim you are given",
+         stable_softmax(by_dim, dim=-1))])
+    return out
+
+
+def _prep_ex4(g):
+    w = stable_softmax(torch.randn(B, T, S, generator=g))
+    V = torch.randn(B, S, DV, generator=g)
+    return [Call("attend", (w, V))], (w, V)
+
+
+def _judge_ex4(ctx, results, outcome):
+    w, V = (t.double() for t in ctx)
+    return {"values": tensor_verdict(value(results, 0), w @ V, "output")}
+
+
+# --------------------------------------------------------------------------- #
+# ex5 - ex7: masks
+# --------------------------------------------------------------------------- #
+
+
+def _prep_ex5(g):
+    return [Call("causal_mask", (6,)), Call("causal_mask", (1,))], None
+
+
+def _judge_ex5(ctx, results, outcome):
+    expected = masks.causal(6, 6)
+    got = value(results, 0)
+    mistakes = [
+        ("causal_alignment", "the mask is upper-triangular: position i would see the future (j > i); "
+                             "use .tril(), True on and below the diagonal", torch.ones(6, 6, dtype=torch.bool).triu()),
+        ("causal_alignment", "the diagonal is False: position i must also attend to itself (j <= i, tril())",
+         torch.ones(6, 6, dtype=torch.bool).tril(-1)),
+        ("mask_polarity", "True marks the *masked* positions here; in attnlab (and SDPA) True = attend",
+         ~expected),
+    ]
+    shape = Verdict(isinstance(got, Tensor) and got.shape == (6, 6) and got.dtype == torch.bool,
+                    f"causal_mask(6): expected a [6, 6] bool tensor, got {_describe(got)}")
+    values = tensor_verdict(got, expected, "causal_mask(6)", mistakes)
+    if values.passed:
+        values = tensor_verdict(value(results, 1), masks.causal(1, 1), "causal_mask(1)")
+    return {"shape_and_dtype": shape, "values": values}
+
+
+def _prep_ex6(g):
+    lengths = torch.tensor([5, 2, 7])
+    return [Call("padding_mask", (lengths, 7))], lengths
+
+
+def _judge_ex6(lengths, results, outcome):
+    got = value(results, 0)
+    keep = torch.arange(7) < lengths[:, None]  # (B, S)
+    expected_b1t = keep[:, None, :]  # (B, 1, S)
+    expected = expected_b1t
+    if isinstance(got, Tensor) and got.shape == (3, 7, 7):  # the documented [B, T, T] alternative
+        expected = keep[:, None, :].expand(3, 7, 7)
+    mistakes = [
+        ("mask_polarity", "True marks the padding here; True must mean a real token (j < length)",
+         ~expected),
+        ("off_by_one", "one position too many is kept: a sequence of length n has real tokens 0..n-1 "
+                       "(use <, not <=)", (torch.arange(7) <= lengths[:, None])[:, None, :].expand_as(expected)),
+    ]
+    shape = Verdict(isinstance(got, Tensor) and got.shape in ((3, 1, 7), (3, 7, 7)),
+                    f"expected shape [B, 1, T] = [3, 1, 7] (or [B, T, T]), got "
+                    f"{list(got.shape) if isinstance(got, Tensor) else _describe(got)}")
+    if isinstance(got, Tensor) and got.shape == (3, 7):
+        shape.message += ": add the query dim with [:, None, :] so it broadcasts over [B, T, T] scores"
+        got = got[:, None, :]
+    return {"shape": shape, "values": tensor_verdict(got, expected, "padding_mask", mistakes)}
+
+
+def _prep_ex7(g):
+    scores = torch.randn(B, T, S, generator=g)
+    m2 = torch.rand(T, S, generator=g) > 0.4
+    m2[:, 0] = True
+    m3 = (torch.arange(S) < torch.tensor([7, 3, 5])[:, None])[:, None, :]  # (B, 1, S)
+    return [Call("apply_mask", (scores, m2)), Call("apply_mask", (scores, m3))], (scores, m2, m3)
+
+
+def _judge_ex7(ctx, results, outcome):
+    scores, m2, m3 = ctx
+    s = scores.double()
+    out = {}
+    for name, i, m in (("mask_T_S", 0, m2), ("mask_B_1_S", 1, m3)):
+        expected = s.masked_fill(~m, NEG_INF)
+        mistakes = [
+            ("mask_polarity", "-inf is placed where the mask is True; True = attend, so fill where it is False "
+                              "(scores.masked_fill(~mask, float('-inf')))", s.masked_fill(m, NEG_INF)),
+            ("mask_fill_zero", "masked scores are set to 0, which still gets weight after softmax; use -inf",
+             s.masked_fill(~m, 0.0)),
+            ("mask_fill_finite", "masked scores use a large finite number; use float('-inf'), so masked keys get "
+                                 "exactly 0 weight and fully masked rows can be detected",
+             s.masked_fill(~m, -1e9)),
+            ("mask_multiplied", "the scores are multiplied by the mask; masking means -inf, not 0",
+             s * m),
+        ]
+        try:
+            out[name] = tensor_verdict(value(results, i), expected, f"apply_mask with a {list(m.shape)} mask",
+                                       mistakes)
+        except CallFailed as exc:
+            out[name] = Verdict(False, f"raised {exc.result['error']}\n{exc.result.get('traceback', '')}")
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# ex8 - ex9: the whole layer
+# --------------------------------------------------------------------------- #
+
+
+def _prep_ex8(g):
+    inp = _layer_inputs(g)
+    pad = (torch.arange(T) < torch.tensor([5, 3, 4])[:, None])[:, None, :]  # (B, 1, T)
+    empty = torch.ones(B, T, T, dtype=torch.bool)
+    empty[:, 2, :] = False  # query 2 sees nothing
+    calls = [Call("self_attention", _args(inp), doctor=True),
+             Call("self_attention", (*_args(inp), pad)),
+             Call("self_attention", (*_args(inp), masks.causal(T, T))),
+             Call("self_attention", (*_args(inp), empty))]
+    return calls, (inp, pad, empty)
+
+
+def _judge_ex8(ctx, results, outcome):
+    inp, pad, empty = ctx
+    out: dict[str, Verdict] = {}
+    _, _, _, ref_out, ref_w = _reference_layer(inp)
+
+    def pair(i):
+        got = value(results, i)
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise CallFailed({"error": f"expected a tuple (output, weights), got {_describe(got)}"})
+        return got
+
+    try:
+        o, w = pair(0)
+        out["output_shape"] = Verdict(isinstance(o, Tensor) and o.shape == ref_out.shape,
+                                      f"output: expected [B, T, d_v] = {list(ref_out.shape)}, got {_describe(o)}")
+        out["weights_shape"] = Verdict(isinstance(w, Tensor) and w.shape == ref_w.shape,
+                                       f"weights: expected [B, T, T] = {list(ref_w.shape)}, got {_describe(w)}")
+        out["output_values"] = tensor_verdict(o, ref_out, "output")
+        out["weights_values"] = tensor_verdict(w, ref_w, "weights")
+    except CallFailed as exc:
+        v = Verdict(False, f"raised {exc.result['error']}\n{exc.result.get('traceback', '')}")
+        out.update(_all(["output_shape", "weights_shape", "output_values", "weights_values"], v))
+
+    for name, i, mask in (("padding_mask", 1, pad), ("causal_mask", 2, masks.causal(T, T)),
+                          ("fully_masked_row", 3, empty)):
+        _, _, _, m_out, _ = _reference_layer(inp, mask)
+        try:
+            o, _ = pair(i)
+            out[name] = tensor_verdict(o, m_out, f"output with the {name.replace('_', ' ')}")
+            if name == "fully_masked_row" and isinstance(o, Tensor) and o.shape == m_out.shape and o[:, 2].isnan().any():
+                out[name] = Verdict(False, "query 2 has every key masked and its output is NaN; it must be 0",
+                                    [{"code": "fully_masked_nan", "message": "fully masked rows give NaN"}])
+        except CallFailed as exc:
+            out[name] = Verdict(False, f"raised {exc.result['error']}\n{exc.result.get('traceback', '')}")
+
+    # Explain failures with the doctor, from the probes the child ran on this function.
+    if any(not v.passed for v in out.values()) and outcome.probes:
+        probes = doctor.build_probes(doctor.adapt_self_attention(lambda *a: None).capabilities)
+        report = doctor.analyze(probes, [doctor.ProbeResult(p.get("output"), p.get("error"), p.get("varied", False))
+                                         for p in outcome.probes])
+        findings = [{"code": f.code, "message": f"{f.message}. {doctor.CODES[f.code]}"} for f in report.findings]
+        for v in out.values():
+            if not v.passed and not v.findings:
+                v.findings = findings
+    return out
+
+
+def _prep_ex9(g):
+    inp = _layer_inputs(g)
+    pad = (torch.arange(T) < torch.tensor([5, 2, 4])[:, None])[:, None, :]
+    calls = [Call("compare_with_sdpa", (*_args(inp), pad)), Call("self_attention", (*_args(inp), pad))]
+    return calls, (inp, pad)
+
+
+def _judge_ex9(ctx, results, outcome):
+    inp, pad = ctx
+    got = value(results, 0)
+    if isinstance(got, Tensor) and got.numel() == 1:
+        got = got.item()
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        return {"returns_max_diff": Verdict(False, f"expected a float, got {_describe(got)}")}
+    # what the learner's own self_attention is off by, measured here in float64
+    Q, K, V, _, _ = _reference_layer(inp)
+    sdpa_out = scaled_dot_product_attention(Q, K, V, attn_mask=pad)
+    try:
+        own = value(results, 1)[0]
+        expected = max_abs_diff(own, sdpa_out) if isinstance(own, Tensor) and own.shape == sdpa_out.shape else None
+    except (CallFailed, TypeError, IndexError):
+        expected = None
+    if not math.isfinite(got) or got < 0:
+        return {"returns_max_diff": Verdict(False, f"returned {got}: a max |difference| is finite and >= 0")}
+    if expected is not None and abs(got - expected) > 1e-4 + 1e-3 * expected:
+        return {"returns_max_diff": Verdict(False, f"returned {got:.3g}, but your self_attention differs from SDPA "
+                                                   f"by {expected:.3g} on these inputs (with the padding mask)")}
+    return {"returns_max_diff": Verdict(True, f"max |diff| = {got:.2e}")}
+
+
+# --------------------------------------------------------------------------- #
+# The lesson's exercises
+# --------------------------------------------------------------------------- #
+
+_EX10_EXPECTED = {"Q": (1, 3, 2), "K": (1, 3, 2), "V": (1, 3, 2), "scores": (1, 3, 3),
+                  "attn_weights": (1, 3, 3), "output": (1, 3, 2)}
+
+
+def _prep_ex10(g):
+    return [Call("exercise_1_shapes")], None
+
+
+def _judge_ex10(ctx, results, outcome):
+    got = value(results, 0)
+    out = {}
+    for key, shape in _EX10_EXPECTED.items():
+        # the expected shapes are derived: X [1, 3, 6] @ W [6, 2] -> [1, 3, 2]; Q @ K^T -> [1, 3, 3]
+        if not isinstance(got, dict) or key not in got:
+            out[key] = Verdict(False, f"expected a dict with the key {key!r}, got {_describe(got)}")
+            continue
+        g_shape = got[key]
+        g_shape = tuple(g_shape) if isinstance(g_shape, (tuple, list)) else g_shape
+        ok = g_shape == shape
+        hint = ""
+        if not ok and key == "scores":
+            hint = " (scores compare every position with every position: [B, T, T])"
+        elif not ok and key in ("Q", "K", "V", "output"):
+            hint = " (X [1, 3, 6] @ W [6, 2] keeps B and T and replaces d by 2)"
+        out[key] = Verdict(ok, "" if ok else f"{key}: {g_shape!r} is not right{hint}")
+    return out
+
+
+def _prep_ex11(g):
+    unscaled = torch.tensor([[500.0, 480.0, -500.0, 0.0, 250.0], [-20.0, 499.0, 500.0, 3.0, -480.0]])
+    return [Call("exercise_2", (unscaled,), {"d_k": 64}), Call("EXERCISE_2_ANSWER")], unscaled
+
+
+def _judge_ex11(unscaled, results, outcome):
+    got = value(results, 0)
+    u = unscaled.double()
+    out = {}
+    if not isinstance(got, dict):
+        bad = Verdict(False, f"expected a dict with 'naive', 'stable', 'scaled', got {_describe(got)}")
+        out.update(_all(["naive_overflows", "stable", "scaled"], bad))
+    else:
+        naive = got.get("naive")
+        nan_ok = isinstance(naive, Tensor) and bool(torch.isnan(naive).any())
+        out["naive_overflows"] = Verdict(nan_ok, "naive softmax of these scores should contain NaN (exp(500) = inf "
+                                                 "in float32, inf/inf = NaN): use naive_softmax as given")
+        out["stable"] = tensor_verdict(got.get("stable"), stable_softmax(u), "stable")
+        out["scaled"] = tensor_verdict(got.get("scaled"), stable_softmax(u / 8), "scaled", [
+            ("missing_scale", "these are the unscaled scores: divide by sqrt(d_k) = 8 first", stable_softmax(u)),
+            ("wrong_scale", "divided by d_k = 64: divide by sqrt(d_k) = 8", stable_softmax(u / 64))])
+    answer = results[1].get("value")
+    out["answer"] = Verdict(answer == "B", f"EXERCISE_2_ANSWER is {answer!r}: think about exp(500) in float32 "
+                                           "(max ~3.4e38), and about what subtracting the max does")
+    return out
+
+
+def _prep_ex12(g):
+    inp = _layer_inputs(g)
+    return [Call("exercise_3_first_row", _args(inp)), Call("EXERCISE_3_ANSWER")], inp
+
+
+def _judge_ex12(inp, results, outcome):
+    _, _, _, _, w = _reference_layer(inp)
+    got = value(results, 0)
+    row = tensor_verdict(got, w[:, 0, :], "row 0", [
+        ("wrong_axis", "this is column 0 (how much each position attends to position 0): take weights[:, 0, :]",
+         w[:, :, 0]),
+        ("batch_only", "this is batch element 0's full matrix: take row 0 of every batch element, weights[:, 0, :]",
+         w[0])])
+    answer = results[1].get("value")
+    return {"row_0": row,
+            "answer": Verdict(answer == "A", f"EXERCISE_3_ANSWER is {answer!r}: row i of the weights belongs to "
+                                             "query i, and each row sums to 1")}
+
+
+EXERCISES: list[Exercise] = [
+    Exercise("ex1", "project_qkv", "Q/K/V projections", {"shapes": 3, "values": 5}, _prep_ex1, _judge_ex1),
+    Exercise("ex2", "attention_scores", "scaled scores", {"shape": 3, "values": 7}, _prep_ex2, _judge_ex2),
+    Exercise("ex3", "stable_softmax", "stable softmax",
+             {"ordinary_scores": 4, "large_scores": 4, "fully_masked_row": 2, "dim_argument": 2},
+             _prep_ex3, _judge_ex3),
+    Exercise("ex4", "attend", "weighted sum of values", {"values": 5}, _prep_ex4, _judge_ex4),
+    Exercise("ex5", "causal_mask", "causal mask", {"shape_and_dtype": 2, "values": 4}, _prep_ex5, _judge_ex5),
+    Exercise("ex6", "padding_mask", "padding mask", {"shape": 2, "values": 4}, _prep_ex6, _judge_ex6),
+    Exercise("ex7", "apply_mask", "applying a mask", {"mask_T_S": 3, "mask_B_1_S": 3}, _prep_ex7, _judge_ex7),
+    Exercise("ex8", "self_attention", "the whole layer",
+             {"output_shape": 2, "weights_shape": 2, "output_values": 5, "weights_values": 3, "padding_mask": 4,
+              "causal_mask": 2, "fully_masked_row": 2}, _prep_ex8, _judge_ex8),
+    Exercise("ex9", "compare_with_sdpa", "parity with torch's SDPA", {"returns_max_diff": 5}, _prep_ex9, _judge_ex9,
+             policy=False),
+    Exercise("ex10", "exercise_1_shapes", "lesson exercise 1: shapes",
+             {k: 1 for k in _EX10_EXPECTED}, _prep_ex10, _judge_ex10),
+    Exercise("ex11", "exercise_2", "lesson exercise 2: naive vs stable softmax",
+             {"naive_overflows": 2, "stable": 2, "scaled": 2, "answer": 2}, _prep_ex11, _judge_ex11),
+    Exercise("ex12", "exercise_3_first_row", "lesson exercise 3: row 0 of the weights",
+             {"row_0": 5, "answer": 3}, _prep_ex12, _judge_ex12),
+]
+
+
+def judge_outcome(ex: Exercise, ctx: Any, outcome: Outcome) -> dict[str, Verdict]:
+    """Turn one child's outcome into a verdict per sub-check (never raises)."""
+    if outcome.status != "ok":
+        detail = outcome.message + (f"\n{outcome.traceback}" if outcome.traceback else "")
+        if outcome.output:
+            detail += f"\nit printed:\n{outcome.output}"
+        return _all(ex.checks, Verdict(False, detail))
+    if outcome.violations:
+        names = ", ".join(outcome.violations)
+        return _all(ex.checks, Verdict(False, f"policy violation in {ex.id} {ex.function}: it reached {names}. "
+                                              "This lab builds attention from scratch: use exp, sum and matmul "
+                                              "(torch's softmax/SDPA are allowed only in compare_with_sdpa)",
+                                       [{"code": "policy", "message": f"called {names}"}]))
+    stub = [r for r in outcome.results if "NotImplementedError" in r.get("error", "")]
+    if stub:
+        todo = stub[0]["error"].split(":", 1)[-1].strip()
+        return _all(ex.checks, Verdict(False, f"not implemented yet: {todo}", [{"code": "not_implemented",
+                                                                                "message": todo}]))
+    try:
+        verdicts = ex.judge(ctx, outcome.results, outcome)
+    except CallFailed as exc:
+        r = exc.result
+        memory = " (the memory limit was hit: is something huge allocated?)" if r.get("memory") else ""
+        return _all(ex.checks, Verdict(False, f"raised {r.get('error')}{memory}\n{r.get('traceback', '')}".rstrip()))
+    except Exception as exc:  # a return value of a shape the judge did not foresee
+        return _all(ex.checks, Verdict(False, f"the returned value could not be checked: {type(exc).__name__}: {exc}"))
+    return {name: verdicts.get(name, Verdict(False, "not checked")) for name in ex.checks}
