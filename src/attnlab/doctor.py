@@ -93,7 +93,7 @@ class BugModel:
     softmax_dim: int = -1
     scores: str = "q_kT"  # q_kT | q_k (no transpose) | k_qT (scores transposed)
     values: str = "v"  # v | q | k
-    mask: str = "before"  # before | inverted | after_softmax | ignored
+    mask: str = "before"  # before | inverted | after_softmax | zero_fill | ignored
     causal: str = "top_left"  # top_left | bottom_right | no_diag | plus_one | upper | ignored
     empty_rows: str = "zero"  # zero | nan | uniform
     softmax: str = "stable"  # stable | naive
@@ -119,6 +119,8 @@ _FIELD_FINDINGS: dict[tuple[str, Any], tuple[str, str]] = {
     ("mask", "after_softmax"): ("mask_after_softmax",
                                 "the mask zeroes weights after softmax, so rows no longer sum to 1"),
     ("mask", "ignored"): ("unknown", "attn_mask has no effect on the output"),
+    ("mask", "zero_fill"): ("unknown", "masked scores are set to 0 instead of -inf, so masked keys still get "
+                                       "weight after softmax"),
     ("causal", "bottom_right"): ("causal_alignment",
                                  "is_causal is aligned bottom-right (tril(S - L)); SDPA aligns top-left"),
     ("causal", "no_diag"): ("causal_alignment", "the causal mask hides the diagonal (tril(-1)): "
@@ -169,7 +171,7 @@ def _model_attention(m: BugModel, q: Tensor, k: Tensor, v: Tensor, attn_mask: Op
             }[m.causal]
         elif attn_mask is not None and attn_mask.dtype == torch.bool:
             keep = {"before": attn_mask, "after_softmax": attn_mask, "inverted": ~attn_mask,
-                    "ignored": None}[m.mask]
+                    "zero_fill": attn_mask, "ignored": None}[m.mask]
         elif attn_mask is not None:
             if m.mask != "ignored":
                 s = s + attn_mask.double()
@@ -177,6 +179,8 @@ def _model_attention(m: BugModel, q: Tensor, k: Tensor, v: Tensor, attn_mask: Op
         after = keep is not None and m.mask == "after_softmax" and not is_causal
         if keep is not None and not after:
             fill = -1e9 if m.empty_rows == "uniform" else float("-inf")
+            if m.mask == "zero_fill" and not is_causal:
+                fill = 0.0
             s = s.masked_fill(~keep, fill)
         if m.softmax == "naive":
             e = torch.exp(s)
@@ -366,7 +370,7 @@ _CORE_CHOICES = {
 }
 _ASPECT_FIELD = {
     "large": ("softmax", ["naive"]),
-    "mask": ("mask", ["inverted", "after_softmax", "ignored"]),
+    "mask": ("mask", ["inverted", "after_softmax", "zero_fill", "ignored"]),
     "float_mask": ("mask", ["ignored"]),
     "causal": ("causal", ["bottom_right", "no_diag", "plus_one", "upper", "ignored"]),
     "empty": ("empty_rows", ["nan", "uniform"]),

@@ -44,6 +44,7 @@ class Exercise:
     prepare: Callable[[torch.Generator], tuple[list[Call], Any]]
     judge: Callable[[Any, list[dict], Outcome], dict[str, Verdict]]
     policy: bool = True  # the from-scratch policy applies
+    on_error: Optional[Callable[[str], list[dict]]] = None  # names the mistake behind an exception
 
     @property
     def max_score(self) -> float:
@@ -83,9 +84,11 @@ def close(got: Tensor, expected: Tensor) -> bool:
     if not isinstance(got, Tensor) or got.shape != expected.shape:
         return False
     tol = tolerance(torch.float32)
-    diff = (got.double() - expected.double()).abs()
-    both_inf = torch.isinf(got.double()) & (got.double() == expected.double())
-    ok = (diff <= tol.atol + tol.rtol * expected.double().abs()) | both_inf | (got.isnan() & expected.isnan())
+    g, e = got.double(), expected.double()
+    finite = torch.isfinite(e)
+    # where the reference is +-inf or NaN only the same value will do; elsewhere the tolerance
+    near = (g - e).abs() <= tol.atol + tol.rtol * e.abs().where(finite, torch.zeros_like(e))
+    ok = torch.where(finite, near & torch.isfinite(g), (g == e) | (g.isnan() & e.isnan()))
     return bool(ok.all())
 
 
@@ -120,6 +123,19 @@ def tensor_verdict(got: Any, expected: Tensor, what: str,
     if not torch.isfinite(got).all() and torch.isfinite(expected).all():
         return Verdict(False, f"{what}: contains NaN/inf where the reference is finite")
     return Verdict(False, f"{what}: values differ from the reference by up to {max_abs_diff(got, expected):.3g}")
+
+
+_SHAPE_ERRORS = ("must match the size", "cannot be multiplied", "Expected size for first two dimensions",
+                 "size mismatch", "shape mismatch")
+
+
+def _transpose_hint(error: str) -> list[dict]:
+    """A matmul that fails on shapes in the scores is almost always K.T on a 3-D tensor."""
+    if any(s in error for s in _SHAPE_ERRORS):
+        return [{"code": "wrong_transpose",
+                 "message": "a shape mismatch in Q @ K^T: on a [B, S, d_k] tensor K.T reverses all three dims "
+                            "([d_k, S, B]); use K.transpose(-2, -1) to get [B, d_k, S]"}]
+    return []
 
 
 def _all(names, verdict: Verdict) -> dict[str, Verdict]:
@@ -393,7 +409,8 @@ def _judge_ex8(ctx, results, outcome):
         out["output_values"] = tensor_verdict(o, ref_out, "output")
         out["weights_values"] = tensor_verdict(w, ref_w, "weights")
     except CallFailed as exc:
-        v = Verdict(False, f"raised {exc.result['error']}\n{exc.result.get('traceback', '')}")
+        v = Verdict(False, f"raised {exc.result['error']}\n{exc.result.get('traceback', '')}",
+                    _transpose_hint(exc.result["error"]))
         out.update(_all(["output_shape", "weights_shape", "output_values", "weights_values"], v))
 
     for name, i, mask in (("padding_mask", 1, pad), ("causal_mask", 2, masks.causal(T, T)),
@@ -406,14 +423,15 @@ def _judge_ex8(ctx, results, outcome):
                 out[name] = Verdict(False, "query 2 has every key masked and its output is NaN; it must be 0",
                                     [{"code": "fully_masked_nan", "message": "fully masked rows give NaN"}])
         except CallFailed as exc:
-            out[name] = Verdict(False, f"raised {exc.result['error']}\n{exc.result.get('traceback', '')}")
+            out[name] = Verdict(False, f"raised {exc.result['error']}\n{exc.result.get('traceback', '')}",
+                                _transpose_hint(exc.result["error"]))
 
     # Explain failures with the doctor, from the probes the child ran on this function.
     if any(not v.passed for v in out.values()) and outcome.probes:
         probes = doctor.build_probes(doctor.adapt_self_attention(lambda *a: None).capabilities)
         report = doctor.analyze(probes, [doctor.ProbeResult(p.get("output"), p.get("error"), p.get("varied", False))
                                          for p in outcome.probes])
-        findings = [{"code": f.code, "message": f"{f.message}. {doctor.CODES[f.code]}"} for f in report.findings]
+        findings = [{"code": f.code, "message": f"{f.message}. Hint: {doctor.CODES[f.code]}"} for f in report.findings]
         for v in out.values():
             if not v.passed and not v.findings:
                 v.findings = findings
@@ -530,7 +548,8 @@ def _judge_ex12(inp, results, outcome):
 
 EXERCISES: list[Exercise] = [
     Exercise("ex1", "project_qkv", "Q/K/V projections", {"shapes": 3, "values": 5}, _prep_ex1, _judge_ex1),
-    Exercise("ex2", "attention_scores", "scaled scores", {"shape": 3, "values": 7}, _prep_ex2, _judge_ex2),
+    Exercise("ex2", "attention_scores", "scaled scores", {"shape": 3, "values": 7}, _prep_ex2, _judge_ex2,
+             on_error=_transpose_hint),
     Exercise("ex3", "stable_softmax", "stable softmax",
              {"ordinary_scores": 4, "large_scores": 4, "fully_masked_row": 2, "dim_argument": 2},
              _prep_ex3, _judge_ex3),
@@ -540,7 +559,7 @@ EXERCISES: list[Exercise] = [
     Exercise("ex7", "apply_mask", "applying a mask", {"mask_T_S": 3, "mask_B_1_S": 3}, _prep_ex7, _judge_ex7),
     Exercise("ex8", "self_attention", "the whole layer",
              {"output_shape": 2, "weights_shape": 2, "output_values": 5, "weights_values": 3, "padding_mask": 4,
-              "causal_mask": 2, "fully_masked_row": 2}, _prep_ex8, _judge_ex8),
+              "causal_mask": 2, "fully_masked_row": 2}, _prep_ex8, _judge_ex8, on_error=_transpose_hint),
     Exercise("ex9", "compare_with_sdpa", "parity with torch's SDPA", {"returns_max_diff": 5}, _prep_ex9, _judge_ex9,
              policy=False),
     Exercise("ex10", "exercise_1_shapes", "lesson exercise 1: shapes",
@@ -575,7 +594,9 @@ def judge_outcome(ex: Exercise, ctx: Any, outcome: Outcome) -> dict[str, Verdict
     except CallFailed as exc:
         r = exc.result
         memory = " (the memory limit was hit: is something huge allocated?)" if r.get("memory") else ""
-        return _all(ex.checks, Verdict(False, f"raised {r.get('error')}{memory}\n{r.get('traceback', '')}".rstrip()))
+        hints = ex.on_error(r.get("error", "")) if ex.on_error else []
+        return _all(ex.checks, Verdict(False, f"raised {r.get('error')}{memory}\n{r.get('traceback', '')}".rstrip(),
+                                       hints))
     except Exception as exc:  # a return value of a shape the judge did not foresee
         return _all(ex.checks, Verdict(False, f"the returned value could not be checked: {type(exc).__name__}: {exc}"))
     return {name: verdicts.get(name, Verdict(False, "not checked")) for name in ex.checks}

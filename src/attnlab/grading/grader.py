@@ -102,17 +102,20 @@ class GradeReport:
             mark = f"{green}PASS{reset}" if s == m else (f"{yellow}PART{reset}" if s > 0 else f"{red}FAIL{reset}")
             lines.append(f"{mark} {ex_id:<5} {ex.function:<22} {s:>4g}/{m:<3g} {dim}{ex.title}{reset}")
             failed = [r for r in rs if not r.verdict.passed]
-            shown = set()
+            messages = list(dict.fromkeys(r.verdict.message.strip() or "failed" for r in failed))
+            labelled = len(messages) > 1
             for r in failed:
-                text = r.output()
-                if text in shown:  # one explanation per exercise when every check failed alike
-                    continue
-                shown.add(text)
-                label = r.check.replace("_", " ") if len(failed) > 1 and len({x.output() for x in failed}) > 1 else ""
-                for i, line in enumerate(text.splitlines()):
-                    prefix = f"      {label}: " if (i == 0 and label) else "      "
-                    colour_on = yellow if line.startswith("->") else ""
-                    lines.append(f"{prefix}{colour_on}{line}{reset if colour_on else ''}")
+                msg = r.verdict.message.strip() or "failed"
+                if msg not in messages:
+                    continue  # shown already (several checks failed for one reason)
+                messages.remove(msg)
+                label = f"{r.check.replace('_', ' ')}: " if labelled else ""
+                for i, line in enumerate(msg.splitlines()):
+                    lines.append(f"      {label if i == 0 else ''}{line}")
+            findings = {(f["code"], f["message"]): f for r in failed for f in r.verdict.findings}
+            for (code, message), _ in findings.items():
+                if not any(message in r.verdict.message for r in failed):
+                    lines.append(f"      {yellow}-> [{code}] {message}{reset}")
         total = f"{self.score:g}/{self.max_score:g}"
         lines += ["", f"{bold}Score: {total}{reset}   ({self.elapsed_s:.1f} s)"]
         nxt = self.first_unfinished()

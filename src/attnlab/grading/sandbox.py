@@ -139,6 +139,9 @@ def _child_main(result_fd: int, path: str, calls: list[Call], policy: bool, limi
     sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), write_through=True)
     sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), write_through=True)
     torch.set_num_threads(1)
+    # Python ignores SIGXFSZ (writes past RLIMIT_FSIZE would just fail): restore the default,
+    # so a print flood ends the child and is reported as such.
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
     _set_limits(limits)
 
     message: dict = {"status": "ok", "results": [], "violations": []}
