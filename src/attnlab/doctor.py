@@ -485,6 +485,9 @@ def _non_finite(r: ProbeResult) -> bool:
 def _unexplained(p: Probe, r: ProbeResult, model: BugModel) -> Finding:
     exp = _expected(model, p)
     if r.output is None:
+        if r.error and r.error.startswith("TypeError") and "argument" in r.error:
+            return Finding("unknown", f"it does not take SDPA's arguments (query, key, value, attn_mask=None, "
+                                      f"dropout_p=0.0, is_causal=False, scale=None): {r.error}")
         return Finding("shape_error", f"with {p.description}: raised {r.error}")
     if exp is not None and r.output.shape != exp.shape:
         return Finding("shape_error", f"with {p.description}: returned shape {tuple(r.output.shape)}, "

@@ -249,9 +249,12 @@ def serve(request_fd: int = 0, reply_fd: int = 1) -> None:
     """The zygote's loop: for each request fork a child, report its pid, its result and how it ended."""
     import pickle
 
-    import jaxtyping  # noqa: F401  (the lab imports it; importing once here saves every child the time)
-
     import attnlab.doctor  # noqa: F401
+
+    try:  # the lab imports it; importing it once here saves every child the time
+        import jaxtyping  # noqa: F401
+    except ImportError:
+        pass
 
     # the protocol gets private fds; 0/1/2 point to /dev/null so nothing stray lands on it
     request_fd, reply_fd = os.dup(request_fd), os.dup(reply_fd)
