@@ -83,3 +83,18 @@ def test_cli_doctor(tmp_path, capsys, monkeypatch):
     assert "OK" in capsys.readouterr().out
     assert main(["doctor", "nosuchmodule:fn"]) == 2
     assert "cannot import" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_diagnosis_does_not_depend_on_the_probe_seed(seed):
+    wrong = [(name, [f.code for f in doctor.diagnose(fn, seed=seed).findings][:1], code)
+             for code, name, fn in BUGGY if doctor.diagnose(fn, seed=seed).findings[:1] != [] and
+             doctor.diagnose(fn, seed=seed).findings[0].code != code]
+    assert wrong == []
+    assert all(doctor.diagnose(fn, seed=seed).ok for fn in CORRECT.values())
+
+
+def test_json_max_error_is_null_when_not_finite():
+    _, _, fn = next(b for b in BUGGY if b[1] == "torch_softmax_nan")
+    d = doctor.diagnose(fn).to_dict()
+    assert d["max_abs_error"] is None and json.dumps(d)

@@ -247,7 +247,9 @@ class DoctorReport:
     probes_run: int
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "max_abs_error": self.max_abs_error,
+        """JSON-ready; ``max_abs_error`` is None when some probe raised or gave NaN (no finite number)."""
+        err = self.max_abs_error if math.isfinite(self.max_abs_error) else None
+        return {"ok": self.ok, "max_abs_error": err,
                 "findings": [f.to_dict() for f in self.findings], "probes_run": self.probes_run}
 
     def __str__(self) -> str:
