@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from attnlab import functional as F_
+from attnlab._validation import validate
 from attnlab.trace import AttentionTrace
 
 __all__ = ["SelfAttention"]
@@ -149,7 +150,7 @@ class SelfAttention(nn.Module):
         if record is not None:
             for name, t in (("X", x), ("Q", Q), ("K", K), ("V", V)):
                 record(name, t)
-        F_._validate(Q, K, V, attn_mask, 0.0, is_causal, None, False, fn="SelfAttention.forward")
+        validate(Q, K, V, attn_mask, 0.0, is_causal, None, False, fn="SelfAttention.forward")
         return F_._attention(Q, K, V, attn_mask, 0.0, is_causal, None, False, record=record)
 
     def _check_input(self, x: Tensor) -> None:
