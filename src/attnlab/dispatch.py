@@ -1,0 +1,118 @@
+"""One front door to attnlab's attention implementations, with explicit choice.
+
+    from attnlab.dispatch import attention, use_impl
+
+    out = attention(q, k, v, is_causal=True)                 # impl="auto"
+    out = attention(q, k, v, is_causal=True, impl="tiled")   # exactly the tiled path
+    with use_impl("reference"):
+        out = attention(q, k, v)                             # the reference, in this block
+
+``impl``:
+
+* ``"reference"``: :func:`attnlab.functional.scaled_dot_product_attention`, the readable
+  reference (and the only oracle); materialises the ``(..., L, S)`` scores.
+* ``"tiled"``: :func:`attnlab.tiled.flash_attention`, O(L·E) memory. It has no dropout,
+  no gradient for a float mask and needs as many key as value heads under GQA: asking
+  for it with those raises ``ValueError``; it never falls back silently.
+* ``"auto"``: the tiled path when it supports the call and the score matrix is large
+  (``L * S >= AUTO_TILED_MIN_SCORES``), where it is faster and far leaner; otherwise
+  the reference. Both meet the same parity tolerances against torch's SDPA.
+
+The reference module does not import the tiled one, nor the other way round: they
+are independent implementations, checked against each other and against torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator, Literal, Optional
+
+from torch import Tensor
+
+from attnlab import functional, tiled
+
+__all__ = ["attention", "use_impl", "IMPLS", "AUTO_TILED_MIN_SCORES", "choose_impl"]
+
+Impl = Literal["auto", "reference", "tiled"]
+IMPLS = ("auto", "reference", "tiled")
+AUTO_TILED_MIN_SCORES = 512 * 512
+
+_default: contextvars.ContextVar[str] = contextvars.ContextVar("attnlab_impl", default="auto")
+
+
+@contextlib.contextmanager
+def use_impl(impl: Impl) -> Iterator[None]:
+    """Within the block, ``attention(...)`` without an ``impl`` argument uses ``impl``."""
+    _check_impl(impl)
+    token = _default.set(impl)
+    try:
+        yield
+    finally:
+        _default.reset(token)
+
+
+def _check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"attention: impl must be one of {IMPLS}, got {impl!r}")
+
+
+def _tiled_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], dropout_p: float,
+                       enable_gqa: bool) -> Optional[str]:
+    """Why the tiled path cannot run this call, or None."""
+    if dropout_p > 0:
+        return f"dropout_p={dropout_p} (the tiled path has no dropout)"
+    if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad:
+        return "a float attn_mask that requires grad"
+    if (enable_gqa and query.dim() >= 3 and key.dim() >= 3 and value.dim() >= 3
+            and query.shape[-3] != key.shape[-3] and key.shape[-3] != value.shape[-3]):
+        return "different head counts for key and value"
+    return None
+
+
+def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                dropout_p: float = 0.0, *, enable_gqa: bool = False, impl: Optional[Impl] = None) -> str:
+    """The implementation :func:`attention` will run for these arguments ("reference" or "tiled")."""
+    chosen = impl if impl is not None else _default.get()
+    _check_impl(chosen)
+    if chosen == "reference":
+        return "reference"
+    why_not = _tiled_unsupported(query, key, value, attn_mask, dropout_p, enable_gqa)
+    if chosen == "tiled":
+        if why_not:
+            raise ValueError(f"attention: impl='tiled' was requested but it cannot run {why_not}; "
+                             f"use impl='reference' or impl='auto'")
+        return "tiled"
+    large = query.dim() >= 2 and key.dim() >= 2 and query.shape[-2] * key.shape[-2] >= AUTO_TILED_MIN_SCORES
+    return "tiled" if (why_not is None and large) else "reference"
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    *,
+    enable_gqa: bool = False,
+    impl: Optional[Impl] = None,
+) -> Tensor:
+    """SDPA's signature and semantics, run by the implementation ``impl`` picks (see the module doc).
+
+    Args:
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as in
+            :func:`attnlab.functional.scaled_dot_product_attention`; shapes
+            ``(..., L, E)``, ``(..., S, E)``, ``(..., S, Ev)``.
+        impl: ``"auto"``, ``"reference"`` or ``"tiled"``; default: the innermost
+            :func:`use_impl`, else ``"auto"``.
+
+    Returns:
+        ``(..., L, Ev)`` in the query's dtype.
+    """
+    which = choose_impl(query, key, value, attn_mask, dropout_p, enable_gqa=enable_gqa, impl=impl)
+    if which == "tiled":
+        return tiled.flash_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa=enable_gqa)
+    return functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                   enable_gqa=enable_gqa)

@@ -1,0 +1,282 @@
+"""Tiled (flash-style) attention: the exact result, block by block, in O(L·E) memory.
+
+The reference builds the whole ``(L, S)`` score matrix. Here the keys are visited
+one block at a time and the softmax is computed *online* (Milakov & Gimelshein
+2018; FlashAttention, Dao et al. 2022; FlashAttention-2, Dao 2023): each query row
+keeps a running maximum ``m_i``, a running sum ``l_i`` of exponentials and an
+accumulator ``acc`` of exponential-weighted values. When a new block raises the
+maximum, the old sum and accumulator are rescaled by ``exp(m_old - m_new)``, so the
+result equals softmax(QK^T)V exactly, up to rounding. The backward pass recomputes
+each score block from Q, K, the output and the log-sum-exp ``lse = m_i + log l_i``
+instead of storing the ``(L, S)`` probabilities.
+
+Arithmetic is done in base 2 (``exp2``, with ``log2(e)`` folded into the query
+scale): same result, and ``exp2`` is cheaper than ``exp`` on the CPU.
+
+Layout inside this module: the leading dims are flattened to ``Nb`` rows of
+key/value heads, and the ``r = H / Hkv`` query heads that share a key/value head
+are stacked along the query axis, so every block is one batched matmul::
+
+    q3 (Nb, r, L, E)    k3 (Nb, S, E)    v3 (Nb, S, Ev)
+
+so grouped-query attention never repeats K or V.
+
+This module never imports the reference (:mod:`attnlab.functional`): the two are
+independent implementations checked against each other and against torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from attnlab._validation import compute_dtype, validate
+
+__all__ = ["flash_attention", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
+
+LOG2E = math.log2(math.e)
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_K = 512
+
+
+def flash_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    *,
+    enable_gqa: bool = False,
+    block_q: Optional[int] = None,
+    block_k: Optional[int] = None,
+) -> Tensor:
+    """Attention computed block by block with an online softmax; SDPA's semantics, no dropout.
+
+    Args:
+        query: ``(..., L, E)``, e.g. ``(B, H, L, E)``.
+        key: ``(..., S, E)``, e.g. ``(B, Hkv, S, E)``.
+        value: ``(..., S, Ev)``.
+        attn_mask: ``None``, bool (``True`` = attend) or float (added), broadcastable to
+            ``(..., L, S)``; it is read one ``(block_q, block_k)`` tile at a time, never
+            expanded to ``(..., L, S)``. A float mask that requires grad is refused
+            (use :func:`attnlab.functional.scaled_dot_product_attention`).
+        is_causal: top-left aligned: query ``i`` sees keys ``0..i``. Key blocks entirely
+            above the diagonal are skipped. For ``L = 2, S = 3``::
+
+                # . .
+                # # .
+
+        scale: default ``1 / sqrt(E)``.
+        enable_gqa: query heads ``h`` use key/value head ``h // (H // Hkv)``; K and V are
+            not repeated.
+        block_q, block_k: tile sizes (default 256 x 512); any positive ints, the
+            lengths need not be multiples.
+
+    Returns:
+        ``(..., L, Ev)`` in the query's dtype. Rows whose keys are all masked are 0.
+    """
+    batch = validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, fn="flash_attention")
+    bq = _block_size(block_q, DEFAULT_BLOCK_Q, "block_q")
+    bk = _block_size(block_k, DEFAULT_BLOCK_K, "block_k")
+    if enable_gqa and query.shape[-3] != key.shape[-3] and key.shape[-3] != value.shape[-3]:
+        raise ValueError(f"flash_attention: with enable_gqa=True key and value must have the same number of "
+                         f"heads (dim -3), got key {tuple(key.shape)} and value {tuple(value.shape)}; "
+                         f"attnlab.functional.scaled_dot_product_attention accepts different counts")
+    if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad:
+        raise ValueError("flash_attention: gradients for a float attn_mask are not supported by the tiled path; "
+                         "detach the mask, or use attnlab.functional.scaled_dot_product_attention")
+    return _FlashAttention.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk, batch)
+
+
+def _block_size(value: Optional[int], default: int, name: str) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"flash_attention: {name} must be a positive int, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- #
+# Layout: (..., L, E) <-> (Nb, r, L, E)
+# --------------------------------------------------------------------------- #
+
+
+class _Layout:
+    """How the user's broadcast leading dims map onto ``Nb`` key/value heads x ``r`` query heads."""
+
+    def __init__(self, batch: torch.Size, query: Tensor, key: Tensor, enable_gqa: bool) -> None:
+        self.batch = tuple(batch)  # output's leading dims (with H when grouped)
+        grouped = enable_gqa and len(batch) >= 1 and query.shape[-3] != key.shape[-3]
+        if grouped:
+            self.H, self.Hkv = batch[-1], key.shape[-3]
+            self.kv_batch = (*batch[:-1], self.Hkv)
+        else:
+            self.H = self.Hkv = 1
+            self.kv_batch = self.batch
+        self.r = self.H // self.Hkv
+        self.Nb = math.prod(self.kv_batch)
+
+    def queries(self, t: Tensor) -> Tensor:
+        """``(..., L, E) -> (Nb, r, L, E)`` (a copy only where broadcasting expanded it)."""
+        L, E = t.shape[-2:]
+        return t.expand(*self.batch, L, E).reshape(self.Nb, self.r, L, E)
+
+    def keys(self, t: Tensor) -> Tensor:
+        """``(..., S, E) -> (Nb, S, E)``."""
+        S, E = t.shape[-2:]
+        return t.expand(*self.kv_batch, S, E).reshape(self.Nb, S, E)
+
+    def mask_tile(self, mask: Tensor, i0: int, i1: int, j0: int, j1: int, L: int, S: int) -> Tensor:
+        """The ``[i0:i1, j0:j1]`` tile of the broadcast mask as ``(Nb, r * bq, bk)``."""
+        full = mask.expand(*self.batch, L, S)  # a view: nothing is allocated
+        tile = full[..., i0:i1, j0:j1]
+        return tile.reshape(self.Nb, self.r * (i1 - i0), j1 - j0)
+
+
+def _causal_tile(i0: int, i1: int, j0: int, j1: int, r: int, device) -> Optional[Tensor]:
+    """``(r * bq, bk)`` bool, True = attend (key j <= query i); None when the tile is all True."""
+    if j1 - 1 <= i0:
+        return None  # the whole tile is on or below the diagonal
+    rows = torch.arange(i0, i1, device=device).repeat(r)  # query positions, r heads stacked
+    cols = torch.arange(j0, j1, device=device)
+    return cols[None, :] <= rows[:, None]
+
+
+def _key_blocks(i0: int, i1: int, S: int, bk: int, is_causal: bool) -> range:
+    """Key blocks that tile ``[i0, i1)`` needs: with is_causal the ones right of query i1-1 are skipped."""
+    end = min(S, i1) if is_causal else S
+    return range(0, end, bk)
+
+
+# --------------------------------------------------------------------------- #
+# Forward and backward
+# --------------------------------------------------------------------------- #
+
+
+def _masked_scores(q_tile: Tensor, k3: Tensor, j0: int, j1: int, mask_tile: Optional[Tensor],
+                   causal: Optional[Tensor]) -> Tensor:
+    """Scores of one tile in base 2: ``(Nb, r * bq, bk)`` (q_tile is pre-scaled by scale * log2(e))."""
+    s = torch.bmm(q_tile, k3[:, j0:j1].transpose(1, 2))  # (Nb, r*bq, bk)
+    if mask_tile is not None:
+        if mask_tile.dtype == torch.bool:
+            s.masked_fill_(~mask_tile, float("-inf"))
+        else:
+            s.add_(mask_tile, alpha=LOG2E)  # the mask is in natural-log units
+    if causal is not None:
+        s.masked_fill_(~causal, float("-inf"))
+    return s
+
+
+def _forward(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Optional[Tensor], is_causal: bool,
+             scale2: float, bq: int, bk: int) -> tuple[Tensor, Tensor]:
+    """``(out (Nb, r, L, Ev), lse2 (Nb, r, L))``; lse2 is the base-2 log-sum-exp (-inf on empty rows)."""
+    Nb, r, L, _ = q4.shape
+    S, Ev = k3.shape[1], v3.shape[2]
+    out = q4.new_empty(Nb, r, L, Ev)
+    lse2 = q4.new_empty(Nb, r, L)
+    for i0 in range(0, L, bq):
+        i1 = min(L, i0 + bq)
+        n = r * (i1 - i0)
+        q_tile = (q4[:, :, i0:i1] * scale2).reshape(Nb, n, -1)  # (Nb, r*bq, E), scale folded in once
+        m_i = q4.new_full((Nb, n, 1), float("-inf"))  # running row max (base 2)
+        l_i = q4.new_zeros(Nb, n, 1)  # running sum of 2^(s - m_i)
+        acc = q4.new_zeros(Nb, n, Ev)  # running sum of 2^(s - m_i) * v
+        for j0 in _key_blocks(i0, i1, S, bk, is_causal):
+            j1 = min(S, j0 + bk)
+            mt = layout.mask_tile(mask, i0, i1, j0, j1, L, S) if mask is not None else None
+            ct = _causal_tile(i0, i1, j0, j1, r, q4.device) if is_causal else None
+            s = _masked_scores(q_tile, k3, j0, j1, mt, ct)  # (Nb, n, bk)
+            # m_new = max(m_i, rowmax(s)); a row still all -inf keeps shift 0 (no -inf - -inf)
+            m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
+            shift = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+            p = torch.exp2(s.sub_(shift), out=s)  # P~ = 2^(s - m_new), in place over the scores
+            alpha = torch.exp2(m_i.sub_(shift))  # rescales the old state: 2^(m_old - m_new)
+            l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))  # l_i = alpha * l_i + rowsum(P~)
+            acc.mul_(alpha).baddbmm_(p, v3[:, j0:j1])  # acc = alpha * acc + P~ V_j
+            m_i = m_new
+        # O_i = acc / l_i; rows that saw no key (l_i = 0) output 0, as SDPA does
+        out[:, :, i0:i1] = (acc / torch.where(l_i == 0, torch.ones_like(l_i), l_i)).reshape(Nb, r, i1 - i0, Ev)
+        lse2[:, :, i0:i1] = (m_i + torch.log2(l_i)).reshape(Nb, r, i1 - i0)  # -inf where l_i = 0
+    return out, lse2
+
+
+def _backward(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, layout: _Layout,
+              mask: Optional[Tensor], is_causal: bool, scale: float, bq: int, bk: int
+              ) -> tuple[Tensor, Tensor, Tensor]:
+    """FlashAttention-2's backward: recompute P one tile at a time from lse; never an (L, S) tensor."""
+    Nb, r, L, E = q4.shape
+    S = k3.shape[1]
+    scale2 = scale * LOG2E
+    dq = torch.zeros_like(q4)
+    dk = torch.zeros_like(k3)
+    dv = torch.zeros_like(v3)
+    # D_i = rowsum(dO_i * O_i): the softmax-Jacobian term, one number per query row
+    delta = (dout * out).sum(dim=-1)  # (Nb, r, L)
+    # empty rows have lse = -inf: shifting by +inf makes their P exactly 0
+    lse2 = torch.where(lse2 == float("-inf"), torch.full_like(lse2, float("inf")), lse2)
+    for i0 in range(0, L, bq):
+        i1 = min(L, i0 + bq)
+        n = r * (i1 - i0)
+        q_tile = q4[:, :, i0:i1].reshape(Nb, n, E)
+        q_scaled = q_tile * scale2
+        do_tile = dout[:, :, i0:i1].reshape(Nb, n, -1)  # (Nb, n, Ev)
+        lse_tile = lse2[:, :, i0:i1].reshape(Nb, n, 1)
+        d_tile = delta[:, :, i0:i1].reshape(Nb, n, 1)
+        dq_tile = torch.zeros_like(q_tile)
+        for j0 in _key_blocks(i0, i1, S, bk, is_causal):
+            j1 = min(S, j0 + bk)
+            mt = layout.mask_tile(mask, i0, i1, j0, j1, L, S) if mask is not None else None
+            ct = _causal_tile(i0, i1, j0, j1, r, q4.device) if is_causal else None
+            p = torch.exp2(_masked_scores(q_scaled, k3, j0, j1, mt, ct).sub_(lse_tile))  # P_ij (Nb, n, bk)
+            dv[:, j0:j1].baddbmm_(p.transpose(1, 2), do_tile)  # dV_j += P^T dO_i
+            dp = torch.bmm(do_tile, v3[:, j0:j1].transpose(1, 2))  # dP = dO_i V_j^T
+            ds = p.mul_(dp.sub_(d_tile))  # dS = P * (dP - D_i), in place over P
+            dq_tile.baddbmm_(ds, k3[:, j0:j1], alpha=scale)  # dQ_i += scale * dS K_j
+            dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), q_tile, alpha=scale)  # dK_j += scale * dS^T Q_i
+        dq[:, :, i0:i1] = dq_tile.reshape(Nb, r, i1 - i0, E)
+    return dq, dk, dv
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk, batch):
+        dtype = compute_dtype(query.dtype)
+        layout = _Layout(batch, query, key, enable_gqa)
+        L, E, S = query.shape[-2], query.shape[-1], key.shape[-2]
+        scale_f = 1.0 / math.sqrt(E) if scale is None else float(scale)
+        q4 = layout.queries(query.to(dtype))  # (Nb, r, L, E)
+        k3 = layout.keys(key.to(dtype))  # (Nb, S, E)
+        v3 = layout.keys(value.to(dtype))  # (Nb, S, Ev)
+        mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.to(dtype)
+        if q4.numel() == 0 or S == 0 or v3.shape[-1] == 0:
+            out4 = q4.new_zeros(layout.Nb, layout.r, L, v3.shape[-1])
+            lse2 = q4.new_full((layout.Nb, layout.r, L), float("-inf"))
+        else:
+            out4, lse2 = _forward(q4, k3, v3, layout, mask, is_causal, scale_f * LOG2E, bq, bk)
+        ctx.save_for_backward(q4, k3, v3, out4, lse2, mask if mask is not None else torch.empty(0))
+        ctx.has_mask = mask is not None
+        ctx.layout, ctx.is_causal, ctx.scale, ctx.bq, ctx.bk = layout, is_causal, scale_f, bq, bk
+        ctx.shapes = (query.shape, key.shape, value.shape)
+        return out4.reshape(*layout.batch, L, v3.shape[-1]).to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q4, k3, v3, out4, lse2, mask = ctx.saved_tensors
+        layout = ctx.layout
+        q_shape, k_shape, v_shape = ctx.shapes
+        dout4 = grad_out.to(q4.dtype).reshape(out4.shape)
+        if q4.numel() == 0 or k3.shape[1] == 0 or v3.shape[-1] == 0:
+            dq4, dk3, dv3 = torch.zeros_like(q4), torch.zeros_like(k3), torch.zeros_like(v3)
+        else:
+            dq4, dk3, dv3 = _backward(dout4, q4, k3, v3, out4, lse2, layout, mask if ctx.has_mask else None,
+                                      ctx.is_causal, ctx.scale, ctx.bq, ctx.bk)
+        # undo the layout, then sum over whatever broadcasting expanded
+        dq = dq4.reshape(*layout.batch, *q_shape[-2:]).sum_to_size(q_shape)
+        dk = dk3.reshape(*layout.kv_batch, *k_shape[-2:]).sum_to_size(k_shape)
+        dv = dv3.reshape(*layout.kv_batch, *v_shape[-2:]).sum_to_size(v_shape)
+        dtype = grad_out.dtype
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None
