@@ -117,18 +117,16 @@ def test_dispatch_explicit_choice_never_falls_back():
 
 
 MEMORY_SCRIPT = textwrap.dedent("""
-    import resource, sys, torch
+    import sys, torch
     torch.set_num_threads(1)
     impl, L = sys.argv[1], int(sys.argv[2])
+    from attnlab.bench import peak_rss_growth
     from attnlab.functional import scaled_dot_product_attention as reference
     from attnlab.tiled import flash_attention
     q, k, v = (torch.randn(1, 1, L, 64, requires_grad=True) for _ in range(3))
     fn = flash_attention if impl == "tiled" else reference
     fn(q[..., :8, :], k[..., :8, :], v[..., :8, :]).sum().backward()  # warm up allocators
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    fn(q, k, v, is_causal=True).sum().backward()
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(after - before)
+    print(peak_rss_growth(lambda: fn(q, k, v, is_causal=True).sum().backward()))
 """)
 
 

@@ -68,6 +68,46 @@ examples:
 """
 
 
+BENCH_HELP = """\
+Time attnlab's reference and tiled attention against torch SDPA's MATH and
+FLASH_ATTENTION backends: forward and forward+backward, causal and not, per dtype,
+over sequence lengths. Each configuration is warmed up, then the implementations are
+timed in interleaved rounds; the median, GFLOP/s and the ratio to torch's fastest
+backend in the same run are reported. Peak memory is measured with each
+configuration in a fresh process. Configurations too big for --max-memory-gb are
+skipped (the O(L^2) ones at long lengths).
+
+The full default matrix takes a long time on a small machine; narrow it down:
+
+examples:
+  attnlab bench --seq-lens 4096 --impls tiled,flash --dtypes float32 --threads 2
+  attnlab bench --csv bench.csv --plot bench.png
+"""
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _choices(allowed):
+    allowed = list(allowed)
+
+    def parse(text: str) -> list[str]:
+        values = [x for x in text.split(",") if x]
+        bad = [x for x in values if x not in allowed]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"{','.join(bad) or text!r}: choose from {','.join(allowed)}")
+        return values
+
+    return parse
+
+
 def _load_function(target: str):
     """'pkg.mod:fn' or 'path/to/file.py:fn' -> the function."""
     import importlib
@@ -157,6 +197,31 @@ def build_parser() -> argparse.ArgumentParser:
                     help="memory an exercise may allocate (default: 1024)")
     gr.add_argument("--no-colour", "--no-color", action="store_true", help="plain text even on a terminal")
     gr.set_defaults(func=_cmd_grade)
+
+    be = sub.add_parser("bench", help="time attnlab's attention against torch's SDPA backends",
+                        description=BENCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    be.add_argument("--seq-lens", type=_int_list, default=[512, 1024, 2048, 4096, 8192, 16384], metavar="L,...",
+                    help="sequence lengths (L = S) (default: 512,1024,2048,4096,8192,16384)")
+    be.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="batch size (default: 1)")
+    be.add_argument("--heads", type=_positive_int, default=8, metavar="H", help="heads (default: 8)")
+    be.add_argument("--dim", type=_positive_int, default=64, metavar="E", help="head size (default: 64)")
+    be.add_argument("--impls", type=_choices(["reference", "tiled", "math", "flash"]),
+                    default=["reference", "tiled", "math", "flash"], metavar="NAME,...",
+                    help="reference,tiled (attnlab), math,flash (torch SDPA backends) (default: all)")
+    be.add_argument("--modes", type=_choices(["fwd", "fwd+bwd"]), default=["fwd", "fwd+bwd"], metavar="MODE,...",
+                    help="fwd,fwd+bwd (default: both)")
+    be.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="(default: both)")
+    be.add_argument("--dtypes", type=_choices(DTYPES), default=["float32", "bfloat16"], metavar="DTYPE,...",
+                    help="(default: float32,bfloat16)")
+    be.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per configuration (default: 5)")
+    be.add_argument("--warmup", type=int, default=1, help="untimed runs first (default: 1)")
+    be.add_argument("--threads", type=_positive_int, default=None, help="torch threads (default: torch's choice)")
+    be.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs (one process each)")
+    be.add_argument("--max-memory-gb", type=float, default=8.0,
+                    help="skip configurations estimated to need more (default: 8)")
+    be.add_argument("--csv", metavar="PATH", help="write every result as CSV")
+    be.add_argument("--plot", metavar="PATH", help="write GFLOP/s against L as a PNG (needs matplotlib)")
+    be.set_defaults(func=_cmd_bench)
     return parser
 
 
@@ -214,6 +279,43 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         if args.json:
             print(f"results written to {args.json}")
     return 0 if report.score == report.max_score else 1
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from attnlab import bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    width = 30
+
+    def progress(done: int, total: int, text: str) -> None:
+        if not sys.stderr.isatty():
+            return
+        filled = int(width * done / max(total, 1))
+        print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text:<45}", end="", file=sys.stderr,
+              flush=True)
+
+    results = bench.run_benchmarks(args.seq_lens, args.impls, args.modes, causals, args.dtypes, B=args.batch,
+                                   H=args.heads, E=args.dim, repeats=args.repeats, warmup=args.warmup,
+                                   memory=not args.no_memory, max_memory_gb=args.max_memory_gb, progress=progress)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(f"machine: {bench.machine_line()}\n")
+    print(bench.markdown_table(results))
+    if args.csv:
+        bench.write_csv(results, args.csv)
+        print(f"\nCSV written to {args.csv}")
+    if args.plot:
+        try:
+            bench.plot(results, args.plot)
+        except RuntimeError as exc:
+            print(f"attnlab bench: {exc}", file=sys.stderr)
+            return 2
+        print(f"plot written to {args.plot}")
+    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

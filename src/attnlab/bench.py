@@ -1,0 +1,311 @@
+"""``attnlab bench``: attnlab's attention against torch's, timed in the same run.
+
+Four implementations: attnlab's reference (``reference``), attnlab's tiled path
+(``tiled``), and torch SDPA pinned to its MATH (``math``) and FLASH_ATTENTION
+(``flash``) backends. For each configuration (length, forward or forward+backward,
+causal or not, dtype) every implementation is warmed up, then timed in interleaved
+rounds (reference, tiled, math, flash, reference, ...) so that a noisy neighbour
+slows all of them alike; the median is reported with GFLOP/s and the ratio to
+torch's fastest backend *in the same run*. Peak memory is measured separately,
+each configuration in a fresh process: how far one step raises the peak resident
+memory (``VmHWM``) above the process's size after a small warm-up run and the
+inputs ("peak +MiB").
+
+Configurations whose O(L^2) score tensors would not fit the memory budget are
+skipped and say so.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["Config", "Result", "run_benchmarks", "write_csv", "plot", "markdown_table", "IMPLS"]
+
+IMPLS = ("reference", "tiled", "math", "flash")
+TORCH_IMPLS = ("math", "flash")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class Config:
+    impl: str
+    L: int
+    mode: str  # "fwd" | "fwd+bwd"
+    causal: bool
+    dtype: str
+    B: int = 1
+    H: int = 8
+    E: int = 64
+
+    def flops(self) -> float:
+        """Matmul FLOPs: forward 2 matmuls of 2*L*L*E each; backward 5 more (FlashAttention's count)."""
+        fwd = 4.0 * self.B * self.H * self.L * self.L * self.E
+        if self.causal:
+            fwd /= 2
+        return fwd * (3.5 if self.mode == "fwd+bwd" else 1.0)
+
+    def scores_bytes(self) -> int:
+        """Size of one (B, H, L, L) float32 tensor: what the O(L^2) implementations materialise."""
+        return self.B * self.H * self.L * self.L * 4
+
+    def estimated_peak_bytes(self) -> int:
+        if self.impl in ("tiled", "flash"):
+            return 16 * self.B * self.H * self.L * self.E * 4
+        copies = 3 if self.mode == "fwd" else 6  # scores, weights, masked/dropout temporaries, grads
+        return copies * self.scores_bytes()
+
+
+@dataclass
+class Result:
+    config: Config
+    times_s: list[float] = field(default_factory=list)
+    status: str = "ok"  # ok | skipped: ... | error: ...
+    peak_mem_bytes: Optional[int] = None
+    ratio_vs_torch_best: Optional[float] = None
+
+    @property
+    def median_s(self) -> Optional[float]:
+        return statistics.median(self.times_s) if self.times_s else None
+
+    @property
+    def gflops(self) -> Optional[float]:
+        m = self.median_s
+        return self.config.flops() / m / 1e9 if m else None
+
+    def row(self) -> dict:
+        c = asdict(self.config)
+        return {**c, "median_ms": _fmt(self.median_s and self.median_s * 1e3), "gflops": _fmt(self.gflops),
+                "ratio_vs_torch_best": _fmt(self.ratio_vs_torch_best, 3),
+                "peak_mem_mib": _fmt(self.peak_mem_bytes and self.peak_mem_bytes / 2**20),
+                "repeats": len(self.times_s), "status": self.status}
+
+
+def _fmt(x: Optional[float], digits: int = 2) -> str:
+    return "" if x is None else f"{x:.{digits}f}"
+
+
+def _function(impl: str) -> Callable:
+    if impl == "reference":
+        from attnlab.functional import scaled_dot_product_attention
+
+        return lambda q, k, v, causal: scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if impl == "tiled":
+        from attnlab.tiled import flash_attention
+
+        return lambda q, k, v, causal: flash_attention(q, k, v, is_causal=causal)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as torch_sdpa
+
+    backend = SDPBackend.MATH if impl == "math" else SDPBackend.FLASH_ATTENTION
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backends=[backend]):  # exactly this backend: an error, never a fallback
+            return torch_sdpa(q, k, v, is_causal=causal)
+
+    return run
+
+
+def _inputs(c: Config, requires_grad: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(c.B, c.H, c.L, c.E, generator=g).to(DTYPES[c.dtype]).requires_grad_(requires_grad)
+               for _ in range(3))
+    grad = torch.randn(c.B, c.H, c.L, c.E, generator=g).to(DTYPES[c.dtype])
+    return q, k, v, grad
+
+
+def _step(fn: Callable, c: Config, q, k, v, grad) -> None:
+    out = fn(q, k, v, c.causal)
+    if c.mode == "fwd+bwd":
+        q.grad = k.grad = v.grad = None
+        out.backward(grad)
+
+
+def run_benchmarks(seq_lens: list[int], impls: list[str], modes: list[str], causals: list[bool], dtypes: list[str],
+                   *, B: int = 1, H: int = 8, E: int = 64, repeats: int = 5, warmup: int = 1, memory: bool = True,
+                   max_memory_gb: float = 8.0, progress: Optional[Callable[[int, int, str], None]] = None
+                   ) -> list[Result]:
+    """Time every configuration; implementations of one configuration are interleaved."""
+    groups = list(itertools.product(dtypes, modes, causals, seq_lens))
+    total = len(groups) * len(impls) * (2 if memory else 1)
+    done = 0
+    results: list[Result] = []
+    for dtype, mode, causal, L in groups:
+        group = [Result(Config(impl, L, mode, causal, dtype, B, H, E)) for impl in impls]
+        live = []
+        for r in group:
+            need = r.config.estimated_peak_bytes()
+            if need > max_memory_gb * 2**30:
+                r.status = f"skipped: needs ~{need / 2**30:.0f} GiB (> --max-memory-gb {max_memory_gb:g})"
+            else:
+                live.append(r)
+        q, k, v, grad = _inputs(group[0].config, mode == "fwd+bwd")
+        fns = {}
+        for r in live:
+            if progress:
+                progress(done, total, f"warm-up {r.config.impl} L={L} {mode} {'causal' if causal else ''} {dtype}")
+            try:
+                fns[r.config.impl] = _function(r.config.impl)
+                for _ in range(warmup):
+                    _step(fns[r.config.impl], r.config, q, k, v, grad)
+            except Exception as exc:  # e.g. a backend that does not support this dtype
+                r.status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        live = [r for r in live if r.status == "ok"]
+        for rep in range(repeats):
+            for r in live:  # interleaved: each round times every implementation once
+                t0 = time.perf_counter()
+                _step(fns[r.config.impl], r.config, q, k, v, grad)
+                r.times_s.append(time.perf_counter() - t0)
+        for r in group:
+            done += 1
+            if progress:
+                progress(done, total, f"{r.config.impl} L={L} {mode} {'causal' if causal else ''} {dtype}")
+        torch_best = [r.median_s for r in group if r.config.impl in TORCH_IMPLS and r.median_s]
+        for r in group:
+            if r.median_s and torch_best:
+                r.ratio_vs_torch_best = r.median_s / min(torch_best)
+        if memory:
+            for r in group:
+                if r.status == "ok":
+                    r.peak_mem_bytes = measure_peak_memory(r.config)
+                done += 1
+                if progress:
+                    progress(done, total, f"memory {r.config.impl} L={L} {mode} {dtype}")
+        results += group
+    return results
+
+
+# --------------------------------------------------------------------------- #
+# Peak memory, one fresh process per configuration
+# --------------------------------------------------------------------------- #
+
+
+def measure_peak_memory(c: Config) -> Optional[int]:
+    """Peak RSS growth of one step of ``c`` over a warmed-up baseline, in a fresh process."""
+    args = [sys.executable, "-m", "attnlab.bench", "--peak-memory-child", c.impl, str(c.L), c.mode,
+            str(int(c.causal)), c.dtype, str(c.B), str(c.H), str(c.E)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=1800, env=env, check=True)
+        return int(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def _proc_status_bytes(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field_name} in /proc/self/status")
+
+
+def peak_rss_growth(step: Callable[[], object]) -> int:
+    """How far ``step()`` raises this process's peak resident memory above its current one, in bytes.
+
+    Uses the peak of *this* address space (``VmHWM``, reset through ``/proc/self/clear_refs``)
+    rather than ``ru_maxrss``, which Linux carries over from the parent across fork and
+    exec, so a child of a big process would read that parent's size as its own.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+    except OSError:
+        pass
+    baseline = _proc_status_bytes("VmRSS")
+    step()
+    return max(0, _proc_status_bytes("VmHWM") - baseline)
+
+
+def _peak_memory_child(argv: list[str]) -> None:
+    impl, L, mode, causal, dtype, B, H, E = argv
+    c = Config(impl, int(L), mode, bool(int(causal)), dtype, int(B), int(H), int(E))
+    fn = _function(impl)
+    small = Config(impl, 16, mode, c.causal, dtype, c.B, c.H, c.E)
+    _step(fn, small, *_inputs(small, mode == "fwd+bwd"))  # allocators and kernels warmed up
+    q, k, v, grad = _inputs(c, mode == "fwd+bwd")
+    print(peak_rss_growth(lambda: _step(fn, c, q, k, v, grad)))
+
+
+# --------------------------------------------------------------------------- #
+# Output
+# --------------------------------------------------------------------------- #
+
+
+def write_csv(results: list[Result], path: str) -> None:
+    rows = [r.row() for r in results]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def markdown_table(results: list[Result]) -> str:
+    head = "| impl | L | mode | causal | dtype | median ms | GFLOP/s | x torch best | peak +MiB | note |"
+    lines = [head, "|" + "---|" * 10]
+    for r in results:
+        c, row = r.config, r.row()
+        note = "" if r.status == "ok" else r.status
+        lines.append(f"| {c.impl} | {c.L} | {c.mode} | {'yes' if c.causal else 'no'} | {c.dtype} | {row['median_ms']} "
+                     f"| {row['gflops']} | {row['ratio_vs_torch_best']} | {row['peak_mem_mib']} | {note} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: str) -> None:
+    """GFLOP/s against L, one panel per (mode, causal), one line per implementation and dtype."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("attnlab bench --plot needs matplotlib: pip install 'attnlab[bench]'") from None
+    panels = sorted({(r.config.mode, r.config.causal) for r in results})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    styles = {"float32": "-", "bfloat16": "--", "float16": ":", "float64": "-."}
+    for ax, (mode, causal) in zip(axes[0], panels):
+        for impl, dtype in sorted({(r.config.impl, r.config.dtype) for r in results}):
+            pts = sorted((r.config.L, r.gflops) for r in results if r.config.impl == impl and r.config.dtype == dtype
+                         and r.config.mode == mode and r.config.causal == causal and r.gflops)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], styles.get(dtype, "-"), marker="o",
+                        label=f"{impl} {dtype}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length L")
+        ax.set_ylabel("GFLOP/s")
+        ax.set_title(f"{mode}, {'causal' if causal else 'not causal'}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    c = results[0].config
+    fig.suptitle(f"attention, B={c.B} H={c.H} E={c.E}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def machine_line() -> str:
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{cpu}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+            f"Python {sys.version.split()[0]}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--peak-memory-child":
+        _peak_memory_child(sys.argv[2:])
+    else:
+        print("use `attnlab bench` (see `attnlab bench --help`)", file=sys.stderr)
+        sys.exit(2)
