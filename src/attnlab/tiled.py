@@ -39,7 +39,7 @@ __all__ = ["flash_attention", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
 
 LOG2E = math.log2(math.e)
 DEFAULT_BLOCK_Q = 256
-DEFAULT_BLOCK_K = 512
+DEFAULT_BLOCK_K = 256
 
 
 def flash_attention(
@@ -73,7 +73,7 @@ def flash_attention(
         scale: default ``1 / sqrt(E)``.
         enable_gqa: query heads ``h`` use key/value head ``h // (H // Hkv)``; K and V are
             not repeated.
-        block_q, block_k: tile sizes (default 256 x 512); any positive ints, the
+        block_q, block_k: tile sizes (default 256 x 256, the best measured here); any positive ints, the
             lengths need not be multiples.
 
     Returns:
@@ -157,10 +157,14 @@ def _key_blocks(i0: int, i1: int, S: int, bk: int, is_causal: bool) -> range:
 # --------------------------------------------------------------------------- #
 
 
-def _masked_scores(q_tile: Tensor, k3: Tensor, j0: int, j1: int, mask_tile: Optional[Tensor],
+def _masked_scores(q_tile: Tensor, kT: Tensor, j0: int, j1: int, mask_tile: Optional[Tensor],
                    causal: Optional[Tensor]) -> Tensor:
-    """Scores of one tile in base 2: ``(Nb, r * bq, bk)`` (q_tile is pre-scaled by scale * log2(e))."""
-    s = torch.bmm(q_tile, k3[:, j0:j1].transpose(1, 2))  # (Nb, r*bq, bk)
+    """Scores of one tile in base 2: ``(Nb, r * bq, bk)`` (q_tile is pre-scaled by scale * log2(e)).
+
+    ``kT`` is K transposed once up front, ``(Nb, E, S)``: a column slice of it is a plain
+    strided matrix for the GEMM, which measured a few percent faster than a transposed view.
+    """
+    s = torch.bmm(q_tile, kT[:, :, j0:j1])  # (Nb, r*bq, bk)
     if mask_tile is not None:
         if mask_tile.dtype == torch.bool:
             s.masked_fill_(~mask_tile, float("-inf"))
@@ -178,6 +182,7 @@ def _forward(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Optional
     S, Ev = k3.shape[1], v3.shape[2]
     out = q4.new_empty(Nb, r, L, Ev)
     lse2 = q4.new_empty(Nb, r, L)
+    kT = k3.transpose(1, 2).contiguous()  # (Nb, E, S)
     for i0 in range(0, L, bq):
         i1 = min(L, i0 + bq)
         n = r * (i1 - i0)
@@ -189,7 +194,7 @@ def _forward(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Optional
             j1 = min(S, j0 + bk)
             mt = layout.mask_tile(mask, i0, i1, j0, j1, L, S) if mask is not None else None
             ct = _causal_tile(i0, i1, j0, j1, r, q4.device) if is_causal else None
-            s = _masked_scores(q_tile, k3, j0, j1, mt, ct)  # (Nb, n, bk)
+            s = _masked_scores(q_tile, kT, j0, j1, mt, ct)  # (Nb, n, bk)
             # m_new = max(m_i, rowmax(s)); a row still all -inf keeps shift 0 (no -inf - -inf)
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
             shift = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
@@ -212,6 +217,7 @@ def _backward(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse
     S = k3.shape[1]
     scale2 = scale * LOG2E
     dq = torch.zeros_like(q4)
+    kT = k3.transpose(1, 2).contiguous()  # (Nb, E, S)
     dk = torch.zeros_like(k3)
     dv = torch.zeros_like(v3)
     # D_i = rowsum(dO_i * O_i): the softmax-Jacobian term, one number per query row
@@ -231,7 +237,7 @@ def _backward(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse
             j1 = min(S, j0 + bk)
             mt = layout.mask_tile(mask, i0, i1, j0, j1, L, S) if mask is not None else None
             ct = _causal_tile(i0, i1, j0, j1, r, q4.device) if is_causal else None
-            p = torch.exp2(_masked_scores(q_scaled, k3, j0, j1, mt, ct).sub_(lse_tile))  # P_ij (Nb, n, bk)
+            p = torch.exp2(_masked_scores(q_scaled, kT, j0, j1, mt, ct).sub_(lse_tile))  # P_ij (Nb, n, bk)
             dv[:, j0:j1].baddbmm_(p.transpose(1, 2), do_tile)  # dV_j += P^T dO_i
             dp = torch.bmm(do_tile, v3[:, j0:j1].transpose(1, 2))  # dP = dO_i V_j^T
             ds = p.mul_(dp.sub_(d_tile))  # dS = P * (dP - D_i), in place over P
