@@ -2,7 +2,6 @@
 learner misbehaviour crashes the grader or passes a check."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

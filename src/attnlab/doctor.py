@@ -141,7 +141,7 @@ def _model_attention(m: BugModel, q: Tensor, k: Tensor, v: Tensor, attn_mask: Op
                      is_causal: bool, scale: Optional[float]) -> Optional[Tensor]:
     """The bug model's output in float64, or None where its shapes do not fit."""
     q, k, v = q.double(), k.double(), v.double()
-    E, Ev, L, S = q.shape[-1], v.shape[-1], q.shape[-2], k.shape[-2]
+    E, Ev, S = q.shape[-1], v.shape[-1], k.shape[-2]
     factor = {
         "sdpa": 1 / math.sqrt(E) if scale is None else scale,
         "one": 1.0,

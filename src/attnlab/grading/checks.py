@@ -584,7 +584,7 @@ def judge_outcome(ex: Exercise, ctx: Any, outcome: Outcome) -> dict[str, Verdict
                                               "This lab builds attention from scratch: use exp, sum and matmul "
                                               "(torch's softmax/SDPA are allowed only in compare_with_sdpa)",
                                        [{"code": "policy", "message": f"called {names}"}]))
-    stub = [r for r in outcome.results if "NotImplementedError" in r.get("error", "")]
+    stub = [r for r in outcome.results if r.get("error", "").startswith(NotImplementedError.__name__)]
     if stub:
         todo = stub[0]["error"].split(":", 1)[-1].strip()
         return _all(ex.checks, Verdict(False, f"not implemented yet: {todo}", [{"code": "not_implemented",
