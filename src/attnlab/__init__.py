@@ -19,6 +19,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionTrace",
+    "KVCache",
+    "MultiHeadAttention",
     "SelfAttention",
     "attention",
     "flash_attention",
@@ -44,6 +46,8 @@ _LAZY = {
     "use_impl": ("attnlab.dispatch", "use_impl"),
     "flash_attention": ("attnlab.tiled", "flash_attention"),
     "SelfAttention": ("attnlab.modules", "SelfAttention"),
+    "MultiHeadAttention": ("attnlab.modules", "MultiHeadAttention"),
+    "KVCache": ("attnlab.modules", "KVCache"),
     "stable_softmax": ("attnlab.softmax", "stable_softmax"),
     "AttentionTrace": ("attnlab.trace", "AttentionTrace"),
     "TraceStep": ("attnlab.trace", "TraceStep"),

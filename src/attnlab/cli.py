@@ -95,6 +95,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _lengths_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected integers >= 0, got {text!r}")
+    return values
+
+
 def _choices(allowed):
     allowed = list(allowed)
 
@@ -222,6 +232,26 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--csv", metavar="PATH", help="write every result as CSV")
     be.add_argument("--plot", metavar="PATH", help="write GFLOP/s against L as a PNG (needs matplotlib)")
     be.set_defaults(func=_cmd_bench)
+
+    ma = sub.add_parser("masks", help="print attention masks as matrices (# = attend, . = masked)",
+                        description="Print a mask as a matrix: one row per query, one column per key, "
+                                    "'#' = attend (True), '.' = masked.",
+                        epilog="examples:\n  attnlab masks show causal --L 4 --S 6\n"
+                               "  attnlab masks show causal --L 4 --S 6 --align bottom_right\n"
+                               "  attnlab masks show sliding_window --L 6 --S 6 --window 3\n"
+                               "  attnlab masks show padding --lengths 3,1 --S 4",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ma_sub = ma.add_subparsers(dest="masks_command", metavar="show")
+    show = ma_sub.add_parser("show", help="print one mask")
+    show.add_argument("kind", choices=["causal", "sliding_window", "padding"])
+    show.add_argument("--L", type=int, default=4, help="queries (default: 4)")
+    show.add_argument("--S", type=int, default=None, help="keys (default: L)")
+    show.add_argument("--align", choices=["top_left", "bottom_right"], default="top_left",
+                      help="causal alignment (default: top_left, SDPA's is_causal)")
+    show.add_argument("--window", type=_positive_int, default=2, help="sliding window size (default: 2)")
+    show.add_argument("--lengths", type=_lengths_list, default=[3, 1],
+                      help="padding: real lengths (default: 3,1)")
+    ma.set_defaults(func=_cmd_masks)
     return parser
 
 
@@ -315,6 +345,33 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"attnlab bench: {exc}", file=sys.stderr)
             return 2
         print(f"plot written to {args.plot}")
+    return 0
+
+
+def _cmd_masks(args: argparse.Namespace) -> int:
+    from attnlab import masks
+
+    if getattr(args, "masks_command", None) != "show":
+        print("usage: attnlab masks show {causal,sliding_window,padding} [options]; see --help", file=sys.stderr)
+        return 2
+    S = args.S if args.S is not None else args.L
+    try:
+        if args.kind == "causal":
+            m = masks.causal(args.L, S, align=args.align)
+            title = f"causal, L={args.L}, S={S}, align={args.align}"
+        elif args.kind == "sliding_window":
+            m = masks.sliding_window(args.L, S, args.window, align=args.align)
+            title = f"sliding_window, L={args.L}, S={S}, window={args.window}, align={args.align}"
+        else:
+            pad = masks.padding(args.lengths, S)  # (B, 1, 1, S)
+            print(f"padding, lengths={args.lengths}, S={S} (one row per sequence)")
+            print(masks.render(pad[:, 0, 0, :]))
+            return 0
+    except ValueError as exc:
+        print(f"attnlab masks: {exc}", file=sys.stderr)
+        return 2
+    print(title)
+    print(masks.render(m))
     return 0
 
 

@@ -8,11 +8,12 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from attnlab import dispatch, masks
 from attnlab import functional as F_
 from attnlab._validation import validate
 from attnlab.trace import AttentionTrace
 
-__all__ = ["SelfAttention"]
+__all__ = ["SelfAttention", "MultiHeadAttention", "KVCache"]
 
 
 class SelfAttention(nn.Module):
@@ -164,3 +165,256 @@ class SelfAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, d_k={self.d_k}, d_v={self.d_v}, bias={self.b_Q is not None}"
+
+
+class KVCache:
+    """Keys and values of the tokens decoded so far, for one :class:`MultiHeadAttention`.
+
+    Holds ``(B, Hkv, T, head_dim)`` keys and values: with grouped-query attention only
+    the key/value heads are stored. ``max_len`` preallocates (and caps) the cache;
+    without it the cache grows as tokens arrive.
+
+    Args:
+        batch: B.
+        num_kv_heads: Hkv.
+        head_dim: the size of one head.
+        max_len: capacity in tokens, or None to grow without a cap.
+        dtype, device: of the stored tensors.
+    """
+
+    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, max_len: Optional[int] = None,
+                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> None:
+        self.batch, self.num_kv_heads, self.head_dim, self.max_len = batch, num_kv_heads, head_dim, max_len
+        capacity = max_len if max_len is not None else 0
+        self._k = torch.zeros(batch, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self._v = torch.zeros_like(self._k)
+        self.length = 0
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add ``(B, Hkv, T_new, head_dim)`` keys and values; return all of them so far."""
+        expected = (self.batch, self.num_kv_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != expected:
+                raise ValueError(f"KVCache.append: {name} must be (B={self.batch}, Hkv={self.num_kv_heads}, T, "
+                                 f"head_dim={self.head_dim}), got {tuple(t.shape)}")
+        new = k.shape[2]
+        if self.max_len is not None and self.length + new > self.max_len:
+            raise ValueError(f"KVCache.append: the cache is full: {self.length} + {new} tokens > max_len="
+                             f"{self.max_len}; make a larger cache or start a new one")
+        if self.max_len is None:
+            self._k = torch.cat([self._k[:, :, : self.length], k.detach()], dim=2)
+            self._v = torch.cat([self._v[:, :, : self.length], v.detach()], dim=2)
+        else:
+            self._k[:, :, self.length:self.length + new] = k.detach()
+            self._v[:, :, self.length:self.length + new] = v.detach()
+        self.length += new
+        return self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with grouped-query heads, cross attention and a KV cache.
+
+    ``Q = query @ W_q``, ``K = key @ W_k``, ``V = value @ W_v`` split into heads, attention
+    per head (attnlab's own), heads merged and projected by ``out_proj``::
+
+        query (B, L, d_model) -> Q (B, H, L, hd)      hd = d_model / H
+        key   (B, S, kdim)    -> K (B, Hkv, S, hd)    Hkv = num_kv_heads (GQA when < H)
+        value (B, S, vdim)    -> V (B, Hkv, S, hd)
+        attention             -> (B, H, L, hd) -> merge -> (B, L, d_model) -> out_proj
+
+    Query heads ``0..H/Hkv-1`` share key/value head 0 (SDPA's ``enable_gqa`` grouping).
+
+    **Mask polarity: True = attend**, everywhere in attnlab, this module's ``attn_mask``
+    and ``key_padding_mask`` included (``key_padding_mask[b, j] = True`` means key ``j``
+    is a real token). ``torch.nn.MultiheadAttention`` uses the opposite, True = ignore,
+    for both. Float masks are additive in both. Pass ``~mask`` for a bool mask written for
+    torch's module; :meth:`from_torch` and :meth:`to_torch` move weights only, never masks.
+
+    Args:
+        d_model: embedding size (and output size); a multiple of ``num_heads``.
+        num_heads: H.
+        num_kv_heads: Hkv, a divisor of H (default H; 1 is multi-query attention).
+        bias: biases in the four projections.
+        dropout: attention-weight dropout, applied in training mode only.
+        batch_first: inputs ``(B, L, E)`` (True) or ``(L, B, E)`` (False).
+        kdim, vdim: feature sizes of ``key`` and ``value`` (default ``d_model``).
+    """
+
+    def __init__(self, d_model: int, num_heads: int, num_kv_heads: Optional[int] = None, bias: bool = True,
+                 dropout: float = 0.0, batch_first: bool = True, kdim: Optional[int] = None,
+                 vdim: Optional[int] = None) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, n in (("d_model", d_model), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise ValueError(f"MultiHeadAttention: {name} must be a positive int, got {n!r}")
+        if d_model % num_heads:
+            raise ValueError(f"MultiHeadAttention: d_model={d_model} must be a multiple of num_heads={num_heads}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"MultiHeadAttention: num_heads={num_heads} must be a multiple of "
+                             f"num_kv_heads={num_kv_heads}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"MultiHeadAttention: dropout must be in [0, 1), got {dropout}")
+        self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
+        self.head_dim = d_model // num_heads
+        self.kdim, self.vdim = kdim or d_model, vdim or d_model
+        self.dropout, self.batch_first = dropout, batch_first
+        kv_out = num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.k_proj = nn.Linear(self.kdim, kv_out, bias=bias)
+        self.v_proj = nn.Linear(self.vdim, kv_out, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"batch_first={self.batch_first}")
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, query: Tensor, key: Optional[Tensor] = None, value: Optional[Tensor] = None,
+                attn_mask: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None,
+                is_causal: bool = False, need_weights: bool = False, average_attn_weights: bool = True,
+                kv_cache: Optional[KVCache] = None) -> tuple[Tensor, Optional[Tensor]]:
+        """Attend from ``query`` to ``key``/``value`` (default: to ``query`` itself).
+
+        Args:
+            query: ``(B, L, d_model)`` (``(L, B, d_model)`` when not batch_first).
+            key: ``(B, S, kdim)``; default ``query`` (self-attention).
+            value: ``(B, S, vdim)``; default ``key``.
+            attn_mask: bool (True = attend) or float (added): ``(L, S)`` or ``(B * H, L, S)``.
+            key_padding_mask: ``(B, S)``, bool (True = real token) or float (added).
+            is_causal: a causal mask, top-left aligned; with ``kv_cache`` bottom-right, so
+                the new tokens see every cached one.
+            need_weights: also return the attention weights (computed with the reference).
+            average_attn_weights: average the weights over heads: ``(B, L, S)``, else
+                ``(B, H, L, S)``.
+            kv_cache: a :class:`KVCache`; the new keys/values are appended and attention
+                runs over everything cached (self-attention decoding).
+
+        Returns:
+            ``(output (B, L, d_model), weights or None)``.
+        """
+        key = query if key is None else key
+        value = key if value is None else value
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        self._check(query, key, value)
+        B, L, _ = query.shape
+        H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(query).view(B, L, H, hd).transpose(1, 2)  # (B, H, L, hd)
+        k = self.k_proj(key).view(B, key.shape[1], Hkv, hd).transpose(1, 2)  # (B, Hkv, S, hd)
+        v = self.v_proj(value).view(B, value.shape[1], Hkv, hd).transpose(1, 2)  # (B, Hkv, S, hd)
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)  # (B, Hkv, cached + S, hd)
+        S = k.shape[2]
+
+        mask = self._combined_mask(attn_mask, key_padding_mask, is_causal, B, L, S, kv_cache is not None, q)
+        gqa = Hkv != H
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:
+            w = F_.attention_weights(q, k, attn_mask=mask, enable_gqa=gqa)  # (B, H, L, S)
+            if dropout_p > 0:
+                w = F_._dropout(w, dropout_p)
+            v_full = F_._repeat_kv_heads(v, q) if gqa else v
+            out = w @ v_full  # (B, H, L, hd)
+            weights = w.mean(dim=1) if average_attn_weights else w
+        else:
+            out = dispatch.attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+            weights = None
+        out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.d_model))  # (B, L, d_model)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights
+
+    def _check(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        layout = "(B, L, E)" if self.batch_first else "(L, B, E)"
+        for name, t, dim in (("query", query, self.d_model), ("key", key, self.kdim), ("value", value, self.vdim)):
+            if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[-1] != dim:
+                raise ValueError(f"MultiHeadAttention: {name} must be {layout} with E={dim}, got "
+                                 f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != query.shape[0]:
+            raise ValueError(f"MultiHeadAttention: key {tuple(key.shape)} and value {tuple(value.shape)} must "
+                             f"share B and S, and B must match query {tuple(query.shape)}")
+
+    def _combined_mask(self, attn_mask, key_padding_mask, is_causal, B, L, S, decoding, q) -> Optional[Tensor]:
+        """All masks as one, broadcastable to (B, H, L, S): bool when every part is bool, else additive."""
+        parts = []
+        if attn_mask is not None:
+            if attn_mask.dim() == 3:  # (B * H, L, S), as torch's module takes it
+                attn_mask = attn_mask.view(B, self.num_heads, L, S)
+            elif attn_mask.dim() != 2:
+                raise ValueError(f"MultiHeadAttention: attn_mask must be (L, S) or (B * num_heads, L, S), got "
+                                 f"{tuple(attn_mask.shape)}")
+            parts.append(attn_mask)
+        if key_padding_mask is not None:
+            if tuple(key_padding_mask.shape) != (B, S):
+                raise ValueError(f"MultiHeadAttention: key_padding_mask must be (B, S) = {(B, S)} (True = real "
+                                 f"token), got {tuple(key_padding_mask.shape)}")
+            parts.append(key_padding_mask[:, None, None, :])  # (B, 1, 1, S)
+        if is_causal:
+            parts.append(masks.causal(L, S, align="bottom_right" if decoding else "top_left", device=q.device))
+        if not parts:
+            return None
+        if all(p.dtype == torch.bool for p in parts):
+            return masks.both(*parts)
+        total = None
+        for p in parts:
+            add = masks.to_additive(p, q.dtype) if p.dtype == torch.bool else p.to(q.dtype)
+            total = add if total is None else total + add
+        return total
+
+    # ------------------------------------------------------------------ torch interop
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention) -> "MultiHeadAttention":
+        """The same weights as a ``torch.nn.MultiheadAttention`` (outputs and weights match,
+        given masks in attnlab's polarity: True = attend)."""
+        if not isinstance(module, nn.MultiheadAttention):
+            raise TypeError(f"MultiHeadAttention.from_torch: expected nn.MultiheadAttention, got "
+                            f"{type(module).__name__}")
+        if module.bias_k is not None or module.add_zero_attn:
+            raise ValueError("MultiHeadAttention.from_torch: add_bias_kv and add_zero_attn are not supported")
+        E = module.embed_dim
+        bias = module.in_proj_bias is not None
+        ours = cls(E, module.num_heads, bias=bias, dropout=module.dropout, batch_first=module.batch_first,
+                   kdim=module.kdim, vdim=module.vdim).to(module.out_proj.weight.dtype)
+        with torch.no_grad():
+            if module._qkv_same_embed_dim:
+                wq, wk, wv = module.in_proj_weight.chunk(3)
+            else:
+                wq, wk, wv = module.q_proj_weight, module.k_proj_weight, module.v_proj_weight
+            for proj, w in ((ours.q_proj, wq), (ours.k_proj, wk), (ours.v_proj, wv)):
+                proj.weight.copy_(w)
+            if bias:
+                for proj, b in zip((ours.q_proj, ours.k_proj, ours.v_proj), module.in_proj_bias.chunk(3)):
+                    proj.bias.copy_(b)
+            ours.out_proj.weight.copy_(module.out_proj.weight)
+            if bias:
+                ours.out_proj.bias.copy_(module.out_proj.bias)
+        return ours
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """A ``torch.nn.MultiheadAttention`` with these weights (not for grouped-query heads).
+        Remember its masks use True = ignore."""
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(f"MultiHeadAttention.to_torch: torch's module has no grouped-query heads "
+                             f"(num_kv_heads={self.num_kv_heads} != num_heads={self.num_heads})")
+        bias = self.q_proj.bias is not None
+        kdim = None if self.kdim == self.d_model else self.kdim
+        vdim = None if self.vdim == self.d_model else self.vdim
+        module = nn.MultiheadAttention(self.d_model, self.num_heads, dropout=self.dropout, bias=bias,
+                                       kdim=kdim, vdim=vdim, batch_first=self.batch_first)
+        module = module.to(self.q_proj.weight.dtype)
+        with torch.no_grad():
+            if module._qkv_same_embed_dim:
+                module.in_proj_weight.copy_(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]))
+            else:
+                module.q_proj_weight.copy_(self.q_proj.weight)
+                module.k_proj_weight.copy_(self.k_proj.weight)
+                module.v_proj_weight.copy_(self.v_proj.weight)
+            if bias:
+                module.in_proj_bias.copy_(torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]))
+                module.out_proj.bias.copy_(self.out_proj.bias)
+            module.out_proj.weight.copy_(self.out_proj.weight)
+        return module
