@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.attnlab-installed
 
-.PHONY: demo test test-large clean help
+.PHONY: demo test test-large clean help browser
 
 help:
 	@echo "make demo        set up .venv and print the lesson's worked example"
@@ -22,8 +22,16 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/attnlab example
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest
+
+# The HTML explainer's test opens the page in headless Chromium (Debian's package).
+# Installed here when missing and apt-get is usable as root; otherwise that test says it cannot run.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] \
+	  && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
+	  && echo "installed chromium for the HTML page test"; } \
+	  || echo "note: chromium is not installed; the HTML page test will say it cannot run"
 
 test-large: $(STAMP)
 	$(BIN)/python -m pytest -m large

@@ -229,7 +229,7 @@ def test_json_follows_gradescope_schema(tmp_path):
     path = make_variant(tmp_path, (SCORES_LINE, "return Q @ K.transpose(-2, -1)"))
     out = tmp_path / "results.json"
     proc = subprocess.run([sys.executable, "-m", "attnlab", "grade", str(path), "--json", str(out), "--no-colour"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr
     assert "forgot the 1/sqrt(d_k) scale" in proc.stdout and "\033[" not in proc.stdout
     data = json.loads(out.read_text())
@@ -241,6 +241,10 @@ def test_json_follows_gradescope_schema(tmp_path):
     failed = [t for t in data["tests"] if t["name"] == "ex2 attention_scores: values"][0]
     assert failed["score"] == 0 and "missing_scale" in failed["tags"]
     assert any(d["code"] == "missing_scale" for d in data["extra_data"]["diagnostics"])
+    # a picture of yours vs the reference for the failed numeric check, named in both reports
+    picture = data["extra_data"]["images"]["ex2 attention_scores: values"]
+    assert (tmp_path / picture).stat().st_size > 10_000 and f"picture: {picture}" in failed["output"]
+    assert f"picture: {picture}" in proc.stdout
 
 
 def test_json_is_written_even_when_everything_fails(tmp_path):
@@ -248,7 +252,7 @@ def test_json_is_written_even_when_everything_fails(tmp_path):
     bad.write_text("def broken(:\n")
     out = tmp_path / "results.json"
     proc = subprocess.run([sys.executable, "-m", "attnlab", "grade", str(bad), "--json", str(out)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 1
     data = json.loads(out.read_text())
     assert data["score"] == 0 and len(data["tests"]) == sum(len(ex.checks) for ex in EXERCISES)

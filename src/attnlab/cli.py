@@ -160,6 +160,18 @@ def _positive_int(text: str) -> int:
 DTYPES = ["float32", "float64", "float16", "bfloat16"]  # attnlab.example.DTYPES, without importing torch
 
 
+def _add_example_options(p: argparse.ArgumentParser) -> None:
+    """The worked example's options, shared by `example`, `plot example` and `explain`."""
+    p.add_argument("--seed", type=int, default=42, help="random seed for X and the weights (default: 42)")
+    p.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="batch size B (default: 1)")
+    p.add_argument("--seq-len", type=_positive_int, default=4, metavar="T", help="sequence length T (default: 4)")
+    p.add_argument("--d-model", type=_positive_int, default=8, metavar="d", help="embedding size d (default: 8)")
+    p.add_argument("--d-k", type=_positive_int, default=4, help="query/key size d_k (default: 4)")
+    p.add_argument("--d-v", type=_positive_int, default=4, help="value size d_v (default: 4)")
+    p.add_argument("--causal", action="store_true", help="apply a causal mask (position i sees 0..i)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32", help="compute dtype (default: float32)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attnlab",
@@ -171,14 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("example", help="print the lesson's worked example, step by step, and its parity with torch",
                         description=EXAMPLE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ex.add_argument("--seed", type=int, default=42, help="random seed for X and the weights (default: 42)")
-    ex.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="batch size B (default: 1)")
-    ex.add_argument("--seq-len", type=_positive_int, default=4, metavar="T", help="sequence length T (default: 4)")
-    ex.add_argument("--d-model", type=_positive_int, default=8, metavar="d", help="embedding size d (default: 8)")
-    ex.add_argument("--d-k", type=_positive_int, default=4, help="query/key size d_k (default: 4)")
-    ex.add_argument("--d-v", type=_positive_int, default=4, help="value size d_v (default: 4)")
-    ex.add_argument("--causal", action="store_true", help="apply a causal mask (position i sees 0..i)")
-    ex.add_argument("--dtype", choices=list(DTYPES), default="float32", help="compute dtype (default: float32)")
+    _add_example_options(ex)
     ex.add_argument("--json", action="store_true",
                     help="print one JSON object instead: keys X, Q, K, V, scores, scores_shifted, weights, "
                          "output (nested lists; -inf as the string \"-Infinity\"), config, max_abs_diff_vs_sdpa")
@@ -206,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("--memory-mb", type=_positive_int, default=1024, metavar="MB",
                     help="memory an exercise may allocate (default: 1024)")
     gr.add_argument("--no-colour", "--no-color", action="store_true", help="plain text even on a terminal")
+    gr.add_argument("--images", default="attnlab-grade-images", metavar="DIR",
+                    help="where to save a yours/reference/difference picture for each failed numeric check "
+                         "(default: ./attnlab-grade-images; needs matplotlib)")
+    gr.add_argument("--no-images", action="store_true", help="save no pictures")
     gr.set_defaults(func=_cmd_grade)
 
     be = sub.add_parser("bench", help="time attnlab's attention against torch's SDPA backends",
@@ -233,6 +242,26 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--plot", metavar="PATH", help="write GFLOP/s against L as a PNG (needs matplotlib)")
     be.set_defaults(func=_cmd_bench)
 
+    pl = sub.add_parser("plot", help="draw the worked example's four panels to a PNG or SVG",
+                        description="Draw the lesson's four panels (X -> Q, K, V; scores with the mask; weights; "
+                                    "output) with the real numbers of a run. Needs matplotlib.",
+                        epilog="example:\n  attnlab plot example --out steps.png --causal",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    pl.add_argument("what", choices=["example"], help="what to draw")
+    pl.add_argument("--out", required=True, help="output file, .png or .svg")
+    _add_example_options(pl)
+    pl.set_defaults(func=_cmd_plot)
+
+    exp = sub.add_parser("explain", help="write one offline HTML page that walks through the worked example",
+                         description="Write a self-contained HTML page (inline CSS, JS and SVG; nothing is fetched) "
+                                     "with each step's matrix, heatmap, shape and a text equivalent, and a "
+                                     "checkbox for the causal mask. Up to 64 positions (a warning above).",
+                         epilog="example:\n  attnlab explain --out explain.html",
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    exp.add_argument("--out", required=True, help="the HTML file to write")
+    _add_example_options(exp)
+    exp.set_defaults(func=_cmd_explain)
+
     ma = sub.add_parser("masks", help="print attention masks as matrices (# = attend, . = masked)",
                         description="Print a mask as a matrix: one row per query, one column per key, "
                                     "'#' = attend (True), '.' = masked.",
@@ -256,11 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_example(args: argparse.Namespace) -> int:
-    from attnlab.example import ExampleConfig, format_example, run_example
+    from attnlab.example import format_example, run_example
 
-    config = ExampleConfig(seed=args.seed, batch=args.batch, seq_len=args.seq_len, d_model=args.d_model,
-                           d_k=args.d_k, d_v=args.d_v, causal=args.causal, dtype=args.dtype)
-    result = run_example(config)
+    result = run_example(_example_config(args))
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -294,7 +321,8 @@ def _cmd_grade(args: argparse.Namespace) -> int:
     if not to_stdout and sys.stderr.isatty():
         progress = lambda text: print(f"\rgrading {text:<40}", end="", file=sys.stderr, flush=True)  # noqa: E731
     limits = Limits(timeout_s=args.timeout, memory_mb=args.memory_mb)
-    report = grade(args.path, limits=limits, total_timeout_s=args.total_timeout, progress=progress)
+    report = grade(args.path, limits=limits, total_timeout_s=args.total_timeout, progress=progress,
+                   images_dir=None if args.no_images else args.images)
     if progress:
         print("\r" + " " * 50 + "\r", end="", file=sys.stderr, flush=True)
     if args.json:
@@ -345,6 +373,44 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             print(f"attnlab bench: {exc}", file=sys.stderr)
             return 2
         print(f"plot written to {args.plot}")
+    return 0
+
+
+def _example_config(args: argparse.Namespace):
+    from attnlab.example import ExampleConfig
+
+    return ExampleConfig(seed=args.seed, batch=args.batch, seq_len=args.seq_len, d_model=args.d_model,
+                         d_k=args.d_k, d_v=args.d_v, causal=args.causal, dtype=args.dtype)
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from attnlab import viz
+    from attnlab.example import run_example
+
+    if not args.out.lower().endswith((".png", ".svg")):
+        print(f"attnlab plot: --out must end in .png or .svg, got {args.out!r}", file=sys.stderr)
+        return 2
+    try:
+        fig = viz.steps(run_example(_example_config(args)).trace)
+    except ImportError as exc:
+        print(f"attnlab plot: {exc}", file=sys.stderr)
+        return 2
+    viz.save(fig, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    try:
+        from attnlab.viz.explain import explain_html
+
+        page = explain_html(_example_config(args))
+    except ImportError as exc:
+        print(f"attnlab explain: {exc}", file=sys.stderr)
+        return 2
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(page)
+    print(f"wrote {args.out} ({len(page) // 1024} KB); open it in any browser, no network needed")
     return 0
 
 

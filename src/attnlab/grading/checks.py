@@ -33,6 +33,7 @@ class Verdict:
     passed: bool
     message: str = ""
     findings: list[dict] = field(default_factory=list)  # {"code", "message"} from the doctor or a check
+    arrays: Optional[tuple[Tensor, Tensor]] = None  # (learner's, reference) of a failed numeric check
 
 
 @dataclass
@@ -110,9 +111,10 @@ def tensor_verdict(got: Any, expected: Tensor, what: str,
                 torch.equal(got, wrong) if wrong.dtype == torch.bool else close(got, wrong)):
             if got.shape == expected.shape and close(got, expected):
                 break  # indistinguishable on these inputs: it is right
-            return Verdict(False, f"{what}: {message}", [{"code": code, "message": message}])
+            return Verdict(False, f"{what}: {message}", [{"code": code, "message": message}], (got, expected))
     if got.shape != expected.shape:
-        return Verdict(False, f"{what}: expected shape {list(expected.shape)}, got {list(got.shape)}")
+        return Verdict(False, f"{what}: expected shape {list(expected.shape)}, got {list(got.shape)}",
+                       arrays=(got, expected))
     if expected.dtype == torch.bool:
         if torch.equal(got, expected):
             return Verdict(True)
@@ -121,8 +123,9 @@ def tensor_verdict(got: Any, expected: Tensor, what: str,
     if close(got, expected):
         return Verdict(True)
     if not torch.isfinite(got).all() and torch.isfinite(expected).all():
-        return Verdict(False, f"{what}: contains NaN/inf where the reference is finite")
-    return Verdict(False, f"{what}: values differ from the reference by up to {max_abs_diff(got, expected):.3g}")
+        return Verdict(False, f"{what}: contains NaN/inf where the reference is finite", arrays=(got, expected))
+    return Verdict(False, f"{what}: values differ from the reference by up to {max_abs_diff(got, expected):.3g}",
+                   arrays=(got, expected))
 
 
 _SHAPE_ERRORS = ("must match the size", "cannot be multiplied", "Expected size for first two dimensions",

@@ -43,6 +43,7 @@ class TestResult:
     score: float
     max_score: float
     verdict: Verdict
+    image: Optional[str] = None  # yours / reference / difference picture of a failed numeric check
 
     @property
     def name(self) -> str:
@@ -55,6 +56,8 @@ class TestResult:
         for f in self.verdict.findings:
             if f["message"] not in self.verdict.message:
                 lines.append(f"-> [{f['code']}] {f['message']}")
+        if self.image:
+            lines.append(f"picture: {self.image}")
         return "\n".join(lines)
 
 
@@ -116,6 +119,9 @@ class GradeReport:
             for (code, message), _ in findings.items():
                 if not any(message in r.verdict.message for r in failed):
                     lines.append(f"      {yellow}-> [{code}] {message}{reset}")
+            for r in failed:
+                if r.image:
+                    lines.append(f"      {dim}picture: {r.image}{reset}")
         total = f"{self.score:g}/{self.max_score:g}"
         lines += ["", f"{bold}Score: {total}{reset}   ({self.elapsed_s:.1f} s)"]
         nxt = self.first_unfinished()
@@ -151,12 +157,14 @@ class GradeReport:
                 "file": str(self.path),
                 "exercises": {k: {"score": s, "max_score": m} for k, (s, m) in self.exercise_scores().items()},
                 "diagnostics": [{"test": r.name, **f} for r in self.results for f in r.verdict.findings],
+                "images": {r.name: r.image for r in self.results if r.image},
             },
         }
 
 
 def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), total_timeout_s: float = 60.0,
-          progress: Optional[Callable[[str], None]] = None, seed: int = 0) -> GradeReport:
+          progress: Optional[Callable[[str], None]] = None, seed: int = 0,
+          images_dir: Optional[os.PathLike] = None) -> GradeReport:
     """Grade a learner's file. Never raises because of the learner's code.
 
     Args:
@@ -165,6 +173,8 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         total_timeout_s: stop running exercises after this long; the rest fail as not run.
         progress: called with a short line before each exercise (e.g. to print progress).
         seed: base seed of the inputs.
+        images_dir: save a yours / reference / |difference| picture there for each failed
+            numeric check (when matplotlib is installed); None saves none.
     """
     t0 = time.perf_counter()
     Sandbox.start()
@@ -197,8 +207,31 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         for check, points in ex.checks.items():
             v = verdicts[check]
             report.results.append(TestResult(ex, check, points if v.passed else 0.0, points, v))
+    if images_dir is not None:
+        _save_pictures(report, Path(images_dir))
     report.elapsed_s = time.perf_counter() - t0
     return report
+
+
+def _save_pictures(report: GradeReport, folder: Path) -> None:
+    from attnlab import viz
+
+    if not viz.matplotlib_available():
+        return
+    for r in report.results:
+        arrays = r.verdict.arrays
+        if r.verdict.passed or arrays is None:
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        mine, reference = arrays
+        if mine.dtype == torch.bool or reference.dtype == torch.bool:
+            mine, reference = mine.double(), reference.double()
+        path = folder / f"{r.exercise.id}-{r.check}.png"
+        try:
+            viz.save(viz.compare(mine, reference, name=f"{r.exercise.function}: {r.check}"), str(path))
+        except Exception:  # a picture must never cost the learner their report
+            continue
+        r.image = str(path)
 
 
 def _whole_file_problem(o: Outcome) -> str:
