@@ -262,6 +262,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_example_options(exp)
     exp.set_defaults(func=_cmd_explain)
 
+    ri = sub.add_parser("ring", help="run ring (sequence-parallel) attention over local ranks and check it",
+                        description="Spawn --world ranks on 127.0.0.1 (torch.distributed, gloo), run ring attention "
+                                    "forward+backward on a sharded sequence, check outputs and gradients against "
+                                    "one process (on rank 0), and print time, per-rank peak extra memory and bytes "
+                                    "sent.",
+                        epilog="example:\n  attnlab ring --world 4 --seq-len 16384 --causal --layout zigzag",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ri.add_argument("--world", type=_positive_int, default=2, help="ranks (default: 2)")
+    ri.add_argument("--seq-len", type=_positive_int, default=4096, help="full sequence length L (default: 4096)")
+    ri.add_argument("--batch", type=_positive_int, default=1, help="B (default: 1)")
+    ri.add_argument("--heads", type=_positive_int, default=8, help="H (default: 8)")
+    ri.add_argument("--kv-heads", type=_positive_int, default=None, help="Hkv for GQA (default: H)")
+    ri.add_argument("--dim", type=_positive_int, default=64, help="E (default: 64)")
+    ri.add_argument("--causal", action="store_true", help="causal over the whole sequence")
+    ri.add_argument("--layout", choices=["contiguous", "zigzag"], default="contiguous")
+    ri.add_argument("--threads", type=_positive_int, default=1, help="torch threads per rank (default: 1)")
+    ri.add_argument("--no-check", action="store_true", help="skip the single-process check on rank 0")
+    ri.set_defaults(func=_cmd_ring)
+
     ma = sub.add_parser("masks", help="print attention masks as matrices (# = attend, . = masked)",
                         description="Print a mask as a matrix: one row per query, one column per key, "
                                     "'#' = attend (True), '.' = masked.",
@@ -412,6 +431,33 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         f.write(page)
     print(f"wrote {args.out} ({len(page) // 1024} KB); open it in any browser, no network needed")
     return 0
+
+
+def _cmd_ring(args: argparse.Namespace) -> int:
+    from attnlab.distributed import run_ring
+
+    cfg = dict(B=args.batch, H=args.heads, Hkv=args.kv_heads or args.heads, L=args.seq_len, E=args.dim,
+               causal=args.causal, layout=args.layout, threads=args.threads, check=not args.no_check,
+               timeout=600)
+    parts = args.world if args.layout == "contiguous" else 2 * args.world
+    if args.seq_len % parts:
+        print(f"attnlab ring: --seq-len {args.seq_len} does not split into {parts} equal parts "
+              f"({args.layout}); use a multiple of {parts}", file=sys.stderr)
+        return 2
+    print(f"ring attention: {args.world} ranks (gloo, 127.0.0.1), L={args.seq_len}, B={args.batch}, "
+          f"H={args.heads}, E={args.dim}, {'causal' if args.causal else 'not causal'}, {args.layout}", flush=True)
+    reports = run_ring(args.world, cfg, timeout_s=3600)
+    failed = [r for r in reports if "error" in r]
+    for r in reports:
+        if "error" in r:
+            print(f"  rank {r['rank']}: FAILED: {r['error']}")
+        else:
+            print(f"  rank {r['rank']}: {r['time_s']:.2f} s forward+backward, peak +{r['peak_extra_bytes'] / 2**20:.1f} "
+                  f"MiB, sent {r['bytes_sent'] / 2**20:.1f} MiB")
+    diffs = next((r["max_abs_diff"] for r in reports if "max_abs_diff" in r), None)
+    if diffs:
+        print("  max |ring - one process|: " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+    return 1 if failed else 0
 
 
 def _cmd_masks(args: argparse.Namespace) -> int:

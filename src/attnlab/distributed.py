@@ -1,0 +1,335 @@
+"""Ring (sequence-parallel) attention on torch.distributed.
+
+Each of W ranks holds a slice of the sequence: ``query``, ``key``, ``value`` of shape
+``(B, H, L/W, E)``. Key/value blocks travel around the ring (rank r sends to r+1 and
+receives from r-1, with ``batch_isend_irecv``); at every step a rank attends its
+queries to the block it holds, with attnlab's tiled kernel, while the next block is
+already in flight. The partial results merge exactly with their log-sum-exps::
+
+    lse = log2(2^lse_a + 2^lse_b)
+    out = out_a * 2^(lse_a - lse) + out_b * 2^(lse_b - lse)
+
+the same algebra as the online softmax inside one process. The backward pass sends
+the key/value blocks around again, together with their gradient accumulators, which
+arrive back at their owner after W steps (Liu et al., 2023, "Ring Attention").
+
+Layouts (``W`` ranks, the sequence cut into chunks):
+
+* ``"contiguous"``: rank r owns positions ``[r L/W, (r+1) L/W)``. With a causal mask
+  the last rank does W times the work of the first.
+* ``"zigzag"``: the sequence is cut into 2W chunks and rank r owns chunks r and
+  2W-1-r, so every rank does the same causal work.
+
+Use :func:`shard_sequence` and :func:`gather_sequence` to move between a full
+sequence and a rank's slice.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from attnlab import tiled
+from attnlab._validation import compute_dtype, validate
+
+__all__ = ["ring_attention", "shard_sequence", "gather_sequence", "positions", "LAYOUTS"]
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def positions(rank: int, world: int, local_len: int, layout: str = "contiguous") -> Tensor:
+    """The absolute sequence positions of rank ``rank``'s ``local_len`` rows."""
+    _check_layout(layout)
+    if layout == "contiguous":
+        return torch.arange(rank * local_len, (rank + 1) * local_len)
+    c = local_len // 2
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                      torch.arange((2 * world - 1 - rank) * c, (2 * world - rank) * c)])
+
+
+def shard_sequence(x: Tensor, rank: int, world: int, layout: str = "contiguous", dim: int = -2) -> Tensor:
+    """Rank ``rank``'s slice of a full sequence ``x`` along ``dim`` (default -2, the L of ``(B, H, L, E)``).
+
+    Raises ``ValueError`` when the length does not split evenly: L must be a multiple of
+    W (contiguous) or of 2W (zigzag).
+    """
+    _check_layout(layout)
+    L = x.shape[dim]
+    parts = world if layout == "contiguous" else 2 * world
+    if L % parts:
+        raise ValueError(f"shard_sequence: a sequence of length {L} does not split evenly into {parts} "
+                         f"{'slices' if layout == 'contiguous' else 'zigzag chunks (2 x world)'}; pad it to a "
+                         f"multiple of {parts}")
+    if not 0 <= rank < world:
+        raise ValueError(f"shard_sequence: rank must be in [0, {world}), got {rank}")
+    idx = positions(rank, world, L // world, layout).to(x.device)
+    return x.index_select(dim, idx)
+
+
+def gather_sequence(local: Tensor, layout: str = "contiguous", dim: int = -2,
+                    group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """The full sequence from every rank's slice (an all-gather, then the layout undone)."""
+    _check_layout(layout)
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    n = local.shape[dim]
+    full = torch.cat(parts, dim=dim)
+    order = torch.cat([positions(r, world, n, layout) for r in range(world)]).to(local.device)
+    return full.index_select(dim, torch.argsort(order))
+
+
+# --------------------------------------------------------------------------- #
+# The ring
+# --------------------------------------------------------------------------- #
+
+
+def _block_mask(q_pos: Tensor, k_pos: Tensor, is_causal: bool) -> tuple[bool, Optional[Tensor]]:
+    """``(skip, mask)`` for one block: skip when causal hides it all, mask None when it hides nothing."""
+    if not is_causal:
+        return False, None
+    if int(k_pos.min()) > int(q_pos.max()):
+        return True, None
+    if int(k_pos.max()) <= int(q_pos.min()):
+        return False, None
+    return False, k_pos[None, :] <= q_pos[:, None]  # (Lr, Sr) bool, True = attend
+
+
+def _exchange(tensors: list[Tensor], group, send_to: int, recv_from: int) -> tuple[list, list[Tensor]]:
+    """Start sending ``tensors`` to ``send_to`` and receiving the same shapes from ``recv_from``."""
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, send_to, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, recv_from, group) for r in received]
+    return dist.batch_isend_irecv(ops), received
+
+
+def _wait(requests: list, rank: int, recv_from: int) -> None:
+    try:
+        for req in requests:
+            req.wait()
+    except RuntimeError as exc:
+        raise RuntimeError(f"ring_attention: rank {rank} got nothing from rank {recv_from} within the process "
+                           f"group's timeout (did a rank die or hang?): {str(exc).splitlines()[0]}") from None
+
+
+def _merge(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge two partial attentions over disjoint key sets (base-2 log-sum-exps)."""
+    new = torch.logaddexp2(lse, l)  # (Nb, r, L); -inf where neither saw a key
+    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+    a = torch.exp2(lse - safe).unsqueeze(-1)  # 0 where lse = -inf
+    b = torch.exp2(l - safe).unsqueeze(-1)
+    return out * a + o * b, new
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, group, is_causal, scale, layout_name, enable_gqa, bq, bk, batch):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        send_to, recv_from = dist.get_global_rank(group, (rank + 1) % world) if group else (rank + 1) % world, \
+            dist.get_global_rank(group, (rank - 1) % world) if group else (rank - 1) % world
+        dtype = compute_dtype(query.dtype)
+        layout = tiled._Layout(batch, query, key, enable_gqa)
+        q4 = layout.queries(query.to(dtype))  # (Nb, r, Lr, E)
+        k3 = layout.keys(key.to(dtype)).contiguous()  # (Nb, Sr, E)
+        v3 = layout.keys(value.to(dtype)).contiguous()  # (Nb, Sr, Ev)
+        Lr, Sr = q4.shape[2], k3.shape[1]
+        scale_f = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+        q_pos = positions(rank, world, Lr, layout_name)
+        out = q4.new_zeros(*q4.shape[:3], v3.shape[-1])
+        lse = q4.new_full(q4.shape[:3], float("-inf"))
+        k_cur, v_cur = k3, v3
+        for step in range(world):
+            src = (rank - step) % world
+            pending = None
+            if step < world - 1:  # the next block travels while this one is computed
+                pending = _exchange([k_cur, v_cur], group, send_to, recv_from)
+            skip, mask = _block_mask(q_pos, positions(src, world, Sr, layout_name), is_causal)
+            if not skip:
+                o, l = tiled._forward(q4, k_cur, v_cur, layout, mask, False, scale_f * tiled.LOG2E, bq, bk)
+                out, lse = _merge(out, lse, o, l)
+            if pending is not None:
+                _wait(pending[0], rank, recv_from)
+                k_cur, v_cur = pending[1]
+        ctx.save_for_backward(q4, k3, v3, out, lse)
+        ctx.meta = (group, is_causal, scale_f, layout_name, bq, bk, layout, send_to, recv_from,
+                    query.shape, key.shape, value.shape)
+        return out.reshape(*layout.batch, Lr, v3.shape[-1]).to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q4, k3, v3, out, lse = ctx.saved_tensors
+        group, is_causal, scale, layout_name, bq, bk, layout, send_to, recv_from, q_shape, k_shape, v_shape = ctx.meta
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        dout = grad_out.to(q4.dtype).reshape(out.shape)
+        Lr, Sr = q4.shape[2], k3.shape[1]
+        q_pos = positions(rank, world, Lr, layout_name)
+        dq = torch.zeros_like(q4)
+        k_cur, v_cur = k3, v3
+        dk_acc, dv_acc = torch.zeros_like(k3), torch.zeros_like(v3)
+        for step in range(world):
+            src = (rank - step) % world
+            skip, mask = _block_mask(q_pos, positions(src, world, Sr, layout_name), is_causal)
+            if not skip:
+                # FlashAttention-2's tile backward with the *final* out and lse: exact per block
+                dq_b, dk_b, dv_b = tiled._backward(dout, q4, k_cur, v_cur, out, lse, layout, mask, False, scale,
+                                                   bq, bk)
+                dq += dq_b
+                dk_acc += dk_b
+                dv_acc += dv_b
+            # the block and its gradient move on; after W steps the gradient is back at its owner
+            travel = [dk_acc, dv_acc] if step == world - 1 else [k_cur, v_cur, dk_acc, dv_acc]
+            requests, received = _exchange(travel, group, send_to, recv_from)
+            _wait(requests, rank, recv_from)
+            if step == world - 1:
+                dk_acc, dv_acc = received
+            else:
+                k_cur, v_cur, dk_acc, dv_acc = received
+        dq_u = dq.reshape(*layout.batch, *q_shape[-2:]).sum_to_size(q_shape)
+        dk_u = dk_acc.reshape(*layout.kv_batch, *k_shape[-2:]).sum_to_size(k_shape)
+        dv_u = dv_acc.reshape(*layout.kv_batch, *v_shape[-2:]).sum_to_size(v_shape)
+        dt = grad_out.dtype
+        return dq_u.to(dt), dk_u.to(dt), dv_u.to(dt), None, None, None, None, None, None, None, None
+
+
+def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optional[dist.ProcessGroup] = None,
+                   is_causal: bool = False, scale: Optional[float] = None, layout: str = "contiguous",
+                   enable_gqa: bool = False, block_q: Optional[int] = None, block_k: Optional[int] = None) -> Tensor:
+    """Attention over a sequence split across the ranks of ``group`` (default: the world).
+
+    Args:
+        query: this rank's ``(B, H, L/W, E)`` slice (see :func:`shard_sequence`).
+        key: ``(B, Hkv, L/W, E)``, the same positions.
+        value: ``(B, Hkv, L/W, Ev)``.
+        group: the process group (gloo on CPU, NCCL on GPU); must be initialised.
+        is_causal: causal over the *whole* sequence (absolute positions).
+        scale: default ``1 / sqrt(E)``.
+        layout: ``"contiguous"`` or ``"zigzag"`` (balanced causal work); as sharded.
+        enable_gqa: grouped-query heads, as in SDPA.
+        block_q, block_k: tile sizes of the local tiled kernel.
+
+    Returns:
+        This rank's ``(B, H, L/W, Ev)`` slice of the output. Differentiable (the backward
+        pass runs its own ring).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("ring_attention: torch.distributed is not initialised; call "
+                           "torch.distributed.init_process_group first (gloo on CPU)")
+    _check_layout(layout)
+    batch = validate(query, key, value, None, 0.0, is_causal, scale, enable_gqa, fn="ring_attention")
+    if query.dim() != 4:
+        raise ValueError(f"ring_attention: query must be (B, H, L/W, E), got {tuple(query.shape)}")
+    if query.shape[-2] != key.shape[-2]:
+        raise ValueError(f"ring_attention: every rank must hold as many query as key rows (self-attention), got "
+                         f"query {tuple(query.shape)} and key {tuple(key.shape)}")
+    if layout == "zigzag" and query.shape[-2] % 2:
+        raise ValueError(f"ring_attention: the zigzag layout needs an even local length, got {query.shape[-2]}")
+    bq = tiled._block_size(block_q, tiled.DEFAULT_BLOCK_Q, "block_q")
+    bk = tiled._block_size(block_k, tiled.DEFAULT_BLOCK_K, "block_k")
+    return _Ring.apply(query, key, value, group, is_causal, scale, layout, enable_gqa, bq, bk, batch)
+
+
+# --------------------------------------------------------------------------- #
+# Launching ranks on this machine (attnlab ring, tests)
+# --------------------------------------------------------------------------- #
+
+
+def _vm_hwm_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
+    """One rank: ring attention forward+backward on seeded inputs, checked against one process."""
+    import os
+    from datetime import timedelta
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(cfg.get("threads", 1))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg.get("timeout", 30)))
+    try:
+        dtype = getattr(torch, cfg.get("dtype", "float32"))
+        B, H, Hkv, L, E = cfg["B"], cfg["H"], cfg.get("Hkv", cfg["H"]), cfg["L"], cfg["E"]
+        g = torch.Generator().manual_seed(cfg.get("seed", 0))
+        q, gout = torch.randn(B, H, L, E, generator=g, dtype=dtype), None
+        k = torch.randn(B, Hkv, L, E, generator=g, dtype=dtype)
+        v = torch.randn(B, Hkv, L, E, generator=g, dtype=dtype)
+        gout = torch.randn(B, H, L, E, generator=g, dtype=dtype)
+        if cfg.get("die_rank") == rank:
+            os._exit(3)  # a rank that dies before the ring starts
+        layout, causal, gqa = cfg["layout"], cfg["causal"], Hkv != H
+        ql, kl, vl = (shard_sequence(t, rank, world, layout).requires_grad_(True) for t in (q, k, v))
+        base = _vm_hwm_bytes()
+        t0 = __import__("time").perf_counter()
+        out = ring_attention(ql, kl, vl, is_causal=causal, layout=layout, enable_gqa=gqa)
+        out.backward(shard_sequence(gout, rank, world, layout))
+        elapsed = __import__("time").perf_counter() - t0
+        result = {"rank": rank, "time_s": elapsed, "peak_extra_bytes": max(0, _vm_hwm_bytes() - base)}
+        kv_bytes = (kl.numel() + vl.numel()) * kl.element_size()
+        result["bytes_sent"] = (world - 1) * kv_bytes + (world - 1) * 2 * kv_bytes + kv_bytes
+        if cfg.get("check", True):  # gather the slices; rank 0 compares with one process
+            gathered = {n: gather_sequence(t, layout) for n, t in
+                        (("output", out.detach()), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad))}
+            if rank == 0:
+                qf, kf, vf = (t.clone().requires_grad_(True) for t in (q, k, v))
+                ref = tiled.flash_attention(qf, kf, vf, is_causal=causal, enable_gqa=gqa)
+                ref.backward(gout)
+                expected = {"output": ref.detach(), "dq": qf.grad, "dk": kf.grad, "dv": vf.grad}
+                result["max_abs_diff"] = {n: float((gathered[n] - expected[n]).abs().max()) for n in expected}
+        queue.put(result)
+    except Exception as exc:  # reported to the launcher, never a hang
+        queue.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_ring(world: int, cfg: dict, timeout_s: float = 300.0) -> list[dict]:
+    """Spawn ``world`` ranks on 127.0.0.1 (gloo) running :func:`_worker`; their reports, by rank.
+
+    A rank that dies shows up as ``{"rank": r, "error": "exited with code ..."}``; the others
+    report the timeout error ring_attention raised.
+    """
+    import multiprocessing as mp
+    import queue as queue_mod
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results: "mp.Queue" = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    reports: dict[int, dict] = {}
+    deadline = __import__("time").monotonic() + timeout_s
+    while len(reports) < world and __import__("time").monotonic() < deadline:
+        try:
+            rep = results.get(timeout=0.5)
+            reports[rep["rank"]] = rep
+        except queue_mod.Empty:
+            for r, p in enumerate(procs):
+                if r not in reports and p.exitcode not in (None, 0):
+                    reports[r] = {"rank": r, "error": f"exited with code {p.exitcode}"}
+    for r, p in enumerate(procs):
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            reports.setdefault(r, {"rank": r, "error": "killed: no report before the launcher's timeout"})
+        reports.setdefault(r, {"rank": r, "error": f"exited with code {p.exitcode} without a report"})
+    return [reports[r] for r in range(world)]

@@ -1,0 +1,53 @@
+"""Ring attention over 2 and 4 gloo ranks on 127.0.0.1 against one process."""
+
+import pytest
+import torch
+
+from attnlab.distributed import positions, run_ring, shard_sequence
+from attnlab.testing import tolerance
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_matches_one_process(world, layout, causal):
+    cfg = dict(B=1, H=4, Hkv=2, L=48, E=8, causal=causal, layout=layout, dtype="float64", timeout=60)
+    reports = run_ring(world, cfg, timeout_s=180)
+    assert all("error" not in r for r in reports), reports
+    diffs = reports[0]["max_abs_diff"]
+    assert set(diffs) == {"output", "dq", "dk", "dv"}
+    assert max(diffs.values()) < 1e-12, diffs
+
+
+def test_ring_float32_within_the_float32_tolerance():
+    reports = run_ring(2, dict(B=2, H=2, L=64, E=16, causal=True, layout="zigzag", dtype="float32"), timeout_s=180)
+    assert all("error" not in r for r in reports), reports
+    assert max(reports[0]["max_abs_diff"].values()) < 10 * tolerance(torch.float32).atol
+
+
+def test_a_dead_rank_is_a_clear_error_not_a_hang():
+    reports = run_ring(2, dict(B=1, H=1, L=16, E=4, causal=False, layout="contiguous", die_rank=1, timeout=5),
+                       timeout_s=120)
+    assert reports[1]["error"] == "exited with code 3"
+    assert "error" in reports[0] and ("got nothing from rank 1" in reports[0]["error"]
+                                      or "timeout" in reports[0]["error"].lower()
+                                      or "connection" in reports[0]["error"].lower()), reports[0]
+
+
+def test_sharding_layouts_and_uneven_lengths():
+    x = torch.arange(16).view(1, 1, 16, 1).float()
+    assert shard_sequence(x, 1, 4).flatten().tolist() == [4, 5, 6, 7]
+    assert shard_sequence(x, 1, 4, "zigzag").flatten().tolist() == [2, 3, 12, 13]  # chunks 1 and 6 of 8
+    assert torch.equal(torch.sort(torch.cat([positions(r, 4, 4, "zigzag") for r in range(4)])).values,
+                       torch.arange(16))
+    with pytest.raises(ValueError, match="length 18 does not split evenly into 4 slices"):
+        shard_sequence(torch.zeros(1, 1, 18, 2), 0, 4)
+    with pytest.raises(ValueError, match="into 8 zigzag chunks"):
+        shard_sequence(torch.zeros(1, 1, 20, 2), 0, 4, "zigzag")
+
+
+def test_ring_needs_an_initialised_process_group():
+    from attnlab.distributed import ring_attention
+
+    with pytest.raises(RuntimeError, match="not initialised"):
+        ring_attention(torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2), torch.zeros(1, 1, 4, 2))
