@@ -64,3 +64,11 @@ def test_cli_rejects_bad_lists():
         main(["bench", "--impls", "tiled,turbo"])
     with pytest.raises(SystemExit):
         main(["bench", "--seq-lens", "0"])
+
+
+def test_ring_benchmark_tiny():
+    rows = bench.ring_benchmark([64], B=1, H=2, E=8, causal=True, layout="zigzag")
+    assert len(rows) == 1 and rows[0]["errors"] == []
+    row = rows[0]
+    assert row["ring_s"] > 0 and row["single_s"] > 0 and row["ratio"] == pytest.approx(row["ring_s"] / row["single_s"])
+    assert row["sent_mib_per_rank"] > 0

@@ -309,3 +309,40 @@ if __name__ == "__main__":
     else:
         print("use `attnlab bench` (see `attnlab bench --help`)", file=sys.stderr)
         sys.exit(2)
+
+
+def ring_benchmark(seq_lens: list[int], *, B: int = 1, H: int = 8, E: int = 64, causal: bool = False,
+                   layout: str = "contiguous", world: int = 2) -> list[dict]:
+    """``world`` ranks x 1 thread (ring attention, gloo on 127.0.0.1) against one process x
+    ``world`` threads (the tiled path), forward+backward, float32, one run each after the
+    ranks' own warm-up. Peak memory: each side's growth over its inputs, in fresh processes."""
+    from attnlab.distributed import run_ring
+
+    rows = []
+    for L in seq_lens:
+        cfg = dict(B=B, H=H, L=L, E=E, causal=causal, layout=layout, threads=1, check=False, timeout=1800)
+        run_ring(world, {**cfg, "L": 2 * world * 8})  # warm-up: spawn, gloo, kernels
+        ring = run_ring(world, cfg, timeout_s=3600)
+        errors = [r["error"] for r in ring if "error" in r]
+        single = Config("tiled", L, "fwd+bwd", causal, "float32", B, H, E)
+        previous = torch.get_num_threads()
+        torch.set_num_threads(world)
+        try:
+            q, k, v, grad = _inputs(single, True)
+            fn = _function("tiled")
+            _step(fn, Config("tiled", 64, "fwd+bwd", causal, "float32", B, H, E), *_inputs(
+                Config("tiled", 64, "fwd+bwd", causal, "float32", B, H, E), True))
+            t0 = time.perf_counter()
+            _step(fn, single, q, k, v, grad)
+            single_s = time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(previous)
+        single_mem = measure_peak_memory(single)
+        ring_s = max(r.get("time_s", float("nan")) for r in ring)
+        rows.append({"L": L, "world": world, "layout": layout, "causal": causal, "ring_s": ring_s,
+                     "single_s": single_s, "ratio": ring_s / single_s,
+                     "ring_peak_mib": max(r.get("peak_extra_bytes", 0) for r in ring) / 2**20,
+                     "single_peak_mib": (single_mem or 0) / 2**20,
+                     "sent_mib_per_rank": max(r.get("bytes_sent", 0) for r in ring) / 2**20,
+                     "errors": errors})
+    return rows

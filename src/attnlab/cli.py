@@ -240,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="skip configurations estimated to need more (default: 8)")
     be.add_argument("--csv", metavar="PATH", help="write every result as CSV")
     be.add_argument("--plot", metavar="PATH", help="write GFLOP/s against L as a PNG (needs matplotlib)")
+    be.add_argument("--ring", action="store_true",
+                    help="instead: ring attention, 2 ranks x 1 thread against 1 process x 2 threads, "
+                         "forward+backward float32 (default lengths 8192,16384)")
+    be.add_argument("--ring-layout", choices=["contiguous", "zigzag"], default="contiguous")
     be.set_defaults(func=_cmd_bench)
 
     pl = sub.add_parser("plot", help="draw the worked example's four panels to a PNG or SVG",
@@ -366,6 +370,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    if args.ring:
+        lens = args.seq_lens if args.seq_lens != [512, 1024, 2048, 4096, 8192, 16384] else [8192, 16384]
+        print(f"machine: {bench.machine_line()}\n")
+        print("| L | causal | layout | 2 ranks x 1 thread s | 1 process x 2 threads s | ratio | ring peak +MiB/rank "
+              "| one process peak +MiB | sent MiB/rank |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for causal in causals:
+            for row in bench.ring_benchmark(lens, B=args.batch, H=args.heads, E=args.dim, causal=causal,
+                                            layout=args.ring_layout):
+                print(f"| {row['L']} | {'yes' if causal else 'no'} | {row['layout']} | {row['ring_s']:.2f} | "
+                      f"{row['single_s']:.2f} | {row['ratio']:.2f} | {row['ring_peak_mib']:.1f} | "
+                      f"{row['single_peak_mib']:.1f} | {row['sent_mib_per_rank']:.1f} |"
+                      + (f" errors: {row['errors']}" if row["errors"] else ""), flush=True)
+        return 0
     width = 30
 
     def progress(done: int, total: int, text: str) -> None:
