@@ -93,15 +93,31 @@ def gather_sequence(local: Tensor, layout: str = "contiguous", dim: int = -2,
 # --------------------------------------------------------------------------- #
 
 
-def _block_mask(q_pos: Tensor, k_pos: Tensor, is_causal: bool) -> tuple[bool, Optional[Tensor]]:
-    """``(skip, mask)`` for one block: skip when causal hides it all, mask None when it hides nothing."""
+def _chunks(rank: int, world: int, local_len: int, layout: str, is_causal: bool) -> list[tuple[int, slice]]:
+    """This rank's rows as ``(chunk index, row slice)``: what decides causal visibility between blocks.
+
+    Without a causal mask one chunk covers everything (its index is unused).
+    """
     if not is_causal:
-        return False, None
-    if int(k_pos.min()) > int(q_pos.max()):
-        return True, None
-    if int(k_pos.max()) <= int(q_pos.min()):
-        return False, None
-    return False, k_pos[None, :] <= q_pos[:, None]  # (Lr, Sr) bool, True = attend
+        return [(0, slice(0, local_len))]
+    if layout == "contiguous":
+        return [(rank, slice(0, local_len))]
+    c = local_len // 2
+    return [(rank, slice(0, c)), (2 * world - 1 - rank, slice(c, local_len))]
+
+
+def _pairs(q_chunks, k_chunks, is_causal: bool):
+    """``(q rows, k rows, causal)`` for every chunk pair with something to compute.
+
+    Equal-length chunks: an earlier key chunk is fully visible, the same chunk is the
+    top-left causal diagonal, a later one is hidden and skipped (no mask is built).
+    """
+    for qi, qs in q_chunks:
+        for kj, ks in k_chunks:
+            if not is_causal or kj < qi:
+                yield qs, ks, False
+            elif kj == qi:
+                yield qs, ks, True
 
 
 def _exchange(tensors: list[Tensor], group, send_to: int, recv_from: int) -> tuple[list, list[Tensor]]:
@@ -143,7 +159,7 @@ class _Ring(torch.autograd.Function):
         v3 = layout.keys(value.to(dtype)).contiguous()  # (Nb, Sr, Ev)
         Lr, Sr = q4.shape[2], k3.shape[1]
         scale_f = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-        q_pos = positions(rank, world, Lr, layout_name)
+        q_chunks = _chunks(rank, world, Lr, layout_name, is_causal)
         out = q4.new_zeros(*q4.shape[:3], v3.shape[-1])
         lse = q4.new_full(q4.shape[:3], float("-inf"))
         k_cur, v_cur = k3, v3
@@ -152,10 +168,10 @@ class _Ring(torch.autograd.Function):
             pending = None
             if step < world - 1:  # the next block travels while this one is computed
                 pending = _exchange([k_cur, v_cur], group, send_to, recv_from)
-            skip, mask = _block_mask(q_pos, positions(src, world, Sr, layout_name), is_causal)
-            if not skip:
-                o, l = tiled._forward(q4, k_cur, v_cur, layout, mask, False, scale_f * tiled.LOG2E, bq, bk)
-                out, lse = _merge(out, lse, o, l)
+            for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
+                o, l = tiled._forward(q4[:, :, qs], k_cur[:, ks], v_cur[:, ks], layout, None, diag,
+                                      scale_f * tiled.LOG2E, bq, bk)
+                out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o, l)
             if pending is not None:
                 _wait(pending[0], rank, recv_from)
                 k_cur, v_cur = pending[1]
@@ -171,20 +187,19 @@ class _Ring(torch.autograd.Function):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         dout = grad_out.to(q4.dtype).reshape(out.shape)
         Lr, Sr = q4.shape[2], k3.shape[1]
-        q_pos = positions(rank, world, Lr, layout_name)
+        q_chunks = _chunks(rank, world, Lr, layout_name, is_causal)
         dq = torch.zeros_like(q4)
         k_cur, v_cur = k3, v3
         dk_acc, dv_acc = torch.zeros_like(k3), torch.zeros_like(v3)
         for step in range(world):
             src = (rank - step) % world
-            skip, mask = _block_mask(q_pos, positions(src, world, Sr, layout_name), is_causal)
-            if not skip:
+            for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
                 # FlashAttention-2's tile backward with the *final* out and lse: exact per block
-                dq_b, dk_b, dv_b = tiled._backward(dout, q4, k_cur, v_cur, out, lse, layout, mask, False, scale,
-                                                   bq, bk)
-                dq += dq_b
-                dk_acc += dk_b
-                dv_acc += dv_b
+                dq_b, dk_b, dv_b = tiled._backward(dout[:, :, qs], q4[:, :, qs], k_cur[:, ks], v_cur[:, ks],
+                                                   out[:, :, qs], lse[:, :, qs], layout, None, diag, scale, bq, bk)
+                dq[:, :, qs] += dq_b
+                dk_acc[:, ks] += dk_b
+                dv_acc[:, ks] += dv_b
             # the block and its gradient move on; after W steps the gradient is back at its owner
             travel = [dk_acc, dv_acc] if step == world - 1 else [k_cur, v_cur, dk_acc, dv_acc]
             requests, received = _exchange(travel, group, send_to, recv_from)
