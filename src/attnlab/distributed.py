@@ -128,6 +128,21 @@ def _exchange(tensors: list[Tensor], group, send_to: int, recv_from: int) -> tup
     return dist.batch_isend_irecv(ops), received
 
 
+def _rotate_in_place(tensors: list[Tensor], group, send_to: int, recv_from: int, rank: int) -> None:
+    """Pass each tensor one step around the ring, overwriting it with the one from ``recv_from``.
+
+    One tensor at a time through a single scratch buffer: the backward keeps one extra block
+    in memory instead of a second copy of K, V, dK and dV.
+    """
+    scratch = torch.empty(max(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
+    for t in tensors:
+        incoming = scratch[: t.numel()].view_as(t)
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, send_to, group),
+                                           dist.P2POp(dist.irecv, incoming, recv_from, group)])
+        _wait(requests, rank, recv_from)
+        t.copy_(incoming)
+
+
 def _wait(requests: list, rank: int, recv_from: int) -> None:
     try:
         for req in requests:
@@ -137,13 +152,12 @@ def _wait(requests: list, rank: int, recv_from: int) -> None:
                            f"group's timeout (did a rank die or hang?): {str(exc).splitlines()[0]}") from None
 
 
-def _merge(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> tuple[Tensor, Tensor]:
-    """Merge two partial attentions over disjoint key sets (base-2 log-sum-exps)."""
+def _merge_(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
+    """Merge a partial attention ``(o, l)`` into ``(out, lse)``, in place (keys disjoint, base-2 lse)."""
     new = torch.logaddexp2(lse, l)  # (Nb, r, L); -inf where neither saw a key
     safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-    a = torch.exp2(lse - safe).unsqueeze(-1)  # 0 where lse = -inf
-    b = torch.exp2(l - safe).unsqueeze(-1)
-    return out * a + o * b, new
+    out.mul_(torch.exp2(lse - safe).unsqueeze(-1)).add_(o.mul_(torch.exp2(l - safe).unsqueeze(-1)))
+    lse.copy_(new)
 
 
 class _Ring(torch.autograd.Function):
@@ -171,7 +185,7 @@ class _Ring(torch.autograd.Function):
             for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
                 o, l = tiled._forward(q4[:, :, qs], k_cur[:, ks], v_cur[:, ks], layout, None, diag,
                                       scale_f * tiled.LOG2E, bq, bk)
-                out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o, l)
+                _merge_(out[:, :, qs], lse[:, :, qs], o, l)
             if pending is not None:
                 _wait(pending[0], rank, recv_from)
                 k_cur, v_cur = pending[1]
@@ -195,19 +209,16 @@ class _Ring(torch.autograd.Function):
             src = (rank - step) % world
             for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
                 # FlashAttention-2's tile backward with the *final* out and lse: exact per block
-                dq_b, dk_b, dv_b = tiled._backward(dout[:, :, qs], q4[:, :, qs], k_cur[:, ks], v_cur[:, ks],
-                                                   out[:, :, qs], lse[:, :, qs], layout, None, diag, scale, bq, bk)
-                dq[:, :, qs] += dq_b
-                dk_acc[:, ks] += dk_b
-                dv_acc[:, ks] += dv_b
+                tiled._backward(dout[:, :, qs], q4[:, :, qs], k_cur[:, ks], v_cur[:, ks], out[:, :, qs],
+                                lse[:, :, qs], layout, None, diag, scale, bq, bk,
+                                accumulate_into=(dq[:, :, qs], dk_acc[:, ks], dv_acc[:, ks]))
             # the block and its gradient move on; after W steps the gradient is back at its owner
-            travel = [dk_acc, dv_acc] if step == world - 1 else [k_cur, v_cur, dk_acc, dv_acc]
-            requests, received = _exchange(travel, group, send_to, recv_from)
-            _wait(requests, rank, recv_from)
-            if step == world - 1:
-                dk_acc, dv_acc = received
+            if step < world - 1:
+                if step == 0:  # the first move must not overwrite this rank's own k3, v3 (saved for backward)
+                    k_cur, v_cur = k3.clone(), v3.clone()
+                _rotate_in_place([k_cur, v_cur, dk_acc, dv_acc], group, send_to, recv_from, rank)
             else:
-                k_cur, v_cur, dk_acc, dv_acc = received
+                _rotate_in_place([dk_acc, dv_acc], group, send_to, recv_from, rank)
         dq_u = dq.reshape(*layout.batch, *q_shape[-2:]).sum_to_size(q_shape)
         dk_u = dk_acc.reshape(*layout.kv_batch, *k_shape[-2:]).sum_to_size(k_shape)
         dv_u = dv_acc.reshape(*layout.kv_batch, *v_shape[-2:]).sum_to_size(v_shape)

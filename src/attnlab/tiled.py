@@ -210,16 +210,21 @@ def _forward(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Optional
 
 
 def _backward(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, layout: _Layout,
-              mask: Optional[Tensor], is_causal: bool, scale: float, bq: int, bk: int
-              ) -> tuple[Tensor, Tensor, Tensor]:
-    """FlashAttention-2's backward: recompute P one tile at a time from lse; never an (L, S) tensor."""
+              mask: Optional[Tensor], is_causal: bool, scale: float, bq: int, bk: int,
+              accumulate_into: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """FlashAttention-2's backward: recompute P one tile at a time from lse; never an (L, S) tensor.
+
+    ``accumulate_into=(dq, dk, dv)`` adds the gradients into those tensors (views work) instead
+    of allocating new ones: the ring's backward sums many blocks this way.
+    """
     Nb, r, L, E = q4.shape
     S = k3.shape[1]
     scale2 = scale * LOG2E
-    dq = torch.zeros_like(q4)
     kT = k3.transpose(1, 2)  # (Nb, E, S), a view
-    dk = torch.zeros_like(k3)
-    dv = torch.zeros_like(v3)
+    if accumulate_into is None:
+        dq, dk, dv = torch.zeros_like(q4), torch.zeros_like(k3), torch.zeros_like(v3)
+    else:
+        dq, dk, dv = accumulate_into
     # D_i = rowsum(dO_i * O_i): the softmax-Jacobian term, one number per query row
     delta = (dout * out).sum(dim=-1)  # (Nb, r, L)
     # empty rows have lse = -inf: shifting by +inf makes their P exactly 0
@@ -243,7 +248,7 @@ def _backward(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse
             ds = p.mul_(dp.sub_(d_tile))  # dS = P * (dP - D_i), in place over P
             dq_tile.baddbmm_(ds, k3[:, j0:j1], alpha=scale)  # dQ_i += scale * dS K_j
             dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), q_tile, alpha=scale)  # dK_j += scale * dS^T Q_i
-        dq[:, :, i0:i1] = dq_tile.reshape(Nb, r, i1 - i0, E)
+        dq[:, :, i0:i1] += dq_tile.reshape(Nb, r, i1 - i0, E)
     return dq, dk, dv
 
 
