@@ -27,6 +27,7 @@ sequence and a rank's slice.
 from __future__ import annotations
 
 import math
+import time
 from typing import Optional
 
 import torch
@@ -298,10 +299,10 @@ def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
         layout, causal, gqa = cfg["layout"], cfg["causal"], Hkv != H
         ql, kl, vl = (shard_sequence(t, rank, world, layout).requires_grad_(True) for t in (q, k, v))
         base = _vm_hwm_bytes()
-        t0 = __import__("time").perf_counter()
+        t0 = time.perf_counter()
         out = ring_attention(ql, kl, vl, is_causal=causal, layout=layout, enable_gqa=gqa)
         out.backward(shard_sequence(gout, rank, world, layout))
-        elapsed = __import__("time").perf_counter() - t0
+        elapsed = time.perf_counter() - t0
         result = {"rank": rank, "time_s": elapsed, "peak_extra_bytes": max(0, _vm_hwm_bytes() - base)}
         kv_bytes = (kl.numel() + vl.numel()) * kl.element_size()
         result["bytes_sent"] = (world - 1) * kv_bytes + (world - 1) * 2 * kv_bytes + kv_bytes
@@ -343,8 +344,8 @@ def run_ring(world: int, cfg: dict, timeout_s: float = 300.0) -> list[dict]:
     for p in procs:
         p.start()
     reports: dict[int, dict] = {}
-    deadline = __import__("time").monotonic() + timeout_s
-    while len(reports) < world and __import__("time").monotonic() < deadline:
+    deadline = time.monotonic() + timeout_s
+    while len(reports) < world and time.monotonic() < deadline:
         try:
             rep = results.get(timeout=0.5)
             reports[rep["rank"]] = rep

@@ -48,6 +48,7 @@ __all__ = [
     "analyze",
     "diagnose",
     "adapt_self_attention",
+    "SELF_ATTENTION_CAPABILITIES",
 ]
 
 CODES: dict[str, str] = {
@@ -552,6 +553,10 @@ def diagnose(fn: Callable, *, capabilities: Optional[frozenset[str]] = None, see
     return analyze(probes, run_probes(fn, probes))
 
 
+# what the lab's self_attention signature can take: square, default scale, bool masks, no dropout
+SELF_ATTENTION_CAPABILITIES = frozenset({"causal"})
+
+
 def adapt_self_attention(self_attention: Callable) -> Callable:
     """Make the lab's ``self_attention(X, W_Q, W_K, W_V, mask=None) -> (output, weights)``
     answer SDPA-style probes.
@@ -578,5 +583,5 @@ def adapt_self_attention(self_attention: Callable) -> Callable:
             outs.append(_as_tensor(out)[0])
         return torch.stack(outs).reshape(*lead, T, value.shape[-1])
 
-    sdpa_like.capabilities = frozenset({"causal"})  # type: ignore[attr-defined]
+    sdpa_like.capabilities = SELF_ATTENTION_CAPABILITIES  # type: ignore[attr-defined]
     return sdpa_like

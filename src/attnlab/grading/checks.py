@@ -239,11 +239,6 @@ def _prep_ex3(g):
     return calls, (ordinary, large, masked, by_dim)
 
 
-def _naive(x: Tensor, dim: int = -1) -> Tensor:
-    e = torch.exp(x)
-    return e / e.sum(dim, keepdim=True)
-
-
 def _judge_ex3(ctx, results, outcome):
     ordinary, large, masked, by_dim = (t.double() for t in ctx)
     out: dict[str, Verdict] = {}
@@ -431,7 +426,7 @@ def _judge_ex8(ctx, results, outcome):
 
     # Explain failures with the doctor, from the probes the child ran on this function.
     if any(not v.passed for v in out.values()) and outcome.probes:
-        probes = doctor.build_probes(doctor.adapt_self_attention(lambda *a: None).capabilities)
+        probes = doctor.build_probes(doctor.SELF_ATTENTION_CAPABILITIES)
         report = doctor.analyze(probes, [doctor.ProbeResult(p.get("output"), p.get("error"), p.get("varied", False))
                                          for p in outcome.probes])
         findings = [{"code": f.code, "message": f"{f.message}. Hint: {doctor.CODES[f.code]}"} for f in report.findings]

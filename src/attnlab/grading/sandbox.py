@@ -185,7 +185,7 @@ def _child_main(result_fd: int, path: str, calls: list[Call], policy: bool, limi
             if call.doctor:
                 from attnlab import doctor
 
-                probes = doctor.build_probes(doctor.adapt_self_attention(fn).capabilities)
+                probes = doctor.build_probes(doctor.SELF_ATTENTION_CAPABILITIES)
                 results = doctor.run_probes(doctor.adapt_self_attention(fn), probes)
                 message["probes"] = [{"output": r.output, "error": r.error, "varied": r.varied} for r in results]
     except _Done:
