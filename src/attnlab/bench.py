@@ -299,8 +299,10 @@ def machine_line() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    from attnlab import _native
+
     return (f"{cpu}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-            f"Python {sys.version.split()[0]}")
+            f"Python {sys.version.split()[0]}; {_native.status()}")
 
 
 if __name__ == "__main__":

@@ -153,14 +153,6 @@ def _wait(requests: list, rank: int, recv_from: int) -> None:
                            f"group's timeout (did a rank die or hang?): {str(exc).splitlines()[0]}") from None
 
 
-def _merge_(out: Tensor, lse: Tensor, o: Tensor, l: Tensor) -> None:
-    """Merge a partial attention ``(o, l)`` into ``(out, lse)``, in place (keys disjoint, base-2 lse)."""
-    new = torch.logaddexp2(lse, l)  # (Nb, r, L); -inf where neither saw a key
-    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-    out.mul_(torch.exp2(lse - safe).unsqueeze(-1)).add_(o.mul_(torch.exp2(l - safe).unsqueeze(-1)))
-    lse.copy_(new)
-
-
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, group, is_causal, scale, layout_name, enable_gqa, bq, bk, batch):
@@ -184,9 +176,8 @@ class _Ring(torch.autograd.Function):
             if step < world - 1:  # the next block travels while this one is computed
                 pending = _exchange([k_cur, v_cur], group, send_to, recv_from)
             for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
-                o, l = tiled._forward(q4[:, :, qs], k_cur[:, ks], v_cur[:, ks], layout, None, diag,
-                                      scale_f * tiled.LOG2E, bq, bk)
-                _merge_(out[:, :, qs], lse[:, :, qs], o, l)
+                tiled._forward_into(q4[:, :, qs], k_cur[:, ks], v_cur[:, ks], out[:, :, qs], lse[:, :, qs], diag,
+                                    scale_f * tiled.LOG2E, bq, bk)
             if pending is not None:
                 _wait(pending[0], rank, recv_from)
                 k_cur, v_cur = pending[1]

@@ -33,9 +33,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from attnlab import _native
 from attnlab._validation import compute_dtype, validate
 
-__all__ = ["flash_attention", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
+__all__ = ["flash_attention", "native_status", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
 
 LOG2E = math.log2(math.e)
 DEFAULT_BLOCK_Q = 256
@@ -90,6 +91,16 @@ def flash_attention(
         raise ValueError("flash_attention: gradients for a float attn_mask are not supported by the tiled path; "
                          "detach the mask, or use attnlab.functional.scaled_dot_product_attention")
     return _FlashAttention.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk, batch)
+
+
+def native_status() -> _native.NativeStatus:
+    """Whether the forward runs attnlab's compiled kernel (building it on first call) and why not if not.
+
+    The compiled kernel covers float32 (and float16/bfloat16, computed in float32) on the CPU
+    without ``attn_mask``; other calls, or ``ATTNLAB_NATIVE=0``, use the pure-PyTorch forward.
+    The backward is pure PyTorch in every case.
+    """
+    return _native.status()
 
 
 def _block_size(value: Optional[int], default: int, name: str) -> int:
@@ -177,7 +188,61 @@ def _masked_scores(q_tile: Tensor, kT: Tensor, j0: int, j1: int, mask_tile: Opti
 
 def _forward(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Optional[Tensor], is_causal: bool,
              scale2: float, bq: int, bk: int) -> tuple[Tensor, Tensor]:
-    """``(out (Nb, r, L, Ev), lse2 (Nb, r, L))``; lse2 is the base-2 log-sum-exp (-inf on empty rows)."""
+    """``(out (Nb, r, L, Ev), lse2 (Nb, r, L))``; lse2 is the base-2 log-sum-exp (-inf on empty rows).
+
+    Runs attnlab's native C++ kernel (:mod:`attnlab._native`, the same algorithm one cache-sized
+    tile per task) for float32 on the CPU without an ``attn_mask``, and
+    :func:`_forward_eager` otherwise. Both are checked against each other and against torch.
+    """
+    ops = _native_ops(mask, q4, k3, v3)
+    if ops is not None:
+        return ops.flash_forward(_dense_rows(q4), _dense_rows(k3), _dense_rows(v3), scale2, is_causal, bq, bk)
+    return _forward_eager(q4, k3, v3, layout, mask, is_causal, scale2, bq, bk)
+
+
+def _forward_into(q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, is_causal: bool, scale2: float,
+                  bq: int, bk: int) -> None:
+    """Continue the online softmax held in ``(out (Nb, r, L, Ev), lse2 (Nb, r, L))`` with more keys, in place.
+
+    ``out`` is normalised and ``lse2`` is base 2 (-inf: no key seen yet), as :func:`_forward` returns
+    them; afterwards they describe attention over the old keys and ``k3``/``v3`` together. This is
+    how the ring merges blocks: the native kernel resumes from ``m_i = lse2, l_i = 1, acc = out``
+    with no partial output; the pure path computes one and merges it (:func:`_merge_`).
+    """
+    ops = _native_ops(None, q4, k3, v3)
+    if ops is not None and out.dtype == lse2.dtype == torch.float32 and (out.stride(-1) == 1 or out.shape[-1] == 1):
+        ops.flash_forward_(_dense_rows(q4), _dense_rows(k3), _dense_rows(v3), out, lse2, scale2, is_causal, bq, bk)
+        return
+    o, l = _forward_eager(q4, k3, v3, None, None, is_causal, scale2, bq, bk)  # no mask: the layout is unused
+    _merge_(out, lse2, o, l)
+
+
+def _merge_(out: Tensor, lse2: Tensor, o: Tensor, l: Tensor) -> None:
+    """Merge a partial attention ``(o, l)`` into ``(out, lse2)``, in place (disjoint keys, base-2 lse)."""
+    new = torch.logaddexp2(lse2, l)  # (Nb, r, L); -inf where neither saw a key
+    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+    out.mul_(torch.exp2(lse2 - safe).unsqueeze(-1)).add_(o.mul_(torch.exp2(l - safe).unsqueeze(-1)))
+    lse2.copy_(new)
+
+
+def _native_ops(mask: Optional[Tensor], q4: Tensor, k3: Tensor, v3: Tensor):
+    """The native ops when they cover this call (float32 on the CPU, no mask), else None."""
+    if mask is not None or q4.device.type != "cpu" or not (q4.dtype == k3.dtype == v3.dtype == torch.float32):
+        return None
+    return _native.ops()
+
+
+def _dense_rows(t: Tensor) -> Tensor:
+    """``t`` itself when its rows are dense and do not overlap (views from the ring qualify), else a copy."""
+    rows, width = t.shape[-2], t.shape[-1]
+    if (t.stride(-1) == 1 or width == 1) and (rows == 1 or t.stride(-2) >= width):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _forward_eager(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Optional[Tensor], is_causal: bool,
+                   scale2: float, bq: int, bk: int) -> tuple[Tensor, Tensor]:
+    """The forward in pure PyTorch, batched over heads: the readable version, and the fallback."""
     Nb, r, L, _ = q4.shape
     S, Ev = k3.shape[1], v3.shape[2]
     out = q4.new_empty(Nb, r, L, Ev)

@@ -1,0 +1,118 @@
+"""attnlab's native forward kernel for the tiled path: built once with this machine's C++ compiler.
+
+The kernel (``csrc/flash_forward.cpp``) runs the same online softmax as
+:func:`attnlab.tiled._forward_eager`, one (head, query block) tile at a time so that the
+row passes read scores still in cache; see the comment at the top of that file for why.
+
+It is compiled with ``torch.utils.cpp_extension`` on first use (about 10 s; ``make demo``
+and ``make test`` build it ahead) into ``~/.cache/attnlab/`` (``$ATTNLAB_CACHE_DIR``
+overrides), under a key made of the source's hash, torch's and Python's versions, so a stale
+build is never loaded. ``ATTNLAB_NATIVE=0`` turns it off. Without a compiler, or if the build
+fails, the tiled path uses its pure-PyTorch forward (same results, slower) and says so once
+with a warning; :func:`status` tells which is in use and why.
+
+Run ``python -m attnlab._native`` to build it and print the status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["NativeStatus", "status", "ops"]
+
+_SOURCE = Path(__file__).parent / "csrc" / "flash_forward.cpp"
+_NAME = "attnlab_native"
+# -march=native: the build runs on the machine that uses it; -fopenmp: at::parallel_for's
+# pragmas (the library resolves to the libgomp torch has already loaded, so one thread pool)
+_CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
+
+@dataclass(frozen=True)
+class NativeStatus:
+    """Whether the native kernel is in use, and why not when it is not."""
+
+    available: bool
+    detail: str  # where it was loaded from, or the reason it is not used
+
+    def __str__(self) -> str:
+        state = "native C++ forward" if self.available else "pure-PyTorch forward"
+        return f"tiled path: {state} ({self.detail})"
+
+
+_lock = threading.Lock()
+_state: Optional[tuple[Optional[Any], NativeStatus]] = None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("ATTNLAB_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "attnlab")
+    key = hashlib.sha256()
+    key.update(_SOURCE.read_bytes())
+    key.update(" ".join(_CFLAGS + _LDFLAGS).encode())
+    key.update(f"{torch.__version__} {sys.version_info[:2]} {platform.machine()}".encode())
+    return Path(root) / f"native-{key.hexdigest()[:16]}"
+
+
+def _load() -> tuple[Optional[Any], NativeStatus]:
+    if os.environ.get("ATTNLAB_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, NativeStatus(False, "turned off by ATTNLAB_NATIVE=0")
+    if platform.system() != "Linux":
+        return None, NativeStatus(False, f"the native kernel is built on Linux only, this is {platform.system()}")
+    build_dir = _cache_dir()
+    library = build_dir / f"{_NAME}.so"
+    try:
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            build_dir.mkdir(parents=True, exist_ok=True)
+            print(f"attnlab: building the native tiled kernel into {build_dir} (once, about 10 s)...",
+                  file=sys.stderr, flush=True)
+            from torch.utils import cpp_extension  # imported only to build: it is slow to import
+
+            cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+                               build_directory=str(build_dir), is_python_module=False, verbose=False)
+        namespace = torch.ops.attnlab_native
+        namespace.flash_forward, namespace.flash_forward_  # both ops are registered
+    except Exception as exc:  # no compiler, no ninja, a failed build: the pure path still works
+        reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        warnings.warn(f"attnlab: the native tiled kernel is not available ({reason}); the tiled path uses its "
+                      f"pure-PyTorch forward (same results, ~1.3x slower). Set ATTNLAB_NATIVE=0 to silence this.",
+                      RuntimeWarning, stacklevel=3)
+        return None, NativeStatus(False, f"build or load failed: {reason}")
+    return namespace, NativeStatus(True, f"loaded from {library}")
+
+
+def _get() -> tuple[Optional[Any], NativeStatus]:
+    global _state
+    if _state is None:
+        with _lock:
+            if _state is None:
+                _state = _load()
+    return _state
+
+
+def ops() -> Optional[Any]:
+    """The compiled ops, or None: ``flash_forward(q4, k3, v3, scale2, is_causal, block_q, block_k)
+    -> (out, lse2)`` and ``flash_forward_(q4, k3, v3, out, lse2, scale2, is_causal, block_q, block_k)``,
+    which continues the softmax state held in ``(out, lse2)`` in place (see the C++ source)."""
+    return _get()[0]
+
+
+def status() -> NativeStatus:
+    """Loads (building if needed) the native kernel and says whether the tiled path uses it."""
+    return _get()[1]
+
+
+if __name__ == "__main__":
+    print(status())

@@ -1,0 +1,302 @@
+// attnlab's native tiled forward: the same online softmax as attnlab/tiled.py's _forward,
+// one task per (key/value head, query head of its group, query block), each on a tile
+// that stays in cache.
+//
+// Why this exists: the pure-PyTorch loop runs the row passes (scale, row max, exp2, row sum,
+// rescale) as separate eager ops over batched (Nb, r*bq, bk) tiles of ~2 MiB, which stream
+// out of cache and cost ~30% on top of the two matmuls. Here each task does
+//
+//     S   = scale2 * Q_i K_j^T          (BLAS sgemm, (n, nk))
+//     row pass, one sweep per row:      m_new = max(m_i, rowmax S)
+//                                       P~    = 2^(S - m_new), l_i = 2^(m_i - m_new) l_i + rowsum P~
+//                                       acc   = 2^(m_i - m_new) acc
+//     acc += P~ V_j                     (BLAS sgemm, (n, Ev))
+//
+// on a (bq, bk) tile that is still in L2 when the row pass reads it, as torch's own CPU
+// flash kernel does. The math is the online softmax of FlashAttention-2 (Dao 2023), in
+// base 2 (log2(e) is folded into scale2 by the caller). No softmax or SDPA from torch is
+// called: the only library routine is the matrix product (MKL's sgemm, which torch links).
+//
+// Layout (views are fine as long as the last dim is dense):
+//     q4   (Nb, r, L, E)   r query heads share key/value head nb (GQA without repeating K, V)
+//     k3   (Nb, S, E)
+//     v3   (Nb, S, Ev)
+// flash_forward returns out (Nb, r, L, Ev) and lse2 (Nb, r, L), the base-2 log-sum-exp (-inf on
+// rows that saw no key; their output is 0, as SDPA's); flash_forward_ continues a saved state.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+namespace {
+
+// Row-major C (m x n, ldc) = alpha * A (m x k) * op(B) + beta * C, through column-major sgemm:
+// a row-major matrix is the column-major transpose, so C^T = op(B)^T A^T.
+void gemm_rowmajor(bool b_transposed, int m, int n, int k, float alpha, const float* a, int lda,
+                   const float* b, int ldb, float beta, float* c, int ldc) {
+  const char ta = b_transposed ? 'T' : 'N';
+  const char tb = 'N';
+  sgemm_(&ta, &tb, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+
+// 2^x for x <= 0, vectorisable: x = n + f with n = round(x), f in [-1/2, 1/2];
+// 2^f by its degree-7 Taylor polynomial in f*ln2 (relative error < 1e-8, under float32's
+// half ulp); 2^n by writing n + 127 into the exponent bits. x <= -127 gives exactly 0.
+inline float exp2_nonpos(float x) {
+  x = x < -127.0f ? -127.0f : x;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  const float shifted = x + magic;
+  const float n = shifted - magic;
+  const float f = (x - n) * 0.6931471805599453f;  // f * ln 2, in [-0.347, 0.347]
+  float p = 1.0f / 5040.0f;
+  p = p * f + 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  int32_t shifted_bits, magic_bits;
+  std::memcpy(&shifted_bits, &shifted, 4);
+  std::memcpy(&magic_bits, &magic, 4);
+  const int32_t exponent = (shifted_bits - magic_bits + 127) << 23;  // n = -127 -> 0.0f
+  float two_n;
+  std::memcpy(&two_n, &exponent, 4);
+  return p * two_n;
+}
+
+// One row of the tile: returns max(m_old, rowmax(row[0:valid])) and overwrites row[0:valid]
+// with 2^(row - m_new), row[valid:nk] with 0; *row_sum gets the sum of the new values.
+#if defined(__AVX512F__)
+// The same 2^x with AVX-512: vroundscaleps gives n, vscalefps multiplies by 2^n (and
+// underflows to 0 by itself), and the polynomial in f is a degree-6 near-minimax fit of 2^f on
+// [-1/2, 1/2] (relative error 1.0e-7 in float32, about torch's own exp); 11 vector ops for
+// 16 values where the portable version needs 18: the row pass is bound by this arithmetic.
+inline __m512 exp2_nonpos_v(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));  // keeps x - n finite for x = -inf
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5370704932138324e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399848248809576e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618373587727547e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550329014658928e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022647738456726f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471824645996f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline float row_pass(float* row, int valid, int nk, float m_old, float* row_sum) {
+  const int full = valid & ~15;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (valid - full)) - 1u);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mx0 = neg_inf, mx1 = neg_inf;  // two chains: vmaxps latency would otherwise bind
+  int c = 0;
+  for (; c + 32 <= full; c += 32) {
+    mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(row + c));
+    mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(row + c + 16));
+  }
+  for (; c < full; c += 16) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(row + c));
+  if (tail) mx1 = _mm512_max_ps(mx1, _mm512_mask_loadu_ps(neg_inf, tail, row + full));
+  const float m_new = std::max(m_old, _mm512_reduce_max_ps(_mm512_max_ps(mx0, mx1)));
+  const __m512 shift = _mm512_set1_ps(m_new);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  for (c = 0; c + 32 <= full; c += 32) {
+    const __m512 p0 = exp2_nonpos_v(_mm512_sub_ps(_mm512_loadu_ps(row + c), shift));
+    const __m512 p1 = exp2_nonpos_v(_mm512_sub_ps(_mm512_loadu_ps(row + c + 16), shift));
+    _mm512_storeu_ps(row + c, p0);
+    _mm512_storeu_ps(row + c + 16, p1);
+    sum0 = _mm512_add_ps(sum0, p0);
+    sum1 = _mm512_add_ps(sum1, p1);
+  }
+  for (; c < full; c += 16) {
+    const __m512 p0 = exp2_nonpos_v(_mm512_sub_ps(_mm512_loadu_ps(row + c), shift));
+    _mm512_storeu_ps(row + c, p0);
+    sum0 = _mm512_add_ps(sum0, p0);
+  }
+  if (tail) {
+    const __m512 p0 = _mm512_maskz_mov_ps(tail, exp2_nonpos_v(_mm512_sub_ps(_mm512_mask_loadu_ps(shift, tail, row + full), shift)));
+    _mm512_mask_storeu_ps(row + full, tail, p0);
+    sum1 = _mm512_add_ps(sum1, p0);
+  }
+  for (c = valid; c < nk; ++c) row[c] = 0.0f;
+  *row_sum = _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+  return m_new;
+}
+#else
+inline float row_pass(float* row, int valid, int nk, float m_old, float* row_sum) {
+  float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+  for (int c = 0; c < valid; ++c) mx = std::max(mx, row[c]);
+  const float m_new = std::max(m_old, mx);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int c = 0; c < valid; ++c) {
+    const float p = exp2_nonpos(row[c] - m_new);
+    row[c] = p;
+    sum += p;
+  }
+  for (int c = valid; c < nk; ++c) row[c] = 0.0f;
+  *row_sum = sum;
+  return m_new;
+}
+#endif
+
+// The online softmax continued from a saved state, in place: on entry (out, lse2) hold the
+// result over the keys seen so far (out normalised, lse2 = -inf on rows that saw none; out is
+// then ignored), on exit the result over those keys and k3/v3's. The state maps onto the
+// running quantities as m_i = lse2, l_i = 1, acc = out: the ring merges blocks this way with
+// no partial output tensor. A fresh forward starts from lse2 = -inf.
+void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3, const at::Tensor& out,
+                    const at::Tensor& lse2, double scale2_d, bool is_causal, int64_t block_q, int64_t block_k) {
+  TORCH_CHECK(q4.dim() == 4 && k3.dim() == 3 && v3.dim() == 3 && out.dim() == 4 && lse2.dim() == 3,
+              "attnlab native forward: bad ranks");
+  for (const at::Tensor* t : {&q4, &k3, &v3, &out, &lse2}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), "attnlab native forward: float32 CPU only");
+  }
+  TORCH_CHECK((q4.stride(3) == 1 || q4.size(3) == 1) && (k3.stride(2) == 1 || k3.size(2) == 1) &&
+                  (v3.stride(2) == 1 || v3.size(2) == 1) && (out.stride(3) == 1 || out.size(3) == 1),
+              "attnlab native forward: the last dim must be dense");
+  const int64_t Nb = q4.size(0), r = q4.size(1), L = q4.size(2), E = q4.size(3);
+  const int64_t S = k3.size(1), Ev = v3.size(2);
+  TORCH_CHECK(k3.size(0) == Nb && v3.size(0) == Nb && k3.size(2) == E && v3.size(1) == S &&
+                  out.sizes() == at::IntArrayRef({Nb, r, L, Ev}) && lse2.sizes() == at::IntArrayRef({Nb, r, L}),
+              "attnlab native forward: shapes");
+  if (Nb == 0 || r == 0 || L == 0 || S == 0) return;
+  const int bq = static_cast<int>(std::min<int64_t>(block_q, L));
+  const int bk = static_cast<int>(std::min<int64_t>(block_k, S));
+  const float scale2 = static_cast<float>(scale2_d);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  const float* q = q4.data_ptr<float>();
+  const float* k = k3.data_ptr<float>();
+  const float* v = v3.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  float* lse = lse2.data_ptr<float>();
+
+  // views work (the ring passes slices): only the last dim must be dense
+  // (a dim of size 1 may carry any stride; BLAS wants a leading dim >= the row length)
+  const int64_t q_s0 = q4.stride(0), q_s1 = q4.stride(1), q_s2 = L > 1 ? q4.stride(2) : E;
+  const int64_t k_s0 = k3.stride(0), k_s1 = S > 1 ? k3.stride(1) : E;
+  const int64_t v_s0 = v3.stride(0), v_s1 = S > 1 ? v3.stride(1) : Ev;
+  const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1), o_s2 = out.stride(2);
+  const int64_t l_s0 = lse2.stride(0), l_s1 = lse2.stride(1), l_s2 = lse2.stride(2);
+  TORCH_CHECK(q_s2 >= E && k_s1 >= E && v_s1 >= Ev, "attnlab native forward: rows must not overlap");
+  const int64_t n_qblocks = (L + bq - 1) / bq;
+  const int64_t n_tasks = Nb * r * n_qblocks;
+  // per-thread scratch: the score tile, the accumulator and the row state, reused by every task
+  const int64_t per_thread = static_cast<int64_t>(bq) * bk + static_cast<int64_t>(bq) * Ev + 2 * bq;
+  const int n_threads = at::get_num_threads();
+  std::vector<float> scratch(static_cast<size_t>(per_thread * n_threads));
+
+  at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
+    float* s = scratch.data() + per_thread * at::get_thread_num();
+    float* acc = s + static_cast<int64_t>(bq) * bk;
+    float* m_i = acc + static_cast<int64_t>(bq) * Ev;
+    float* l_i = m_i + bq;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t qblock = task % n_qblocks;
+      const int64_t head = task / n_qblocks;  // nb * r + h
+      const int64_t nb = head / r, h = head % r;
+      const int64_t i0 = qblock * bq;
+      const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
+      const float* q_tile = q + nb * q_s0 + h * q_s1 + i0 * q_s2;
+      const float* k_head = k + nb * k_s0;
+      const float* v_head = v + nb * v_s0;
+      float* o_tile = o + nb * o_s0 + h * o_s1 + i0 * o_s2;
+      float* lse_tile = lse + nb * l_s0 + h * l_s1 + i0 * l_s2;
+      // the saved state: m_i = lse, l_i = 1, acc = out; a row with lse = -inf has seen no key yet
+      for (int a = 0; a < n; ++a) {
+        const float m = lse_tile[a * l_s2];
+        float* acc_row = acc + static_cast<int64_t>(a) * Ev;
+        m_i[a] = m;
+        l_i[a] = m == neg_inf ? 0.0f : 1.0f;
+        if (m == neg_inf) {
+          std::fill(acc_row, acc_row + Ev, 0.0f);
+        } else {
+          std::copy(o_tile + a * o_s2, o_tile + a * o_s2 + Ev, acc_row);
+        }
+      }
+      // top-left causal: query i sees keys 0..i, so key blocks from i0 + n on are skipped
+      const int64_t j_end = is_causal ? std::min<int64_t>(S, i0 + n) : S;
+      for (int64_t j0 = 0; j0 < j_end; j0 += bk) {
+        const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
+        // S_ij = scale2 * Q_i K_j^T   (n, nk)
+        gemm_rowmajor(true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_s2), k_head + j0 * k_s1,
+                      static_cast<int>(k_s1), 0.0f, s, nk);
+        for (int a = 0; a < n; ++a) {
+          // keys j0 + c with c < valid are visible to this row
+          const int64_t visible = is_causal ? (i0 + a) - j0 + 1 : nk;
+          const int valid = static_cast<int>(std::clamp<int64_t>(visible, 0, nk));
+          float* row = s + static_cast<int64_t>(a) * nk;
+          if (valid == 0) {  // nothing to add for this row in this block
+            std::fill(row, row + nk, 0.0f);
+            continue;
+          }
+          float row_sum;
+          const float m_old = m_i[a];
+          const float m_new = row_pass(row, valid, nk, m_old, &row_sum);
+          // alpha = 2^(m_old - m_new) rescales the old state; the first visit (m_old = -inf) gives 0
+          const float alpha = m_old == neg_inf ? 0.0f : exp2_nonpos(m_old - m_new);
+          l_i[a] = alpha * l_i[a] + row_sum;  // l_i = alpha * l_i + rowsum(P~)
+          m_i[a] = m_new;
+          if (alpha != 1.0f) {
+            float* acc_row = acc + static_cast<int64_t>(a) * Ev;
+#pragma omp simd
+            for (int64_t c = 0; c < Ev; ++c) acc_row[c] *= alpha;  // acc = alpha * acc (then + P~ V_j)
+          }
+        }
+        // acc += P~ V_j   (n, Ev)
+        gemm_rowmajor(false, n, static_cast<int>(Ev), nk, 1.0f, s, nk, v_head + j0 * v_s1, static_cast<int>(v_s1), 1.0f,
+                      acc, static_cast<int>(Ev));
+      }
+      // O_i = acc / l_i; rows that saw no key (l_i = 0) give 0 and lse = -inf
+      for (int a = 0; a < n; ++a) {
+        float* o_row = o_tile + a * o_s2;
+        const float* acc_row = acc + static_cast<int64_t>(a) * Ev;
+        const float inv = l_i[a] == 0.0f ? 0.0f : 1.0f / l_i[a];
+#pragma omp simd
+        for (int64_t c = 0; c < Ev; ++c) o_row[c] = acc_row[c] * inv;
+        lse_tile[a * l_s2] = l_i[a] == 0.0f ? neg_inf : m_i[a] + std::log2(l_i[a]);
+      }
+    }
+  });
+}
+
+// A fresh forward: out (Nb, r, L, Ev) and lse2 (Nb, r, L) from an empty state.
+std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
+                                                 double scale2, bool is_causal, int64_t block_q, int64_t block_k) {
+  TORCH_CHECK(q4.dim() == 4 && v3.dim() == 3, "attnlab native forward: bad ranks");
+  at::Tensor out = at::empty({q4.size(0), q4.size(1), q4.size(2), v3.size(2)}, q4.options());
+  at::Tensor lse2 = at::full({q4.size(0), q4.size(1), q4.size(2)}, -std::numeric_limits<float>::infinity(), q4.options());
+  flash_forward_(q4, k3, v3, out, lse2, scale2, is_causal, block_q, block_k);
+  // rows that never saw a key (S = 0) still hold uninitialised memory: SDPA gives 0 there
+  if (k3.size(1) == 0) out.zero_();
+  return {out, lse2};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(attnlab_native, m) {
+  m.def("flash_forward(Tensor q4, Tensor k3, Tensor v3, float scale2, bool is_causal, int block_q, int block_k) -> (Tensor, Tensor)");
+  m.def("flash_forward_(Tensor q4, Tensor k3, Tensor v3, Tensor(a!) out, Tensor(b!) lse2, float scale2, bool is_causal, int block_q, int block_k) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
+  m.impl("flash_forward", &flash_forward);
+  m.impl("flash_forward_", &flash_forward_);
+}
