@@ -129,19 +129,11 @@ def _exchange(tensors: list[Tensor], group, send_to: int, recv_from: int) -> tup
     return dist.batch_isend_irecv(ops), received
 
 
-def _rotate_in_place(tensors: list[Tensor], group, send_to: int, recv_from: int, rank: int) -> None:
-    """Pass each tensor one step around the ring, overwriting it with the one from ``recv_from``.
-
-    One tensor at a time through a single scratch buffer: the backward keeps one extra block
-    in memory instead of a second copy of K, V, dK and dV.
-    """
-    scratch = torch.empty(max(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
-    for t in tensors:
-        incoming = scratch[: t.numel()].view_as(t)
-        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, send_to, group),
-                                           dist.P2POp(dist.irecv, incoming, recv_from, group)])
-        _wait(requests, rank, recv_from)
-        t.copy_(incoming)
+def _exchange_now(tensors: list[Tensor], group, send_to: int, recv_from: int, rank: int) -> list[Tensor]:
+    """Send ``tensors`` on and return the same shapes received from ``recv_from``, waiting for both."""
+    requests, received = _exchange(tensors, group, send_to, recv_from)
+    _wait(requests, rank, recv_from)
+    return received
 
 
 def _wait(requests: list, rank: int, recv_from: int) -> None:
@@ -153,67 +145,114 @@ def _wait(requests: list, rank: int, recv_from: int) -> None:
                            f"group's timeout (did a rank die or hang?): {str(exc).splitlines()[0]}") from None
 
 
+# Each head group's key/value tensors travel as messages of about this size: the ring's memory
+# per rank is a few messages on top of this rank's share of out, dQ, dK and dV.
+MESSAGE_BYTES = 2 * 2**20
+
+
+def _head_groups(Nb: int, rows: int, width: int, itemsize: int) -> list[slice]:
+    """Consecutive head ranges whose ``(heads, rows, width)`` key block is about MESSAGE_BYTES.
+
+    Heads are independent, so the ring runs one group after another: only one group's blocks
+    are ever in flight, and a head range of a contiguous ``(Nb, S, E)`` tensor is contiguous
+    (it can be sent as it is and received in place).
+    """
+    per_head = max(1, rows * width * itemsize)
+    size = max(1, min(Nb, MESSAGE_BYTES // per_head))
+    return [slice(h, min(Nb, h + size)) for h in range(0, Nb, size)]
+
+
+def _ranks(group) -> tuple[int, int, int, int]:
+    """``(rank, world, next rank, previous rank)``, the last two as global ranks for P2P ops."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    if group is not None:
+        nxt, prv = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prv)
+    return rank, world, nxt, prv
+
+
 class _Ring(torch.autograd.Function):
+    """Forward: for each head group, K/V blocks go once around the ring; each rank folds every
+    block into its (out, lse) state in place. Backward: K/V go around again with their dK/dV
+    accumulators, which reach their owner after W steps."""
+
     @staticmethod
     def forward(ctx, query, key, value, group, is_causal, scale, layout_name, enable_gqa, bq, bk, batch):
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        send_to, recv_from = dist.get_global_rank(group, (rank + 1) % world) if group else (rank + 1) % world, \
-            dist.get_global_rank(group, (rank - 1) % world) if group else (rank - 1) % world
+        rank, world, send_to, recv_from = _ranks(group)
         dtype = compute_dtype(query.dtype)
         layout = tiled._Layout(batch, query, key, enable_gqa)
         q4 = layout.queries(query.to(dtype))  # (Nb, r, Lr, E)
         k3 = layout.keys(key.to(dtype)).contiguous()  # (Nb, Sr, E)
         v3 = layout.keys(value.to(dtype)).contiguous()  # (Nb, Sr, Ev)
-        Lr, Sr = q4.shape[2], k3.shape[1]
+        Nb, Lr, Sr = q4.shape[0], q4.shape[2], k3.shape[1]
         scale_f = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
         q_chunks = _chunks(rank, world, Lr, layout_name, is_causal)
-        out = q4.new_zeros(*q4.shape[:3], v3.shape[-1])
-        lse = q4.new_full(q4.shape[:3], float("-inf"))
-        k_cur, v_cur = k3, v3
-        for step in range(world):
-            src = (rank - step) % world
-            pending = None
-            if step < world - 1:  # the next block travels while this one is computed
-                pending = _exchange([k_cur, v_cur], group, send_to, recv_from)
-            for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
-                tiled._forward_into(q4[:, :, qs], k_cur[:, ks], v_cur[:, ks], out[:, :, qs], lse[:, :, qs], diag,
-                                    scale_f * tiled.LOG2E, bq, bk)
-            if pending is not None:
-                _wait(pending[0], rank, recv_from)
-                k_cur, v_cur = pending[1]
+        out = q4.new_zeros(*q4.shape[:3], v3.shape[-1])  # (Nb, r, Lr, Ev), normalised
+        lse = q4.new_full(q4.shape[:3], float("-inf"))  # (Nb, r, Lr), base 2: no key seen yet
+        groups = _head_groups(Nb, Sr, max(k3.shape[-1], v3.shape[-1]), k3.element_size())
+        for g in groups:
+            k_cur, v_cur = k3[g], v3[g]  # (Nb_g, Sr, E), (Nb_g, Sr, Ev)
+            q_g, out_g, lse_g = q4[g], out[g], lse[g]
+            for step in range(world):
+                src = (rank - step) % world  # whose block this rank holds now
+                pending = None
+                if step < world - 1:  # the next block travels while this one is computed
+                    pending = _exchange([k_cur, v_cur], group, send_to, recv_from)
+                for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
+                    tiled._forward_into(q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs], lse_g[:, :, qs],
+                                        diag, scale_f * tiled.LOG2E, bq, bk)
+                if pending is not None:
+                    _wait(pending[0], rank, recv_from)
+                    k_cur, v_cur = pending[1]
         ctx.save_for_backward(q4, k3, v3, out, lse)
-        ctx.meta = (group, is_causal, scale_f, layout_name, bq, bk, layout, send_to, recv_from,
-                    query.shape, key.shape, value.shape)
+        ctx.meta = (group, is_causal, scale_f, layout_name, bq, bk, groups, query.shape, key.shape, value.shape,
+                    layout)
         return out.reshape(*layout.batch, Lr, v3.shape[-1]).to(query.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q4, k3, v3, out, lse = ctx.saved_tensors
-        group, is_causal, scale, layout_name, bq, bk, layout, send_to, recv_from, q_shape, k_shape, v_shape = ctx.meta
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        group, is_causal, scale, layout_name, bq, bk, groups, q_shape, k_shape, v_shape, layout = ctx.meta
+        rank, world, send_to, recv_from = _ranks(group)
         dout = grad_out.to(q4.dtype).reshape(out.shape)
         Lr, Sr = q4.shape[2], k3.shape[1]
         q_chunks = _chunks(rank, world, Lr, layout_name, is_causal)
         dq = torch.zeros_like(q4)
-        k_cur, v_cur = k3, v3
-        dk_acc, dv_acc = torch.zeros_like(k3), torch.zeros_like(v3)
-        for step in range(world):
-            src = (rank - step) % world
-            for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
-                # FlashAttention-2's tile backward with the *final* out and lse: exact per block
-                tiled._backward(dout[:, :, qs], q4[:, :, qs], k_cur[:, ks], v_cur[:, ks], out[:, :, qs],
-                                lse[:, :, qs], layout, None, diag, scale, bq, bk,
-                                accumulate_into=(dq[:, :, qs], dk_acc[:, ks], dv_acc[:, ks]))
-            # the block and its gradient move on; after W steps the gradient is back at its owner
-            if step < world - 1:
-                if step == 0:  # the first move must not overwrite this rank's own k3, v3 (saved for backward)
-                    k_cur, v_cur = k3.clone(), v3.clone()
-                _rotate_in_place([k_cur, v_cur, dk_acc, dv_acc], group, send_to, recv_from, rank)
-            else:
-                _rotate_in_place([dk_acc, dv_acc], group, send_to, recv_from, rank)
+        dk, dv = torch.empty_like(k3), torch.empty_like(v3)  # filled by the ring: every row arrives
+        for g in groups:
+            q_g, out_g, lse_g, dout_g, dq_g = q4[g], out[g], lse[g], dout[g], dq[g]
+            delta_g = (dout_g * out_g).sum(dim=-1)  # D_i = rowsum(dO_i * O_i), once per group, not per block
+            k_cur, v_cur = k3[g], v3[g]  # read only: they are the saved inputs
+            dk_cur, dv_cur = torch.zeros_like(k_cur), torch.zeros_like(v_cur)  # this block's dK, dV so far
+            for step in range(world):
+                src = (rank - step) % world
+                # the next K/V block travels while this one is computed
+                kv_next = _exchange([k_cur, v_cur], group, send_to, recv_from) if step < world - 1 else None
+                for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
+                    # FlashAttention-2's tile backward with the *final* out and lse: exact per block
+                    tiled._backward(dout_g[:, :, qs], q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs],
+                                    lse_g[:, :, qs], layout, None, diag, scale, bq, bk,
+                                    accumulate_into=(dq_g[:, :, qs], dk_cur[:, ks], dv_cur[:, ks]),
+                                    delta=delta_g[:, :, qs])
+                if step < world - 1:
+                    # one buffer set at a time: drop this K/V once sent, then pass dK/dV on with their block
+                    # and take the next block's (the ranks before added their parts); milliseconds on
+                    # this link against ~1 s of compute per step, so it is not overlapped
+                    _wait(kv_next[0], rank, recv_from)
+                    k_cur, v_cur = kv_next[1]
+                    dk_cur, dv_cur = _exchange_now([dk_cur, dv_cur], group, send_to, recv_from, rank)
+                elif world > 1:
+                    # block src = rank + 1 is complete: back to its owner; this rank's own comes from rank - 1
+                    requests = dist.batch_isend_irecv([
+                        dist.P2POp(dist.isend, dk_cur, send_to, group), dist.P2POp(dist.isend, dv_cur, send_to, group),
+                        dist.P2POp(dist.irecv, dk[g], recv_from, group), dist.P2POp(dist.irecv, dv[g], recv_from, group)])
+                    _wait(requests, rank, recv_from)
+                else:
+                    dk[g].copy_(dk_cur)
+                    dv[g].copy_(dv_cur)
         dq_u = dq.reshape(*layout.batch, *q_shape[-2:]).sum_to_size(q_shape)
-        dk_u = dk_acc.reshape(*layout.kv_batch, *k_shape[-2:]).sum_to_size(k_shape)
-        dv_u = dv_acc.reshape(*layout.kv_batch, *v_shape[-2:]).sum_to_size(v_shape)
+        dk_u = dk.reshape(*layout.kv_batch, *k_shape[-2:]).sum_to_size(k_shape)
+        dv_u = dv.reshape(*layout.kv_batch, *v_shape[-2:]).sum_to_size(v_shape)
         dt = grad_out.dtype
         return dq_u.to(dt), dk_u.to(dt), dv_u.to(dt), None, None, None, None, None, None, None, None
 
@@ -276,6 +315,9 @@ def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(cfg.get("threads", 1))
+    if "message_bytes" in cfg:  # tests: many head groups at small sizes
+        global MESSAGE_BYTES
+        MESSAGE_BYTES = cfg["message_bytes"]
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg.get("timeout", 30)))
     try:
         dtype = getattr(torch, cfg.get("dtype", "float32"))
@@ -289,10 +331,17 @@ def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
             os._exit(3)  # a rank that dies before the ring starts
         layout, causal, gqa = cfg["layout"], cfg["causal"], Hkv != H
         ql, kl, vl = (shard_sequence(t, rank, world, layout).requires_grad_(True) for t in (q, k, v))
+        gl = shard_sequence(gout, rank, world, layout)  # an input, as in the one-process measurement
+        # warm-up in this process (gloo's buffers, the native kernel's library, MKL's state), as the
+        # one-process measurement warms up before its baseline: the peak then counts the ring itself
+        tiny = [torch.randn(B, n, 2 * world * 4, E, dtype=dtype, generator=g) for n in (H, Hkv, Hkv)]
+        tq, tk, tv = (shard_sequence(t, rank, world, layout).requires_grad_(True) for t in tiny)
+        ring_attention(tq, tk, tv, is_causal=causal, layout=layout, enable_gqa=gqa).sum().backward()
+        del tiny, tq, tk, tv
         base = _vm_hwm_bytes()
         t0 = time.perf_counter()
         out = ring_attention(ql, kl, vl, is_causal=causal, layout=layout, enable_gqa=gqa)
-        out.backward(shard_sequence(gout, rank, world, layout))
+        out.backward(gl)
         elapsed = time.perf_counter() - t0
         result = {"rank": rank, "time_s": elapsed, "peak_extra_bytes": max(0, _vm_hwm_bytes() - base)}
         kv_bytes = (kl.numel() + vl.numel()) * kl.element_size()

@@ -276,11 +276,13 @@ def _forward_eager(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Op
 
 def _backward(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, layout: _Layout,
               mask: Optional[Tensor], is_causal: bool, scale: float, bq: int, bk: int,
-              accumulate_into: Optional[tuple[Tensor, Tensor, Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
+              accumulate_into: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+              delta: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention-2's backward: recompute P one tile at a time from lse; never an (L, S) tensor.
 
     ``accumulate_into=(dq, dk, dv)`` adds the gradients into those tensors (views work) instead
-    of allocating new ones: the ring's backward sums many blocks this way.
+    of allocating new ones, and ``delta`` (``(Nb, r, L)``, see below) can be passed in when it is
+    already known: the ring's backward sums many blocks this way.
     """
     Nb, r, L, E = q4.shape
     S = k3.shape[1]
@@ -291,7 +293,8 @@ def _backward(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse
     else:
         dq, dk, dv = accumulate_into
     # D_i = rowsum(dO_i * O_i): the softmax-Jacobian term, one number per query row
-    delta = (dout * out).sum(dim=-1)  # (Nb, r, L)
+    if delta is None:
+        delta = (dout * out).sum(dim=-1)  # (Nb, r, L)
     # empty rows have lse = -inf: shifting by +inf makes their P exactly 0
     lse2 = torch.where(lse2 == float("-inf"), torch.full_like(lse2, float("inf")), lse2)
     for i0 in range(0, L, bq):
