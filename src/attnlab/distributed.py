@@ -223,7 +223,9 @@ class _Ring(torch.autograd.Function):
             q_g, out_g, lse_g, dout_g, dq_g = q4[g], out[g], lse[g], dout[g], dq[g]
             delta_g = (dout_g * out_g).sum(dim=-1)  # D_i = rowsum(dO_i * O_i), once per group, not per block
             k_cur, v_cur = k3[g], v3[g]  # read only: they are the saved inputs
-            dk_cur, dv_cur = torch.zeros_like(k_cur), torch.zeros_like(v_cur)  # this block's dK, dV so far
+            # this block's dK, dV so far: the own block's accumulators start in the result's own rows,
+            # which are free until the finished gradient comes back to them at the last step
+            dk_cur, dv_cur = dk[g].zero_(), dv[g].zero_()
             for step in range(world):
                 src = (rank - step) % world
                 # the next K/V block travels while this one is computed
@@ -247,9 +249,7 @@ class _Ring(torch.autograd.Function):
                         dist.P2POp(dist.isend, dk_cur, send_to, group), dist.P2POp(dist.isend, dv_cur, send_to, group),
                         dist.P2POp(dist.irecv, dk[g], recv_from, group), dist.P2POp(dist.irecv, dv[g], recv_from, group)])
                     _wait(requests, rank, recv_from)
-                else:
-                    dk[g].copy_(dk_cur)
-                    dv[g].copy_(dv_cur)
+                # (one rank: dk[g], dv[g] already hold the result)
         dq_u = dq.reshape(*layout.batch, *q_shape[-2:]).sum_to_size(q_shape)
         dk_u = dk.reshape(*layout.kv_batch, *k_shape[-2:]).sum_to_size(k_shape)
         dv_u = dv.reshape(*layout.kv_batch, *v_shape[-2:]).sum_to_size(v_shape)
