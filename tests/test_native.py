@@ -22,7 +22,7 @@ def test_native_kernel_is_in_use_here():
     else:
         # this machine has gcc: a missing kernel here is a bug (the 1.1x forward target rests on it)
         assert status.available, str(status)
-        assert "native C++ forward" in str(status)
+        assert "native C++ forward and backward" in str(status)
 
 
 def _inputs(gen, Nb, r, L, S, E, Ev):
@@ -123,7 +123,7 @@ CHECK_RESULT = """
 def test_turned_off_by_the_environment():
     run = _run_python(CHECK_RESULT, ATTNLAB_NATIVE="0")
     assert run.returncode == 0, run.stderr
-    assert "pure-PyTorch forward (turned off by ATTNLAB_NATIVE=0)" in run.stdout
+    assert "pure-PyTorch forward and backward (turned off by ATTNLAB_NATIVE=0)" in run.stdout
     assert "WARNINGS 0" in run.stdout  # asked for: no warning
     assert float(run.stdout.split("ERROR")[1]) < 1e-5
 
@@ -138,7 +138,7 @@ def test_a_failed_build_warns_once_and_falls_back(tmp_path):
     """) + textwrap.dedent(CHECK_RESULT)
     run = _run_python(code, ATTNLAB_CACHE_DIR=str(tmp_path / "cache"), ATTNLAB_NATIVE="1")
     assert run.returncode == 0, run.stderr
-    assert "pure-PyTorch forward (build or load failed" in run.stdout
+    assert "pure-PyTorch forward and backward (build or load failed" in run.stdout
     assert "WARNINGS 1 attnlab: the native tiled kernel is not available" in run.stdout
     assert "building the native tiled kernel" in run.stderr  # the progress line came first
     assert float(run.stdout.split("ERROR")[1]) < 1e-5
@@ -181,3 +181,41 @@ def test_forward_into_continues_a_saved_state(native, gen, monkeypatch):
     scores = (q4.double() @ k3.double()[:, None].transpose(-1, -2)) * 0.25
     expected_lse2 = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1) / math.log(2)
     assert_close(lse2, expected_lse2, dtype=torch.float32, msg="log-sum-exp")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_native_backward_matches_the_pure_backward(shape, causal, gen):
+    if not tiled.native_status().available:
+        pytest.fail(str(tiled.native_status()))
+    Nb, r, L, S, E, Ev, bq, bk = shape
+    q4, k3, v3 = _inputs(gen, Nb, r, L, S, E, Ev)
+    dout = torch.randn(Nb, r, L, Ev, generator=gen)
+    scale = 1 / math.sqrt(E)
+    out, lse2 = tiled._forward_eager(q4, k3, v3, None, None, causal, scale * tiled.LOG2E, bq, bk)
+    ops = tiled._native.ops()
+    native = [torch.zeros_like(t) for t in (q4, k3, v3)]
+    ops.flash_backward_(dout, q4, k3, v3, lse2, (dout * out).sum(-1), *native, scale, causal, bq, bk)
+    eager = tiled._backward_eager(dout, q4, k3, v3, out, lse2, None, None, causal, scale, bq, bk)
+    # and against autograd through float64 SDPA
+    qd, kd, vd = (t.double().requires_grad_(True) for t in (q4, k3, v3))
+    golden = torch.nn.functional.scaled_dot_product_attention(
+        qd, kd[:, None].expand(-1, r, -1, -1), vd[:, None].expand(-1, r, -1, -1), is_causal=causal)
+    golden.backward(dout.double())
+    for name, n, e, g in zip(("dq", "dk", "dv"), native, eager, (qd.grad, kd.grad, vd.grad)):
+        assert_close(n, g, dtype=torch.float32, msg=f"native {name} vs float64 autograd")
+        assert_close(n, e, msg=f"native {name} vs pure {name}")
+
+
+def test_native_backward_adds_into_views(gen):
+    """accumulate_into with views of bigger tensors, as the ring's backward does."""
+    q4, k3, v3 = _inputs(gen, 2, 1, 40, 40, 8, 8)
+    dout = torch.randn(2, 1, 40, 8, generator=gen)
+    out, lse2 = tiled._forward_eager(q4, k3, v3, None, None, True, 0.3 * tiled.LOG2E, 16, 16)
+    big = [torch.ones(2, 1, 60, 8), torch.ones(2, 70, 8), torch.ones(2, 70, 8)]
+    views = (big[0][:, :, 10:50], big[1][:, 20:60], big[2][:, 20:60])
+    tiled._backward(dout, q4, k3, v3, out, lse2, None, None, True, 0.3, 16, 16, accumulate_into=views)
+    eager = tiled._backward_eager(dout, q4, k3, v3, out, lse2, None, None, True, 0.3, 16, 16)
+    for view, e in zip(views, eager):
+        assert_close(view - 1, e, msg="added into the view")
+    assert (big[1][:, :20] == 1).all() and (big[1][:, 60:] == 1).all()  # nothing outside the view

@@ -1,8 +1,9 @@
-"""attnlab's native forward kernel for the tiled path: built once with this machine's C++ compiler.
+"""attnlab's native kernels for the tiled path: built once with this machine's C++ compiler.
 
-The kernel (``csrc/flash_forward.cpp``) runs the same online softmax as
-:func:`attnlab.tiled._forward_eager`, one (head, query block) tile at a time so that the
-row passes read scores still in cache; see the comment at the top of that file for why.
+The kernels (``csrc/flash.cpp``) run the same online softmax as
+:func:`attnlab.tiled._forward_eager` and the same FlashAttention-2 backward as
+:func:`attnlab.tiled._backward_eager`, one cache-sized tile at a time so that the row passes
+read scores still in cache; see the comment at the top of that file for why.
 
 It is compiled with ``torch.utils.cpp_extension`` on first use (about 10 s; ``make demo``
 and ``make test`` build it ahead) into ``~/.cache/attnlab/`` (``$ATTNLAB_CACHE_DIR``
@@ -30,7 +31,7 @@ import torch
 
 __all__ = ["NativeStatus", "status", "ops"]
 
-_SOURCE = Path(__file__).parent / "csrc" / "flash_forward.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "flash.cpp"
 _NAME = "attnlab_native"
 # -march=native: the build runs on the machine that uses it; -fopenmp: at::parallel_for's
 # pragmas (the library resolves to the libgomp torch has already loaded, so one thread pool)
@@ -46,7 +47,7 @@ class NativeStatus:
     detail: str  # where it was loaded from, or the reason it is not used
 
     def __str__(self) -> str:
-        state = "native C++ forward" if self.available else "pure-PyTorch forward"
+        state = "native C++ forward and backward" if self.available else "pure-PyTorch forward and backward"
         return f"tiled path: {state} ({self.detail})"
 
 
@@ -83,11 +84,11 @@ def _load() -> tuple[Optional[Any], NativeStatus]:
             cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
                                build_directory=str(build_dir), is_python_module=False, verbose=False)
         namespace = torch.ops.attnlab_native
-        namespace.flash_forward, namespace.flash_forward_  # both ops are registered
+        namespace.flash_forward, namespace.flash_forward_, namespace.flash_backward_  # all registered
     except Exception as exc:  # no compiler, no ninja, a failed build: the pure path still works
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         warnings.warn(f"attnlab: the native tiled kernel is not available ({reason}); the tiled path uses its "
-                      f"pure-PyTorch forward (same results, ~1.3x slower). Set ATTNLAB_NATIVE=0 to silence this.",
+                      f"pure-PyTorch code (same results, ~1.3x slower). Set ATTNLAB_NATIVE=0 to silence this.",
                       RuntimeWarning, stacklevel=3)
         return None, NativeStatus(False, f"build or load failed: {reason}")
     return namespace, NativeStatus(True, f"loaded from {library}")
@@ -105,7 +106,9 @@ def _get() -> tuple[Optional[Any], NativeStatus]:
 def ops() -> Optional[Any]:
     """The compiled ops, or None: ``flash_forward(q4, k3, v3, scale2, is_causal, block_q, block_k)
     -> (out, lse2)`` and ``flash_forward_(q4, k3, v3, out, lse2, scale2, is_causal, block_q, block_k)``,
-    which continues the softmax state held in ``(out, lse2)`` in place (see the C++ source)."""
+    which continues the softmax state held in ``(out, lse2)`` in place, and ``flash_backward_(dout,
+    q4, k3, v3, lse2, delta, dq, dk, dv, scale, is_causal, block_q, block_k)``, which adds the
+    gradients into ``dq, dk, dv`` (see the C++ source)."""
     return _get()[0]
 
 

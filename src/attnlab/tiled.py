@@ -10,6 +10,10 @@ result equals softmax(QK^T)V exactly, up to rounding. The backward pass recomput
 each score block from Q, K, the output and the log-sum-exp ``lse = m_i + log l_i``
 instead of storing the ``(L, S)`` probabilities.
 
+The functions here are the readable version. For float32 on the CPU without a mask the
+forward and backward run the same loops as compiled C++ (``csrc/flash.cpp``, built by
+:mod:`attnlab._native`), one cache-sized tile per task; :func:`native_status` says which.
+
 Arithmetic is done in base 2 (``exp2``, with ``log2(e)`` folded into the query
 scale): same result, and ``exp2`` is cheaper than ``exp`` on the CPU.
 
@@ -94,11 +98,12 @@ def flash_attention(
 
 
 def native_status() -> _native.NativeStatus:
-    """Whether the forward runs attnlab's compiled kernel (building it on first call) and why not if not.
+    """Whether the tiled path runs attnlab's compiled kernels (building them on first call), and why not if not.
 
-    The compiled kernel covers float32 (and float16/bfloat16, computed in float32) on the CPU
-    without ``attn_mask``; other calls, or ``ATTNLAB_NATIVE=0``, use the pure-PyTorch forward.
-    The backward is pure PyTorch in every case.
+    The compiled forward and backward cover float32 (and float16/bfloat16, computed in
+    float32) on the CPU without ``attn_mask`` (the backward also needs at least as many
+    key/value heads, batch included, as torch has threads); other calls, or
+    ``ATTNLAB_NATIVE=0``, run the pure-PyTorch code, which is the readable version.
     """
     return _native.status()
 
@@ -283,7 +288,33 @@ def _backward(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse
     ``accumulate_into=(dq, dk, dv)`` adds the gradients into those tensors (views work) instead
     of allocating new ones, and ``delta`` (``(Nb, r, L)``, see below) can be passed in when it is
     already known: the ring's backward sums many blocks this way.
+
+    Runs the native kernel (one task per key/value head, so it needs at least as many of
+    those as threads to keep them busy) for float32 on the CPU without a mask, and
+    :func:`_backward_eager` otherwise.
     """
+    ops = _native_ops(mask, q4, k3, v3)
+    if ops is not None and dout.dtype == out.dtype == torch.float32 and q4.shape[0] >= torch.get_num_threads():
+        if accumulate_into is None:
+            dq, dk, dv = torch.zeros_like(q4), torch.zeros_like(k3), torch.zeros_like(v3)
+        else:
+            dq, dk, dv = accumulate_into
+        if all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in (dq, dk, dv)):
+            if delta is None:
+                delta = (dout * out).sum(dim=-1)  # D_i = rowsum(dO_i * O_i), (Nb, r, L)
+            ops.flash_backward_(_dense_rows(dout), _dense_rows(q4), _dense_rows(k3), _dense_rows(v3), lse2, delta,
+                                dq, dk, dv, scale, is_causal, bq, bk)
+            return dq, dk, dv
+        accumulate_into = (dq, dk, dv)
+    return _backward_eager(dout, q4, k3, v3, out, lse2, layout, mask, is_causal, scale, bq, bk, accumulate_into,
+                           delta)
+
+
+def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, layout: _Layout,
+                    mask: Optional[Tensor], is_causal: bool, scale: float, bq: int, bk: int,
+                    accumulate_into: Optional[tuple[Tensor, Tensor, Tensor]] = None,
+                    delta: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward in pure PyTorch, batched over heads: the readable version, and the fallback."""
     Nb, r, L, E = q4.shape
     S = k3.shape[1]
     scale2 = scale * LOG2E

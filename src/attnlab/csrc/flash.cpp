@@ -44,13 +44,18 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
 
 namespace {
 
-// Row-major C (m x n, ldc) = alpha * A (m x k) * op(B) + beta * C, through column-major sgemm:
-// a row-major matrix is the column-major transpose, so C^T = op(B)^T A^T.
+// Row-major C (m x n, ldc) = alpha * op(A) (m x k) * op(B) (k x n) + beta * C, through
+// column-major sgemm: a row-major matrix is the column-major transpose, so C^T = op(B)^T op(A)^T.
+void gemm_rm(bool a_transposed, bool b_transposed, int m, int n, int k, float alpha, const float* a, int lda,
+             const float* b, int ldb, float beta, float* c, int ldc) {
+  const char tb = b_transposed ? 'T' : 'N';
+  const char ta = a_transposed ? 'T' : 'N';
+  sgemm_(&tb, &ta, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+
 void gemm_rowmajor(bool b_transposed, int m, int n, int k, float alpha, const float* a, int lda,
                    const float* b, int ldb, float beta, float* c, int ldc) {
-  const char ta = b_transposed ? 'T' : 'N';
-  const char tb = 'N';
-  sgemm_(&ta, &tb, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+  gemm_rm(false, b_transposed, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 // 2^x for x <= 0, vectorisable: x = n + f with n = round(x), f in [-1/2, 1/2];
@@ -137,7 +142,24 @@ inline float row_pass(float* row, int valid, int nk, float m_old, float* row_sum
   *row_sum = _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
   return m_new;
 }
+// row[0:valid] = 2^(row - shift): the backward's P from the saved log-sum-exp
+inline void exp2_shifted(float* row, int valid, float shift) {
+  const int full = valid & ~15;
+  const __m512 sh = _mm512_set1_ps(shift);
+  int c = 0;
+  for (; c < full; c += 16) _mm512_storeu_ps(row + c, exp2_nonpos_v(_mm512_sub_ps(_mm512_loadu_ps(row + c), sh)));
+  if (c < valid) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (valid - c)) - 1u);
+    _mm512_mask_storeu_ps(row + c, tail, exp2_nonpos_v(_mm512_sub_ps(_mm512_mask_loadu_ps(sh, tail, row + c), sh)));
+  }
+}
 #else
+// row[0:valid] = 2^(row - shift): the backward's P from the saved log-sum-exp
+inline void exp2_shifted(float* row, int valid, float shift) {
+#pragma omp simd
+  for (int c = 0; c < valid; ++c) row[c] = exp2_nonpos(row[c] - shift);
+}
+
 inline float row_pass(float* row, int valid, int nk, float m_old, float* row_sum) {
   float mx = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : mx)
@@ -289,14 +311,125 @@ std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q4, const at:
   return {out, lse2};
 }
 
+// FlashAttention-2's backward (Dao 2023, Algorithm 2), one task per key/value head nb (its r
+// query heads run in the task, so dK, dV have a single writer), tiles recomputed from lse:
+//
+//     P    = 2^(scale2 * Q_i K_j^T - lse2_i)    (0 above the causal diagonal and on empty rows)
+//     dV_j += P^T dO_i
+//     dP   = dO_i V_j^T
+//     dS   = P * (dP - D_i)                      D_i = rowsum(dO_i * O_i), passed in as delta
+//     dQ_i += scale * dS K_j
+//     dK_j += scale * dS^T Q_i
+//
+// The gradients are added into dq (Nb, r, L, E), dk (Nb, S, E), dv (Nb, S, Ev) (views work).
+void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
+                     const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
+                     const at::Tensor& dv, double scale_d, bool is_causal, int64_t block_q, int64_t block_k) {
+  for (const at::Tensor* t : {&dout, &q4, &k3, &v3, &lse2, &delta, &dq, &dk, &dv}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), "attnlab native backward: float32 CPU only");
+    TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) == 1, "attnlab native backward: the last dim must be dense");
+  }
+  TORCH_CHECK(q4.dim() == 4 && dout.dim() == 4 && dq.dim() == 4 && k3.dim() == 3 && v3.dim() == 3 && dk.dim() == 3 &&
+                  dv.dim() == 3 && lse2.dim() == 3 && delta.dim() == 3,
+              "attnlab native backward: bad ranks");
+  const int64_t Nb = q4.size(0), r = q4.size(1), L = q4.size(2), E = q4.size(3);
+  const int64_t S = k3.size(1), Ev = v3.size(2);
+  TORCH_CHECK(dq.sizes() == q4.sizes() && dk.sizes() == k3.sizes() && dv.sizes() == v3.sizes() &&
+                  dout.sizes() == at::IntArrayRef({Nb, r, L, Ev}) && lse2.sizes() == at::IntArrayRef({Nb, r, L}) &&
+                  delta.sizes() == lse2.sizes() && k3.size(0) == Nb && v3.size(0) == Nb && v3.size(1) == S,
+              "attnlab native backward: shapes");
+  if (Nb == 0 || r == 0 || L == 0 || S == 0 || E == 0 || Ev == 0) return;
+  const int bq = static_cast<int>(std::min<int64_t>(block_q, L));
+  const int bk = static_cast<int>(std::min<int64_t>(block_k, S));
+  const float scale = static_cast<float>(scale_d);
+  const float scale2 = scale * 1.4426950408889634f;  // log2(e): the forward's base-2 scores
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  auto ld = [](const at::Tensor& t, int64_t width) { return t.size(-2) > 1 ? t.stride(-2) : width; };
+  const int64_t q_ld = ld(q4, E), do_ld = ld(dout, Ev), dq_ld = ld(dq, E);
+  const int64_t k_ld = ld(k3, E), v_ld = ld(v3, Ev), dk_ld = ld(dk, E), dv_ld = ld(dv, Ev);
+  TORCH_CHECK(q_ld >= E && do_ld >= Ev && dq_ld >= E && k_ld >= E && v_ld >= Ev && dk_ld >= E && dv_ld >= Ev,
+              "attnlab native backward: rows must not overlap");
+  const float* q = q4.data_ptr<float>();
+  const float* k = k3.data_ptr<float>();
+  const float* v = v3.data_ptr<float>();
+  const float* gout = dout.data_ptr<float>();
+  const float* lse = lse2.data_ptr<float>();
+  const float* dlt = delta.data_ptr<float>();
+  float* gq = dq.data_ptr<float>();
+  float* gk = dk.data_ptr<float>();
+  float* gv = dv.data_ptr<float>();
+
+  const int64_t tile = static_cast<int64_t>(bq) * bk;
+  const int n_threads = at::get_num_threads();
+  std::vector<float> scratch(static_cast<size_t>(2 * tile * n_threads));
+
+  at::parallel_for(0, Nb, 1, [&](int64_t begin, int64_t end) {
+    float* p = scratch.data() + 2 * tile * at::get_thread_num();
+    float* dp = p + tile;
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const float* k_head = k + nb * k3.stride(0);
+      const float* v_head = v + nb * v3.stride(0);
+      float* dk_head = gk + nb * dk.stride(0);
+      float* dv_head = gv + nb * dv.stride(0);
+      for (int64_t h = 0; h < r; ++h) {
+        for (int64_t i0 = 0; i0 < L; i0 += bq) {
+          const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
+          const float* q_tile = q + nb * q4.stride(0) + h * q4.stride(1) + i0 * q_ld;
+          const float* do_tile = gout + nb * dout.stride(0) + h * dout.stride(1) + i0 * do_ld;
+          float* dq_tile = gq + nb * dq.stride(0) + h * dq.stride(1) + i0 * dq_ld;
+          const float* lse_rows = lse + nb * lse2.stride(0) + h * lse2.stride(1) + i0 * lse2.stride(2);
+          const float* d_rows = dlt + nb * delta.stride(0) + h * delta.stride(1) + i0 * delta.stride(2);
+          const int64_t j_end = is_causal ? std::min<int64_t>(S, i0 + n) : S;
+          for (int64_t j0 = 0; j0 < j_end; j0 += bk) {
+            const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
+            // P = 2^(scale2 * Q_i K_j^T - lse2_i)
+            gemm_rm(false, true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_ld),
+                    k_head + j0 * k_ld, static_cast<int>(k_ld), 0.0f, p, nk);
+            for (int a = 0; a < n; ++a) {
+              float* row = p + static_cast<int64_t>(a) * nk;
+              const float m = lse_rows[a * lse2.stride(2)];
+              const int64_t visible = is_causal ? (i0 + a) - j0 + 1 : nk;
+              const int valid = m == neg_inf ? 0 : static_cast<int>(std::clamp<int64_t>(visible, 0, nk));
+              exp2_shifted(row, valid, m);
+              for (int c = valid; c < nk; ++c) row[c] = 0.0f;
+            }
+            // dV_j += P^T dO_i   (nk, Ev)
+            gemm_rm(true, false, nk, static_cast<int>(Ev), n, 1.0f, p, nk, do_tile, static_cast<int>(do_ld), 1.0f,
+                    dv_head + j0 * dv_ld, static_cast<int>(dv_ld));
+            // dP = dO_i V_j^T   (n, nk)
+            gemm_rm(false, true, n, nk, static_cast<int>(Ev), 1.0f, do_tile, static_cast<int>(do_ld),
+                    v_head + j0 * v_ld, static_cast<int>(v_ld), 0.0f, dp, nk);
+            // dS = P * (dP - D_i), over dP
+            for (int a = 0; a < n; ++a) {
+              const float d = d_rows[a * delta.stride(2)];
+              const float* p_row = p + static_cast<int64_t>(a) * nk;
+              float* ds_row = dp + static_cast<int64_t>(a) * nk;
+#pragma omp simd
+              for (int c = 0; c < nk; ++c) ds_row[c] = p_row[c] * (ds_row[c] - d);
+            }
+            // dQ_i += scale * dS K_j   (n, E)
+            gemm_rm(false, false, n, static_cast<int>(E), nk, scale, dp, nk, k_head + j0 * k_ld,
+                    static_cast<int>(k_ld), 1.0f, dq_tile, static_cast<int>(dq_ld));
+            // dK_j += scale * dS^T Q_i   (nk, E)
+            gemm_rm(true, false, nk, static_cast<int>(E), n, scale, dp, nk, q_tile, static_cast<int>(q_ld), 1.0f,
+                    dk_head + j0 * dk_ld, static_cast<int>(dk_ld));
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnlab_native, m) {
   m.def("flash_forward(Tensor q4, Tensor k3, Tensor v3, float scale2, bool is_causal, int block_q, int block_k) -> (Tensor, Tensor)");
+  m.def("flash_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, float scale, bool is_causal, int block_q, int block_k) -> ()");
   m.def("flash_forward_(Tensor q4, Tensor k3, Tensor v3, Tensor(a!) out, Tensor(b!) lse2, float scale2, bool is_causal, int block_q, int block_k) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
   m.impl("flash_forward", &flash_forward);
   m.impl("flash_forward_", &flash_forward_);
+  m.impl("flash_backward_", &flash_backward_);
 }
