@@ -1,6 +1,7 @@
-// attnlab's native tiled forward: the same online softmax as attnlab/tiled.py's _forward,
-// one task per (key/value head, query head of its group, query block), each on a tile
-// that stays in cache.
+// attnlab's native tiled kernels: the same online-softmax forward as attnlab/tiled.py's
+// _forward_eager, one task per (key/value head, query head of its group, query block), each
+// on a tile that stays in cache; and the same FlashAttention-2 backward as _backward_eager
+// (flash_backward_, at the end of this file).
 //
 // Why this exists: the pure-PyTorch loop runs the row passes (scale, row max, exp2, row sum,
 // rescale) as separate eager ops over batched (Nb, r*bq, bk) tiles of ~2 MiB, which stream
