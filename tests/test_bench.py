@@ -72,3 +72,4 @@ def test_ring_benchmark_tiny():
     row = rows[0]
     assert row["ring_s"] > 0 and row["single_s"] > 0 and row["ratio"] == pytest.approx(row["ring_s"] / row["single_s"])
     assert row["sent_mib_per_rank"] > 0
+    assert 0 <= row["comm_wait_share"] < 1  # a share of the rank's time, measured in the rank

@@ -346,5 +346,8 @@ def ring_benchmark(seq_lens: list[int], *, B: int = 1, H: int = 8, E: int = 64, 
                      "ring_peak_mib": max(r.get("peak_extra_bytes", 0) for r in ring) / 2**20,
                      "single_peak_mib": (single_mem or 0) / 2**20,
                      "sent_mib_per_rank": max(r.get("bytes_sent", 0) for r in ring) / 2**20,
+                     # the share of a rank's time spent blocked on messages (what compute did not hide)
+                     "comm_wait_share": max(r.get("comm_wait_s", 0.0) / r["time_s"] for r in ring if "time_s" in r)
+                     if not errors else float("nan"),
                      "errors": errors})
     return rows

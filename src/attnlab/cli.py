@@ -75,7 +75,9 @@ over sequence lengths. Each configuration is warmed up, then the implementations
 timed in interleaved rounds; the median, GFLOP/s and the ratio to torch's fastest
 backend in the same run are reported. Peak memory is measured with each
 configuration in a fresh process. Configurations too big for --max-memory-gb are
-skipped (the O(L^2) ones at long lengths).
+skipped (the O(L^2) ones at long lengths). The first line of the output says whether
+the tiled path ran its native C++ kernels or its pure-PyTorch code (ATTNLAB_NATIVE=0
+forces the latter, to compare the two).
 
 The full default matrix takes a long time on a small machine; narrow it down:
 
@@ -373,14 +375,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         lens = args.seq_lens if args.seq_lens != [512, 1024, 2048, 4096, 8192, 16384] else [8192, 16384]
         print(f"machine: {bench.machine_line()}\n")
         print("| L | causal | layout | 2 ranks x 1 thread s | 1 process x 2 threads s | ratio | ring peak +MiB/rank "
-              "| one process peak +MiB | sent MiB/rank |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "| one process peak +MiB | sent MiB/rank | waiting on messages |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for causal in causals:
             for row in bench.ring_benchmark(lens, B=args.batch, H=args.heads, E=args.dim, causal=causal,
                                             layout=args.ring_layout):
                 print(f"| {row['L']} | {'yes' if causal else 'no'} | {row['layout']} | {row['ring_s']:.2f} | "
                       f"{row['single_s']:.2f} | {row['ratio']:.2f} | {row['ring_peak_mib']:.1f} | "
-                      f"{row['single_peak_mib']:.1f} | {row['sent_mib_per_rank']:.1f} |"
+                      f"{row['single_peak_mib']:.1f} | {row['sent_mib_per_rank']:.1f} | "
+                      f"{100 * row['comm_wait_share']:.1f}% |"
                       + (f" errors: {row['errors']}" if row["errors"] else ""), flush=True)
         return 0
     width = 30
@@ -470,7 +473,8 @@ def _cmd_ring(args: argparse.Namespace) -> int:
             print(f"  rank {r['rank']}: FAILED: {r['error']}")
         else:
             print(f"  rank {r['rank']}: {r['time_s']:.2f} s forward+backward, peak +{r['peak_extra_bytes'] / 2**20:.1f} "
-                  f"MiB, sent {r['bytes_sent'] / 2**20:.1f} MiB")
+                  f"MiB, sent {r['bytes_sent'] / 2**20:.1f} MiB, waited on messages {r['comm_wait_s']:.2f} s "
+                  f"({100 * r['comm_wait_s'] / r['time_s']:.1f}%)")
     diffs = next((r["max_abs_diff"] for r in reports if "max_abs_diff" in r), None)
     if diffs:
         print("  max |ring - one process|: " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))

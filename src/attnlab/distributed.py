@@ -121,25 +121,35 @@ def _pairs(q_chunks, k_chunks, is_causal: bool):
                 yield qs, ks, True
 
 
-def _exchange(tensors: list[Tensor], group, send_to: int, recv_from: int) -> tuple[list, list[Tensor]]:
-    """Start sending ``tensors`` to ``send_to`` and receiving the same shapes from ``recv_from``."""
-    received = [torch.empty_like(t) for t in tensors]
+def _exchange(tensors: list[Tensor], group, send_to: int, recv_from: int,
+              into: Optional[list[Tensor]] = None) -> tuple[list, list[Tensor]]:
+    """Start sending ``tensors`` to ``send_to`` and receiving the same shapes from ``recv_from``
+    (into ``into`` when given, else into new tensors)."""
+    received = into if into is not None else [torch.empty_like(t) for t in tensors]
     ops = [dist.P2POp(dist.isend, t, send_to, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, recv_from, group) for r in received]
     return dist.batch_isend_irecv(ops), received
 
 
-def _exchange_now(tensors: list[Tensor], group, send_to: int, recv_from: int, rank: int) -> list[Tensor]:
-    """Send ``tensors`` on and return the same shapes received from ``recv_from``, waiting for both."""
-    requests, received = _exchange(tensors, group, send_to, recv_from)
+def _exchange_now(tensors: list[Tensor], group, send_to: int, recv_from: int, rank: int,
+                  into: list[Tensor]) -> list[Tensor]:
+    """Send ``tensors`` on and receive the same shapes from ``recv_from`` into ``into``, waiting for both."""
+    requests, received = _exchange(tensors, group, send_to, recv_from, into)
     _wait(requests, rank, recv_from)
     return received
 
 
+# Seconds this process spent blocked on the ring's messages (the part of communication that
+# compute did not hide); attnlab ring and attnlab bench --ring report it as a share of the time.
+COMM_WAIT_S = [0.0]
+
+
 def _wait(requests: list, rank: int, recv_from: int) -> None:
+    t0 = time.perf_counter()
     try:
         for req in requests:
             req.wait()
+        COMM_WAIT_S[0] += time.perf_counter() - t0
     except RuntimeError as exc:
         raise RuntimeError(f"ring_attention: rank {rank} got nothing from rank {recv_from} within the process "
                            f"group's timeout (did a rank die or hang?): {str(exc).splitlines()[0]}") from None
@@ -160,6 +170,18 @@ def _head_groups(Nb: int, rows: int, width: int, itemsize: int) -> list[slice]:
     per_head = max(1, rows * width * itemsize)
     size = max(1, min(Nb, MESSAGE_BYTES // per_head))
     return [slice(h, min(Nb, h + size)) for h in range(0, Nb, size)]
+
+
+class _Buffers:
+    """Two sets of message buffers, used in turn (one is received into while the other is read),
+    allocated once per pass for the largest head group: the ring allocates nothing per step,
+    so its peak memory is what it holds, not what the allocator kept from earlier steps."""
+
+    def __init__(self, like: list[Tensor], heads: int) -> None:
+        self.sets = [[t.new_empty(heads, *t.shape[1:]) for t in like] for _ in range(2)]
+
+    def take(self, step: int, heads: int) -> list[Tensor]:
+        return [t[:heads] for t in self.sets[step % 2]]
 
 
 def _ranks(group) -> tuple[int, int, int, int]:
@@ -190,6 +212,8 @@ class _Ring(torch.autograd.Function):
         out = q4.new_zeros(*q4.shape[:3], v3.shape[-1])  # (Nb, r, Lr, Ev), normalised
         lse = q4.new_full(q4.shape[:3], float("-inf"))  # (Nb, r, Lr), base 2: no key seen yet
         groups = _head_groups(Nb, Sr, max(k3.shape[-1], v3.shape[-1]), k3.element_size())
+        heads = max(g.stop - g.start for g in groups)
+        kv_bufs = _Buffers([k3, v3], heads) if world > 1 else None
         for g in groups:
             k_cur, v_cur = k3[g], v3[g]  # (Nb_g, Sr, E), (Nb_g, Sr, Ev)
             q_g, out_g, lse_g = q4[g], out[g], lse[g]
@@ -197,7 +221,8 @@ class _Ring(torch.autograd.Function):
                 src = (rank - step) % world  # whose block this rank holds now
                 pending = None
                 if step < world - 1:  # the next block travels while this one is computed
-                    pending = _exchange([k_cur, v_cur], group, send_to, recv_from)
+                    pending = _exchange([k_cur, v_cur], group, send_to, recv_from,
+                                        kv_bufs.take(step, g.stop - g.start))
                 for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
                     tiled._forward_into(q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs], lse_g[:, :, qs],
                                         diag, scale_f * tiled.LOG2E, bq, bk)
@@ -219,7 +244,11 @@ class _Ring(torch.autograd.Function):
         q_chunks = _chunks(rank, world, Lr, layout_name, is_causal)
         dq = torch.zeros_like(q4)
         dk, dv = torch.empty_like(k3), torch.empty_like(v3)  # filled by the ring: every row arrives
+        heads = max(g.stop - g.start for g in groups)
+        kv_bufs = _Buffers([k3, v3], heads) if world > 1 else None
+        grad_bufs = _Buffers([dk, dv], heads) if world > 1 else None
         for g in groups:
+            n_g = g.stop - g.start
             q_g, out_g, lse_g, dout_g, dq_g = q4[g], out[g], lse[g], dout[g], dq[g]
             delta_g = (dout_g * out_g).sum(dim=-1)  # D_i = rowsum(dO_i * O_i), once per group, not per block
             k_cur, v_cur = k3[g], v3[g]  # read only: they are the saved inputs
@@ -229,7 +258,9 @@ class _Ring(torch.autograd.Function):
             for step in range(world):
                 src = (rank - step) % world
                 # the next K/V block travels while this one is computed
-                kv_next = _exchange([k_cur, v_cur], group, send_to, recv_from) if step < world - 1 else None
+                kv_next = None
+                if step < world - 1:
+                    kv_next = _exchange([k_cur, v_cur], group, send_to, recv_from, kv_bufs.take(step, n_g))
                 for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
                     # FlashAttention-2's tile backward with the *final* out and lse: exact per block
                     tiled._backward(dout_g[:, :, qs], q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs],
@@ -237,12 +268,13 @@ class _Ring(torch.autograd.Function):
                                     accumulate_into=(dq_g[:, :, qs], dk_cur[:, ks], dv_cur[:, ks]),
                                     delta=delta_g[:, :, qs])
                 if step < world - 1:
-                    # one buffer set at a time: drop this K/V once sent, then pass dK/dV on with their block
-                    # and take the next block's (the ranks before added their parts); milliseconds on
-                    # this link against ~1 s of compute per step, so it is not overlapped
+                    # pass dK/dV on with their block and take the next block's (the ranks before added
+                    # their parts); milliseconds on this link against ~1 s of compute per step, so it
+                    # is not overlapped
                     _wait(kv_next[0], rank, recv_from)
                     k_cur, v_cur = kv_next[1]
-                    dk_cur, dv_cur = _exchange_now([dk_cur, dv_cur], group, send_to, recv_from, rank)
+                    dk_cur, dv_cur = _exchange_now([dk_cur, dv_cur], group, send_to, recv_from, rank,
+                                                   grad_bufs.take(step, n_g))
                 elif world > 1:
                     # block src = rank + 1 is complete: back to its owner; this rank's own comes from rank - 1
                     requests = dist.batch_isend_irecv([
@@ -339,11 +371,13 @@ def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
         ring_attention(tq, tk, tv, is_causal=causal, layout=layout, enable_gqa=gqa).sum().backward()
         del tiny, tq, tk, tv
         base = _vm_hwm_bytes()
+        COMM_WAIT_S[0] = 0.0
         t0 = time.perf_counter()
         out = ring_attention(ql, kl, vl, is_causal=causal, layout=layout, enable_gqa=gqa)
         out.backward(gl)
         elapsed = time.perf_counter() - t0
-        result = {"rank": rank, "time_s": elapsed, "peak_extra_bytes": max(0, _vm_hwm_bytes() - base)}
+        result = {"rank": rank, "time_s": elapsed, "peak_extra_bytes": max(0, _vm_hwm_bytes() - base),
+                  "comm_wait_s": COMM_WAIT_S[0]}
         kv_bytes = (kl.numel() + vl.numel()) * kl.element_size()
         result["bytes_sent"] = (world - 1) * kv_bytes + (world - 1) * 2 * kv_bytes + kv_bytes
         if cfg.get("check", True):  # gather the slices; rank 0 compares with one process
