@@ -195,7 +195,7 @@ def test_native_backward_matches_the_pure_backward(shape, causal, gen):
     out, lse2 = tiled._forward_eager(q4, k3, v3, None, None, causal, scale * tiled.LOG2E, bq, bk)
     ops = tiled._native.ops()
     native = [torch.zeros_like(t) for t in (q4, k3, v3)]
-    ops.flash_backward_(dout, q4, k3, v3, lse2, (dout * out).sum(-1), *native, scale, causal, bq, bk)
+    ops.flash_backward_(dout, q4, k3, v3, lse2, (dout * out).sum(-1), *native, None, None, scale, causal, bq, bk)
     eager = tiled._backward_eager(dout, q4, k3, v3, out, lse2, None, None, causal, scale, bq, bk)
     # and against autograd through float64 SDPA
     qd, kd, vd = (t.double().requires_grad_(True) for t in (q4, k3, v3))
@@ -219,3 +219,53 @@ def test_native_backward_adds_into_views(gen):
     for view, e in zip(views, eager):
         assert_close(view - 1, e, msg="added into the view")
     assert (big[1][:, :20] == 1).all() and (big[1][:, 60:] == 1).all()  # nothing outside the view
+
+
+def _masks(gen, B, H, L, S):
+    """Masks in the shapes and layouts the kernels must read in place."""
+    full = torch.rand(B, H, L, S, generator=gen) > 0.3
+    full[0, 0, 3] = False  # an empty row
+    full[1, :, 10:20] = False  # a block of empty rows in every head
+    return {
+        "bool_LS": torch.rand(L, S, generator=gen) > 0.5,
+        "bool_B1LS": torch.rand(B, 1, L, S, generator=gen) > 0.5,
+        "bool_1HLS": torch.rand(1, H, L, S, generator=gen) > 0.5,
+        "bool_BHLS_empty_rows": full,
+        "bool_transposed": (torch.rand(S, L, generator=gen) > 0.5).t(),  # stride along S is L, not 1
+        "bool_L1": torch.rand(L, 1, generator=gen) > 0.2,  # broadcast along S: stride 0
+        "float_LS": torch.randn(L, S, generator=gen),
+        "float_B1LS_neginf": torch.randn(B, 1, L, S, generator=gen).masked_fill(torch.rand(B, 1, L, S, generator=gen) > 0.7,
+                                                                             float("-inf")),
+    }
+
+
+MASK_NAMES = list(_masks(torch.Generator().manual_seed(0), 2, 4, 30, 40))
+
+
+@pytest.mark.parametrize("name", MASK_NAMES)
+def test_native_masks_match_the_pure_code(name, gen, monkeypatch):
+    """Bool and float masks, broadcast and strided, read in place by both native kernels."""
+    if not tiled.native_status().available:
+        pytest.fail(str(tiled.native_status()))
+    B, H, Hkv, L, S = 2, 4, 2, 30, 40
+    mask = _masks(gen, B, H, L, S)[name]
+    q = torch.randn(B, H, L, 16, generator=gen)
+    k = torch.randn(B, Hkv, S, 16, generator=gen)
+    v = torch.randn(B, Hkv, S, 8, generator=gen)
+    dout = torch.randn(B, H, L, 8, generator=gen)
+
+    def run():
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = tiled.flash_attention(*leaves, mask, enable_gqa=True, block_q=8, block_k=16)
+        out.backward(dout)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    native = run()
+    with monkeypatch.context() as m:
+        m.setattr(tiled, "_native_ops", lambda *a: None)
+        pure = run()
+    for what, a, b in zip(("output", "dq", "dk", "dv"), native, pure):
+        assert torch.isfinite(a).all(), what
+        assert_close(a, b, msg=f"{name}: native {what} vs pure {what}")
+    if name == "bool_BHLS_empty_rows":
+        assert (native[0][0, 0, 3] == 0).all() and (native[0][1, :, 10:20] == 0).all()  # empty rows give 0

@@ -10,8 +10,8 @@ result equals softmax(QK^T)V exactly, up to rounding. The backward pass recomput
 each score block from Q, K, the output and the log-sum-exp ``lse = m_i + log l_i``
 instead of storing the ``(L, S)`` probabilities.
 
-The functions here are the readable version. For float32 on the CPU without a mask the
-forward and backward run the same loops as compiled C++ (``csrc/flash.cpp``, built by
+The functions here are the readable version. For float32 on the CPU the forward and
+backward run the same loops as compiled C++ (``csrc/flash.cpp``, built by
 :mod:`attnlab._native`), one cache-sized tile per task; :func:`native_status` says which.
 
 Arithmetic is done in base 2 (``exp2``, with ``log2(e)`` folded into the query
@@ -101,8 +101,8 @@ def native_status() -> _native.NativeStatus:
     """Whether the tiled path runs attnlab's compiled kernels (building them on first call), and why not if not.
 
     The compiled forward and backward cover float32 (and float16/bfloat16, computed in
-    float32) on the CPU without ``attn_mask`` (the backward also needs at least as many
-    key/value heads, batch included, as torch has threads); other calls, or
+    float32) on the CPU, with or without a bool or float ``attn_mask`` (the backward also
+    needs at least as many key/value heads, batch included, as torch has threads); other calls, or
     ``ATTNLAB_NATIVE=0``, run the pure-PyTorch code, which is the readable version.
     """
     return _native.status()
@@ -196,12 +196,14 @@ def _forward(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Optional
     """``(out (Nb, r, L, Ev), lse2 (Nb, r, L))``; lse2 is the base-2 log-sum-exp (-inf on empty rows).
 
     Runs attnlab's native C++ kernel (:mod:`attnlab._native`, the same algorithm one cache-sized
-    tile per task) for float32 on the CPU without an ``attn_mask``, and
+    tile per task; the mask read in place) for float32 on the CPU, and
     :func:`_forward_eager` otherwise. Both are checked against each other and against torch.
     """
     ops = _native_ops(mask, q4, k3, v3)
     if ops is not None:
-        return ops.flash_forward(_dense_rows(q4), _dense_rows(k3), _dense_rows(v3), scale2, is_causal, bq, bk)
+        m, offsets = _native_mask(mask, layout, q4.shape[2], k3.shape[1])
+        return ops.flash_forward(_dense_rows(q4), _dense_rows(k3), _dense_rows(v3), m, offsets, scale2, is_causal,
+                                 bq, bk)
     return _forward_eager(q4, k3, v3, layout, mask, is_causal, scale2, bq, bk)
 
 
@@ -216,7 +218,8 @@ def _forward_into(q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor,
     """
     ops = _native_ops(None, q4, k3, v3)
     if ops is not None and out.dtype == lse2.dtype == torch.float32 and (out.stride(-1) == 1 or out.shape[-1] == 1):
-        ops.flash_forward_(_dense_rows(q4), _dense_rows(k3), _dense_rows(v3), out, lse2, scale2, is_causal, bq, bk)
+        ops.flash_forward_(_dense_rows(q4), _dense_rows(k3), _dense_rows(v3), out, lse2, None, None, scale2,
+                           is_causal, bq, bk)
         return
     o, l = _forward_eager(q4, k3, v3, None, None, is_causal, scale2, bq, bk)  # no mask: the layout is unused
     _merge_(out, lse2, o, l)
@@ -231,10 +234,27 @@ def _merge_(out: Tensor, lse2: Tensor, o: Tensor, l: Tensor) -> None:
 
 
 def _native_ops(mask: Optional[Tensor], q4: Tensor, k3: Tensor, v3: Tensor):
-    """The native ops when they cover this call (float32 on the CPU, no mask), else None."""
-    if mask is not None or q4.device.type != "cpu" or not (q4.dtype == k3.dtype == v3.dtype == torch.float32):
+    """The native ops when they cover this call (float32 on the CPU; no mask, or a bool or
+    float32 one), else None."""
+    if q4.device.type != "cpu" or not (q4.dtype == k3.dtype == v3.dtype == torch.float32):
+        return None
+    if mask is not None and (mask.device.type != "cpu" or mask.dtype not in (torch.bool, torch.float32)):
         return None
     return _native.ops()
+
+
+def _native_mask(mask: Optional[Tensor], layout: _Layout, L: int, S: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """The mask as the native kernels read it, without copying it: the broadcast view
+    ``(*batch, L, S)`` and, per query head ``p = nb * r + h`` (the order of ``_Layout.queries``),
+    the element offset of its ``(L, S)`` plane, ``(Nb * r,)`` int64."""
+    if mask is None:
+        return None, None
+    view = mask.expand(*layout.batch, L, S)  # strides 0 where the mask broadcasts
+    offsets = torch.zeros((), dtype=torch.int64)
+    n = len(layout.batch)
+    for d, (size, stride) in enumerate(zip(view.shape[:n], view.stride()[:n])):
+        offsets = offsets + torch.arange(size, dtype=torch.int64).view([size if i == d else 1 for i in range(n)]) * stride
+    return view, offsets.expand(layout.batch).reshape(-1).contiguous()
 
 
 def _dense_rows(t: Tensor) -> Tensor:
@@ -290,7 +310,7 @@ def _backward(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse
     already known: the ring's backward sums many blocks this way.
 
     Runs the native kernel (one task per key/value head, so it needs at least as many of
-    those as threads to keep them busy) for float32 on the CPU without a mask, and
+    those as threads to keep them busy) for float32 on the CPU, and
     :func:`_backward_eager` otherwise.
     """
     ops = _native_ops(mask, q4, k3, v3)
@@ -302,8 +322,9 @@ def _backward(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse
         if all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in (dq, dk, dv)):
             if delta is None:
                 delta = (dout * out).sum(dim=-1)  # D_i = rowsum(dO_i * O_i), (Nb, r, L)
+            m, offsets = _native_mask(mask, layout, q4.shape[2], k3.shape[1])
             ops.flash_backward_(_dense_rows(dout), _dense_rows(q4), _dense_rows(k3), _dense_rows(v3), lse2, delta,
-                                dq, dk, dv, scale, is_causal, bq, bk)
+                                dq, dk, dv, m, offsets, scale, is_causal, bq, bk)
             return dq, dk, dv
         accumulate_into = (dq, dk, dv)
     return _backward_eager(dout, q4, k3, v3, out, lse2, layout, mask, is_causal, scale, bq, bk, accumulate_into,

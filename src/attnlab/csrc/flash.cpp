@@ -22,6 +22,7 @@
 //     q4   (Nb, r, L, E)   r query heads share key/value head nb (GQA without repeating K, V)
 //     k3   (Nb, S, E)
 //     v3   (Nb, S, Ev)
+// An optional bool or float attn_mask is read in place, one tile row at a time (MaskView).
 // flash_forward returns out (Nb, r, L, Ev) and lse2 (Nb, r, L), the base-2 log-sum-exp (-inf on
 // rows that saw no key; their output is 0, as SDPA's); flash_forward_ continues a saved state.
 
@@ -37,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
@@ -119,6 +121,11 @@ inline float row_pass(float* row, int valid, int nk, float m_old, float* row_sum
   for (; c < full; c += 16) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(row + c));
   if (tail) mx1 = _mm512_max_ps(mx1, _mm512_mask_loadu_ps(neg_inf, tail, row + full));
   const float m_new = std::max(m_old, _mm512_reduce_max_ps(_mm512_max_ps(mx0, mx1)));
+  if (m_new == -std::numeric_limits<float>::infinity()) {  // every key so far masked: nothing to add
+    std::fill(row, row + nk, 0.0f);
+    *row_sum = 0.0f;
+    return m_new;
+  }
   const __m512 shift = _mm512_set1_ps(m_new);
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
   for (c = 0; c + 32 <= full; c += 32) {
@@ -166,6 +173,11 @@ inline float row_pass(float* row, int valid, int nk, float m_old, float* row_sum
 #pragma omp simd reduction(max : mx)
   for (int c = 0; c < valid; ++c) mx = std::max(mx, row[c]);
   const float m_new = std::max(m_old, mx);
+  if (m_new == -std::numeric_limits<float>::infinity()) {  // every key so far masked: nothing to add
+    std::fill(row, row + nk, 0.0f);
+    *row_sum = 0.0f;
+    return m_new;
+  }
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (int c = 0; c < valid; ++c) {
@@ -179,13 +191,64 @@ inline float row_pass(float* row, int valid, int nk, float m_old, float* row_sum
 }
 #endif
 
+// attn_mask, read in place from the user's (broadcast) tensor: the (L, S) plane of query head
+// p = nb * r + h starts offsets[p] elements after the data pointer; (i, j) is i * s_L + j * s_S
+// further (a stride may be 0 where the mask broadcasts). Bool: false = masked (score -inf);
+// float: added to the score (natural-log units, so times log2(e) in base 2).
+struct MaskView {
+  const bool* b = nullptr;
+  const float* f = nullptr;
+  const int64_t* offsets = nullptr;
+  int64_t s_L = 0, s_S = 0;
+
+  bool present() const { return b != nullptr || f != nullptr; }
+
+  // row holds base-2 scores of query i against keys j0 .. j0 + n - 1
+  void apply(float* row, int64_t plane, int64_t i, int64_t j0, int n) const {
+    const int64_t start = offsets[plane] + i * s_L + j0 * s_S;
+    const int64_t step = s_S;
+    if (b != nullptr) {
+      const bool* m = b + start;
+      const float neg_inf = -std::numeric_limits<float>::infinity();
+#pragma omp simd
+      for (int c = 0; c < n; ++c) row[c] = m[c * step] ? row[c] : neg_inf;
+    } else {
+      const float* m = f + start;
+#pragma omp simd
+      for (int c = 0; c < n; ++c) row[c] += 1.4426950408889634f * m[c * step];
+    }
+  }
+};
+
+MaskView make_mask(const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& offsets, int64_t planes,
+                   int64_t L, int64_t S) {
+  MaskView view;
+  if (!mask.has_value() || !mask->defined()) return view;
+  TORCH_CHECK(offsets.has_value() && offsets->defined() && offsets->scalar_type() == at::kLong &&
+                  offsets->is_contiguous() && offsets->numel() == planes,
+              "attnlab native: mask_offsets must be int64 with one entry per query head");
+  TORCH_CHECK(mask->dim() >= 2 && mask->size(-2) == L && mask->size(-1) == S, "attnlab native: mask must end in (L, S)");
+  TORCH_CHECK(mask->scalar_type() == at::kBool || mask->scalar_type() == at::kFloat, "attnlab native: bool or float32 mask");
+  if (mask->scalar_type() == at::kBool) {
+    view.b = mask->data_ptr<bool>();
+  } else {
+    view.f = mask->data_ptr<float>();
+  }
+  view.offsets = offsets->data_ptr<int64_t>();
+  view.s_L = mask->stride(-2);
+  view.s_S = mask->stride(-1);
+  return view;
+}
+
 // The online softmax continued from a saved state, in place: on entry (out, lse2) hold the
 // result over the keys seen so far (out normalised, lse2 = -inf on rows that saw none; out is
 // then ignored), on exit the result over those keys and k3/v3's. The state maps onto the
 // running quantities as m_i = lse2, l_i = 1, acc = out: the ring merges blocks this way with
 // no partial output tensor. A fresh forward starts from lse2 = -inf.
 void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3, const at::Tensor& out,
-                    const at::Tensor& lse2, double scale2_d, bool is_causal, int64_t block_q, int64_t block_k) {
+                    const at::Tensor& lse2, const std::optional<at::Tensor>& mask,
+                    const std::optional<at::Tensor>& mask_offsets, double scale2_d, bool is_causal, int64_t block_q,
+                    int64_t block_k) {
   TORCH_CHECK(q4.dim() == 4 && k3.dim() == 3 && v3.dim() == 3 && out.dim() == 4 && lse2.dim() == 3,
               "attnlab native forward: bad ranks");
   for (const at::Tensor* t : {&q4, &k3, &v3, &out, &lse2}) {
@@ -200,6 +263,7 @@ void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor
                   out.sizes() == at::IntArrayRef({Nb, r, L, Ev}) && lse2.sizes() == at::IntArrayRef({Nb, r, L}),
               "attnlab native forward: shapes");
   if (Nb == 0 || r == 0 || L == 0 || S == 0) return;
+  const MaskView mv = make_mask(mask, mask_offsets, Nb * r, L, S);
   const int bq = static_cast<int>(std::min<int64_t>(block_q, L));
   const int bk = static_cast<int>(std::min<int64_t>(block_k, S));
   const float scale2 = static_cast<float>(scale2_d);
@@ -270,6 +334,7 @@ void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor
             std::fill(row, row + nk, 0.0f);
             continue;
           }
+          if (mv.present()) mv.apply(row, head, i0 + a, j0, valid);
           float row_sum;
           const float m_old = m_i[a];
           const float m_new = row_pass(row, valid, nk, m_old, &row_sum);
@@ -302,11 +367,13 @@ void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor
 
 // A fresh forward: out (Nb, r, L, Ev) and lse2 (Nb, r, L) from an empty state.
 std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
-                                                 double scale2, bool is_causal, int64_t block_q, int64_t block_k) {
+                                                 const std::optional<at::Tensor>& mask,
+                                                 const std::optional<at::Tensor>& mask_offsets, double scale2,
+                                                 bool is_causal, int64_t block_q, int64_t block_k) {
   TORCH_CHECK(q4.dim() == 4 && v3.dim() == 3, "attnlab native forward: bad ranks");
   at::Tensor out = at::empty({q4.size(0), q4.size(1), q4.size(2), v3.size(2)}, q4.options());
   at::Tensor lse2 = at::full({q4.size(0), q4.size(1), q4.size(2)}, -std::numeric_limits<float>::infinity(), q4.options());
-  flash_forward_(q4, k3, v3, out, lse2, scale2, is_causal, block_q, block_k);
+  flash_forward_(q4, k3, v3, out, lse2, mask, mask_offsets, scale2, is_causal, block_q, block_k);
   // rows that never saw a key (S = 0) still hold uninitialised memory: SDPA gives 0 there
   if (k3.size(1) == 0) out.zero_();
   return {out, lse2};
@@ -325,7 +392,9 @@ std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q4, const at:
 // The gradients are added into dq (Nb, r, L, E), dk (Nb, S, E), dv (Nb, S, Ev) (views work).
 void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
                      const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
-                     const at::Tensor& dv, double scale_d, bool is_causal, int64_t block_q, int64_t block_k) {
+                     const at::Tensor& dv, const std::optional<at::Tensor>& mask,
+                     const std::optional<at::Tensor>& mask_offsets, double scale_d, bool is_causal, int64_t block_q,
+                     int64_t block_k) {
   for (const at::Tensor* t : {&dout, &q4, &k3, &v3, &lse2, &delta, &dq, &dk, &dv}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), "attnlab native backward: float32 CPU only");
     TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) == 1, "attnlab native backward: the last dim must be dense");
@@ -340,6 +409,7 @@ void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Ten
                   delta.sizes() == lse2.sizes() && k3.size(0) == Nb && v3.size(0) == Nb && v3.size(1) == S,
               "attnlab native backward: shapes");
   if (Nb == 0 || r == 0 || L == 0 || S == 0 || E == 0 || Ev == 0) return;
+  const MaskView mv = make_mask(mask, mask_offsets, Nb * r, L, S);
   const int bq = static_cast<int>(std::min<int64_t>(block_q, L));
   const int bk = static_cast<int>(std::min<int64_t>(block_k, S));
   const float scale = static_cast<float>(scale_d);
@@ -391,6 +461,7 @@ void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Ten
               const float m = lse_rows[a * lse2.stride(2)];
               const int64_t visible = is_causal ? (i0 + a) - j0 + 1 : nk;
               const int valid = m == neg_inf ? 0 : static_cast<int>(std::clamp<int64_t>(visible, 0, nk));
+              if (mv.present() && valid > 0) mv.apply(row, nb * r + h, i0 + a, j0, valid);  // masked: 2^-inf = 0
               exp2_shifted(row, valid, m);
               for (int c = valid; c < nk; ++c) row[c] = 0.0f;
             }
@@ -424,9 +495,9 @@ void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY(attnlab_native, m) {
-  m.def("flash_forward(Tensor q4, Tensor k3, Tensor v3, float scale2, bool is_causal, int block_q, int block_k) -> (Tensor, Tensor)");
-  m.def("flash_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, float scale, bool is_causal, int block_q, int block_k) -> ()");
-  m.def("flash_forward_(Tensor q4, Tensor k3, Tensor v3, Tensor(a!) out, Tensor(b!) lse2, float scale2, bool is_causal, int block_q, int block_k) -> ()");
+  m.def("flash_forward(Tensor q4, Tensor k3, Tensor v3, Tensor? mask, Tensor? mask_offsets, float scale2, bool is_causal, int block_q, int block_k) -> (Tensor, Tensor)");
+  m.def("flash_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor? mask, Tensor? mask_offsets, float scale, bool is_causal, int block_q, int block_k) -> ()");
+  m.def("flash_forward_(Tensor q4, Tensor k3, Tensor v3, Tensor(a!) out, Tensor(b!) lse2, Tensor? mask, Tensor? mask_offsets, float scale2, bool is_causal, int block_q, int block_k) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
