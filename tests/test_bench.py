@@ -73,3 +73,27 @@ def test_ring_benchmark_tiny():
     assert row["ring_s"] > 0 and row["single_s"] > 0 and row["ratio"] == pytest.approx(row["ring_s"] / row["single_s"])
     assert row["sent_mib_per_rank"] > 0
     assert 0 <= row["comm_wait_share"] < 1  # a share of the rank's time, measured in the rank
+
+
+def test_padding_mask_reaches_every_implementation(tmp_path, capsys):
+    """--mask padding: every implementation gets the same key-padding mask; causal ones are skipped."""
+    results = bench.run_benchmarks([32], list(bench.IMPLS), ["fwd+bwd"], [False, True], ["float32"], B=2, H=2, E=8,
+                                   repeats=1, memory=False, mask="padding")
+    masked = [r for r in results if not r.config.causal]
+    assert all(r.status == "ok" and r.config.mask == "padding" for r in masked)
+    assert all(r.status.startswith("skipped: a mask and is_causal") for r in results if r.config.causal)
+    c = masked[0].config
+    mask = bench._mask(c)
+    assert mask.shape == (2, 1, 1, 32) and mask[..., :24].all() and not mask[..., 24:].any()
+    # the mask changes the result: outputs with and without it differ, and match across impls
+    q, k, v, _ = bench._inputs(c, False)
+    outs = {impl: bench._function(impl)(q, k, v, False, mask) for impl in bench.IMPLS}
+    assert (outs["tiled"] - bench._function("tiled")(q, k, v, False, None)).abs().max() > 1e-3
+    for impl in ("reference", "math", "flash"):
+        assert (outs["tiled"] - outs[impl]).abs().max() < 1e-5, impl
+    assert "padding mask" in bench.markdown_table(results)
+    with pytest.raises(ValueError, match="mask must be one of"):
+        bench.run_benchmarks([32], ["tiled"], ["fwd"], [False], ["float32"], memory=False, mask="sliding")
+    assert main(["bench", "--seq-lens", "32", "--impls", "tiled,flash", "--causal", "no", "--mask", "padding",
+                 "--dtypes", "float32", "--heads", "2", "--dim", "8", "--repeats", "1", "--no-memory"]) == 0
+    assert "| tiled | 32 | fwd | no | float32 |" in capsys.readouterr().out

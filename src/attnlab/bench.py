@@ -46,6 +46,7 @@ class Config:
     B: int = 1
     H: int = 8
     E: int = 64
+    mask: str = "none"  # "none" | "padding": a (B, 1, 1, L) bool key-padding mask hiding the last L/4 keys
 
     def flops(self) -> float:
         """Matmul FLOPs: forward 2 matmuls of 2*L*L*E each; backward 5 more (FlashAttention's count)."""
@@ -98,19 +99,19 @@ def _function(impl: str) -> Callable:
     if impl == "reference":
         from attnlab.functional import scaled_dot_product_attention
 
-        return lambda q, k, v, causal: scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return lambda q, k, v, causal, mask: scaled_dot_product_attention(q, k, v, mask, is_causal=causal)
     if impl == "tiled":
         from attnlab.tiled import flash_attention
 
-        return lambda q, k, v, causal: flash_attention(q, k, v, is_causal=causal)
+        return lambda q, k, v, causal, mask: flash_attention(q, k, v, mask, is_causal=causal)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as torch_sdpa
 
     backend = SDPBackend.MATH if impl == "math" else SDPBackend.FLASH_ATTENTION
 
-    def run(q, k, v, causal):
+    def run(q, k, v, causal, mask):
         with sdpa_kernel(backends=[backend]):  # exactly this backend: an error, never a fallback
-            return torch_sdpa(q, k, v, is_causal=causal)
+            return torch_sdpa(q, k, v, attn_mask=mask, is_causal=causal)
 
     return run
 
@@ -123,8 +124,20 @@ def _inputs(c: Config, requires_grad: bool, seed: int = 0):
     return q, k, v, grad
 
 
+MASKS = ("none", "padding")
+
+
+def _mask(c: Config) -> Optional[torch.Tensor]:
+    """The configuration's attn_mask (True = attend): None, or a padding mask whose last L/4 keys are hidden."""
+    if c.mask == "none":
+        return None
+    keep = torch.ones(c.B, 1, 1, c.L, dtype=torch.bool)
+    keep[..., c.L - c.L // 4:] = False
+    return keep
+
+
 def _step(fn: Callable, c: Config, q, k, v, grad) -> None:
-    out = fn(q, k, v, c.causal)
+    out = fn(q, k, v, c.causal, _mask(c))
     if c.mode == "fwd+bwd":
         q.grad = k.grad = v.grad = None
         out.backward(grad)
@@ -132,19 +145,26 @@ def _step(fn: Callable, c: Config, q, k, v, grad) -> None:
 
 def run_benchmarks(seq_lens: list[int], impls: list[str], modes: list[str], causals: list[bool], dtypes: list[str],
                    *, B: int = 1, H: int = 8, E: int = 64, repeats: int = 5, warmup: int = 1, memory: bool = True,
-                   max_memory_gb: float = 8.0, progress: Optional[Callable[[int, int, str], None]] = None
-                   ) -> list[Result]:
-    """Time every configuration; implementations of one configuration are interleaved."""
+                   max_memory_gb: float = 8.0, progress: Optional[Callable[[int, int, str], None]] = None,
+                   mask: str = "none") -> list[Result]:
+    """Time every configuration; implementations of one configuration are interleaved.
+
+    ``mask="padding"`` passes a key-padding ``attn_mask`` to every implementation; SDPA does
+    not take a mask together with ``is_causal``, so those configurations are skipped."""
+    if mask not in MASKS:
+        raise ValueError(f"run_benchmarks: mask must be one of {MASKS}, got {mask!r}")
     groups = list(itertools.product(dtypes, modes, causals, seq_lens))
     total = len(groups) * len(impls) * (2 if memory else 1)
     done = 0
     results: list[Result] = []
     for dtype, mode, causal, L in groups:
-        group = [Result(Config(impl, L, mode, causal, dtype, B, H, E)) for impl in impls]
+        group = [Result(Config(impl, L, mode, causal, dtype, B, H, E, mask)) for impl in impls]
         live = []
         for r in group:
             need = r.config.estimated_peak_bytes()
-            if need > max_memory_gb * 2**30:
+            if mask != "none" and causal:
+                r.status = "skipped: a mask and is_causal together (SDPA takes one or the other)"
+            elif need > max_memory_gb * 2**30:
                 r.status = f"skipped: needs ~{need / 2**30:.0f} GiB (> --max-memory-gb {max_memory_gb:g})"
             else:
                 live.append(r)
@@ -192,7 +212,7 @@ def run_benchmarks(seq_lens: list[int], impls: list[str], modes: list[str], caus
 def measure_peak_memory(c: Config) -> Optional[int]:
     """Peak RSS growth of one step of ``c`` over a warmed-up baseline, in a fresh process."""
     args = [sys.executable, "-m", "attnlab.bench", "--peak-memory-child", c.impl, str(c.L), c.mode,
-            str(int(c.causal)), c.dtype, str(c.B), str(c.H), str(c.E)]
+            str(int(c.causal)), c.dtype, str(c.B), str(c.H), str(c.E), c.mask]
     env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     try:
         out = subprocess.run(args, capture_output=True, text=True, timeout=1800, env=env, check=True)
@@ -227,10 +247,10 @@ def peak_rss_growth(step: Callable[[], object]) -> int:
 
 
 def _peak_memory_child(argv: list[str]) -> None:
-    impl, L, mode, causal, dtype, B, H, E = argv
-    c = Config(impl, int(L), mode, bool(int(causal)), dtype, int(B), int(H), int(E))
+    impl, L, mode, causal, dtype, B, H, E, mask = argv
+    c = Config(impl, int(L), mode, bool(int(causal)), dtype, int(B), int(H), int(E), mask)
     fn = _function(impl)
-    small = Config(impl, 16, mode, c.causal, dtype, c.B, c.H, c.E)
+    small = Config(impl, 16, mode, c.causal, dtype, c.B, c.H, c.E, mask)
     _step(fn, small, *_inputs(small, mode == "fwd+bwd"))  # allocators and kernels warmed up
     q, k, v, grad = _inputs(c, mode == "fwd+bwd")
     print(peak_rss_growth(lambda: _step(fn, c, q, k, v, grad)))
@@ -254,7 +274,7 @@ def markdown_table(results: list[Result]) -> str:
     lines = [head, "|" + "---|" * 10]
     for r in results:
         c, row = r.config, r.row()
-        note = "" if r.status == "ok" else r.status
+        note = ("" if r.status == "ok" else r.status) or ("padding mask" if c.mask == "padding" else "")
         lines.append(f"| {c.impl} | {c.L} | {c.mode} | {'yes' if c.causal else 'no'} | {c.dtype} | {row['median_ms']} "
                      f"| {row['gflops']} | {row['ratio_vs_torch_best']} | {row['peak_mem_mib']} | {note} |")
     return "\n".join(lines)
@@ -269,7 +289,9 @@ def plot(results: list[Result], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise RuntimeError("attnlab bench --plot needs matplotlib: pip install 'attnlab[bench]'") from None
-    panels = sorted({(r.config.mode, r.config.causal) for r in results})
+    panels = sorted({(r.config.mode, r.config.causal) for r in results if r.gflops})  # skipped ones: no panel
+    if not panels:
+        raise RuntimeError("attnlab bench --plot: no configuration produced a time to plot")
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     styles = {"float32": "-", "bfloat16": "--", "float16": ":", "float64": "-."}
     for ax, (mode, causal) in zip(axes[0], panels):
@@ -282,7 +304,8 @@ def plot(results: list[Result], path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length L")
         ax.set_ylabel("GFLOP/s")
-        ax.set_title(f"{mode}, {'causal' if causal else 'not causal'}")
+        masked = any(r.config.mask == "padding" for r in results)
+        ax.set_title(f"{mode}, {'causal' if causal else 'padding mask' if masked else 'not causal'}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     c = results[0].config

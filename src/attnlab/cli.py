@@ -84,6 +84,7 @@ The full default matrix takes a long time on a small machine; narrow it down:
 examples:
   attnlab bench --seq-lens 4096 --impls tiled,flash --dtypes float32 --threads 2
   attnlab bench --csv bench.csv --plot bench.png
+  attnlab bench --seq-lens 4096 --impls tiled,flash --causal no --mask padding
 """
 
 
@@ -231,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--modes", type=_choices(["fwd", "fwd+bwd"]), default=["fwd", "fwd+bwd"], metavar="MODE,...",
                     help="fwd,fwd+bwd (default: both)")
     be.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="(default: both)")
+    be.add_argument("--mask", choices=["none", "padding"], default="none",
+                    help="padding: every implementation gets a (B, 1, 1, L) bool key-padding attn_mask hiding the "
+                         "last L/4 keys (causal configurations are then skipped: SDPA takes one or the other) "
+                         "(default: none)")
     be.add_argument("--dtypes", type=_choices(DTYPES), default=["float32", "bfloat16"], metavar="DTYPE,...",
                     help="(default: float32,bfloat16)")
     be.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per configuration (default: 5)")
@@ -397,7 +402,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     results = bench.run_benchmarks(args.seq_lens, args.impls, args.modes, causals, args.dtypes, B=args.batch,
                                    H=args.heads, E=args.dim, repeats=args.repeats, warmup=args.warmup,
-                                   memory=not args.no_memory, max_memory_gb=args.max_memory_gb, progress=progress)
+                                   memory=not args.no_memory, max_memory_gb=args.max_memory_gb, progress=progress,
+                                   mask=args.mask)
     if sys.stderr.isatty():
         print(file=sys.stderr)
     print(f"machine: {bench.machine_line()}\n")
