@@ -207,14 +207,20 @@ struct MaskView {
   void apply(float* row, int64_t plane, int64_t i, int64_t j0, int n) const {
     const int64_t start = offsets[plane] + i * s_L + j0 * s_S;
     const int64_t step = s_S;
-    if (b != nullptr) {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    if (b != nullptr && step == 1) {  // the usual layout: contiguous keys, a plain vector loop
       const bool* m = b + start;
-      const float neg_inf = -std::numeric_limits<float>::infinity();
 #pragma omp simd
+      for (int c = 0; c < n; ++c) row[c] = m[c] ? row[c] : neg_inf;
+    } else if (b != nullptr) {
+      const bool* m = b + start;
       for (int c = 0; c < n; ++c) row[c] = m[c * step] ? row[c] : neg_inf;
-    } else {
+    } else if (step == 1) {
       const float* m = f + start;
 #pragma omp simd
+      for (int c = 0; c < n; ++c) row[c] += 1.4426950408889634f * m[c];
+    } else {
+      const float* m = f + start;
       for (int c = 0; c < n; ++c) row[c] += 1.4426950408889634f * m[c * step];
     }
   }
