@@ -9,9 +9,14 @@ already in flight. The partial results merge exactly with their log-sum-exps::
     lse = log2(2^lse_a + 2^lse_b)
     out = out_a * 2^(lse_a - lse) + out_b * 2^(lse_b - lse)
 
-the same algebra as the online softmax inside one process. The backward pass sends
+the same algebra as the online softmax inside one process (with the native kernel the
+block is folded straight into the saved ``(out, lse)`` state). The backward pass sends
 the key/value blocks around again, together with their gradient accumulators, which
 arrive back at their owner after W steps (Liu et al., 2023, "Ring Attention").
+
+Memory: the ring runs one group of heads at a time (heads are independent), so a
+message is about ``MESSAGE_BYTES`` and a rank holds two sets of messages on top of its
+share of the output and the gradients.
 
 Layouts (``W`` ranks, the sequence cut into chunks):
 
