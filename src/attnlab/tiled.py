@@ -102,7 +102,8 @@ def native_status() -> _native.NativeStatus:
 
     The compiled forward and backward cover float32 (and float16/bfloat16, computed in
     float32) on the CPU, with or without a bool or float ``attn_mask`` (the backward also
-    needs at least as many key/value heads, batch included, as torch has threads); other calls, or
+    needs as many key/value heads, batch included, as torch has threads, or GQA groups);
+    other calls, or
     ``ATTNLAB_NATIVE=0``, run the pure-PyTorch code, which is the readable version.
     """
     return _native.status()
@@ -309,12 +310,14 @@ def _backward(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse
     of allocating new ones, and ``delta`` (``(Nb, r, L)``, see below) can be passed in when it is
     already known: the ring's backward sums many blocks this way.
 
-    Runs the native kernel (one task per key/value head, so it needs at least as many of
-    those as threads to keep them busy) for float32 on the CPU, and
+    Runs the native kernel (one task per key/value head, or per query head of a GQA group
+    when there are fewer key/value heads than threads; a single head without groups on
+    several threads stays on the batched pure code) for float32 on the CPU, and
     :func:`_backward_eager` otherwise.
     """
     ops = _native_ops(mask, q4, k3, v3)
-    if ops is not None and dout.dtype == out.dtype == torch.float32 and q4.shape[0] >= torch.get_num_threads():
+    busy = q4.shape[0] >= torch.get_num_threads() or q4.shape[1] > 1  # enough tasks for the threads
+    if ops is not None and dout.dtype == out.dtype == torch.float32 and busy:
         if accumulate_into is None:
             dq, dk, dv = torch.zeros_like(q4), torch.zeros_like(k3), torch.zeros_like(v3)
         else:

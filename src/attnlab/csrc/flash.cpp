@@ -440,15 +440,28 @@ void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Ten
   const int n_threads = at::get_num_threads();
   std::vector<float> scratch(static_cast<size_t>(2 * tile * n_threads));
 
-  at::parallel_for(0, Nb, 1, [&](int64_t begin, int64_t end) {
+  // One task per key/value head keeps one writer per dK/dV row. With fewer key/value heads than
+  // threads (MQA/GQA at small batch) the r query heads of a group become separate tasks, each
+  // adding into its own (S, E) slice of dk_parts/dv_parts, summed into dk/dv at the end.
+  const bool split = Nb < n_threads && r > 1;
+  at::Tensor dk_parts, dv_parts;
+  if (split) {
+    dk_parts = at::zeros({Nb, r, S, E}, dk.options());
+    dv_parts = at::zeros({Nb, r, S, Ev}, dv.options());
+  }
+  const int64_t n_tasks = split ? Nb * r : Nb;
+  at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     float* p = scratch.data() + 2 * tile * at::get_thread_num();
     float* dp = p + tile;
-    for (int64_t nb = begin; nb < end; ++nb) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t nb = split ? task / r : task;
+      const int64_t h_begin = split ? task % r : 0, h_end = split ? h_begin + 1 : r;
       const float* k_head = k + nb * k3.stride(0);
       const float* v_head = v + nb * v3.stride(0);
-      float* dk_head = gk + nb * dk.stride(0);
-      float* dv_head = gv + nb * dv.stride(0);
-      for (int64_t h = 0; h < r; ++h) {
+      float* dk_head = split ? dk_parts.data_ptr<float>() + task * S * E : gk + nb * dk.stride(0);
+      float* dv_head = split ? dv_parts.data_ptr<float>() + task * S * Ev : gv + nb * dv.stride(0);
+      const int64_t dk_row = split ? E : dk_ld, dv_row = split ? Ev : dv_ld;
+      for (int64_t h = h_begin; h < h_end; ++h) {
         for (int64_t i0 = 0; i0 < L; i0 += bq) {
           const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
           const float* q_tile = q + nb * q4.stride(0) + h * q4.stride(1) + i0 * q_ld;
@@ -473,7 +486,7 @@ void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Ten
             }
             // dV_j += P^T dO_i   (nk, Ev)
             gemm_rm(true, false, nk, static_cast<int>(Ev), n, 1.0f, p, nk, do_tile, static_cast<int>(do_ld), 1.0f,
-                    dv_head + j0 * dv_ld, static_cast<int>(dv_ld));
+                    dv_head + j0 * dv_row, static_cast<int>(dv_row));
             // dP = dO_i V_j^T   (n, nk)
             gemm_rm(false, true, n, nk, static_cast<int>(Ev), 1.0f, do_tile, static_cast<int>(do_ld),
                     v_head + j0 * v_ld, static_cast<int>(v_ld), 0.0f, dp, nk);
@@ -490,12 +503,16 @@ void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Ten
                     static_cast<int>(k_ld), 1.0f, dq_tile, static_cast<int>(dq_ld));
             // dK_j += scale * dS^T Q_i   (nk, E)
             gemm_rm(true, false, nk, static_cast<int>(E), n, scale, dp, nk, q_tile, static_cast<int>(q_ld), 1.0f,
-                    dk_head + j0 * dk_ld, static_cast<int>(dk_ld));
+                    dk_head + j0 * dk_row, static_cast<int>(dk_row));
           }
         }
       }
     }
   });
+  if (split) {
+    dk.add_(dk_parts.sum(1));
+    dv.add_(dv_parts.sum(1));
+  }
 }
 
 }  // namespace
