@@ -15,6 +15,14 @@ from attnlab import _native, tiled
 from attnlab.testing import assert_close, assert_close_to_sdpa
 
 
+@pytest.fixture
+def native_ops():
+    """The compiled ops; a test that needs them fails (never skips) when they are missing."""
+    if not tiled.native_status().available:
+        pytest.fail(str(tiled.native_status()))
+    return tiled._native.ops()
+
+
 def test_native_kernel_is_in_use_here():
     status = tiled.native_status()
     if os.environ.get("ATTNLAB_NATIVE", "1") == "0":
@@ -54,9 +62,7 @@ SHAPES = [  # (Nb, r, L, S, E, Ev, block_q, block_k)
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_native_matches_the_pure_forward_and_torch(shape, causal, gen):
-    if not tiled.native_status().available:
-        pytest.fail(str(tiled.native_status()))
+def test_native_matches_the_pure_forward_and_torch(shape, causal, gen, native_ops):
     Nb, r, L, S, E, Ev, bq, bk = shape
     q4, k3, v3 = _inputs(gen, Nb, r, L, S, E, Ev)
     scale = 1 / math.sqrt(E)
@@ -73,7 +79,7 @@ def test_native_matches_the_pure_forward_and_torch(shape, causal, gen):
     assert torch.isfinite(lse_n).all()  # no mask: every row sees a key
 
 
-def test_native_reads_views_without_copying(gen):
+def test_native_reads_views_without_copying(gen, native_ops):
     """The ring passes slices of (Nb, r, L, E) along L and of (Nb, S, E) along S."""
     q_full, k_full, v_full = _inputs(gen, 2, 2, 96, 80, 16, 16)
     q4, k3, v3 = q_full[:, :, 32:64], k_full[:, 16:48], v_full[:, 16:48]
@@ -85,7 +91,7 @@ def test_native_reads_views_without_copying(gen):
     assert_close(lse_n, lse_e)
 
 
-def test_native_covers_the_public_function_with_grads(gen):
+def test_native_covers_the_public_function_with_grads(gen, native_ops):
     """float32 and bfloat16 through flash_attention, forward (native) and backward (pure), vs torch."""
     q = torch.randn(2, 4, 70, 32, generator=gen)
     k = torch.randn(2, 2, 90, 32, generator=gen)
@@ -153,13 +159,13 @@ def test_cache_key_changes_with_the_source(tmp_path, monkeypatch):
     assert _native._cache_dir() != first and _native._cache_dir().parent == first.parent == tmp_path
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "pure"])
-def test_forward_into_continues_a_saved_state(native, gen, monkeypatch):
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "pure"])
+def test_forward_into_continues_a_saved_state(use_native, gen, monkeypatch, request):
     """Three key blocks folded one by one into (out, lse2) equal one pass over all keys: the ring's merge."""
-    if not native:
+    if use_native:
+        request.getfixturevalue("native_ops")  # fails when the kernel is missing
+    else:
         monkeypatch.setattr(tiled, "_native_ops", lambda *a: None)
-    elif not tiled.native_status().available:
-        pytest.fail(str(tiled.native_status()))
     q4, k3, v3 = _inputs(gen, 2, 2, 50, 90, 16, 8)
     scale2 = 0.25 * tiled.LOG2E
     out = torch.zeros(2, 2, 50, 8)
@@ -185,17 +191,14 @@ def test_forward_into_continues_a_saved_state(native, gen, monkeypatch):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_native_backward_matches_the_pure_backward(shape, causal, gen):
-    if not tiled.native_status().available:
-        pytest.fail(str(tiled.native_status()))
+def test_native_backward_matches_the_pure_backward(shape, causal, gen, native_ops):
     Nb, r, L, S, E, Ev, bq, bk = shape
     q4, k3, v3 = _inputs(gen, Nb, r, L, S, E, Ev)
     dout = torch.randn(Nb, r, L, Ev, generator=gen)
     scale = 1 / math.sqrt(E)
     out, lse2 = tiled._forward_eager(q4, k3, v3, None, None, causal, scale * tiled.LOG2E, bq, bk)
-    ops = tiled._native.ops()
     native = [torch.zeros_like(t) for t in (q4, k3, v3)]
-    ops.flash_backward_(dout, q4, k3, v3, lse2, (dout * out).sum(-1), *native, None, None, scale, causal, bq, bk)
+    native_ops.flash_backward_(dout, q4, k3, v3, lse2, (dout * out).sum(-1), *native, None, None, scale, causal, bq, bk)
     eager = tiled._backward_eager(dout, q4, k3, v3, out, lse2, None, None, causal, scale, bq, bk)
     # and against autograd through float64 SDPA
     qd, kd, vd = (t.double().requires_grad_(True) for t in (q4, k3, v3))
@@ -207,7 +210,7 @@ def test_native_backward_matches_the_pure_backward(shape, causal, gen):
         assert_close(n, e, msg=f"native {name} vs pure {name}")
 
 
-def test_native_backward_adds_into_views(gen):
+def test_native_backward_adds_into_views(gen, native_ops):
     """accumulate_into with views of bigger tensors, as the ring's backward does."""
     q4, k3, v3 = _inputs(gen, 2, 1, 40, 40, 8, 8)
     dout = torch.randn(2, 1, 40, 8, generator=gen)
@@ -243,10 +246,8 @@ MASK_NAMES = list(_masks(torch.Generator().manual_seed(0), 2, 4, 30, 40))
 
 
 @pytest.mark.parametrize("name", MASK_NAMES)
-def test_native_masks_match_the_pure_code(name, gen, monkeypatch):
+def test_native_masks_match_the_pure_code(name, gen, monkeypatch, native_ops):
     """Bool and float masks, broadcast and strided, read in place by both native kernels."""
-    if not tiled.native_status().available:
-        pytest.fail(str(tiled.native_status()))
     B, H, Hkv, L, S = 2, 4, 2, 30, 40
     mask = _masks(gen, B, H, L, S)[name]
     q = torch.randn(B, H, L, 16, generator=gen)

@@ -56,11 +56,6 @@ void gemm_rm(bool a_transposed, bool b_transposed, int m, int n, int k, float al
   sgemm_(&tb, &ta, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
 }
 
-void gemm_rowmajor(bool b_transposed, int m, int n, int k, float alpha, const float* a, int lda,
-                   const float* b, int ldb, float beta, float* c, int ldc) {
-  gemm_rm(false, b_transposed, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-
 // 2^x for x <= 0, vectorisable: x = n + f with n = round(x), f in [-1/2, 1/2];
 // 2^f by its degree-7 Taylor polynomial in f*ln2 (relative error < 1e-8, under float32's
 // half ulp); 2^n by writing n + 127 into the exponent bits. x <= -127 gives exactly 0.
@@ -329,7 +324,7 @@ void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor
       for (int64_t j0 = 0; j0 < j_end; j0 += bk) {
         const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
         // S_ij = scale2 * Q_i K_j^T   (n, nk)
-        gemm_rowmajor(true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_s2), k_head + j0 * k_s1,
+        gemm_rm(false, true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_s2), k_head + j0 * k_s1,
                       static_cast<int>(k_s1), 0.0f, s, nk);
         for (int a = 0; a < n; ++a) {
           // keys j0 + c with c < valid are visible to this row
@@ -355,7 +350,7 @@ void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor
           }
         }
         // acc += P~ V_j   (n, Ev)
-        gemm_rowmajor(false, n, static_cast<int>(Ev), nk, 1.0f, s, nk, v_head + j0 * v_s1, static_cast<int>(v_s1), 1.0f,
+        gemm_rm(false, false, n, static_cast<int>(Ev), nk, 1.0f, s, nk, v_head + j0 * v_s1, static_cast<int>(v_s1), 1.0f,
                       acc, static_cast<int>(Ev));
       }
       // O_i = acc / l_i; rows that saw no key (l_i = 0) give 0 and lse = -inf
