@@ -29,3 +29,11 @@ def pytest_terminal_summary(terminalreporter):
 
     if parity_stats.COUNT["cases"]:
         terminalreporter.write_line(parity_stats.summary())
+
+
+def pytest_configure(config):
+    # the suite grades hundreds of submissions in one process: keep the next sandbox
+    # server importing torch while the current one grades (attnlab.grading.launch.keep_spare)
+    from attnlab.grading import launch
+
+    launch.keep_spare(True)

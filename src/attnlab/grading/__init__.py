@@ -5,10 +5,13 @@
     print(report.to_text())
     json.dump(report.to_gradescope(), open("results.json", "w"))
 
-Modules: :mod:`.grader` (the run and the report), :mod:`.sandbox` (child processes
-with limits), :mod:`.checks` (the exercises, the float64 reference, named
-mistakes), :mod:`.policy` (the from-scratch rule), :mod:`.launch` (starts the
-sandbox server early, without importing torch).
+Learner code is hostile until proven otherwise. Modules: :mod:`.grader` (the run and
+the report), :mod:`.launch` (the bwrap OS sandbox of one submission and its cgroup,
+started early, without importing torch), :mod:`.sandbox` (child processes with limits,
+and the validation of everything they send back), :mod:`.static` (the from-scratch
+rule on the file's text, before it runs), :mod:`.policy` (the call recorders inside
+the child, a second layer), :mod:`.checks` (the exercises, the float64 reference,
+named mistakes).
 
 Names are loaded lazily, so ``import attnlab.grading.launch`` stays cheap.
 """

@@ -1,33 +1,346 @@
-"""Start the sandbox server (the zygote) as early as possible, without importing torch.
+"""Start a sandbox server (the zygote) for one submission, without importing torch.
 
-The server needs ~1.5 s to import torch. Started first thing, it does so while the
-grader's own process imports torch on the other core.
+The server needs ~1.5 s to import torch. Started first thing (``attnlab grade`` calls
+:func:`prestart` before it imports torch itself), it does so on the other core.
+
+Where ``bwrap`` (bubblewrap) is installed, the server runs inside an OS sandbox made
+for this one submission (:func:`bwrap_command`):
+
+* new user, pid, network, IPC, UTS and cgroup namespaces (``--unshare-all``), so no
+  network at all (not even loopback to the host), and every process the submission
+  starts lives in a pid namespace that dies with the server (``--die-with-parent``
+  plus the namespace's init: nothing outlives its grading);
+* an unprivileged uid/gid inside, all capabilities dropped, a new session (no
+  terminal to write into);
+* the system (``/usr``, the dynamic loader's cache), the Python installation, the
+  virtual environment's ``site-packages`` and attnlab's own package folder bound
+  **read-only**; nothing else of the host: not ``$HOME``, not the output folder, not
+  other submissions, not ``solutions/``, not ``/etc`` beyond the loader's files;
+* ``/tmp`` and ``/dev/shm`` are private, size-capped tmpfs, the only writable places:
+  whatever the submission writes is gone when its grading ends;
+* the environment is cleared (no secrets in environment variables).
+
+Memory for the whole submission, all its processes together, is capped by a cgroup
+when one can be created here (v2 with the memory and pids controllers, or v1's
+``memory`` and ``pids`` hierarchies, as root or where delegated); otherwise by each
+process's ``RLIMIT_AS`` and ``RLIMIT_NPROC`` plus the tmpfs caps.
+:attr:`Server.memory_fence` says which applied.
+
+Without ``bwrap`` the server runs as a plain child process (``sandboxed = False``):
+the process limits of :mod:`.sandbox` still apply, the OS fences do not.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
-_server: Optional[subprocess.Popen] = None
+__all__ = ["Server", "SandboxUnavailable", "bwrap_path", "bwrap_command", "start", "prestart", "take",
+           "HOW_TO_GET_BWRAP", "SANDBOX_MODES", "resolve_mode", "python_roots",
+           "keep_spare", "spare"]
+
+SANDBOX_MODES = ("auto", "bwrap", "none")
+
+HOW_TO_GET_BWRAP = ("install bubblewrap (Debian/Ubuntu: 'sudo apt-get install bubblewrap'; Fedora: "
+                    "'sudo dnf install bubblewrap'); it needs user namespaces, which most Linux desktops allow. "
+                    "macOS has no bwrap: grade other people's code in a Linux VM or on Gradescope")
+
+TMP_MB = 64  # size of the private /tmp and /dev/shm: learner files, the submission copy
+UID = 65534  # "nobody" inside the sandbox
 
 
-def start() -> subprocess.Popen:
-    """The running server, started if there is none."""
-    global _server
-    if _server is None or _server.poll() is not None:
-        _server = subprocess.Popen(
-            [sys.executable, "-c", "from attnlab.grading.sandbox import serve; serve()"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
-            start_new_session=True)
-        _server.ready = False  # type: ignore[attr-defined]
-    return _server
+class SandboxUnavailable(RuntimeError):
+    """``bwrap`` was asked for but cannot run here."""
 
 
-def stop() -> None:
-    global _server
-    if _server is not None:
-        _server.kill()
-        _server.wait()
-        _server = None
+def bwrap_path() -> Optional[str]:
+    """The ``bwrap`` executable, or None. ``ATTNLAB_BWRAP`` overrides the lookup ('' = none)."""
+    if "ATTNLAB_BWRAP" in os.environ:
+        value = os.environ["ATTNLAB_BWRAP"]
+        return value if value and os.access(value, os.X_OK) else None
+    return shutil.which("bwrap")
+
+
+def python_roots() -> list[str]:
+    """Folders the server's Python needs, read-only: the installation, the venv's
+    site-packages, attnlab's own package folder. Never the current folder, never a
+    checkout's root (it holds ``labs/.../solutions``)."""
+    import sysconfig
+
+    roots = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        p = sysconfig.get_paths().get(key)
+        if p and os.path.isdir(p):
+            roots.add(os.path.realpath(p))
+    here = Path(__file__).resolve().parents[1]  # .../attnlab
+    roots.add(str(here))
+    # drop a root that lies inside another one
+    ordered = sorted(roots, key=len)
+    kept: list[str] = []
+    for r in ordered:
+        if not any(r == k or r.startswith(k + os.sep) for k in kept):
+            kept.append(r)
+    return kept
+
+
+def bwrap_command(bwrap: str, argv: list[str]) -> list[str]:
+    """The ``bwrap`` command line that runs ``argv`` inside the sandbox described above."""
+    cmd = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+           "--uid", str(UID), "--gid", str(UID), "--hostname", "attnlab-sandbox"]
+    # the private, writable places first: a checkout or venv under /tmp is then bound on top
+    size = str(TMP_MB * 1024 * 1024)
+    cmd += ["--proc", "/proc", "--dev", "/dev",
+            "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
+            "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm"]
+    cmd += ["--ro-bind", "/usr", "/usr"]
+    for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        p = Path("/" + top)
+        if p.is_symlink():
+            cmd += ["--symlink", os.readlink(p), str(p)]
+        elif p.is_dir():
+            cmd += ["--ro-bind", str(p), str(p)]
+    for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime"):
+        if os.path.exists(f):
+            cmd += ["--ro-bind", f, f]
+    for root in python_roots():
+        if not root.startswith("/usr/"):
+            cmd += ["--ro-bind", root, root]
+    for exe in {sys.executable, os.path.realpath(sys.executable)}:
+        if not any(exe.startswith(r + os.sep) for r in python_roots()) and not exe.startswith("/usr/"):
+            cmd += ["--ro-bind", exe, exe]
+    cmd += ["--chdir", "/tmp", "--clearenv",
+            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
+            "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "OMP_NUM_THREADS", "1",
+            "--setenv", "ATTNLAB_NATIVE", "0",
+            "--remount-ro", "/",  # the skeleton bwrap built (mount points' parents) is read-only too
+            "--"]
+    return cmd + argv
+
+
+# --------------------------------------------------------------------------- #
+# A cgroup for the whole submission
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class _Cgroup:
+    dirs: list[Path] = field(default_factory=list)
+    kind: str = ""
+
+    def procs(self) -> list[int]:
+        pids: set[int] = set()
+        for d in self.dirs:
+            try:
+                pids.update(int(x) for x in (d / "cgroup.procs").read_text().split())
+            except (OSError, ValueError):
+                pass
+        return sorted(pids)
+
+    def enter(self) -> None:  # runs in the forked child, before exec
+        for d in self.dirs:
+            (d / "cgroup.procs").write_text("0")
+
+    def remove(self) -> None:
+        for _ in range(50):
+            pids = self.procs()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.02)
+        for d in self.dirs:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+
+
+def _own_cgroup(controller: str) -> Optional[str]:
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, ctrls, path = line.split(":", 2)
+            if controller in ctrls.split(","):
+                return path
+    except OSError:
+        pass
+    return None
+
+
+def _make_cgroup(memory_mb: int, max_procs: int) -> Optional[_Cgroup]:
+    """A fresh cgroup capping memory and process count, or None where none can be made."""
+    if os.environ.get("ATTNLAB_CGROUP") == "0":
+        return None
+    name = f"attnlab-grade-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    limit = str(memory_mb * 1024 * 1024)
+    v2 = Path("/sys/fs/cgroup")
+    try:  # cgroup v2: one folder, both controllers enabled for children
+        if (v2 / "cgroup.controllers").exists():
+            own = _own_cgroup("") or "/"
+            base = v2 / own.lstrip("/")
+            if {"memory", "pids"} <= set((base / "cgroup.subtree_control").read_text().split()):
+                d = base / name
+                d.mkdir()
+                (d / "memory.max").write_text(limit)
+                (d / "memory.swap.max").write_text("0") if (d / "memory.swap.max").exists() else None
+                (d / "pids.max").write_text(str(max_procs))
+                return _Cgroup([d], "cgroup v2")
+    except OSError:
+        pass
+    made: list[Path] = []
+    try:  # cgroup v1: the memory and pids hierarchies
+        mem_own, pids_own = _own_cgroup("memory"), _own_cgroup("pids")
+        if mem_own is None or pids_own is None:
+            return None
+        mem = v2 / "memory" / mem_own.lstrip("/") / name
+        pids = v2 / "pids" / pids_own.lstrip("/") / name
+        mem.mkdir()
+        made.append(mem)
+        (mem / "memory.limit_in_bytes").write_text(limit)
+        pids.mkdir()
+        made.append(pids)
+        (pids / "pids.max").write_text(str(max_procs))
+        return _Cgroup(made, "cgroup v1")
+    except OSError:
+        for d in made:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        return None
+
+
+# --------------------------------------------------------------------------- #
+# The server
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class Server:
+    """A running sandbox server: the process, and what fences it."""
+
+    proc: subprocess.Popen
+    sandboxed: bool
+    cgroup: Optional[_Cgroup]
+    memory_mb: int
+    ready: bool = False
+
+    @property
+    def memory_fence(self) -> str:
+        """How the submission's memory is capped, in words."""
+        if self.cgroup is not None:
+            return f"{self.cgroup.kind}: {self.memory_mb} MB and a process cap for the whole submission"
+        return "per-process RLIMIT_AS and RLIMIT_NPROC" + (" plus size-capped tmpfs" if self.sandboxed else "")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        """Kill the server and everything it started (the pid namespace dies with it)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        if self.cgroup is not None:
+            self.cgroup.remove()
+
+
+def resolve_mode(mode: str) -> Optional[str]:
+    """The bwrap to use (None: run unsandboxed); raises SandboxUnavailable for mode 'bwrap'."""
+    if mode not in SANDBOX_MODES:
+        raise ValueError(f"sandbox: expected one of {SANDBOX_MODES}, got {mode!r}")
+    if mode == "none":
+        return None
+    bwrap = bwrap_path()
+    if bwrap is None and mode == "bwrap":
+        raise SandboxUnavailable(f"bwrap (bubblewrap) was not found: {HOW_TO_GET_BWRAP}")
+    return bwrap
+
+
+def start(mode: str = "auto", memory_mb: int = 2048, max_procs: int = 64) -> Server:
+    """Start a new server for one submission. ``mode``: 'auto' (bwrap where installed),
+    'bwrap' (required) or 'none'. ``memory_mb``/``max_procs``: the submission's cgroup caps."""
+    bwrap = resolve_mode(mode)
+    argv = [sys.executable, "-I", "-c",
+            f"from attnlab.grading.sandbox import serve; serve(sandboxed={bwrap is not None})"]
+    cgroup = _make_cgroup(memory_mb, max_procs) if bwrap is not None else None
+    env = None
+    if bwrap is not None:
+        argv = bwrap_command(bwrap, argv)
+    else:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNLAB_")}
+        env.update(OMP_NUM_THREADS="1", ATTNLAB_NATIVE="0", PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            bufsize=0, start_new_session=True, env=env,
+                            preexec_fn=cgroup.enter if cgroup is not None else None)
+    return Server(proc, bwrap is not None, cgroup, memory_mb)
+
+
+_pending: Optional[tuple[tuple, Server]] = None
+_keep_spare = False
+
+
+def spare() -> Optional[Server]:
+    """The server started ahead (:func:`prestart`, :func:`keep_spare`), if any."""
+    return _pending[1] if _pending is not None else None
+
+
+def keep_spare(enabled: bool = True) -> None:
+    """For a process that grades many submissions (a class folder, a test suite): after
+    each :func:`take`, start the next server at once, so it imports torch while the
+    current submission is graded (~2 s saved per submission). A spare holds no learner
+    code until it is taken. Off by default; it dies with this process either way."""
+    global _keep_spare
+    _keep_spare = enabled
+
+
+def prestart(mode: str = "auto", memory_mb: int = 2048, max_procs: int = 64) -> None:
+    """Start a server now, for the next :func:`take` with the same arguments."""
+    global _pending
+    if _pending is None:
+        try:
+            _pending = ((mode, memory_mb, max_procs), start(mode, memory_mb, max_procs))
+        except (SandboxUnavailable, OSError):
+            _pending = None
+
+
+def take(mode: str = "auto", memory_mb: int = 2048, max_procs: int = 64) -> Server:
+    """The prestarted server if it matches and still runs, else a new one. Each server
+    serves one submission: the caller stops it when that submission is graded."""
+    global _pending
+    server = None
+    if _pending is not None:
+        key, spare = _pending
+        _pending = None
+        if key == (mode, memory_mb, max_procs) and spare.alive():
+            server = spare
+        else:
+            spare.stop()
+    if server is None:
+        server = start(mode, memory_mb, max_procs)
+    if _keep_spare:
+        prestart(mode, memory_mb, max_procs)
+    return server

@@ -1,31 +1,44 @@
-"""Run learner code in a child process with limits; bring back only tensors.
+"""Run learner code in child processes with limits; bring back only validated data.
 
-The grader never imports learner code itself. Each task runs in a fresh child,
-forked from a server process (the "zygote", :func:`serve`) that has already
-imported torch, so a child starts in milliseconds. The grader keeps the time
-limit: past it, the child is killed. In the child:
+Learner code is hostile until proven otherwise. Three layers keep it away from the grader:
 
-* ``RLIMIT_AS`` caps memory (what the child already maps plus ``memory_mb``);
-* stdout and stderr go to a file capped by ``RLIMIT_FSIZE`` (a print flood kills
-  the child with SIGXFSZ); stdin is ``/dev/null``;
-* ``RLIMIT_CPU`` backs up the parent's wall-clock timeout;
-* the working directory is a fresh, empty temporary folder;
-* the from-scratch policy recorders (:mod:`attnlab.grading.policy`) watch the calls.
+1. **An OS sandbox per submission** (:mod:`.launch`): a server process (the
+   "zygote") runs inside ``bwrap`` with no network, its own pid namespace, a read-only
+   view of the system and the Python environment and nothing else of the host, a
+   private size-capped ``/tmp``, and a cgroup capping the whole submission's memory
+   and processes where one can be made. It imports torch once and forks one child per
+   exercise, so a child starts in milliseconds.
+2. **Limits per child**, set by the child before learner code runs: ``RLIMIT_AS``
+   (memory), ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` (files in the private ``/tmp``),
+   ``RLIMIT_NPROC`` (in the sandbox), no core dumps, stdin from ``/dev/null``,
+   stdout/stderr into a pipe the zygote reads with a cap (a print flood is stopped),
+   a fresh empty working folder. The zygote enforces the wall-clock limit on the
+   child's *exit*, not on the pipes closing, and afterwards kills every other process
+   of the sandbox (``kill(-1)`` in its pid namespace), so a grandchild that keeps a
+   pipe open or a daemon that ignores SIGTERM is gone before the next exercise.
+3. **A parent that trusts nothing.** Every read from the zygote has a deadline; on
+   a deadline or a broken frame the parent kills the whole sandbox (and starts a new
+   one for the next exercise). Results come back over a pipe the parent created, as
+   ``torch.save`` bytes that are loaded with ``weights_only=True`` and then validated
+   field by field (:func:`validate_message`): known keys and types only, tensors
+   dense, contiguous and fully backed by their storage (``numel`` is checked against
+   the storage's bytes, so a stride-0 tensor claiming 10^12 elements is refused before
+   anything touches it), capped in elements and bytes. Learner text is stripped of
+   control characters and lone surrogates and capped (:func:`clean_text`).
 
-The child sends its results (through the zygote) as bytes written by ``torch.save``; the parent loads
-them with ``torch.load(weights_only=True)``, which accepts tensors, numbers,
-strings and containers and nothing executable. So whatever learner code does in
-its own process (monkeypatching torch or the grader included), it can only hand
-back data, and the parent judges that data against its own float64 reference.
+Without ``bwrap`` layer 1 is missing (``Sandbox.sandboxed`` is False): the grader
+says so, and refuses other people's code unless told otherwise (:mod:`.grader`).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
 import resource
-import shutil
 import select
+import shutil
 import signal
 import struct
 import sys
@@ -40,17 +53,27 @@ import torch
 
 from attnlab.grading import launch
 
-__all__ = ["Limits", "Call", "Outcome", "Sandbox"]
+__all__ = ["Limits", "Call", "Outcome", "Sandbox", "Unsupported", "validate_message", "clean_text",
+           "MAX_RESULT_BYTES", "MAX_ELEMENTS"]
 
-MAX_RESULT_BYTES = 64 * 1024 * 1024
+MAX_RESULT_BYTES = 64 * 1024 * 1024  # one child's message
+MAX_ELEMENTS = 1 << 23  # tensor elements in one message, all tensors together
+MAX_TEXT = 4000  # characters of learner text kept per message field
+MAX_SOURCE_BYTES = 1 << 20  # a submission file
+START_TIMEOUT_S = 90.0  # the server imports torch; on a loaded 2-core machine that took up to ~10 s
+GRACE_S = 3.0  # parent's deadline beyond the zygote's own
+SUBMISSION_NAME = "attention.py"
 
 
 @dataclass(frozen=True)
 class Limits:
     timeout_s: float = 5.0  # wall clock, per task
-    memory_mb: int = 1024  # on top of what the child has mapped at start
+    memory_mb: int = 1024  # per process, on top of what the child has mapped at start
     output_kb: int = 256  # stdout + stderr
     show_output_chars: int = 1500  # how much of the output a report quotes
+    submission_memory_mb: int = 2048  # all processes of the submission together (cgroup, where available)
+    max_procs: int = 64  # processes of the submission together (cgroup or RLIMIT_NPROC)
+    file_mb: int = 16  # largest file a child may write (in its private /tmp)
 
 
 @dataclass(frozen=True)
@@ -79,6 +102,23 @@ class Outcome:
     probes: Optional[list[dict]] = None
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def clean_text(text: Any, limit: int = MAX_TEXT) -> str:
+    """Learner text made safe to print and to store: no control characters (escape
+    sequences, carriage returns, bidi overrides), no lone surrogates, at most ``limit``
+    characters (the middle is cut)."""
+    if not isinstance(text, str):
+        text = str(text)
+    text = _SURROGATE.sub("\ufffd", text)
+    text = _CONTROL.sub(lambda m: "" if m.group() == "\r" else "\ufffd", text.replace("\r\n", "\n"))
+    if len(text) > limit:
+        text = text[: limit // 2] + "\n[... trimmed ...]\n" + text[-limit // 2:]
+    return text
+
+
 # --------------------------------------------------------------------------- #
 # Child side (runs in the forked process)
 # --------------------------------------------------------------------------- #
@@ -100,16 +140,18 @@ def _portable(value: Any, depth: int = 0) -> Any:
         return {"__unsupported__": "nested too deeply"}
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().clone().contiguous()
-    if isinstance(value, (bool, int, float, str)) or value is None:
+    if isinstance(value, (bool, int, float)) or value is None:
         return value
+    if isinstance(value, str):
+        return value[:MAX_TEXT]
     if isinstance(value, (tuple, list)):
-        return {"__seq__": [_portable(v, depth + 1) for v in value], "__tuple__": isinstance(value, tuple)}
+        return {"__seq__": [_portable(v, depth + 1) for v in value[:64]], "__tuple__": isinstance(value, tuple)}
     if isinstance(value, dict):
-        return {"__dict__": {str(k): _portable(v, depth + 1) for k, v in value.items()}}
-    return {"__unsupported__": type(value).__name__}
+        return {"__dict__": {str(k)[:200]: _portable(v, depth + 1) for k, v in list(value.items())[:64]}}
+    return {"__unsupported__": type(value).__name__[:100]}
 
 
-def _set_limits(limits: Limits) -> None:
+def _set_limits(limits: Limits, sandboxed: bool) -> None:
     vm_kb = 0
     with open("/proc/self/status") as f:
         for line in f:
@@ -117,39 +159,55 @@ def _set_limits(limits: Limits) -> None:
                 vm_kb = int(line.split()[1])
     cap = vm_kb * 1024 + limits.memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    out_cap = limits.output_kb * 1024
-    resource.setrlimit(resource.RLIMIT_FSIZE, (out_cap, out_cap))
+    file_cap = limits.file_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_cap, file_cap))
     cpu = int(limits.timeout_s) + 2
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if sandboxed:  # outside the sandbox the count would include all of the user's processes
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_procs, limits.max_procs))
 
 
-def _child_main(result_fd: int, path: str, calls: list[Call], policy: bool, limits: Limits, workdir: str) -> None:
+class _RefuseAttnlab:
+    """A meta-path finder: the learner's process cannot import attnlab (its reference
+    would answer every exercise). The static check refuses the import too."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "attnlab" or name.startswith("attnlab."):
+            raise ImportError("attnlab cannot be imported by a lab submission")
+        return None
+
+
+def _child_main(result_fd: int, path: str, calls: list[Call], policy: bool, limits: Limits, workdir: str,
+                sandboxed: bool) -> None:
     """Entry point of the forked child. Sends exactly one message (bytes), then exits."""
     import importlib.util
 
+    from attnlab import doctor
     from attnlab.grading.policy import Policy
 
     os.chdir(workdir)
-    out_fd = os.open(os.path.join(workdir, ".output"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    null_fd = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null_fd, 0)
-    os.dup2(out_fd, 1)
-    os.dup2(out_fd, 2)
-    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), write_through=True)
-    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), write_through=True)
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), write_through=True, errors="replace")
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), write_through=True, errors="replace")
     torch.set_num_threads(1)
     # Python ignores SIGXFSZ (writes past RLIMIT_FSIZE would just fail): restore the default,
-    # so a print flood ends the child and is reported as such.
+    # so writing a huge file ends the child and is reported as such.
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
-    _set_limits(limits)
+    _set_limits(limits, sandboxed)
+    wants_probes = any(c.doctor for c in calls)
+    probes = doctor.build_probes(doctor.SELF_ATTENTION_CAPABILITIES) if wants_probes else None
+    run_probes, adapt = doctor.run_probes, doctor.adapt_self_attention
+    # attnlab's own modules leave the learner's view (they hold the reference)
+    for name in [n for n in sys.modules if n == "attnlab" or n.startswith("attnlab.")]:
+        del sys.modules[name]
+    sys.meta_path.insert(0, _RefuseAttnlab)
 
     message: dict = {"status": "ok", "results": [], "violations": []}
     recorder = Policy() if policy else None
     try:
         if recorder is not None:
             recorder.__enter__()  # before the import: module-level code is watched too
-        sys.path.insert(0, str(Path(path).parent))
         spec = importlib.util.spec_from_file_location("learner_submission", path)
         module = importlib.util.module_from_spec(spec)
         try:
@@ -162,7 +220,7 @@ def _child_main(result_fd: int, path: str, calls: list[Call], policy: bool, limi
         for call in calls:
             fn = getattr(module, call.function, None)
             if fn is None:
-                message["results"].append({"error": f"attention.py has no {call.function!r}", "traceback": ""})
+                message["results"].append({"error": f"{SUBMISSION_NAME} has no {call.function!r}", "traceback": ""})
                 continue
             if not callable(fn):  # a constant such as EXERCISE_2_ANSWER
                 message["results"].append({"value": _portable(fn)})
@@ -171,7 +229,7 @@ def _child_main(result_fd: int, path: str, calls: list[Call], policy: bool, limi
                 value = fn(*call.args, **call.kwargs)
                 message["results"].append({"value": _portable(value)})
             except SystemExit as exc:
-                message = {"status": "exit", "message": f"called sys.exit({exc.code!r})", "results": [],
+                message = {"status": "exit", "message": f"called sys.exit({exc.code!r})"[:200], "results": [],
                            "violations": []}
                 raise _Done() from None
             except MemoryError as exc:
@@ -183,10 +241,7 @@ def _child_main(result_fd: int, path: str, calls: list[Call], policy: bool, limi
                                            "memory": "can't allocate memory" in text or "alloc" in text.lower()
                                            and "memory" in text.lower()})
             if call.doctor:
-                from attnlab import doctor
-
-                probes = doctor.build_probes(doctor.SELF_ATTENTION_CAPABILITIES)
-                results = doctor.run_probes(doctor.adapt_self_attention(fn), probes)
+                results = run_probes(adapt(fn), probes)
                 message["probes"] = [{"output": r.output, "error": r.error, "varied": r.varied} for r in results]
     except _Done:
         pass
@@ -202,7 +257,7 @@ def _child_main(result_fd: int, path: str, calls: list[Call], policy: bool, limi
         torch.save(message, buf)
     except Exception as exc:
         buf = io.BytesIO()
-        torch.save({"status": "protocol", "message": f"could not send the result back: {exc}",
+        torch.save({"status": "protocol", "message": f"could not send the result back: {exc}"[:500],
                     "results": [], "violations": []}, buf)
     sys.stdout.flush()
     data = memoryview(buf.getvalue())
@@ -217,8 +272,12 @@ class _Done(Exception):
 
 
 # --------------------------------------------------------------------------- #
-# The zygote: a server process that has imported torch and forks one child per task
+# Framing: a length, then the bytes. Reads on the parent side have deadlines.
 # --------------------------------------------------------------------------- #
+
+
+class Deadline(Exception):
+    """A read did not complete in time."""
 
 
 def _write_frame(fd: int, data: bytes) -> None:
@@ -227,9 +286,13 @@ def _write_frame(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _read_exact(fd: int, n: int) -> bytes:
+def _read_exact(fd: int, n: int, deadline: Optional[float]) -> bytes:
     chunks, got = [], 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise Deadline()
         chunk = os.read(fd, min(n - got, 1 << 20))
         if not chunk:
             raise EOFError("the sandbox server closed the channel")
@@ -238,18 +301,131 @@ def _read_exact(fd: int, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _read_frame(fd: int, limit: int = MAX_RESULT_BYTES + 4096) -> bytes:
-    (n,) = struct.unpack("<Q", _read_exact(fd, 8))
+def _read_frame(fd: int, limit: int, deadline: Optional[float] = None) -> bytes:
+    (n,) = struct.unpack("<Q", _read_exact(fd, 8, deadline))
     if n > limit:
-        raise ValueError(f"frame of {n} bytes is over the limit")
-    return _read_exact(fd, n)
+        raise ValueError(f"a frame of {n} bytes is over the limit of {limit}")
+    return _read_exact(fd, n, deadline)
 
 
-def serve(request_fd: int = 0, reply_fd: int = 1) -> None:
-    """The zygote's loop: for each request fork a child, report its pid, its result and how it ended."""
+# --------------------------------------------------------------------------- #
+# The zygote: a server process that has imported torch and forks one child per task
+# --------------------------------------------------------------------------- #
+
+
+def _kill_leftovers(child: int, sandboxed: bool) -> None:
+    """Everything the child started dies. In the sandbox's pid namespace ``kill(-1)``
+    reaches every process but this server and the namespace's init; outside, only the
+    child's session (a daemon that made its own session survives: no sandbox)."""
+    if sandboxed:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError:
+            pass
+    else:
+        try:
+            os.killpg(child, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _drain(fds: dict[int, bytearray], caps: dict[int, int], until: float) -> None:
+    """Read what is left in the pipes, up to their caps, until EOF or ``until``."""
+    for fd in list(fds):
+        os.set_blocking(fd, False)
+    while fds and time.monotonic() < until:
+        ready, _, _ = select.select(list(fds), [], [], max(0.0, until - time.monotonic()))
+        if not ready:
+            break
+        for fd in ready:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk or len(fds[fd]) >= caps[fd]:
+                fds.pop(fd)
+                continue
+            fds[fd] += chunk[: caps[fd] - len(fds[fd])]
+
+
+def _run_task(req: dict, channel_fds: tuple[int, int], sandboxed: bool, root: str) -> tuple[dict, bytes, bytes]:
+    """Fork a child for one task and watch it: its exit, its time, its pipes' sizes."""
+    limits: Limits = req["limits"]
+    timeout = float(req["timeout_s"])
+    workdir = tempfile.mkdtemp(prefix="task-", dir=root)
+    r, w = os.pipe()
+    out_r, out_w = os.pipe()
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            os.close(r)
+            os.close(out_r)
+            for fd in channel_fds:
+                os.close(fd)
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(out_w, 1)
+            os.dup2(out_w, 2)
+            _child_main(w, req["path"], req["calls"], req["policy"], limits, workdir, sandboxed)
+        finally:
+            os._exit(70)
+    os.close(w)
+    os.close(out_w)
+    pidfd = os.pidfd_open(pid)
+    bufs = {r: bytearray(), out_r: bytearray()}
+    caps = {r: MAX_RESULT_BYTES, out_r: limits.output_kb * 1024}
+    open_fds = dict(bufs)
+    status, exited = "ok", False
+    while True:
+        left = t0 + timeout - time.monotonic()
+        if left <= 0:
+            status = "timeout"
+            break
+        watch = list(open_fds) + ([] if exited else [pidfd])
+        if not watch:
+            break
+        ready, _, _ = select.select(watch, [], [], left)
+        for fd in ready:
+            if fd == pidfd:
+                exited = True
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                open_fds.pop(fd)
+                continue
+            bufs[fd] += chunk
+            if len(bufs[fd]) > caps[fd]:
+                status = "too_big" if fd == r else "output_flood"
+        if status != "ok" or exited:
+            break
+    if not exited:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    _kill_leftovers(pid, sandboxed)  # a grandchild holding the pipes, a daemon: gone now
+    if status == "ok":
+        _drain({fd: bufs[fd] for fd in open_fds}, caps, time.monotonic() + 1.0)
+    for fd in (r, out_r, pidfd):
+        os.close(fd)
+    _, wstatus = os.waitpid(pid, 0)
+    code = os.WEXITSTATUS(wstatus) if os.WIFEXITED(wstatus) else -os.WTERMSIG(wstatus)
+    shutil.rmtree(workdir, ignore_errors=True)
+    payload = bytes(bufs[r]) if status == "ok" else b""
+    output = bytes(bufs[out_r][: caps[out_r]])
+    return {"status": status, "code": code, "elapsed": time.monotonic() - t0}, payload, output
+
+
+def serve(request_fd: int = 0, reply_fd: int = 1, sandboxed: bool = False) -> None:
+    """The zygote's loop. Requests (pickled, from the grader: trusted) are ``load`` (the
+    submission's source) and ``run`` (fork a child for a task); each ``run`` is answered
+    with three frames: a JSON header, the child's message bytes, its captured output."""
     import pickle
 
     import attnlab.doctor  # noqa: F401
+    import attnlab.grading.policy  # noqa: F401
 
     try:  # the lab imports it; importing it once here saves every child the time
         import jaxtyping  # noqa: F401
@@ -261,152 +437,307 @@ def serve(request_fd: int = 0, reply_fd: int = 1) -> None:
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    _write_frame(reply_fd, b"ready")
-    while True:
-        try:
-            req = pickle.loads(_read_frame(request_fd))  # from the grader itself: trusted
-        except EOFError:
-            return
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(r)
-            os.close(request_fd)
-            os.close(reply_fd)
-            _child_main(w, **req)
-            os._exit(0)  # not reached
-        os.close(w)
-        _write_frame(reply_fd, str(pid).encode())
-        data, too_big = bytearray(), False
+    root = tempfile.mkdtemp(prefix="attnlab-sandbox-", dir="/tmp" if sandboxed else None)
+    path = os.path.join(root, "submission", SUBMISSION_NAME)
+    _write_frame(reply_fd, b"ready " + root.encode())
+    try:
         while True:
-            chunk = os.read(r, 1 << 20)
-            if not chunk:
-                break
-            if len(data) + len(chunk) > MAX_RESULT_BYTES:
-                too_big = True
-                os.kill(pid, signal.SIGKILL)
-                break
-            data += chunk
-        os.close(r)
-        _, status = os.waitpid(pid, 0)
-        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
-        _write_frame(reply_fd, f"{code} {int(too_big)}".encode())
-        _write_frame(reply_fd, bytes(data))
+            try:
+                req = pickle.loads(_read_frame(request_fd, 1 << 24))  # from the grader itself: trusted
+            except EOFError:
+                return
+            if req["op"] == "load":
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(req["source"])
+                _write_frame(reply_fd, b"loaded")
+                continue
+            header, payload, output = _run_task({**req, "path": path}, (request_fd, reply_fd), sandboxed, root)
+            _write_frame(reply_fd, json.dumps(header).encode())
+            _write_frame(reply_fd, payload)
+            _write_frame(reply_fd, output)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- #
-# Parent side
+# Parent side: validation of what comes back
+# --------------------------------------------------------------------------- #
+
+_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.uint8, torch.int8,
+           torch.int16, torch.int32, torch.int64}
+_STATUSES = {"ok", "import_error", "exit", "protocol"}
+
+
+class BadMessage(ValueError):
+    """The child's message is not what a child of this grader sends."""
+
+
+def _check_tensor(t: torch.Tensor, budget: list[int]) -> None:
+    if t.layout != torch.strided or t.is_sparse or t.device.type != "cpu":
+        raise BadMessage("a tensor that is not a dense CPU tensor")
+    if t.dtype not in _DTYPES:
+        raise BadMessage(f"a tensor of dtype {t.dtype}")
+    if t.dim() > 8:
+        raise BadMessage(f"a tensor with {t.dim()} dims")
+    # numel of the storage, not of the view: a stride-0 view can claim any size
+    need = t.numel() * t.element_size()
+    if not t.is_contiguous() or t.storage_offset() != 0 or t.untyped_storage().nbytes() != need:
+        raise BadMessage(f"a tensor of shape {list(t.shape)} whose storage does not back it "
+                         f"({t.untyped_storage().nbytes()} bytes for {need}); the grader sends only dense copies")
+    budget[0] -= t.numel()
+    if budget[0] < 0:
+        raise BadMessage(f"more than {MAX_ELEMENTS} tensor elements")
+
+
+def _check_value(v: Any, budget: list[int], depth: int = 0) -> None:
+    if depth > 6:
+        raise BadMessage("a value nested too deeply")
+    if v is None or isinstance(v, (bool, int, float)):
+        return
+    if isinstance(v, str):
+        if len(v) > MAX_TEXT * 2:
+            raise BadMessage("a string that is too long")
+        return
+    if isinstance(v, torch.Tensor):
+        return _check_tensor(v, budget)
+    if isinstance(v, dict) and set(v) == {"__seq__", "__tuple__"} and isinstance(v["__seq__"], list) \
+            and isinstance(v["__tuple__"], bool) and len(v["__seq__"]) <= 64:
+        for item in v["__seq__"]:
+            _check_value(item, budget, depth + 1)
+        return
+    if isinstance(v, dict) and set(v) == {"__dict__"} and isinstance(v["__dict__"], dict) and len(v["__dict__"]) <= 64:
+        for k, item in v["__dict__"].items():
+            if not isinstance(k, str) or len(k) > 200:
+                raise BadMessage("a dict key that is not a short string")
+            _check_value(item, budget, depth + 1)
+        return
+    if isinstance(v, dict) and set(v) == {"__unsupported__"} and isinstance(v["__unsupported__"], str):
+        return
+    raise BadMessage(f"a value of type {type(v).__name__} in an unknown shape")
+
+
+def _check_str(v: Any, what: str) -> None:
+    if not isinstance(v, str) or len(v) > MAX_TEXT * 4:
+        raise BadMessage(f"{what} is not a string of reasonable length")
+
+
+def validate_message(msg: Any, n_calls: int, n_probes: Optional[int]) -> None:
+    """Raise :class:`BadMessage` unless ``msg`` is exactly what :func:`_child_main` sends
+    for ``n_calls`` calls (and ``n_probes`` doctor probes, when the task ran them)."""
+    if not isinstance(msg, dict) or not set(msg) <= {"status", "results", "violations", "message", "traceback",
+                                                      "probes"}:
+        raise BadMessage("the message is not a dict of the known fields")
+    if msg.get("status") not in _STATUSES:
+        raise BadMessage(f"unknown status {str(msg.get('status'))[:40]!r}")
+    for key in ("message", "traceback"):
+        if key in msg:
+            _check_str(msg[key], key)
+    violations = msg.get("violations", [])
+    if not isinstance(violations, list) or len(violations) > 64:
+        raise BadMessage("violations is not a short list")
+    for v in violations:
+        _check_str(v, "a violation")
+    results = msg.get("results", [])
+    if not isinstance(results, list) or len(results) > n_calls or (msg["status"] == "ok" and len(results) != n_calls):
+        raise BadMessage(f"expected {n_calls} results")
+    budget = [MAX_ELEMENTS]
+    for r in results:
+        if not isinstance(r, dict):
+            raise BadMessage("a result that is not a dict")
+        if set(r) == {"value"}:
+            _check_value(r["value"], budget)
+        elif "error" in r and set(r) <= {"error", "traceback", "memory"}:
+            _check_str(r["error"], "an error")
+            _check_str(r.get("traceback", ""), "a traceback")
+            if not isinstance(r.get("memory", False), bool):
+                raise BadMessage("a memory flag that is not a bool")
+        else:
+            raise BadMessage("a result with unknown fields")
+    if "probes" in msg:
+        probes = msg["probes"]
+        if n_probes is None or not isinstance(probes, list) or len(probes) != n_probes:
+            raise BadMessage("unexpected doctor probes")
+        for p in probes:
+            if not isinstance(p, dict) or set(p) != {"output", "error", "varied"} or not isinstance(p["varied"], bool):
+                raise BadMessage("a probe result of an unknown shape")
+            if p["output"] is not None:
+                if not isinstance(p["output"], torch.Tensor):
+                    raise BadMessage("a probe output that is not a tensor")
+                _check_tensor(p["output"], budget)
+            if p["error"] is not None:
+                _check_str(p["error"], "a probe error")
+
+
+# --------------------------------------------------------------------------- #
+# Parent side: the sandbox of one submission
 # --------------------------------------------------------------------------- #
 
 
 class Sandbox:
-    """Runs tasks in children forked from a torch-preloaded server process (the zygote).
+    """Runs tasks on one submission in children of its own sandbox server.
 
-    Call ``Sandbox.start()`` (or :func:`attnlab.grading.launch.start`) early: the
-    server imports torch while the caller carries on.
+    ``mode``: 'auto' (bwrap where installed), 'bwrap' (required: raises
+    :class:`~attnlab.grading.launch.SandboxUnavailable` without it) or 'none'. Use it as
+    a context manager, or call :meth:`close`: the server and everything the submission
+    started die then.
     """
 
-    @staticmethod
-    def start() -> None:
-        launch.start()
-
-    @staticmethod
-    def stop() -> None:
-        launch.stop()
-
-    @staticmethod
-    def _channel() -> tuple[int, int]:
-        server = launch.start()
-        if not server.ready:
-            if _read_frame(server.stdout.fileno()) != b"ready":
-                raise RuntimeError("the sandbox server did not start")
-            server.ready = True
-        return server.stdin.fileno(), server.stdout.fileno()
-
-    def __init__(self, path: Path, limits: Limits = Limits()) -> None:
-        self.path = Path(path).resolve()
+    def __init__(self, path: os.PathLike, limits: Limits = Limits(), mode: str = "auto") -> None:
+        self.path = Path(path)
         self.limits = limits
-        Sandbox.start()
+        self.mode = mode
+        with open(self.path, "rb") as f:
+            self.source = f.read(MAX_SOURCE_BYTES + 1)
+        if len(self.source) > MAX_SOURCE_BYTES:
+            raise ValueError(f"{self.path} is larger than {MAX_SOURCE_BYTES // 1024} KB")
+        self._server: Optional[launch.Server] = None
+        self.restarts = 0  # servers started after the first (the learner stopped or killed one)
+        self._starts = 0
+        self.sandboxed = launch.resolve_mode(mode) is not None
+        self.memory_fence = ""
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def processes(self) -> Optional[list[int]]:
+        """Host pids of every process of this submission (the server included), from its
+        cgroup; None where no cgroup could be made."""
+        if self._server is None or self._server.cgroup is None:
+            return None
+        return self._server.cgroup.procs()
+
+    def _server_ready(self) -> launch.Server:
+        if self._server is not None and self._server.alive():
+            return self._server
+        if self._server is not None:
+            self._server.stop()
+        if self._starts:
+            self.restarts += 1
+        self._starts += 1
+        server = launch.take(self.mode, self.limits.submission_memory_mb, self.limits.max_procs)
+        self._server = server
+        deadline = time.monotonic() + START_TIMEOUT_S
+        hello = _read_frame(server.proc.stdout.fileno(), 4096, deadline)
+        if not hello.startswith(b"ready"):
+            raise EOFError("the sandbox server did not start")
+        _write_frame(server.proc.stdin.fileno(), _pickle({"op": "load", "source": self.source}))
+        if _read_frame(server.proc.stdout.fileno(), 64, deadline) != b"loaded":
+            raise EOFError("the sandbox server did not take the submission")
+        self.sandboxed = server.sandboxed
+        self.memory_fence = server.memory_fence
+        return server
 
     def run(self, calls: list[Call], *, policy: bool = True, timeout_s: Optional[float] = None) -> Outcome:
         """Run ``calls`` on the learner's module in a fresh child; never raises for the learner's sake."""
-        import pickle
-
         timeout = self.limits.timeout_s if timeout_s is None else timeout_s
-        workdir = tempfile.mkdtemp(prefix="attnlab-grade-")
         t0 = time.perf_counter()
         try:
-            to_server, from_server = Sandbox._channel()
-            req = dict(path=str(self.path), calls=calls, policy=policy, limits=self.limits, workdir=workdir)
-            _write_frame(to_server, pickle.dumps(req))
-            pid = int(_read_frame(from_server))
-            timed_out = False
-            ready, _, _ = select.select([from_server], [], [], timeout)
-            if not ready:
-                timed_out = True
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            code_text, too_big = _read_frame(from_server).decode().split()
-            payload = _read_frame(from_server)
-            elapsed = time.perf_counter() - t0
-            output = self._read_output(workdir)
-            if timed_out:
-                return self._failure("timeout", None, output, elapsed, timeout)
-            if too_big == "1":
-                return self._failure("protocol", None, output, elapsed, timeout)
-            if payload:
-                return self._decode(payload, output, elapsed)
-            return self._failure(None, int(code_text), output, elapsed, timeout)
-        except (EOFError, OSError, ValueError) as exc:  # the server itself broke: restart it next time
-            Sandbox.stop()
-            return Outcome("protocol", message=f"the sandbox failed: {exc}", elapsed_s=time.perf_counter() - t0)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-    def _read_output(self, workdir: str) -> str:
+            server = self._server_ready()
+        except (EOFError, OSError, ValueError, Deadline) as exc:
+            self.close()
+            what = "did not start in time" if isinstance(exc, Deadline) else f"failed to start: {exc}"
+            return Outcome("protocol", message=f"the sandbox {what}", elapsed_s=time.perf_counter() - t0)
         try:
-            data = Path(workdir, ".output").read_bytes()
-        except OSError:
-            return ""
-        text = data.decode("utf-8", errors="replace")
-        n = self.limits.show_output_chars
-        return text if len(text) <= n else text[: n // 2] + "\n[... output trimmed ...]\n" + text[-n // 2:]
-
-    def _decode(self, payload: bytes, output: str, elapsed: float) -> Outcome:
-        try:
-            msg = torch.load(io.BytesIO(payload), weights_only=True)
-        except Exception as exc:
-            return Outcome("protocol", message=f"the child's answer could not be read safely: {exc}",
-                           output=output, elapsed_s=elapsed)
-        if not isinstance(msg, dict) or "status" not in msg:
-            return Outcome("protocol", message="the child's answer is malformed", output=output, elapsed_s=elapsed)
-        results = [{**r, "value": _restore(r["value"])} if "value" in r else r for r in msg.get("results", [])]
-        return Outcome(msg["status"], results=results, message=msg.get("message", ""),
-                       traceback=msg.get("traceback", ""), violations=list(msg.get("violations", [])),
-                       output=output, elapsed_s=elapsed, probes=msg.get("probes"))
-
-    def _failure(self, status: Optional[str], exitcode: Optional[int], output: str, elapsed: float,
-                 timeout: float) -> Outcome:
+            req = {"op": "run", "calls": calls, "policy": policy, "limits": self.limits, "timeout_s": timeout}
+            _write_frame(server.proc.stdin.fileno(), _pickle(req))
+            deadline = time.monotonic() + timeout + GRACE_S
+            fd = server.proc.stdout.fileno()
+            header = json.loads(_read_frame(fd, 4096, deadline))
+            payload = _read_frame(fd, MAX_RESULT_BYTES, deadline)
+            raw_output = _read_frame(fd, self.limits.output_kb * 1024, deadline)
+        except Deadline:
+            self.close()  # a stopped or stuck server: the whole sandbox goes, a new one serves what follows
+            return Outcome("timeout", message=f"did not finish within {timeout:g} s, and the sandbox stopped "
+                                              "answering (was the grader's server stopped or killed?)",
+                           elapsed_s=time.perf_counter() - t0)
+        except (EOFError, OSError, ValueError) as exc:
+            self.close()
+            return Outcome("protocol", message=f"the sandbox server stopped: {clean_text(exc, 300)} "
+                                               "(did your code kill it?)", elapsed_s=time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        output = self._show(raw_output)
+        if not isinstance(header, dict) or header.get("status") not in {"ok", "timeout", "too_big", "output_flood"} \
+                or not isinstance(header.get("code"), int):
+            self.close()
+            return Outcome("protocol", message="the sandbox server sent a malformed header", elapsed_s=elapsed)
+        status = header["status"]
         if status == "timeout":
             return Outcome("timeout", message=f"did not finish within {timeout:g} s (an endless loop?)",
                            output=output, elapsed_s=elapsed)
-        if status == "protocol":
+        if status == "too_big":
             return Outcome("protocol", message=f"returned more than {MAX_RESULT_BYTES // 2**20} MB of data",
                            output=output, elapsed_s=elapsed)
-        if exitcode is not None and exitcode < 0:
+        if status == "output_flood":
+            return Outcome("output_flood", message=f"printed more than {self.limits.output_kb} KB; "
+                                                   "remove the print() calls in loops", output=output,
+                           elapsed_s=elapsed)
+        if payload and header["code"] == 0:
+            n_probes = None
+            if any(c.doctor for c in calls):
+                from attnlab import doctor
+
+                n_probes = len(doctor.build_probes(doctor.SELF_ATTENTION_CAPABILITIES))
+            return self._decode(payload, output, elapsed, len(calls), n_probes)
+        return self._failure(header["code"], output, elapsed)
+
+    def _show(self, data: bytes) -> str:
+        text = data.decode("utf-8", errors="replace")
+        return clean_text(text, self.limits.show_output_chars)
+
+    def _decode(self, payload: bytes, output: str, elapsed: float, n_calls: int,
+                n_probes: Optional[int]) -> Outcome:
+        try:
+            msg = torch.load(io.BytesIO(payload), weights_only=True)
+            validate_message(msg, n_calls, n_probes)
+        except Exception as exc:
+            return Outcome("protocol", message=f"the child's answer was refused: {clean_text(exc, 300)}",
+                           output=output, elapsed_s=elapsed)
+        results = []
+        for r in msg.get("results", []):
+            if "value" in r:
+                results.append({"value": _restore(r["value"])})
+            else:
+                results.append({"error": clean_text(r["error"]), "traceback": clean_text(r.get("traceback", "")),
+                                "memory": r.get("memory", False)})
+        probes = msg.get("probes")
+        if probes is not None:
+            probes = [{**p, "error": None if p["error"] is None else clean_text(p["error"], 500)} for p in probes]
+        return Outcome(msg["status"], results=results, message=clean_text(msg.get("message", "")),
+                       traceback=clean_text(msg.get("traceback", "")),
+                       violations=[clean_text(v, 200) for v in msg.get("violations", [])],
+                       output=output, elapsed_s=elapsed, probes=probes)
+
+    def _failure(self, exitcode: int, output: str, elapsed: float) -> Outcome:
+        if exitcode < 0:
             sig = -exitcode
             if sig == signal.SIGXFSZ:
-                return Outcome("output_flood", message=f"printed more than {self.limits.output_kb} KB; "
-                                                       "remove the print() calls in loops", output=output,
-                               elapsed_s=elapsed)
+                return Outcome("crash", message=f"wrote a file larger than {self.limits.file_mb} MB",
+                               output=output, elapsed_s=elapsed)
             if sig == signal.SIGXCPU:
                 return Outcome("timeout", message="used up its CPU time (an endless loop?)", output=output,
                                elapsed_s=elapsed)
             name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+            if sig == signal.SIGKILL:
+                return Outcome("crash", message="was killed (SIGKILL): the submission's memory or process limit, "
+                                                "or your code killed itself", output=output, elapsed_s=elapsed)
             return Outcome("crash", message=f"crashed with {name}", output=output, elapsed_s=elapsed)
         return Outcome("exit", message=f"the process exited (code {exitcode}) before returning a result: "
                                        "sys.exit/os._exit/exit() in your code?", output=output, elapsed_s=elapsed)
+
+
+def _pickle(obj: Any) -> bytes:
+    import pickle
+
+    return pickle.dumps(obj)
 
 
 def _restore(value: Any) -> Any:
@@ -418,7 +749,9 @@ def _restore(value: Any) -> Any:
         if "__dict__" in value:
             return {k: _restore(v) for k, v in value["__dict__"].items()}
         if "__unsupported__" in value:
-            return Unsupported(value["__unsupported__"])
+            return Unsupported(clean_text(value["__unsupported__"], 100))
+    if isinstance(value, str):
+        return clean_text(value)
     return value
 
 

@@ -1,0 +1,258 @@
+"""The OS sandbox on its own: raw hostile code (os, signal, socket, ctypes), run
+straight through :class:`attnlab.grading.Sandbox`, without the static check that
+would refuse it. What must hold: the parent neither hangs nor crashes, what comes back
+is validated, nothing of the host is visible or writable, and nothing survives.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.grading import launch
+from attnlab.grading.sandbox import (MAX_ELEMENTS, BadMessage, Call, Limits, Sandbox, clean_text,
+                                     validate_message)
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+LIMITS = Limits(timeout_s=2.0)
+
+needs_bwrap = pytest.mark.skipif(launch.bwrap_path() is None and not os.environ.get("CI"),
+                                 reason="bwrap is not installed (make test installs it; CI fails without it)")
+
+
+def sandbox_for(tmp_path: Path, code: str, limits: Limits = LIMITS) -> Sandbox:
+    path = tmp_path / "attention.py"
+    path.write_text("import os, signal, socket, sys, time, io\nimport torch\n\n" + textwrap.dedent(code))
+    return Sandbox(path, limits, mode="bwrap")
+
+
+def error_of(outcome) -> str:
+    assert outcome.status == "ok", (outcome.status, outcome.message)
+    return outcome.results[0].get("error", "")
+
+
+# --------------------------------------------------------------------------- the view of the host
+@needs_bwrap
+def test_the_host_is_not_there(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOSTILE_TEST_SECRET", "ENV-SECRET-123")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "secret.txt").write_text("HOME-SECRET-456")
+    monkeypatch.setenv("HOME", str(home))
+    with sandbox_for(tmp_path, f"""
+        def attack():
+            seen = {{
+                "uid": os.getuid(),
+                "env": dict(os.environ),
+                "home": os.path.exists({str(home)!r}),
+                "root": sorted(os.listdir("/")),
+                "root_home": sorted(os.listdir("/root")) if os.path.isdir("/root") else [],
+                "repo_labs": os.path.exists({str(REPO / "labs")!r}),
+                "tests": os.path.exists({str(HERE)!r}),
+                "shadow": os.path.exists("/etc/shadow"),
+                "passwd": os.path.exists("/etc/passwd"),
+                "own_folder": os.path.exists({str(tmp_path)!r}),
+                "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
+                "net": sorted(os.listdir("/sys/class/net")) if os.path.exists("/sys/class/net") else [],
+            }}
+            raise ValueError(repr(seen))
+        """) as box:
+        seen = eval(error_of(box.run([Call("attack")], policy=False)).split(": ", 1)[1])
+    assert seen["uid"] == launch.UID and seen["uid"] != 0
+    assert "HOSTILE_TEST_SECRET" not in seen["env"] and seen["env"]["HOME"] == "/tmp"
+    assert not any([seen["home"], seen["repo_labs"], seen["tests"], seen["shadow"], seen["passwd"],
+                    seen["own_folder"]])
+    assert "home" not in seen["root"] and "work" in seen["root"] if str(REPO).startswith("/work/") else True
+    # of root's home only the Python installation can be there (pyenv), when Python lives in it
+    python_parts = {Path(p).relative_to("/root").parts[0] for p in launch.python_roots() if p.startswith("/root/")}
+    assert set(seen["root_home"]) <= python_parts, seen["root_home"]
+    assert max(seen["pids"]) < 10  # its own pid namespace: the bwrap init, the server, this child
+
+
+@needs_bwrap
+def test_writes_go_nowhere_and_network_is_absent(tmp_path):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.3)
+    port = listener.getsockname()[1]
+    target = tmp_path / "planted.txt"
+    with sandbox_for(tmp_path, f"""
+        def attack():
+            out = []
+            for path in [{str(target)!r}, {str(REPO / "src" / "planted.txt")!r}, "/usr/planted.txt"]:
+                try:
+                    open(path, "w").write("x")
+                    out.append("wrote " + path)
+                except OSError as exc:
+                    out.append(type(exc).__name__)
+            try:
+                socket.create_connection(("127.0.0.1", {port}), timeout=1).sendall(b"stolen")
+                out.append("connected")
+            except OSError as exc:
+                out.append("no network: " + type(exc).__name__)
+            raise ValueError(repr(out))
+        """) as box:
+        err = error_of(box.run([Call("attack")], policy=False))
+    assert "wrote" not in err and "connected" not in err and "no network" in err
+    assert not target.exists() and not (REPO / "src" / "planted.txt").exists()
+    with pytest.raises(OSError):
+        listener.accept()
+    listener.close()
+
+
+# --------------------------------------------------------------------------- processes
+@needs_bwrap
+def test_a_daemon_that_ignores_sigterm_dies_with_the_exercise(tmp_path):
+    with sandbox_for(tmp_path, """
+        def attack():
+            if os.fork() == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                    while True:
+                        time.sleep(0.05)
+                        open("/tmp/daemon-was-here", "w").write("x")
+                os._exit(0)
+            time.sleep(0.3)
+            return 1.0
+
+        def look():
+            return os.path.exists("/tmp/daemon-was-here"), len([p for p in os.listdir("/proc") if p.isdigit()])
+        """) as box:
+        assert box.run([Call("attack")], policy=False).results[0]["value"] == 1.0
+        time.sleep(0.3)  # killed processes are reaped by the namespace's init, asynchronously
+        procs_after = box.processes()
+        seen = box.run([Call("look")], policy=False).results[0]["value"]
+    # the file the daemon wrote during the first exercise is there, but the daemon is gone:
+    # only the init, the server and this child remain in the namespace
+    assert seen[1] <= 3, seen
+    if procs_after is not None:  # the cgroup: the bwrap processes and the server only
+        assert len(procs_after) <= 3, procs_after
+
+
+@needs_bwrap
+def test_a_stopped_server_costs_one_exercise_and_is_replaced(tmp_path):
+    with sandbox_for(tmp_path, """
+        def stop_the_server():
+            os.kill(os.getppid(), signal.SIGSTOP)
+            while True:
+                pass
+
+        def kill_the_server():
+            os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(5)
+
+        def fine():
+            return 2.0
+        """) as box:
+        t0 = time.perf_counter()
+        stopped = box.run([Call("stop_the_server")], policy=False)
+        assert stopped.status == "timeout" and time.perf_counter() - t0 < LIMITS.timeout_s + 6
+        assert box.run([Call("fine")], policy=False).results[0]["value"] == 2.0
+        killed = box.run([Call("kill_the_server")], policy=False)
+        assert killed.status == "protocol" and "server stopped" in killed.message
+        assert box.run([Call("fine")], policy=False).results[0]["value"] == 2.0
+        assert box.restarts == 2
+
+
+@needs_bwrap
+def test_crashes_and_exits_are_named(tmp_path):
+    with sandbox_for(tmp_path, """
+        def segfault():
+            import ctypes
+            ctypes.string_at(0)
+
+        def leave():
+            os._exit(0)
+        """) as box:
+        assert box.run([Call("segfault")], policy=False).message == "crashed with SIGSEGV"
+        assert "exited (code 0)" in box.run([Call("leave")], policy=False).message
+
+
+@needs_bwrap
+def test_memory_is_capped_for_the_whole_submission(tmp_path):
+    limits = Limits(timeout_s=9.0, memory_mb=1024, submission_memory_mb=1536)
+    with sandbox_for(tmp_path, """
+        def hog():
+            kids = []
+            for _ in range(3):
+                pid = os.fork()
+                if pid == 0:
+                    x = b"\x01" * (700 * 2**20)  # written, so resident; each under the per-process cap
+                    time.sleep(10)
+                    os._exit(0)
+                kids.append(pid)
+            time.sleep(4)  # allocating under memory pressure takes a while before the OOM kill
+            alive = 0
+            for pid in kids:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                alive += done == 0
+            return alive
+        """, limits) as box:
+        outcome = box.run([Call("hog")], policy=False)
+        fence = box.memory_fence
+    if not fence.startswith("cgroup"):
+        pytest.skip(f"no cgroup here: {fence}")
+    # three 700 MB processes do not fit in 1536 MB: the cgroup kills at least one
+    assert outcome.status != "ok" or outcome.results[0]["value"] < 3, outcome
+
+
+# --------------------------------------------------------------------------- forged messages
+def forged(msg) -> bytes:
+    buf = io.BytesIO()
+    torch.save(msg, buf)
+    return buf.getvalue()
+
+
+@needs_bwrap
+@pytest.mark.parametrize("message,words", [
+    ({"status": "ok", "results": [5]}, "not a dict"),
+    ({"status": "ok", "results": [{"value": torch.zeros(1, dtype=torch.bool).expand(10**12)}]}, "storage"),
+    ({"status": "ok", "results": [{"value": torch.zeros(1).expand(1_500_000_000)}]}, "storage"),
+    ({"status": "ok", "results": [{"value": {"__seq__": 5, "__tuple__": True}}]}, "unknown shape"),
+    ({"status": "passed", "results": []}, "unknown status"),
+    ({"status": "ok", "results": [{"value": 1.0}], "violations": [], "admin": True}, "known fields"),
+])
+def test_a_forged_message_is_refused_not_trusted(tmp_path, message, words):
+    payload = forged(message)
+    with sandbox_for(tmp_path, f"""
+        def attack():
+            data = {payload!r}
+            for fd in range(3, 64):
+                try:
+                    os.write(fd, data)
+                except OSError:
+                    pass
+            os._exit(0)
+        """) as box:
+        outcome = box.run([Call("attack")], policy=False)
+    assert outcome.status == "protocol" and words in outcome.message, outcome.message
+
+
+def test_validation_checks_storage_not_the_view():
+    ok = {"status": "ok", "results": [{"value": torch.zeros(3, 4)}], "violations": []}
+    validate_message(ok, 1, None)
+    for bad in (torch.zeros(1).expand(10**9), torch.zeros(10)[2:], torch.zeros(4, 4).t(), torch.zeros(10)[:5]):
+        with pytest.raises(BadMessage):
+            validate_message({"status": "ok", "results": [{"value": bad}]}, 1, None)
+    with pytest.raises(BadMessage, match="elements"):
+        validate_message({"status": "ok", "results": [{"value": torch.zeros(MAX_ELEMENTS + 1, dtype=torch.bool)}]},
+                         1, None)
+
+
+def test_learner_text_is_made_safe():
+    text = "a\x1b[2Jb\rc\x07d\ud800e\u202ef\ng"
+    cleaned = clean_text(text)
+    assert "\x1b" not in cleaned and "\r" not in cleaned and "\x07" not in cleaned and "\u202e" not in cleaned
+    cleaned.encode("utf-8")  # no lone surrogate left
+    assert cleaned.startswith("a") and "\ng" in cleaned
+    assert len(clean_text("x" * 100_000)) < 4100
