@@ -133,9 +133,13 @@ def test_policy_catches_softmax_under_any_alias(tmp_path, call):
     path = make_variant(tmp_path, (SOFTMAX_BODY, f"    {call}\n{SOFTMAX_BODY}"))
     report = grade(path, limits=FAST)
     text = exercise_text(report, "ex3")
-    assert scores(report)["ex3"][0] == 0 and "policy violation in ex3 stable_softmax" in text, report.to_text()
-    assert "softmax" in text
-    assert scores(report)["ex9"] == (5, 5)  # compare_with_sdpa may call SDPA; the rest still works
+    assert scores(report)["ex3"][0] == 0 and "stable_softmax() breaks the rules of the lab" in text, report.to_text()
+    assert "softmax" in text and "line 3" in text  # the line of the call is named
+    # compare_with_sdpa may reach torch's attention; the unsafe routes (a computed getattr,
+    # a private attribute) cost every exercise that reaches them, ex9 included
+    unsafe = "getattr" in call or "._" in call
+    assert scores(report)["ex9"] == ((0, 5) if unsafe else (5, 5)), report.to_text()
+    assert scores(report)["ex1"] == (8, 8)  # what does not reach the violation still counts
 
 
 def test_policy_catches_sdpa_and_multihead_attention(tmp_path):
@@ -169,10 +173,9 @@ def test_monkeypatching_torch_or_the_grader_does_not_pass(tmp_path):
 # ------------------------------------------------------------------ misbehaving code
 BAD = [
     ("hang", "def attention_scores(Q, K):\n    while True:\n        pass\n", "ex2", "did not finish within 1.5 s"),
-    ("crash", "def project_qkv(X, W_Q, W_K, W_V):\n    import ctypes\n    ctypes.string_at(0)\n", "ex1",
-     "crashed with SIGSEGV"),
-    ("sys_exit", "def attend(weights, V):\n    import sys\n    sys.exit(3)\n", "ex4", "called sys.exit(3)"),
-    ("os_exit", "def causal_mask(T):\n    import os\n    os._exit(0)\n", "ex5", "exited (code 0)"),
+    ("sys_exit", "def attend(weights, V):\n    raise SystemExit(3)\n", "ex4", "called sys.exit(3)"),
+    ("forbidden_import", "def causal_mask(T):\n    import os\n    os._exit(0)\n", "ex5",
+     "import of 'os': a submission may import only torch"),
     ("huge_allocation", "def padding_mask(lengths, T):\n    return torch.empty(10**12)\n", "ex6",
      "memory"),
     ("exception", "def apply_mask(scores, mask):\n    raise ValueError('oops: a learner bug')\n", "ex7",
@@ -217,12 +220,13 @@ def test_learner_code_runs_in_a_child_in_an_empty_folder(tmp_path, monkeypatch):
     sub = tmp_path / "sub"
     sub.mkdir()
     path = make_variant(sub, ("NEG_INF = float(\"-inf\")",
-                              "NEG_INF = float(\"-inf\")\nimport os\n"
-                              "open('marker.txt', 'w').write(str(os.getpid()) + ' ' + os.getcwd())\n"
-                              "assert len(os.listdir('.')) <= 2, os.listdir('.')"))
+                              "NEG_INF = float(\"-inf\")\n"
+                              "torch.save(torch.zeros(1), 'marker.pt')\n"  # torch alone can write files
+                              "torch.save(torch.zeros(1), '../marker.pt')\n"))
     report = grade(path, limits=FAST)
     assert report.score == 100, report.to_text()
-    assert not (tmp_path / "marker.txt").exists() and not (sub / "marker.txt").exists()
+    assert not (tmp_path / "marker.pt").exists() and not (sub / "marker.pt").exists()
+    assert not list(tmp_path.rglob("marker.pt"))
 
 
 def test_json_follows_gradescope_schema(tmp_path):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 import attnlab
@@ -51,20 +53,39 @@ examples:
 GRADE_HELP = """\
 Grade a learner's attention.py for the lab in labs/track1/01-attention/.
 
-Each exercise runs in its own child process with a time limit, a memory limit, a cap
-on printed output and an empty working folder; learner code never runs inside the
-grader. The from-scratch rule is enforced: torch's softmax, SDPA and
-nn.MultiheadAttention are caught (except in compare_with_sdpa). Inputs are seeded and
-deliberately unequal in size; the reference is computed here, in float64.
+Safety. Learner code never runs inside the grader. Where bubblewrap ('bwrap') is
+installed, each submission gets its own OS sandbox: no network, its own process
+namespace (everything it starts dies when its grading ends), a read-only view of
+the system and Python and nothing else of this machine (not your home folder, not
+the output folder, not other submissions, not the solutions), a private size-capped
+/tmp, and, where a cgroup can be made, one memory and process cap for the whole
+submission. Inside it each exercise runs in its own child process with a time limit,
+a memory limit, a cap on printed output and an empty working folder.
+
+Without bwrap (macOS, some containers): grading your OWN file still runs, with the
+process limits only, and says so once. Grading someone else's code (--untrusted)
+refuses to run without the sandbox unless you also pass --no-sandbox. Get bwrap with
+'sudo apt-get install bubblewrap' (Debian/Ubuntu) or 'sudo dnf install bubblewrap'.
+
+The from-scratch rule is checked twice: on the file's text before anything runs
+(imports only from torch, math, typing, jaxtyping; no eval/exec/open/__import__,
+no dunder or private attributes; no softmax, SDPA or nn.MultiheadAttention outside
+compare_with_sdpa; a violation costs the exercises that reach it, with the line),
+and by call recorders while it runs. Inputs come from a seed drawn per run (printed,
+and stored in results.json); --seed reproduces a run. The reference is computed here,
+in float64. results.json is written atomically, before the first exercise and after
+each one, so even an interrupted run leaves a valid file.
 
 A failed check says why, and names the mistake when it recognises one
 (e.g. "you forgot the 1/sqrt(d_k) scale").
 
-exit status: 0 full marks, 1 some checks failed, 2 bad arguments.
+exit status: 0 full marks, 1 some checks failed, 2 bad arguments or no sandbox for
+untrusted code, 130 interrupted.
 
 examples:
   attnlab grade
   attnlab grade my_attention.py --json results.json
+  attnlab grade student/attention.py --untrusted --json results.json --seed 7
 """
 
 
@@ -217,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where to save a yours/reference/difference picture for each failed numeric check "
                          "(default: ./attnlab-grade-images; needs matplotlib)")
     gr.add_argument("--no-images", action="store_true", help="save no pictures")
+    gr.add_argument("--seed", type=int, default=None, metavar="N",
+                    help="seed of the inputs (default: drawn per run and printed; pass it to reproduce a run)")
+    gr.add_argument("--untrusted", action="store_true",
+                    help="the file is someone else's: refuse to run it without the bwrap OS sandbox")
+    gr.add_argument("--no-sandbox", action="store_true",
+                    help="run without the OS sandbox, with process limits only (trusted code, or no bwrap here)")
     gr.set_defaults(func=_cmd_grade)
 
     be = sub.add_parser("bench", help="time attnlab's attention against torch's SDPA backends",
@@ -342,16 +369,57 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 def _cmd_grade(args: argparse.Namespace) -> int:
     from attnlab.grading import launch
 
-    launch.start()  # the sandbox server imports torch while this process does the same
-    from attnlab.grading import Limits, grade, supports_colour
+    mode = "none" if args.no_sandbox else "auto"
+    if args.untrusted and not args.no_sandbox and launch.bwrap_path() is None:
+        print(f"attnlab grade: refusing to run untrusted code without the OS sandbox: {launch.HOW_TO_GET_BWRAP}. "
+              "Or pass --no-sandbox to run it with process limits only.", file=sys.stderr)
+        return 2
+    launch.prestart(mode, args.memory_mb * 2)  # the sandbox server imports torch while this process does the same
+    import signal
 
+    from attnlab.grading import GradeReport, Limits, grade, supports_colour
+    from attnlab.grading.checks import EXERCISES
+
+    if mode == "auto" and launch.bwrap_path() is None:
+        print(f"note: bwrap was not found, so this file runs with process limits only, NOT in an OS sandbox; "
+              f"fine for your own code. To grade other people's code safely, {launch.HOW_TO_GET_BWRAP}.",
+              file=sys.stderr)
     to_stdout = args.json == "-"
     progress = None
     if not to_stdout and sys.stderr.isatty():
         progress = lambda text: print(f"\rgrading {text:<40}", end="", file=sys.stderr, flush=True)  # noqa: E731
-    limits = Limits(timeout_s=args.timeout, memory_mb=args.memory_mb)
-    report = grade(args.path, limits=limits, total_timeout_s=args.total_timeout, progress=progress,
-                   images_dir=None if args.no_images else args.images)
+    limits = Limits(timeout_s=args.timeout, memory_mb=args.memory_mb, submission_memory_mb=args.memory_mb * 2)
+    json_path = None if to_stdout or not args.json else Path(args.json)
+    path = Path(args.path) if args.path else None
+    latest = {"report": None}
+
+    def checkpoint(report) -> None:
+        latest["report"] = report
+        if json_path is not None:
+            _write_atomically(json_path, json.dumps(report.to_gradescope(), indent=2) + "\n")
+
+    if json_path is not None:  # a valid results.json exists from the start, even if this process is killed
+        first = GradeReport(path=path or Path("attention.py"), seed=args.seed or 0, pending=list(EXERCISES),
+                            problem="grading did not finish")
+        checkpoint(first)
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        report = grade(path, limits=limits, total_timeout_s=args.total_timeout, progress=progress,
+                       images_dir=None if args.no_images else args.images, seed=args.seed, sandbox=mode,
+                       untrusted=args.untrusted, checkpoint=checkpoint)
+    except KeyboardInterrupt:
+        report = latest["report"]
+        if report is not None:
+            report.problem = "grading was interrupted"
+            checkpoint(report)
+        print("\nattnlab grade: interrupted" + (f"; {json_path} holds the checks graded so far"
+                                                if json_path else ""), file=sys.stderr)
+        return 130
+    except launch.SandboxUnavailable as exc:
+        print(f"attnlab grade: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if progress:
         print("\r" + " " * 50 + "\r", end="", file=sys.stderr, flush=True)
     if args.json:
@@ -359,13 +427,23 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         if to_stdout:
             print(text)
         else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+            _write_atomically(json_path, text + "\n")
     if not to_stdout:
         print(report.to_text(colour=supports_colour() and not args.no_colour))
         if args.json:
             print(f"results written to {args.json}")
     return 0 if report.score == report.max_score else 1
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write to a temporary file beside ``path``, then rename it over ``path``: a reader
+    sees the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

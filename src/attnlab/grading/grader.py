@@ -4,13 +4,16 @@
     print(report.to_text())
     json.dump(report.to_gradescope(), open("results.json", "w"))
 
-Every exercise runs in its own sandboxed child process (:mod:`.sandbox`); the
-checks and the float64 reference live in :mod:`.checks`.
+The file's text is checked first (:mod:`.static`); then the submission gets its own
+OS sandbox (:mod:`.launch`) in which every exercise runs in its own child process
+(:mod:`.sandbox`); the checks and the float64 reference live in :mod:`.checks`, here,
+in the grader's process, which trusts nothing the children send.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,10 +23,13 @@ from typing import Callable, Optional
 import torch
 
 from attnlab.grading.checks import EXERCISES, Exercise, Verdict, judge_outcome
-from attnlab.grading.sandbox import Limits, Outcome, Sandbox
+from attnlab.grading import launch
+from attnlab.grading.sandbox import Limits, Outcome, Sandbox, clean_text
+from attnlab.grading.static import check_source, describe
 
 __all__ = ["grade", "GradeReport", "TestResult", "default_lab_path", "Limits"]
 
+PICTURE_MAX_ELEMENTS = 1 << 16
 LAB_RELATIVE = Path("labs/track1/01-attention/attention.py")
 
 
@@ -67,6 +73,11 @@ class GradeReport:
     results: list[TestResult] = field(default_factory=list)
     elapsed_s: float = 0.0
     problem: str = ""  # a problem with the whole file (it does not import, ...)
+    seed: int = 0  # the inputs' seed: grade(seed=...) / --seed reproduces the run
+    sandboxed: bool = False  # ran inside the bwrap OS sandbox
+    memory_fence: str = ""  # how the submission's memory was capped
+    restarts: int = 0  # times the sandbox server had to be replaced (it was stopped or killed)
+    pending: list = field(default_factory=list)  # exercises not graded yet (an interrupted run)
 
     @property
     def score(self) -> float:
@@ -123,7 +134,8 @@ class GradeReport:
                 if r.image:
                     lines.append(f"      {dim}picture: {r.image}{reset}")
         total = f"{self.score:g}/{self.max_score:g}"
-        lines += ["", f"{bold}Score: {total}{reset}   ({self.elapsed_s:.1f} s)"]
+        where = "in the OS sandbox" if self.sandboxed else "not in an OS sandbox"
+        lines += ["", f"{bold}Score: {total}{reset}   ({self.elapsed_s:.1f} s; seed {self.seed}; {where})"]
         nxt = self.first_unfinished()
         if self.score == 0 and nxt is not None:
             lines.append(f"Start with {nxt.id}: {nxt.function}() in {self.path.name}, then run 'attnlab grade' again.")
@@ -137,7 +149,12 @@ class GradeReport:
     def to_gradescope(self) -> dict:
         """Gradescope's results.json: score, execution_time, output, tests[], extra_data."""
         tests = []
-        for r in self.results:
+        results = list(self.results)
+        for ex in self.pending:  # an interrupted run: what was not graded scores 0, visibly
+            for check, points in ex.checks.items():
+                results.append(TestResult(ex, check, 0.0, points,
+                                          Verdict(False, "not graded: the grading run was interrupted")))
+        for r in results:
             tests.append({
                 "name": r.name,
                 "score": r.score,
@@ -148,13 +165,17 @@ class GradeReport:
             })
         return {
             "score": self.score,
-            "max_score": self.max_score,
+            "max_score": sum(r.max_score for r in results),
             "execution_time": round(self.elapsed_s, 3),
-            "output": (self.problem + "\n" if self.problem else "") + f"Score {self.score:g}/{self.max_score:g}",
+            "output": (self.problem + "\n" if self.problem else "")
+            + f"Score {self.score:g}/{sum(r.max_score for r in results):g}",
             "visibility": "visible",
             "tests": tests,
             "extra_data": {
                 "file": str(self.path),
+                "seed": self.seed,
+                "sandbox": {"os_sandbox": self.sandboxed, "memory": self.memory_fence,
+                            "server_restarts": self.restarts},
                 "exercises": {k: {"score": s, "max_score": m} for k, (s, m) in self.exercise_scores().items()},
                 "diagnostics": [{"test": r.name, **f} for r in self.results for f in r.verdict.findings],
                 "images": {r.name: r.image for r in self.results if r.image},
@@ -163,54 +184,118 @@ class GradeReport:
 
 
 def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), total_timeout_s: float = 60.0,
-          progress: Optional[Callable[[str], None]] = None, seed: int = 0,
-          images_dir: Optional[os.PathLike] = None) -> GradeReport:
+          progress: Optional[Callable[[str], None]] = None, seed: Optional[int] = None,
+          images_dir: Optional[os.PathLike] = None, sandbox: str = "auto", untrusted: bool = False,
+          checkpoint: Optional[Callable[["GradeReport"], None]] = None) -> GradeReport:
     """Grade a learner's file. Never raises because of the learner's code.
 
     Args:
         path: the learner's ``attention.py`` (default: the lab's).
-        limits: per-exercise limits (time, memory, output).
+        limits: per-exercise and per-submission limits (time, memory, output, processes).
         total_timeout_s: stop running exercises after this long; the rest fail as not run.
         progress: called with a short line before each exercise (e.g. to print progress).
-        seed: base seed of the inputs.
+        seed: seed of the inputs; None draws one (recorded in the report: pass it back to
+            reproduce a run). Inputs differ between runs, so answers cannot be precomputed.
         images_dir: save a yours / reference / |difference| picture there for each failed
             numeric check (when matplotlib is installed); None saves none.
+        sandbox: 'auto' (the bwrap OS sandbox where installed, else process limits only),
+            'bwrap' (required) or 'none' (process limits only).
+        untrusted: the file is someone else's: without the OS sandbox, refuse
+            (:class:`~attnlab.grading.launch.SandboxUnavailable`) unless ``sandbox='none'``.
+        checkpoint: called with the report so far after each exercise (the CLI writes
+            results.json there, so an interrupted run still leaves a valid one).
+
+    Raises:
+        SandboxUnavailable: ``sandbox='bwrap'``, or ``untrusted`` with ``sandbox='auto'``,
+            and bwrap cannot be found.
     """
     t0 = time.perf_counter()
-    Sandbox.start()
+    if untrusted and sandbox == "auto" and launch.bwrap_path() is None:
+        raise launch.SandboxUnavailable(
+            f"refusing to grade someone else's code without the OS sandbox: {launch.HOW_TO_GET_BWRAP}; "
+            "or pass --no-sandbox (sandbox='none') to run it with process limits only")
+    if images_dir is not None:  # every grader module is loaded before any learner code runs
+        from attnlab import viz
+
+        viz.matplotlib_available()
+    if seed is None:
+        seed = secrets.randbelow(2**31)
     path = Path(path) if path is not None else default_lab_path()
-    report = GradeReport(path=path)
+    report = GradeReport(path=path, seed=seed, sandboxed=launch.resolve_mode(sandbox) is not None)
     if not path.is_file():
         report.problem = f"no file at {path}"
         _fail_all(report, EXERCISES, Verdict(False, f"no file at {path}"))
         report.elapsed_s = time.perf_counter() - t0
         return report
-
-    sandbox = Sandbox(path, limits)
-    # First: does the file import at all? One child, so a broken file fails fast and once.
-    first = sandbox.run([], policy=True)
-    if first.status != "ok" or first.violations:
-        report.problem = _whole_file_problem(first)
+    try:
+        source = path.read_bytes()
+    except OSError as exc:
+        report.problem = f"could not read {path}: {exc}"
         _fail_all(report, EXERCISES, Verdict(False, report.problem))
+        return report
+
+    # The from-scratch rule on the text, before any of it runs.
+    static = check_source(source, path.name)
+    if static.syntax_error:
+        report.problem = f"could not import the file:\n{static.syntax_error}"
+    elif static.module_level():
+        report.problem = ("the file breaks the rules of the lab at module level, so none of it was run:\n"
+                          + describe(static.module_level()))
+    if report.problem:
+        _fail_all(report, EXERCISES, Verdict(False, report.problem, _policy_findings(static.module_level())))
         report.elapsed_s = time.perf_counter() - t0
         return report
 
-    for i, ex in enumerate(EXERCISES):
-        if time.perf_counter() - t0 > total_timeout_s:
-            _fail_all(report, [ex], Verdict(False, f"not run: the total time limit ({total_timeout_s:g} s) was reached"))
-            continue
-        if progress:
-            progress(f"{ex.id} {ex.function}")
-        calls, ctx = ex.prepare(torch.Generator().manual_seed(seed * 1000 + i))
-        outcome = sandbox.run(calls, policy=ex.policy)
-        verdicts = judge_outcome(ex, ctx, outcome)
-        for check, points in ex.checks.items():
-            v = verdicts[check]
-            report.results.append(TestResult(ex, check, points if v.passed else 0.0, points, v))
+    with Sandbox(path, limits, mode=sandbox) as box:
+        # First: does the file import at all? One child, so a broken file fails fast and once.
+        first = box.run([], policy=True)
+        report.sandboxed, report.memory_fence = box.sandboxed, box.memory_fence
+        if first.status != "ok" or first.violations:
+            report.problem = _whole_file_problem(first)
+            _fail_all(report, EXERCISES, Verdict(False, report.problem))
+            report.elapsed_s = time.perf_counter() - t0
+            return report
+        report.pending = list(EXERCISES)
+        for i, ex in enumerate(EXERCISES):
+            broken = static.for_exercise(ex.function, allow_attention=not ex.policy)
+            if time.perf_counter() - t0 > total_timeout_s:
+                _fail_all(report, [ex], Verdict(False, f"not run: the total time limit ({total_timeout_s:g} s) "
+                                                       "was reached"))
+            elif broken:
+                _fail_all(report, [ex], Verdict(False, f"not run: {ex.function}() breaks the rules of the lab:\n"
+                                                       + describe(broken), _policy_findings(broken)))
+            else:
+                if progress:
+                    progress(f"{ex.id} {ex.function}")
+                calls, ctx = ex.prepare(torch.Generator().manual_seed(seed * 1000 + i))
+                outcome = box.run(calls, policy=ex.policy)
+                try:
+                    verdicts = judge_outcome(ex, ctx, outcome)
+                except Exception as exc:  # a judge must never cost the learner their report
+                    verdicts = {c: Verdict(False, f"could not be checked: {type(exc).__name__}") for c in ex.checks}
+                for check, points in ex.checks.items():
+                    v = verdicts.get(check) or Verdict(False, "not checked")
+                    report.results.append(TestResult(ex, check, points if v.passed else 0.0, points, _clean(v)))
+            report.pending.remove(ex)  # only now: an interruption above leaves it listed as not graded
+            report.elapsed_s = time.perf_counter() - t0
+            if checkpoint:
+                checkpoint(report)
+        report.restarts = box.restarts
     if images_dir is not None:
         _save_pictures(report, Path(images_dir))
     report.elapsed_s = time.perf_counter() - t0
     return report
+
+
+def _clean(v: Verdict) -> Verdict:
+    """Learner text (messages built from its errors and output) made safe to print and store."""
+    v.message = clean_text(v.message)
+    v.findings = [{**f, "message": clean_text(f.get("message", ""), 1000)} for f in v.findings]
+    return v
+
+
+def _policy_findings(violations) -> list[dict]:
+    return [{"code": "policy", "message": str(v)} for v in list(violations)[:6]]
 
 
 def _save_pictures(report: GradeReport, folder: Path) -> None:
@@ -224,6 +309,8 @@ def _save_pictures(report: GradeReport, folder: Path) -> None:
             continue
         folder.mkdir(parents=True, exist_ok=True)
         mine, reference = arrays
+        if mine.numel() > PICTURE_MAX_ELEMENTS or reference.numel() > PICTURE_MAX_ELEMENTS:
+            continue  # a picture of a huge tensor tells nothing and costs the grader
         if mine.dtype == torch.bool or reference.dtype == torch.bool:
             mine, reference = mine.double(), reference.double()
         path = folder / f"{r.exercise.id}-{r.check}.png"

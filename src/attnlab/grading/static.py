@@ -1,0 +1,216 @@
+"""The from-scratch rule, checked on the submission's source before any of it runs.
+
+The runtime recorders (:mod:`.policy`) watch the calls *inside* the learner's process,
+which the learner controls: a determined file can switch them off or forge their
+report. This check runs in the grader's own process, on the text (``ast``), so
+nothing the learner's code does at run time can change its verdict. It refuses,
+with the line:
+
+* imports outside the allow-list (:data:`ALLOWED_IMPORTS`: what the lab's stub itself
+  imports), attnlab above all (its reference would answer every exercise);
+* ``__import__``, ``eval``, ``exec``, ``compile``, ``open`` and the other builtins that
+  reach the interpreter or the file system (:data:`BANNED_BUILTINS`);
+* ``getattr``/``setattr``/``hasattr``/``delattr`` with a name that is not a literal
+  (or a literal that is itself refused);
+* attributes that start with ``_`` (dunders and private APIs: ``x.__class__``,
+  ``torch._C``, ``torch.ops.aten._softmax``) and attributes that lead out of torch into
+  the interpreter (``torch.sys``, ``torch.os``, ``.modules``, frame attributes);
+* torch's attention under any alias (:data:`BANNED_FRAGMENTS` in any attribute or
+  imported name: ``softmax``, ``scaled_dot_product_attention``, ``MultiheadAttention``...),
+  except where an exercise allows it (``compare_with_sdpa``);
+* string constants naming attnlab or the solutions.
+
+A violation inside a function costs the exercises whose function reaches it (through
+calls by name inside the file); one at module level costs the whole file. The exercise
+that measures the learner against torch (``compare_with_sdpa``) may reach torch's
+attention, so only the unsafe kinds cost it.
+
+This is not the fence: torch alone can read and write files, start processes and
+open sockets. The OS sandbox (:mod:`.launch`) is the fence; this check keeps the
+*score* honest.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from attnlab.grading.policy import BANNED_FRAGMENTS
+
+__all__ = ["ALLOWED_IMPORTS", "BANNED_BUILTINS", "Violation", "StaticReport", "check_source"]
+
+ALLOWED_IMPORTS = ("torch", "math", "typing", "jaxtyping", "__future__")
+BANNED_BUILTINS = frozenset({"__import__", "eval", "exec", "compile", "open", "globals", "locals", "vars",
+                             "breakpoint", "input", "memoryview", "__builtins__", "__loader__", "__spec__"})
+ATTRIBUTE_FUNCTIONS = frozenset({"getattr", "setattr", "hasattr", "delattr"})
+# attributes that lead from torch's namespace into the interpreter or the OS
+BANNED_ATTRIBUTES = frozenset({"sys", "os", "builtins", "subprocess", "importlib", "modules", "ctypes", "inspect",
+                               "f_globals", "f_locals", "f_back", "f_builtins", "f_code", "gi_frame", "cr_frame",
+                               "ag_frame", "tb_frame", "tb_next", "co_code", "func_globals"})
+BANNED_STRINGS = ("attnlab", "solutions")
+
+
+@dataclass(frozen=True)
+class Violation:
+    line: int
+    function: Optional[str]  # the top-level function it is in; None: module level
+    kind: str  # "import" | "unsafe" | "attention"
+    message: str
+
+    def __str__(self) -> str:
+        where = f"in {self.function}()" if self.function else "at module level"
+        return f"line {self.line} ({where}): {self.message}"
+
+
+@dataclass
+class StaticReport:
+    violations: list[Violation]
+    calls: dict[str, set[str]]  # top-level function -> top-level functions it names
+    syntax_error: str = ""
+
+    def reachable(self, function: str) -> set[str]:
+        """``function`` and every top-level function it reaches by name."""
+        seen, todo = set(), [function]
+        while todo:
+            f = todo.pop()
+            if f in seen:
+                continue
+            seen.add(f)
+            todo.extend(self.calls.get(f, ()))
+        return seen
+
+    def module_level(self) -> list[Violation]:
+        return [v for v in self.violations if v.function is None]
+
+    def for_exercise(self, function: str, allow_attention: bool) -> list[Violation]:
+        """What costs the exercise that calls ``function``."""
+        reach = self.reachable(function)
+        return [v for v in self.violations if v.function in reach
+                and not (allow_attention and v.kind == "attention")]
+
+
+def _banned_fragment(name: str) -> Optional[str]:
+    low = name.lower().replace("_", "")
+    for frag in BANNED_FRAGMENTS:
+        if frag.replace("_", "") in low:
+            return frag
+    if "softmin" in low:
+        return "softmin"
+    return None
+
+
+class _Visitor(ast.NodeVisitor):
+    def __init__(self, top_functions: set[str]) -> None:
+        self.top = top_functions
+        self.function: Optional[str] = None
+        self.violations: list[Violation] = []
+        self.calls: dict[str, set[str]] = {}
+
+    def add(self, node: ast.AST, kind: str, message: str) -> None:
+        self.violations.append(Violation(getattr(node, "lineno", 0), self.function, kind, message))
+
+    # ----------------------------------------------------------- scopes
+    def _function(self, node) -> None:
+        if self.function is None and node.name in self.top:
+            self.function = node.name
+            self.calls.setdefault(node.name, set())
+            self.generic_visit(node)
+            self.function = None
+        else:
+            self.generic_visit(node)
+
+    visit_FunctionDef = visit_AsyncFunctionDef = _function
+
+    # ----------------------------------------------------------- imports
+    def _check_module(self, node: ast.AST, module: str) -> None:
+        root = module.split(".")[0]
+        if root not in ALLOWED_IMPORTS:
+            self.add(node, "import", f"import of {module!r}: a submission may import only "
+                                     f"{', '.join(m for m in ALLOWED_IMPORTS if m != '__future__')}")
+        elif any(part.startswith("_") for part in module.split(".")[1:]):
+            self.add(node, "unsafe", f"import of the private module {module!r}")
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._check_module(node, alias.name)
+            frag = _banned_fragment(alias.name)
+            if frag:
+                self.add(node, "attention", f"import of {alias.name} (torch's {frag}): build it from scratch")
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.level:
+            self.add(node, "import", "a relative import: a submission is a single file")
+            return
+        self._check_module(node, node.module or "")
+        for alias in node.names:
+            if alias.name == "*":
+                self.add(node, "unsafe", f"'from {node.module} import *': import names one by one")
+            elif alias.name.startswith("_") and node.module != "__future__":
+                self.add(node, "unsafe", f"import of the private name {alias.name!r}")
+            frag = _banned_fragment(alias.name)
+            if frag:
+                self.add(node, "attention", f"import of {alias.name} (torch's {frag}): build it from scratch")
+
+    # ----------------------------------------------------------- names and attributes
+    def visit_Name(self, node: ast.Name) -> None:
+        if node.id in BANNED_BUILTINS:
+            self.add(node, "unsafe", f"{node.id} is not allowed in a submission")
+        elif node.id.startswith("__") and node.id not in ("__name__", "__doc__"):
+            self.add(node, "unsafe", f"the dunder name {node.id} is not allowed in a submission")
+        if self.function is not None and node.id in self.top:
+            self.calls[self.function].add(node.id)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        self._attribute(node, node.attr)
+        self.generic_visit(node)
+
+    def _attribute(self, node: ast.AST, attr: str) -> None:
+        if attr.startswith("_"):
+            self.add(node, "unsafe", f"the attribute .{attr}: private and dunder attributes are not allowed")
+        elif attr in BANNED_ATTRIBUTES:
+            self.add(node, "unsafe", f"the attribute .{attr} leads out of torch into the interpreter")
+        frag = _banned_fragment(attr)
+        if frag:
+            self.add(node, "attention", f".{attr} is torch's {frag}: build it from scratch")
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if isinstance(node.func, ast.Name) and node.func.id in ATTRIBUTE_FUNCTIONS:
+            if len(node.args) < 2 or not isinstance(node.args[1], ast.Constant) or not isinstance(
+                    node.args[1].value, str):
+                self.add(node, "unsafe", f"{node.func.id}() with a name that is not a literal string")
+            else:
+                self._attribute(node, node.args[1].value)
+        self.generic_visit(node)
+
+    def visit_Expr(self, node: ast.Expr) -> None:
+        if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            return  # a docstring or a bare string: never used
+        self.generic_visit(node)
+
+    def visit_Constant(self, node: ast.Constant) -> None:
+        if isinstance(node.value, str) and any(s in node.value.lower() for s in BANNED_STRINGS):
+            self.add(node, "unsafe", "a string naming attnlab or its solutions")
+
+
+def check_source(source: str | bytes, filename: str = "attention.py") -> StaticReport:
+    """Parse the submission and list what the from-scratch rule refuses (never raises
+    for the learner's sake: a syntax error comes back in ``syntax_error``)."""
+    try:
+        tree = ast.parse(source, filename=filename)
+    except (SyntaxError, ValueError) as exc:
+        line = getattr(exc, "lineno", None)
+        where = f" (line {line})" if line else ""
+        return StaticReport([], {}, f"{type(exc).__name__}: {getattr(exc, 'msg', exc)}{where}")
+    top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    visitor = _Visitor(top)
+    visitor.visit(tree)
+    return StaticReport(visitor.violations, visitor.calls)
+
+
+def describe(violations: Iterable[Violation], limit: int = 6) -> str:
+    items = list(violations)
+    lines = [f"  {v}" for v in items[:limit]]
+    if len(items) > limit:
+        lines.append(f"  ... and {len(items) - limit} more")
+    return "\n".join(lines)
