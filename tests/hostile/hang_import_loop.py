@@ -1,0 +1,6 @@
+# class: hang
+# base: stub
+# expect: 0
+# never finishes importing
+while True:
+    pass

@@ -1,0 +1,9 @@
+# class: damage
+# base: solution
+# expect: 100
+# rewrites its own file and plants files next to it (the learner's real folder)
+for path in ["@SELF_DIR@/attention.py", "@SELF_DIR@/planted-@TOKEN@", "attention.py", "../attention.py"]:
+    try:
+        torch.save(torch.zeros(1), path)
+    except Exception:
+        pass
