@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/grading_time.py [--runs 7]
 
 Prints a Markdown table (median, min, max over the runs) for the solutions, the
-untouched stubs, and a file whose every exercise raises. A benchmark, not a test:
-the machine is shared, so read the median.
+untouched stubs, and a file whose every exercise raises, each graded in the bwrap
+OS sandbox and with ``--no-sandbox`` (process limits only), the two interleaved run
+by run, so the sandbox's overhead is measured on the same machine state. A
+benchmark, not a test: the machine is shared, so read the medians.
 """
 
 from __future__ import annotations
@@ -21,14 +23,20 @@ from pathlib import Path
 LAB = Path(__file__).resolve().parents[1] / "labs/track1/01-attention"
 
 
-def time_grade(path: Path, runs: int) -> list[float]:
-    times = []
+def time_once(path: Path, *flags: str) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "attnlab", "grade", str(path), "--no-colour", "--no-images", *flags],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    return time.perf_counter() - t0
+
+
+def time_grade(path: Path, runs: int) -> tuple[list[float], list[float]]:
+    """(in the sandbox, without it), interleaved."""
+    boxed, bare = [], []
     for _ in range(runs):
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "attnlab", "grade", str(path), "--no-colour"],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-        times.append(time.perf_counter() - t0)
-    return times
+        boxed.append(time_once(path, "--untrusted"))
+        bare.append(time_once(path, "--no-sandbox"))
+    return boxed, bare
 
 
 def main() -> None:
@@ -42,10 +50,12 @@ def main() -> None:
         cases = [("solutions (100/100)", LAB / "solutions/attention.py"), ("stubs (0/100)", LAB / "attention.py"),
                  ("every exercise raises", raising)]
         print(f"`attnlab grade`, wall clock incl. process start, {args.runs} runs, {os.cpu_count()} CPUs\n")
-        print("| submission | median s | min s | max s |\n|---|---|---|---|")
+        print("| submission | sandbox: median s | min s | max s | no sandbox: median s | overhead s |")
+        print("|---|---|---|---|---|---|")
         for name, path in cases:
-            t = time_grade(path, args.runs)
-            print(f"| {name} | {statistics.median(t):.2f} | {min(t):.2f} | {max(t):.2f} |")
+            t, u = time_grade(path, args.runs)
+            m, n = statistics.median(t), statistics.median(u)
+            print(f"| {name} | {m:.2f} | {min(t):.2f} | {max(t):.2f} | {n:.2f} | {m - n:+.2f} |")
 
 
 if __name__ == "__main__":
