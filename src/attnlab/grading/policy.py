@@ -20,7 +20,8 @@ __all__ = ["BANNED_FRAGMENTS", "FunctionRecorder", "KernelRecorder", "banned", "
 
 # Substrings of function / kernel names that attention code must not reach.
 BANNED_FRAGMENTS = ("softmax", "scaled_dot_product", "multi_head_attention", "multiheadattention",
-                    "flash_attention", "efficient_attention")
+                    "flash_attention", "efficient_attention", "flex_attention", "transformer_encoder",
+                    "transformerencoder", "transformerdecoder", "transformer_decoder")
 
 
 def banned(names: list[str]) -> list[str]:

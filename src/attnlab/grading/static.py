@@ -48,6 +48,8 @@ ATTRIBUTE_FUNCTIONS = frozenset({"getattr", "setattr", "hasattr", "delattr"})
 BANNED_ATTRIBUTES = frozenset({"sys", "os", "builtins", "subprocess", "importlib", "modules", "ctypes", "inspect",
                                "f_globals", "f_locals", "f_back", "f_builtins", "f_code", "gi_frame", "cr_frame",
                                "ag_frame", "tb_frame", "tb_next", "co_code", "func_globals"})
+# attributes that compute attention's pieces in disguise
+DISGUISED = {"distributions": "torch.distributions computes a softmax for you (Categorical(logits=...).probs)"}
 BANNED_STRINGS = ("attnlab", "solutions")
 
 
@@ -170,6 +172,8 @@ class _Visitor(ast.NodeVisitor):
             self.add(node, "unsafe", f"the attribute .{attr}: private and dunder attributes are not allowed")
         elif attr in BANNED_ATTRIBUTES:
             self.add(node, "unsafe", f"the attribute .{attr} leads out of torch into the interpreter")
+        elif attr in DISGUISED:
+            self.add(node, "attention", f".{attr}: {DISGUISED[attr]}; build it from scratch")
         frag = _banned_fragment(attr)
         if frag:
             self.add(node, "attention", f".{attr} is torch's {frag}: build it from scratch")
