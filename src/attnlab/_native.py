@@ -7,8 +7,9 @@ read scores still in cache; see the comment at the top of that file for why.
 
 It is compiled with ``torch.utils.cpp_extension`` on first use (about 10 s; ``make demo``
 and ``make test`` build it ahead) into ``~/.cache/attnlab/`` (``$ATTNLAB_CACHE_DIR``
-overrides), under a key made of the source's hash, torch's and Python's versions, so a stale
-build is never loaded. ``ATTNLAB_NATIVE=0`` turns it off. Without a compiler, or if the build
+overrides), under a key made of the source's hash, torch's and Python's versions and the CPU's
+instruction set (see :func:`_cache_dir`), so a stale build, or one made for another CPU, is
+never loaded. ``ATTNLAB_NATIVE=0`` turns it off. Without a compiler, or if the build
 fails, the tiled path uses its pure-PyTorch forward (same results, slower) and says so once
 with a warning; :func:`status` tells which is in use and why.
 
@@ -55,14 +56,46 @@ _lock = threading.Lock()
 _state: Optional[tuple[Optional[Any], NativeStatus]] = None
 
 
+def cpu_features() -> frozenset[str]:
+    """The instruction-set flags of this CPU (``/proc/cpuinfo``), or an empty set off Linux."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def _cache_dir() -> Path:
+    """The build folder: keyed by the source, the flags, torch, Python, and the CPU.
+
+    ``-march=native`` compiles for this CPU's instructions, so the key includes torch's view
+    of the CPU (``get_cpu_capability``, e.g. AVX512) and a hash of every instruction-set
+    flag: a cache shared between machines (an NFS home on a cluster) gets one build per
+    kind of CPU, never one built for instructions another CPU lacks (SIGILL).
+    """
     root = os.environ.get("ATTNLAB_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "attnlab")
     key = hashlib.sha256()
     key.update(_SOURCE.read_bytes())
     key.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     key.update(f"{torch.__version__} {sys.version_info[:2]} {platform.machine()}".encode())
+    key.update(f"{torch.backends.cpu.get_cpu_capability()} {' '.join(sorted(cpu_features()))}".encode())
     return Path(root) / f"native-{key.hexdigest()[:16]}"
+
+
+_FEATURES_FILE = "cpu-features.txt"  # the flags of the CPU a build was made on
+
+
+def _built_for_this_cpu(build_dir: Path) -> bool:
+    """A build may be loaded only when it records the CPU it was built on and this CPU has
+    every flag that one had (a library with no record is rebuilt, not trusted)."""
+    try:
+        built = frozenset((build_dir / _FEATURES_FILE).read_text().split())
+    except OSError:
+        return False
+    return built <= cpu_features()
 
 
 def _load() -> tuple[Optional[Any], NativeStatus]:
@@ -73,7 +106,7 @@ def _load() -> tuple[Optional[Any], NativeStatus]:
     build_dir = _cache_dir()
     library = build_dir / f"{_NAME}.so"
     try:
-        if library.exists():
+        if library.exists() and _built_for_this_cpu(build_dir):
             torch.ops.load_library(str(library))
         else:
             build_dir.mkdir(parents=True, exist_ok=True)
@@ -83,6 +116,7 @@ def _load() -> tuple[Optional[Any], NativeStatus]:
 
             cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
                                build_directory=str(build_dir), is_python_module=False, verbose=False)
+            (build_dir / _FEATURES_FILE).write_text(" ".join(sorted(cpu_features())) + "\n")
         namespace = torch.ops.attnlab_native
         namespace.flash_forward, namespace.flash_forward_, namespace.flash_backward_  # all registered
     except Exception as exc:  # no compiler, no ninja, a failed build: the pure path still works

@@ -185,8 +185,9 @@ def _softmax_weights(
 ) -> Tensor:
     """``stable_softmax(q @ k^T * scale + mask)`` in ``q``'s dtype: ``(..., L, S)``."""
     L, E, S = q.shape[-2], q.shape[-1], k.shape[-2]
-    scale_factor = 1.0 / math.sqrt(E) if scale is None else float(scale)
-    scores = (q @ k.transpose(-2, -1)) * scale_factor  # (..., L, S)
+    scores = q @ k.transpose(-2, -1)  # (..., L, S)
+    if E > 0:  # E == 0: every score is an empty dot product, 0 whatever the scale (as torch)
+        scores = scores * (1.0 / math.sqrt(E) if scale is None else float(scale))
     if record is not None:
         record("scores", scores)
 

@@ -87,10 +87,12 @@ def flash_attention(
     batch = validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, fn="flash_attention")
     bq = _block_size(block_q, DEFAULT_BLOCK_Q, "block_q")
     bk = _block_size(block_k, DEFAULT_BLOCK_K, "block_k")
-    if enable_gqa and query.shape[-3] != key.shape[-3] and key.shape[-3] != value.shape[-3]:
-        raise ValueError(f"flash_attention: with enable_gqa=True key and value must have the same number of "
-                         f"heads (dim -3), got key {tuple(key.shape)} and value {tuple(value.shape)}; "
-                         f"attnlab.functional.scaled_dot_product_attention accepts different counts")
+    if enable_gqa and key.shape[-3] != value.shape[-3]:
+        # K and V grouped differently (e.g. H = Hk = 6, Hv = 3): the layout shares one group
+        # size, so each is repeated up to the query heads (torch accepts this; rare in models)
+        H = query.shape[-3]
+        key = key.repeat_interleave(H // key.shape[-3], dim=-3)  # (..., H, S, E)
+        value = value.repeat_interleave(H // value.shape[-3], dim=-3)  # (..., H, S, Ev)
     if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad:
         raise ValueError("flash_attention: gradients for a float attn_mask are not supported by the tiled path; "
                          "detach the mask, or use attnlab.functional.scaled_dot_product_attention")
@@ -175,7 +177,7 @@ def _key_blocks(i0: int, i1: int, S: int, bk: int, is_causal: bool) -> range:
 
 
 def _masked_scores(q_tile: Tensor, kT: Tensor, j0: int, j1: int, mask_tile: Optional[Tensor],
-                   causal: Optional[Tensor]) -> Tensor:
+                   causal: Optional[Tensor], mask_scale: float = LOG2E) -> Tensor:
     """Scores of one tile in base 2: ``(Nb, r * bq, bk)`` (q_tile is pre-scaled by scale * log2(e)).
 
     ``kT`` is K transposed as a view, ``(Nb, E, S)``: no copy of K (a contiguous copy measured
@@ -186,7 +188,7 @@ def _masked_scores(q_tile: Tensor, kT: Tensor, j0: int, j1: int, mask_tile: Opti
         if mask_tile.dtype == torch.bool:
             s.masked_fill_(~mask_tile, float("-inf"))
         else:
-            s.add_(mask_tile, alpha=LOG2E)  # the mask is in natural-log units
+            s.add_(mask_tile, alpha=mask_scale)  # the mask is in natural-log units (mask_scale 1: natural mode)
     if causal is not None:
         s.masked_fill_(~causal, float("-inf"))
     return s
@@ -241,7 +243,37 @@ def _native_ops(mask: Optional[Tensor], q4: Tensor, k3: Tensor, v3: Tensor):
         return None
     if mask is not None and (mask.device.type != "cpu" or mask.dtype not in (torch.bool, torch.float32)):
         return None
+    if not _finite(q4, k3, v3, mask):
+        return None  # NaN/inf: the pure code propagates them as torch's MATH backend does
     return _native.ops()
+
+
+def _finite(q4: Tensor, k3: Tensor, v3: Tensor, mask: Optional[Tensor]) -> bool:
+    """No NaN or inf in the inputs (-inf allowed in a float mask: it masks).
+
+    The native row pass treats a NaN row as fully masked (its vector max drops NaNs), so
+    non-finite inputs run the pure code. One sum per input: O(L·E), ~1% of the attention at
+    L = 4096, E = 64; a sum that overflows only sends a finite call to the pure code too.
+    """
+    if not all(bool(torch.isfinite(t.sum())) for t in (q4, k3, v3) if t.numel()):
+        return False
+    if mask is not None and mask.is_floating_point() and mask.numel():
+        top = mask.max()  # NaN if any is NaN; +inf if any is +inf
+        return bool(top < float("inf"))  # False for NaN and +inf
+    return True
+
+
+def _needs_natural_units(mask: Optional[Tensor]) -> bool:
+    """A float mask so negative that ``mask * log2(e)`` overflows (below -2.36e38 in float32,
+    e.g. Hugging Face's ``finfo.min`` masks).
+
+    In base 2 such a row would come out as fully masked (0). torch adds the mask in natural
+    units, where ``score + finfo.min`` rounds to ``finfo.min`` for every key, so a row that is
+    all ``finfo.min`` gets uniform weights; such calls run the pure code in natural units,
+    which rounds exactly as torch does (``natural=True`` below).
+    """
+    return (mask is not None and mask.is_floating_point() and mask.numel() > 0
+            and bool(mask.min() < -torch.finfo(mask.dtype).max / LOG2E))
 
 
 def _native_mask(mask: Optional[Tensor], layout: _Layout, L: int, S: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -267,8 +299,13 @@ def _dense_rows(t: Tensor) -> Tensor:
 
 
 def _forward_eager(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Optional[Tensor], is_causal: bool,
-                   scale2: float, bq: int, bk: int) -> tuple[Tensor, Tensor]:
-    """The forward in pure PyTorch, batched over heads: the readable version, and the fallback."""
+                   scale2: float, bq: int, bk: int, natural: bool = False) -> tuple[Tensor, Tensor]:
+    """The forward in pure PyTorch, batched over heads: the readable version, and the fallback.
+
+    ``natural=True``: scores, state and lse in natural-log units (``scale2`` is then the plain
+    scale, ``exp`` replaces ``exp2``), for masks that overflow in base 2 (:func:`_needs_natural_units`).
+    """
+    exp, log, mask_scale = (torch.exp, torch.log, 1.0) if natural else (torch.exp2, torch.log2, LOG2E)
     Nb, r, L, _ = q4.shape
     S, Ev = k3.shape[1], v3.shape[2]
     out = q4.new_empty(Nb, r, L, Ev)
@@ -285,18 +322,18 @@ def _forward_eager(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Op
             j1 = min(S, j0 + bk)
             mt = layout.mask_tile(mask, i0, i1, j0, j1, L, S) if mask is not None else None
             ct = _causal_tile(i0, i1, j0, j1, r, q4.device) if is_causal else None
-            s = _masked_scores(q_tile, kT, j0, j1, mt, ct)  # (Nb, n, bk)
+            s = _masked_scores(q_tile, kT, j0, j1, mt, ct, mask_scale)  # (Nb, n, bk)
             # m_new = max(m_i, rowmax(s)); a row still all -inf keeps shift 0 (no -inf - -inf)
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
             shift = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
-            p = torch.exp2(s.sub_(shift), out=s)  # P~ = 2^(s - m_new), in place over the scores
-            alpha = torch.exp2(m_i.sub_(shift))  # rescales the old state: 2^(m_old - m_new)
+            p = exp(s.sub_(shift), out=s)  # P~ = 2^(s - m_new), in place over the scores
+            alpha = exp(m_i.sub_(shift))  # rescales the old state: 2^(m_old - m_new)
             l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))  # l_i = alpha * l_i + rowsum(P~)
             acc.mul_(alpha).baddbmm_(p, v3[:, j0:j1])  # acc = alpha * acc + P~ V_j
             m_i = m_new
         # O_i = acc / l_i; rows that saw no key (l_i = 0) output 0, as SDPA does
         out[:, :, i0:i1] = (acc / torch.where(l_i == 0, torch.ones_like(l_i), l_i)).reshape(Nb, r, i1 - i0, Ev)
-        lse2[:, :, i0:i1] = (m_i + torch.log2(l_i)).reshape(Nb, r, i1 - i0)  # -inf where l_i = 0
+        lse2[:, :, i0:i1] = (m_i + log(l_i)).reshape(Nb, r, i1 - i0)  # -inf where l_i = 0
     return out, lse2
 
 
@@ -337,11 +374,15 @@ def _backward(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse
 def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, layout: _Layout,
                     mask: Optional[Tensor], is_causal: bool, scale: float, bq: int, bk: int,
                     accumulate_into: Optional[tuple[Tensor, Tensor, Tensor]] = None,
-                    delta: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward in pure PyTorch, batched over heads: the readable version, and the fallback."""
+                    delta: Optional[Tensor] = None, natural: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward in pure PyTorch, batched over heads: the readable version, and the fallback.
+
+    ``natural=True``: ``lse2`` is in natural-log units, as :func:`_forward_eager` saved it then.
+    """
     Nb, r, L, E = q4.shape
     S = k3.shape[1]
-    scale2 = scale * LOG2E
+    exp, mask_scale = (torch.exp, 1.0) if natural else (torch.exp2, LOG2E)
+    scale2 = scale if natural else scale * LOG2E
     kT = k3.transpose(1, 2)  # (Nb, E, S), a view
     if accumulate_into is None:
         dq, dk, dv = torch.zeros_like(q4), torch.zeros_like(k3), torch.zeros_like(v3)
@@ -365,7 +406,7 @@ def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tenso
             j1 = min(S, j0 + bk)
             mt = layout.mask_tile(mask, i0, i1, j0, j1, L, S) if mask is not None else None
             ct = _causal_tile(i0, i1, j0, j1, r, q4.device) if is_causal else None
-            p = torch.exp2(_masked_scores(q_scaled, kT, j0, j1, mt, ct).sub_(lse_tile))  # P_ij (Nb, n, bk)
+            p = exp(_masked_scores(q_scaled, kT, j0, j1, mt, ct, mask_scale).sub_(lse_tile))  # P_ij (Nb, n, bk)
             dv[:, j0:j1].baddbmm_(p.transpose(1, 2), do_tile)  # dV_j += P^T dO_i
             dp = torch.bmm(do_tile, v3[:, j0:j1].transpose(1, 2))  # dP = dO_i V_j^T
             ds = p.mul_(dp.sub_(d_tile))  # dS = P * (dP - D_i), in place over P
@@ -381,14 +422,20 @@ class _FlashAttention(torch.autograd.Function):
         dtype = compute_dtype(query.dtype)
         layout = _Layout(batch, query, key, enable_gqa)
         L, E, S = query.shape[-2], query.shape[-1], key.shape[-2]
-        scale_f = 1.0 / math.sqrt(E) if scale is None else float(scale)
+        scale_f = float(scale) if scale is not None else 1.0 / math.sqrt(E) if E else 1.0
         q4 = layout.queries(query.to(dtype))  # (Nb, r, L, E)
         k3 = layout.keys(key.to(dtype))  # (Nb, S, E)
         v3 = layout.keys(value.to(dtype))  # (Nb, S, Ev)
         mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.to(dtype)
-        if q4.numel() == 0 or S == 0 or v3.shape[-1] == 0:
+        ctx.natural = _needs_natural_units(mask)
+        ctx.no_features = E == 0
+        if E == 0:  # every score is 0 (an empty dot product), whatever the scale: softmax is uniform
+            q4, k3, scale_f = q4.new_zeros(*q4.shape[:-1], 1), k3.new_zeros(*k3.shape[:-1], 1), 1.0
+        if q4.shape[0] * q4.shape[1] * L == 0 or S == 0 or v3.shape[-1] == 0:
             out4 = q4.new_zeros(layout.Nb, layout.r, L, v3.shape[-1])
             lse2 = q4.new_full((layout.Nb, layout.r, L), float("-inf"))
+        elif ctx.natural:
+            out4, lse2 = _forward_eager(q4, k3, v3, layout, mask, is_causal, scale_f, bq, bk, natural=True)
         else:
             out4, lse2 = _forward(q4, k3, v3, layout, mask, is_causal, scale_f * LOG2E, bq, bk)
         ctx.save_for_backward(q4, k3, v3, out4, lse2, mask if mask is not None else torch.empty(0))
@@ -403,11 +450,16 @@ class _FlashAttention(torch.autograd.Function):
         layout = ctx.layout
         q_shape, k_shape, v_shape = ctx.shapes
         dout4 = grad_out.to(q4.dtype).reshape(out4.shape)
-        if q4.numel() == 0 or k3.shape[1] == 0 or v3.shape[-1] == 0:
+        if q4.shape[0] * q4.shape[1] * q4.shape[2] == 0 or k3.shape[1] == 0 or v3.shape[-1] == 0:
             dq4, dk3, dv3 = torch.zeros_like(q4), torch.zeros_like(k3), torch.zeros_like(v3)
+        elif ctx.natural:
+            dq4, dk3, dv3 = _backward_eager(dout4, q4, k3, v3, out4, lse2, layout, mask, ctx.is_causal, ctx.scale,
+                                            ctx.bq, ctx.bk, natural=True)
         else:
             dq4, dk3, dv3 = _backward(dout4, q4, k3, v3, out4, lse2, layout, mask if ctx.has_mask else None,
                                       ctx.is_causal, ctx.scale, ctx.bq, ctx.bk)
+        if ctx.no_features:  # E == 0: q and k have no elements, so no gradient either
+            dq4, dk3 = dq4[..., :0], dk3[..., :0]
         # undo the layout, then sum over whatever broadcasting expanded
         dq = dq4.reshape(*layout.batch, *q_shape[-2:]).sum_to_size(q_shape)
         dk = dk3.reshape(*layout.kv_batch, *k_shape[-2:]).sum_to_size(k_shape)
