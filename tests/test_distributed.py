@@ -86,3 +86,15 @@ def test_ring_memory_per_rank_is_a_fraction_of_one_process():
     assert not row["errors"], row["errors"]
     assert row["single_peak_mib"] > 50  # the one-process side really ran: out, dQ, dK, dV are 64 MiB
     assert row["ring_peak_mib"] < 0.8 * row["single_peak_mib"], row
+
+
+def test_ring_propagates_nan_as_one_process_does():
+    """A NaN query row (the native kernels would have read it as masked): the ring's output and dq
+    have NaN exactly where one process has them; dk and dv have NaN only where it has (blocks the
+    causal zigzag skips are never computed, so 0 x NaN never reaches them); the rest matches."""
+    cfg = dict(B=1, H=2, L=32, E=8, causal=True, layout="zigzag", dtype="float32", timeout=60, nan_query=True)
+    reports = run_ring(2, cfg, timeout_s=180)
+    assert all("error" not in r for r in reports), reports
+    r = reports[0]
+    assert r["same_nans"]["output"] and r["same_nans"]["dq"] and r["nans_within"] and r["nans"]["output"] > 0, r
+    assert max(r["max_abs_diff"].values()) < 10 * tolerance(torch.float32).atol, r

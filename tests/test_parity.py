@@ -177,7 +177,16 @@ def test_case_matrix_really_covers_what_it_claims():
     assert torch.equal(out[1], torch.zeros_like(out[1])) and out[0].abs().sum() > 0
 
 
-def test_dropout_same_seed_is_bit_identical_to_torch_default_backend():
+def test_dropout_same_seed_drops_the_same_weights_as_torch():
+    # with V = I the output is the dropped weights themselves: the zeros must coincide exactly
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 3, 6, 8, generator=g), torch.randn(2, 3, 9, 8, generator=g)
+    eye = torch.eye(9).expand(2, 3, 9, 9)
+    torch.manual_seed(11)
+    ours = attnlab_sdpa(q, k, eye, dropout_p=0.4)
+    torch.manual_seed(11)
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, eye, dropout_p=0.4)
+    assert torch.equal(ours == 0, theirs == 0) and 0 < int((ours == 0).sum()) < ours.numel()
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 3, 6, 8, generator=g) for _ in range(3))
     torch.manual_seed(11)

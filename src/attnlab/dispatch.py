@@ -12,8 +12,9 @@
 * ``"reference"``: :func:`attnlab.functional.scaled_dot_product_attention`, the readable
   reference (and the only oracle); materialises the ``(..., L, S)`` scores.
 * ``"tiled"``: :func:`attnlab.tiled.flash_attention`, O(L·E) memory. It has no dropout,
-  no gradient for a float mask and needs as many key as value heads under GQA: asking
-  for it with those raises ``ValueError``; it never falls back silently.
+  no gradient for a float mask: asking for it with those raises ``ValueError``; it never
+  falls back silently. (Under GQA with different key and value head counts it repeats
+  them to the query heads: correct, but without GQA's memory saving.)
 * ``"auto"``: the tiled path when it supports the call and the score matrix is large
   (``L * S >= AUTO_TILED_MIN_SCORES``), where it is faster and far leaner; otherwise
   the reference. Both meet the same parity tolerances against torch's SDPA.
@@ -64,9 +65,6 @@ def _tiled_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask: Opt
         return f"dropout_p={dropout_p} (the tiled path has no dropout)"
     if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad:
         return "a float attn_mask that requires grad"
-    if (enable_gqa and query.dim() >= 3 and key.dim() >= 3 and value.dim() >= 3
-            and query.shape[-3] != key.shape[-3] and key.shape[-3] != value.shape[-3]):
-        return "different head counts for key and value"
     return None
 
 

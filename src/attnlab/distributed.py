@@ -364,6 +364,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
         k = torch.randn(B, Hkv, L, E, generator=g, dtype=dtype)
         v = torch.randn(B, Hkv, L, E, generator=g, dtype=dtype)
         gout = torch.randn(B, H, L, E, generator=g, dtype=dtype)
+        if cfg.get("nan_query"):  # one query row of NaN: it must propagate as in one process
+            q[0, 0, L // 3] = float("nan")
         if cfg.get("die_rank") == rank:
             os._exit(3)  # a rank that dies before the ring starts
         layout, causal, gqa = cfg["layout"], cfg["causal"], Hkv != H
@@ -393,7 +395,12 @@ def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
                 ref = tiled.flash_attention(qf, kf, vf, is_causal=causal, enable_gqa=gqa)
                 ref.backward(gout)
                 expected = {"output": ref.detach(), "dq": qf.grad, "dk": kf.grad, "dv": vf.grad}
-                result["max_abs_diff"] = {n: float((gathered[n] - expected[n]).abs().max()) for n in expected}
+                result["max_abs_diff"] = {n: float((gathered[n] - expected[n]).nan_to_num(0.0).abs().max())
+                                          for n in expected}
+                result["same_nans"] = {n: torch.equal(gathered[n].isnan(), expected[n].isnan()) for n in expected}
+                # NaN only where one process has it too (a causally skipped block keeps its grads finite)
+                result["nans_within"] = all(bool((gathered[n].isnan() <= expected[n].isnan()).all()) for n in expected)
+                result["nans"] = {n: int(gathered[n].isnan().sum()) for n in expected}
         queue.put(result)
     except Exception as exc:  # reported to the launcher, never a hang
         queue.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})

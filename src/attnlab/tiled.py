@@ -77,12 +77,15 @@ def flash_attention(
 
         scale: default ``1 / sqrt(E)``.
         enable_gqa: query heads ``h`` use key/value head ``h // (H // Hkv)``; K and V are
-            not repeated.
+            not repeated (unless their head counts differ, e.g. ``H = Hk = 6, Hv = 3``:
+            then each is repeated up to ``H``).
         block_q, block_k: tile sizes (default 256 x 256, the best measured here); any positive ints, the
             lengths need not be multiples.
 
     Returns:
         ``(..., L, Ev)`` in the query's dtype. Rows whose keys are all masked are 0.
+        NaN and inf propagate as in torch's MATH backend (such calls run the pure code);
+        ``E == 0`` gives the mean of the values, as torch does.
     """
     batch = validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, fn="flash_attention")
     bq = _block_size(block_q, DEFAULT_BLOCK_Q, "block_q")
@@ -263,8 +266,24 @@ def _finite(q4: Tensor, k3: Tensor, v3: Tensor, mask: Optional[Tensor]) -> bool:
     return True
 
 
+def _absorbed(lse2: Tensor) -> bool:
+    """Some row's log-sum-exp is so large that ``m_i + log2(l_i)`` lost ``log2(l_i)``.
+
+    That happens when a row's every visible score is huge, e.g. a row masked with -1e4 or
+    -1e9 instead of -inf: its max is ~-1.4e9, whose float32 spacing (128) swallows
+    ``log2(l_i) <= log2(S)``, so the backward's ``P = 2^(s - lse)`` would be 1 instead of
+    ``1/l_i``. Past ``|lse| > 2^-10 / eps`` (8192 in float32), the call is redone in natural
+    units with ``m_i`` and ``l_i`` kept apart (:func:`_forward_eager`, ``natural=True``).
+    Ordinary attention scores stay far below that.
+    """
+    if lse2.numel() == 0:
+        return False
+    limit = 2.0 ** -10 / torch.finfo(lse2.dtype).eps
+    return bool(((lse2.abs() > limit) & torch.isfinite(lse2)).any())
+
+
 def _needs_natural_units(mask: Optional[Tensor]) -> bool:
-    """A float mask so negative that ``mask * log2(e)`` overflows (below -2.36e38 in float32,
+    """A float mask so large that ``mask * log2(e)`` overflows (beyond +-2.36e38 in float32,
     e.g. Hugging Face's ``finfo.min`` masks).
 
     In base 2 such a row would come out as fully masked (0). torch adds the mask in natural
@@ -272,8 +291,10 @@ def _needs_natural_units(mask: Optional[Tensor]) -> bool:
     all ``finfo.min`` gets uniform weights; such calls run the pure code in natural units,
     which rounds exactly as torch does (``natural=True`` below).
     """
-    return (mask is not None and mask.is_floating_point() and mask.numel() > 0
-            and bool(mask.min() < -torch.finfo(mask.dtype).max / LOG2E))
+    if mask is None or not mask.is_floating_point() or mask.numel() == 0:
+        return False
+    limit = torch.finfo(mask.dtype).max / LOG2E  # also above: finfo.max would become +inf, then NaN
+    return bool(mask.min() < -limit) or bool(mask.max() > limit)
 
 
 def _native_mask(mask: Optional[Tensor], layout: _Layout, L: int, S: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -309,7 +330,8 @@ def _forward_eager(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Op
     Nb, r, L, _ = q4.shape
     S, Ev = k3.shape[1], v3.shape[2]
     out = q4.new_empty(Nb, r, L, Ev)
-    lse2 = q4.new_empty(Nb, r, L)
+    # natural mode keeps (m_i, l_i) apart: next to a max of -3.4e38, log(l_i) would be absorbed
+    lse2 = q4.new_empty(Nb, r, L, 2) if natural else q4.new_empty(Nb, r, L)
     kT = k3.transpose(1, 2)  # (Nb, E, S), a view
     for i0 in range(0, L, bq):
         i1 = min(L, i0 + bq)
@@ -333,7 +355,10 @@ def _forward_eager(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Op
             m_i = m_new
         # O_i = acc / l_i; rows that saw no key (l_i = 0) output 0, as SDPA does
         out[:, :, i0:i1] = (acc / torch.where(l_i == 0, torch.ones_like(l_i), l_i)).reshape(Nb, r, i1 - i0, Ev)
-        lse2[:, :, i0:i1] = (m_i + log(l_i)).reshape(Nb, r, i1 - i0)  # -inf where l_i = 0
+        if natural:
+            lse2[:, :, i0:i1] = torch.cat([m_i, l_i], dim=-1).reshape(Nb, r, i1 - i0, 2)
+        else:
+            lse2[:, :, i0:i1] = (m_i + log(l_i)).reshape(Nb, r, i1 - i0)  # -inf where l_i = 0
     return out, lse2
 
 
@@ -377,7 +402,8 @@ def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tenso
                     delta: Optional[Tensor] = None, natural: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """The backward in pure PyTorch, batched over heads: the readable version, and the fallback.
 
-    ``natural=True``: ``lse2`` is in natural-log units, as :func:`_forward_eager` saved it then.
+    ``natural=True``: ``lse2`` holds ``(m_i, l_i)`` in natural-log units, as
+    :func:`_forward_eager` saved them then, and ``P = exp(s - m_i) / l_i``.
     """
     Nb, r, L, E = q4.shape
     S = k3.shape[1]
@@ -392,7 +418,12 @@ def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tenso
     if delta is None:
         delta = (dout * out).sum(dim=-1)  # (Nb, r, L)
     # empty rows have lse = -inf: shifting by +inf makes their P exactly 0
-    lse2 = torch.where(lse2 == float("-inf"), torch.full_like(lse2, float("inf")), lse2)
+    if natural:
+        m_all, l_all = lse2[..., 0], lse2[..., 1]
+        lse2 = torch.where(m_all == float("-inf"), torch.full_like(m_all, float("inf")), m_all)
+        inv_l = 1.0 / torch.where(l_all == 0, torch.ones_like(l_all), l_all)  # (Nb, r, L)
+    else:
+        lse2 = torch.where(lse2 == float("-inf"), torch.full_like(lse2, float("inf")), lse2)
     for i0 in range(0, L, bq):
         i1 = min(L, i0 + bq)
         n = r * (i1 - i0)
@@ -400,6 +431,7 @@ def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tenso
         q_scaled = q_tile * scale2
         do_tile = dout[:, :, i0:i1].reshape(Nb, n, -1)  # (Nb, n, Ev)
         lse_tile = lse2[:, :, i0:i1].reshape(Nb, n, 1)
+        inv_l_tile = inv_l[:, :, i0:i1].reshape(Nb, n, 1) if natural else None
         d_tile = delta[:, :, i0:i1].reshape(Nb, n, 1)
         dq_tile = torch.zeros_like(q_tile)
         for j0 in _key_blocks(i0, i1, S, bk, is_causal):
@@ -407,6 +439,8 @@ def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tenso
             mt = layout.mask_tile(mask, i0, i1, j0, j1, L, S) if mask is not None else None
             ct = _causal_tile(i0, i1, j0, j1, r, q4.device) if is_causal else None
             p = exp(_masked_scores(q_scaled, kT, j0, j1, mt, ct, mask_scale).sub_(lse_tile))  # P_ij (Nb, n, bk)
+            if natural:
+                p.mul_(inv_l_tile)  # P_ij = exp(s - m_i) / l_i
             dv[:, j0:j1].baddbmm_(p.transpose(1, 2), do_tile)  # dV_j += P^T dO_i
             dp = torch.bmm(do_tile, v3[:, j0:j1].transpose(1, 2))  # dP = dO_i V_j^T
             ds = p.mul_(dp.sub_(d_tile))  # dS = P * (dP - D_i), in place over P
@@ -438,6 +472,9 @@ class _FlashAttention(torch.autograd.Function):
             out4, lse2 = _forward_eager(q4, k3, v3, layout, mask, is_causal, scale_f, bq, bk, natural=True)
         else:
             out4, lse2 = _forward(q4, k3, v3, layout, mask, is_causal, scale_f * LOG2E, bq, bk)
+            if _absorbed(lse2):
+                ctx.natural = True
+                out4, lse2 = _forward_eager(q4, k3, v3, layout, mask, is_causal, scale_f, bq, bk, natural=True)
         ctx.save_for_backward(q4, k3, v3, out4, lse2, mask if mask is not None else torch.empty(0))
         ctx.has_mask = mask is not None
         ctx.layout, ctx.is_causal, ctx.scale, ctx.bq, ctx.bk = layout, is_causal, scale_f, bq, bk
