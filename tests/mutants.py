@@ -132,7 +132,7 @@ def _torch_softmax(s):
 
 BUGGY = [
     ("missing_scale", "no_scale", variant(scale_fn=lambda scale, q, k, v: 1.0)),
-    ("missing_scale", "scale_or_one", variant(scale_fn=lambda scale, q, k, v: 1.0 if scale is None else 1.0)),
+    ("missing_scale", "scale_arg_only", variant(scale_fn=lambda scale, q, k, v: 1.0 if scale is None else scale)),
     ("wrong_scale", "divide_by_E", variant(scale_fn=lambda scale, q, k, v: 1 / q.shape[-1])),
     ("wrong_scale", "sqrt_Ev", variant(scale_fn=lambda scale, q, k, v: 1 / math.sqrt(v.shape[-1]))),
     ("wrong_scale", "ignores_scale_arg", variant(scale_fn=lambda scale, q, k, v: 1 / math.sqrt(q.shape[-1]))),
@@ -167,4 +167,18 @@ BUGGY = [
     ("shape_error", "assumes_square", variant(scores_fn=_hard_square)),
     ("unknown", "off_by_a_bit", variant(values_fn=lambda w, q, k, v: w @ v + 0.1)),
     ("unknown", "relu_weights", variant(softmax_fn=lambda s: torch.relu(s) / (torch.relu(s).sum(-1, keepdim=True) + 1))),
+]
+
+
+# Continuous parameters: the doctor fits them and names the number (issue: multiply by
+# sqrt(d_k) was 'unknown'). Two mutants of each parameter besides that one.
+FITTED = [
+    ("wrong_scale", "times_sqrt_E", variant(scale_fn=lambda scale, q, k, v: math.sqrt(q.shape[-1])),
+     "you multiplied by sqrt(d_k)"),
+    ("wrong_scale", "hardcoded_one_eighth", variant(scale_fn=lambda scale, q, k, v: 0.125), "constant 0.125"),
+    ("wrong_scale", "fourth_root", variant(scale_fn=lambda scale, q, k, v: q.shape[-1] ** -0.25), "d_k^-0.25"),
+    ("causal_alignment", "tril_plus_two", variant(causal_fn=lambda L, S: torch.ones(L, S, dtype=torch.bool).tril(2)),
+     "off by +2"),
+    ("causal_alignment", "tril_minus_two", variant(
+        causal_fn=lambda L, S: torch.ones(L, S, dtype=torch.bool).tril(-2)), "off by -2"),
 ]

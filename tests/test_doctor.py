@@ -5,7 +5,7 @@ import torch
 
 from attnlab import doctor
 from attnlab.cli import main
-from mutants import BUGGY, CORRECT
+from mutants import BUGGY, CORRECT, FITTED
 
 
 @pytest.mark.parametrize("name", list(CORRECT))
@@ -20,6 +20,12 @@ def test_each_mutant_is_named_first(code, name, fn):
     report = doctor.diagnose(fn)
     assert not report.ok
     assert report.findings[0].code == code, str(report)
+
+
+@pytest.mark.parametrize("code,name,fn,words", FITTED, ids=[f"{c}-{n}" for c, n, _, _ in FITTED])
+def test_continuous_mistakes_are_fitted_and_the_number_is_named(code, name, fn, words):
+    report = doctor.diagnose(fn)
+    assert report.findings[0].code == code and words in report.findings[0].message, str(report)
 
 
 def test_every_code_has_two_mutants_and_a_hint():
@@ -97,3 +103,41 @@ def test_json_max_error_is_null_when_not_finite():
     _, _, fn = next(b for b in BUGGY if b[1] == "torch_softmax_nan")
     d = doctor.diagnose(fn).to_dict()
     assert d["max_abs_error"] is None and json.dumps(d)
+
+
+def _is_message(node) -> bool:
+    import ast
+
+    if isinstance(node, ast.JoinedStr):
+        return True
+    if isinstance(node, ast.BinOp):  # "..." + "..."
+        return _is_message(node.left)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and " " in node.value
+
+
+def test_one_vocabulary_for_the_doctor_and_the_grader():
+    """Every code the lab's checks or the grader can emit is a named mistake of
+    attnlab.mistakes (walked from their source: string literals in a code position)."""
+    import ast
+    from pathlib import Path
+
+    from attnlab import mistakes
+    from attnlab.grading import checks
+
+    emitted = set()
+    for module in (checks, __import__("attnlab.grading.grader", fromlist=["x"])):
+        tree = ast.parse(Path(module.__file__).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Dict):  # {"code": "...", ...}
+                for k, v in zip(node.keys, node.values):
+                    if isinstance(k, ast.Constant) and k.value == "code" and isinstance(v, ast.Constant):
+                        emitted.add(v.value)
+            if isinstance(node, ast.Tuple) and len(node.elts) == 3 and isinstance(node.elts[0], ast.Constant) \
+                    and isinstance(node.elts[0].value, str) and _is_message(node.elts[1]):
+                emitted.add(node.elts[0].value)  # (code, message, wrong answer) in a check's mistakes list
+    emitted.discard("_")
+    assert len(emitted) >= 15, emitted
+    assert emitted <= set(mistakes.CODES), emitted - set(mistakes.CODES)
+    assert set(doctor.CODES) <= set(mistakes.CODES) and all(len(h) > 20 for h in mistakes.CODES.values())
+    with pytest.raises(KeyError, match="attnlab.mistakes.CODES"):
+        mistakes.hint("made_up")

@@ -99,6 +99,17 @@ MUTANTS = [
                            "return (torch.arange(T) >= lengths[:, None])[:, None, :]")], "ex6", "mask_polarity",
      "True must mean a real token"),
     ("first_column", [("return weights[:, 0, :]", "return weights[:, :, 0]")], "ex12", "wrong_axis", "column 0"),
+    # continuous slips: the check fits the number and says it
+    ("times_sqrt_dk", [(SCORES_LINE, "return Q @ K.transpose(-2, -1) * math.sqrt(Q.shape[-1])")], "ex2",
+     "wrong_scale", "you multiplied by sqrt(d_k) instead of dividing"),
+    ("scale_by_three", [(SCORES_LINE, "return Q @ K.transpose(-2, -1) / 3")], "ex2", "wrong_scale",
+     "0.6667 times the reference's"),
+    ("causal_plus_one", [("return torch.ones(T, T, dtype=torch.bool).tril()",
+                          "return torch.ones(T, T, dtype=torch.bool).tril(diagonal=1)")], "ex5", "causal_alignment",
+     "lets position i see i+1"),
+    ("causal_minus_two", [("return torch.ones(T, T, dtype=torch.bool).tril()",
+                           "return torch.ones(T, T, dtype=torch.bool).tril(-2)")], "ex5", "causal_alignment",
+     "off by -2"),
     ("mask_after_softmax", [("        scores = apply_mask(scores, mask)\n    weights = stable_softmax(scores, dim=-1)",
                              "        pass\n    weights = stable_softmax(scores, dim=-1)\n"
                              "    if mask is not None:\n        weights = weights * mask")],

@@ -16,7 +16,8 @@ judge in its own process::
     results = run_probes(fn, probes)             # calls fn (learner code)
     report = analyze(probes, results)            # pure tensor maths, no learner code
 
-Finding codes (``CODES`` holds a hint for each):
+Finding codes (``CODES`` holds a hint for each; the vocabulary, shared with the grader's
+checks, is :mod:`attnlab.mistakes`):
 ``missing_scale``, ``wrong_scale``, ``unstable_softmax``, ``softmax_dim``,
 ``wrong_transpose``, ``value_swapped``, ``mask_polarity``, ``mask_after_softmax``,
 ``causal_alignment``, ``fully_masked_nan``, ``dropout_scale``, ``shape_error``,
@@ -33,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from attnlab import masks
+from attnlab import masks, mistakes
 from attnlab.softmax import stable_softmax
 from attnlab.testing import max_abs_diff
 
@@ -51,29 +52,8 @@ __all__ = [
     "SELF_ATTENTION_CAPABILITIES",
 ]
 
-CODES: dict[str, str] = {
-    "missing_scale": "the scores are not scaled: multiply Q @ K^T by 1/sqrt(d_k) (E, the query size), "
-                     "or the weights come out too peaked",
-    "wrong_scale": "the scores are scaled by the wrong factor: the default is 1/sqrt(E) with E the "
-                   "query/key size, and an explicit `scale` argument replaces it",
-    "unstable_softmax": "softmax overflows on large scores: subtract each row's maximum before exp",
-    "softmax_dim": "softmax normalises the wrong axis: each query's row over the keys (dim=-1) must sum to 1",
-    "wrong_transpose": "the scores need Q @ K^T over the last two dims: use K.transpose(-2, -1) "
-                       "(K.T reverses every dim of a 3-D or 4-D tensor)",
-    "value_swapped": "the weights must multiply V: Q or K is used where V belongs",
-    "mask_polarity": "the bool mask is inverted: True means 'attend', so fill -inf where the mask is False",
-    "mask_after_softmax": "the mask is applied after softmax: mask the scores with -inf before softmax, "
-                          "so each row still sums to 1",
-    "causal_alignment": "the causal mask is misaligned: with is_causal=True query i sees keys 0..i "
-                        "(top-left, torch.ones(L, S).tril()), also when L != S",
-    "fully_masked_nan": "a row whose keys are all masked must give 0, not NaN (or an average): "
-                        "zero the weights of rows with no key left",
-    "dropout_scale": "dropout must keep each weight with probability 1-p and scale the kept ones "
-                     "by 1/(1-p), so the expected output is unchanged",
-    "shape_error": "the function fails or returns the wrong shape on valid inputs: check broadcasting "
-                   "over leading dims, L != S, and Ev != E",
-    "unknown": "the output differs from SDPA in a way the doctor has no model for",
-}
+# The doctor's codes, from the one vocabulary of named mistakes (attnlab.mistakes).
+CODES: dict[str, str] = {code: mistakes.CODES[code] for code in mistakes.DOCTOR_CODES}
 
 # The most likely root causes first: the core choices affect every output.
 _PRIORITY = ["wrong_transpose", "value_swapped", "softmax_dim", "missing_scale", "wrong_scale",
@@ -90,7 +70,7 @@ _PRIORITY = ["wrong_transpose", "value_swapped", "softmax_dim", "missing_scale",
 class BugModel:
     """Attention with each textbook choice made explicit; the defaults are SDPA."""
 
-    scale: str = "sdpa"  # sdpa | one | inv_E | inv_sqrt_Ev | inv_sqrt_S | ignore_arg
+    scale: str = "sdpa"  # sdpa | one | inv_E | inv_sqrt_Ev | inv_sqrt_S | ignore_arg | power | const
     softmax_dim: int = -1
     scores: str = "q_kT"  # q_kT | q_k (no transpose) | k_qT (scores transposed)
     values: str = "v"  # v | q | k
@@ -98,6 +78,10 @@ class BugModel:
     causal: str = "top_left"  # top_left | bottom_right | no_diag | plus_one | upper | ignored
     empty_rows: str = "zero"  # zero | nan | uniform
     softmax: str = "stable"  # stable | naive
+    # continuous parameters, fitted from the probes when no enumerated choice explains them
+    power: float = -0.5  # scale = E ** power (scale == "power")
+    factor: float = 1.0  # scale = factor, whatever E (scale == "const")
+    diagonal: int = 0  # causal == "diagonal": keep = tril(diagonal)
 
 
 _SCALE_TEXT = {
@@ -150,6 +134,8 @@ def _model_attention(m: BugModel, q: Tensor, k: Tensor, v: Tensor, attn_mask: Op
         "inv_sqrt_Ev": 1 / math.sqrt(Ev),
         "inv_sqrt_S": 1 / math.sqrt(S),
         "ignore_arg": 1 / math.sqrt(E),
+        "power": float(E) ** m.power,
+        "const": m.factor,
     }[m.scale]
     try:
         if m.scores == "q_kT":
@@ -169,6 +155,7 @@ def _model_attention(m: BugModel, q: Tensor, k: Tensor, v: Tensor, attn_mask: Op
                 "plus_one": torch.ones(Ls, Ss, dtype=torch.bool).tril(1),
                 "upper": torch.ones(Ls, Ss, dtype=torch.bool).triu(),
                 "ignored": None,
+                "diagonal": torch.ones(Ls, Ss, dtype=torch.bool).tril(m.diagonal),
             }[m.causal]
         elif attn_mask is not None and attn_mask.dtype == torch.bool:
             keep = {"before": attn_mask, "after_softmax": attn_mask, "inverted": ~attn_mask,
@@ -423,8 +410,15 @@ def analyze(probes: list[Probe], results: list[ProbeResult]) -> DoctorReport:
             best, best_hits = m, hits
     if best_hits == 0:
         best = sdpa
+    if best_hits < len(core):  # no enumerated choice explains them all: fit the scale
+        fitted = _fit_scale(core, best)
+        if fitted is not None:
+            best, best_hits = fitted, len(core)
     for f in _CORE_CHOICES:
         if getattr(best, f) != getattr(sdpa, f):
+            if f == "scale" and best.scale in ("power", "const"):
+                findings.append(_scale_finding(best))
+                continue
             code, msg = _FIELD_FINDINGS[(f, getattr(best, f))]
             findings.append(Finding(code, msg))
     core_explained = True
@@ -466,7 +460,11 @@ def analyze(probes: list[Probe], results: list[ProbeResult]) -> DoctorReport:
                 findings.append(Finding(code, f"{msg} (probe: {p.description})"))
                 break
         else:
-            findings.append(_unexplained(p, r, best))
+            d = _fit_diagonal(best, p, r) if p.aspect == "causal" else None
+            if d is not None:
+                findings.append(Finding("causal_alignment", _diagonal_text(d, p)))
+            else:
+                findings.append(_unexplained(p, r, best))
 
     findings = _dedupe(findings)
     # K.T on an N-D tensor: fails on 3-D/4-D but right on 2-D inputs
@@ -533,6 +531,98 @@ def _dedupe(findings: list[Finding]) -> list[Finding]:
     # 'unknown' and 'shape_error' are symptoms; drop them when a named cause explains the rest
     named = [f for f in out if f.code not in ("unknown", "shape_error")]
     return named if named else out
+
+
+# --------------------------------------------------------------------------- #
+# Continuous parameters: fitted, then named with the number found
+# --------------------------------------------------------------------------- #
+
+
+def _fit_one_scale(m: BugModel, p: Probe, r: ProbeResult) -> Optional[float]:
+    """The scale factor that makes ``m`` reproduce one probe (searched over 1e-4..1e4 on a log
+    grid, then refined by golden section), or None when no factor does."""
+    if r.output is None or not torch.isfinite(r.output).all():
+        return None
+
+    def err(log_s: float) -> float:
+        out = _expected(replace(m, scale="const", factor=10.0 ** log_s), p)
+        if out is None or out.shape != r.output.shape:
+            return float("inf")
+        return max_abs_diff(r.output, out)
+
+    grid = [i / 20 for i in range(-80, 81)]  # 0.05 decades
+    errors = [err(x) for x in grid]
+    i = min(range(len(grid)), key=errors.__getitem__)
+    lo, hi = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
+    golden = (math.sqrt(5) - 1) / 2
+    for _ in range(40):
+        a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
+        if err(a) <= err(b):
+            hi = b
+        else:
+            lo = a
+    best = (lo + hi) / 2
+    fitted = replace(m, scale="const", factor=10.0 ** best)
+    return 10.0 ** best if _matches(fitted, p, r) else None
+
+
+def _fit_scale(core: list[tuple[Probe, ProbeResult]], base: BugModel) -> Optional[BugModel]:
+    """The scale as ``E ** power`` (the same power for every probe: multiplied by sqrt(E), by E,
+    ...) or as a constant (``/ 8`` written for d_k = 64), when one of them explains every core
+    probe; the other core choices stay those of ``base``."""
+    fits = []
+    for p, r in core:
+        factor = _fit_one_scale(base, p, r)
+        if factor is None or factor <= 0:
+            return None
+        fits.append((p.query.shape[-1], factor))
+    powers = [math.log(f) / math.log(E) for E, f in fits if E > 1]
+    if powers and max(powers) - min(powers) < 0.02:
+        power = sum(powers) / len(powers)
+        nearest = round(power * 2) / 2
+        m = replace(base, scale="power", power=nearest if abs(power - nearest) < 0.02 else power)
+        if all(_matches(m, p, r) for p, r in core):
+            return m
+    factors = [f for _, f in fits]
+    if max(factors) / min(factors) < 1.02:
+        m = replace(base, scale="const", factor=sum(factors) / len(factors))
+        if all(_matches(m, p, r) for p, r in core):
+            return m
+    return None
+
+
+def _scale_finding(m: BugModel) -> Finding:
+    if m.scale == "const":
+        return Finding("wrong_scale", f"the scores are multiplied by the constant {m.factor:.4g} whatever d_k; "
+                                      f"1/sqrt(d_k) equals it only when d_k = {1 / m.factor ** 2:.3g}: "
+                                      "compute it from the query's last dim")
+    ratio = m.power + 0.5  # the scores are d_k ** ratio times the reference's
+    if abs(ratio - 1.0) < 1e-9:
+        return Finding("wrong_scale", "your scores are d_k times the reference's: you multiplied by sqrt(d_k) "
+                                      "instead of dividing (e.g. 64x too large for d_k = 64)")
+    if abs(ratio - 1.5) < 1e-9:
+        return Finding("wrong_scale", "your scores are d_k^1.5 times the reference's: you multiplied by d_k "
+                                      "where you should divide by sqrt(d_k)")
+    return Finding("wrong_scale", f"the scores are scaled by d_k^{m.power:.3g} instead of d_k^-0.5 "
+                                  f"(d_k^{ratio:.3g} times the reference's)")
+
+
+def _fit_diagonal(core: BugModel, p: Probe, r: ProbeResult) -> Optional[int]:
+    """The causal mask's diagonal offset ``d`` (keep = tril(d)) that reproduces the probe."""
+    L, S = p.query.shape[-2], p.key.shape[-2]
+    for d in sorted(range(-L, S + 1), key=abs):
+        if d != 0 and _matches(replace(core, causal="diagonal", diagonal=d), p, r):
+            return d
+    return None
+
+
+def _diagonal_text(d: int, p: Probe) -> str:
+    L, S = p.query.shape[-2], p.key.shape[-2]
+    if d == S - L and L != S:
+        return f"is_causal is aligned bottom-right (tril({d})); SDPA aligns top-left (probe: {p.description})"
+    see = f"i+{d}" if d > 0 else f"i{d}"
+    return (f"the causal mask's diagonal is off by {d:+d}: query i sees keys up to {see} instead of i "
+            f"(tril({d}) where tril() is right; probe: {p.description})")
 
 
 def diagnose(fn: Callable, *, capabilities: Optional[frozenset[str]] = None, seed: int = 0) -> DoctorReport:

@@ -224,7 +224,27 @@ def _judge_ex2(ctx, results, outcome):
                     f"{list(got.shape) if isinstance(got, Tensor) else _describe(got)}")
     if isinstance(got, Tensor) and got.shape == (B, T, T) and T != S:
         shape.message += " (did you transpose K over the wrong dims? K.transpose(-2, -1) gives [B, d_k, S])"
-    return {"shape": shape, "values": tensor_verdict(got, expected, "scores", mistakes)}
+    values = tensor_verdict(got, expected, "scores", mistakes)
+    if not values.passed and not values.findings:
+        values = _fitted_scale(got, expected) or values
+    return {"shape": shape, "values": values}
+
+
+def _fitted_scale(got: Any, expected: Tensor) -> Optional[Verdict]:
+    """Scores that are the reference's times one factor: name the factor (fitted, least squares)."""
+    if not isinstance(got, Tensor) or got.shape != expected.shape or not torch.isfinite(got).all():
+        return None
+    g = got.double()
+    c = float((g * expected).sum() / (expected * expected).sum())
+    if c <= 0 or not close(got, expected * c):
+        return None
+    if abs(c - DK) < 1e-3 * DK:
+        message = (f"your scores are d_k = {DK} times the reference's: you multiplied by sqrt(d_k) instead of "
+                   "dividing; use Q @ K.transpose(-2, -1) / math.sqrt(d_k)")
+    else:
+        message = (f"your scores are {c:.4g} times the reference's: the scale is wrong; divide Q @ K^T by "
+                   f"sqrt(d_k) = {math.sqrt(DK):g}, with d_k = Q.shape[-1]")
+    return Verdict(False, f"scores: {message}", [{"code": "wrong_scale", "message": message}], (got, expected))
 
 
 def _prep_ex3(g):
@@ -305,9 +325,27 @@ def _judge_ex5(ctx, results, outcome):
     shape = Verdict(isinstance(got, Tensor) and got.shape == (6, 6) and got.dtype == torch.bool,
                     f"causal_mask(6): expected a [6, 6] bool tensor, got {_describe(got)}")
     values = tensor_verdict(got, expected, "causal_mask(6)", mistakes)
+    if not values.passed and not values.findings:
+        values = _fitted_diagonal(got) or values
     if values.passed:
         values = tensor_verdict(value(results, 1), masks.causal(1, 1), "causal_mask(1)")
     return {"shape_and_dtype": shape, "values": values}
+
+
+def _fitted_diagonal(got: Any) -> Optional[Verdict]:
+    """A lower-triangular mask with its diagonal moved (tril(d), d != 0): name the offset."""
+    if not isinstance(got, Tensor) or got.shape != (6, 6) or got.dtype != torch.bool:
+        return None
+    for d in (1, -1, 2, -2, 3, -3, 4, -4, 5, -5):
+        if torch.equal(got, torch.ones(6, 6, dtype=torch.bool).tril(d)):
+            if d > 0:
+                message = (f"your mask lets position i see i+{d} (the future): the diagonal is off by {d}; "
+                           "use .tril() with no offset")
+            else:
+                message = (f"your mask hides position i's last {-d} key(s), itself included: the diagonal is off "
+                           f"by {d}; use .tril() with no offset")
+            return Verdict(False, f"causal_mask(6): {message}", [{"code": "causal_alignment", "message": message}])
+    return None
 
 
 def _prep_ex6(g):

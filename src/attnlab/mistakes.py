@@ -1,0 +1,69 @@
+"""The named mistakes: one vocabulary for the doctor, the grader and every lab.
+
+Each code names a mistake a learner or an engineer makes in attention code, with a hint
+that says how to fix it. :mod:`attnlab.doctor` names the ones it can fit from probes
+(:data:`DOCTOR_CODES`); the lab's checks (:mod:`attnlab.grading.checks`) name these and
+the ones that only a single exercise can see (``order``, ``off_by_one``, ...). Every
+code either of them emits is a key of :data:`CODES` (a test walks the checks' source to
+hold them to it), so a class report can count mistakes across labs by one name.
+"""
+
+from __future__ import annotations
+
+__all__ = ["CODES", "DOCTOR_CODES", "hint"]
+
+CODES: dict[str, str] = {
+    # the scores
+    "missing_scale": "the scores are not scaled: multiply Q @ K^T by 1/sqrt(d_k) (E, the query size), "
+                     "or the weights come out too peaked",
+    "wrong_scale": "the scores are scaled by the wrong factor: the default is 1/sqrt(E) with E the "
+                   "query/key size, and an explicit `scale` argument replaces it",
+    "wrong_transpose": "the scores need Q @ K^T over the last two dims: use K.transpose(-2, -1) "
+                       "(K.T reverses every dim of a 3-D or 4-D tensor)",
+    # the softmax
+    "unstable_softmax": "softmax overflows on large scores: subtract each row's maximum before exp",
+    "softmax_dim": "softmax normalises the wrong axis: each query's row over the keys (dim=-1) must sum to 1",
+    "fully_masked_nan": "a row whose keys are all masked must give 0, not NaN (or an average): "
+                        "zero the weights of rows with no key left",
+    # the values
+    "value_swapped": "the weights must multiply V: Q or K is used where V belongs",
+    "order": "the results come back in the wrong order: return (Q, K, V) as the signature says",
+    # masks
+    "mask_polarity": "the bool mask is inverted: True means 'attend', so fill -inf where the mask is False",
+    "mask_after_softmax": "the mask is applied after softmax: mask the scores with -inf before softmax, "
+                          "so each row still sums to 1",
+    "mask_fill_zero": "masked scores are set to 0, which still gets weight after softmax: fill with -inf",
+    "mask_fill_finite": "masked scores use a large finite number: use float('-inf'), so masked keys get exactly "
+                        "0 weight and fully masked rows can be detected",
+    "mask_multiplied": "the scores are multiplied by the mask: masking means -inf where the mask is False, not 0",
+    "off_by_one": "a boundary is off by one: a sequence of length n has positions 0..n-1 (use <, not <=)",
+    "causal_alignment": "the causal mask is misaligned: with is_causal=True query i sees keys 0..i "
+                        "(top-left, torch.ones(L, S).tril()), also when L != S",
+    # reading the weights
+    "wrong_axis": "row i of the weights belongs to query i: index [:, i, :], not a column",
+    "batch_only": "the result must keep the batch dim: index every batch element, not only the first",
+    # dropout
+    "dropout_scale": "dropout must keep each weight with probability 1-p and scale the kept ones "
+                     "by 1/(1-p), so the expected output is unchanged",
+    # whole-function symptoms and states
+    "shape_error": "the function fails or returns the wrong shape on valid inputs: check broadcasting "
+                   "over leading dims, L != S, and Ev != E",
+    "not_implemented": "the exercise still raises NotImplementedError: replace the raise line with your code",
+    "policy": "the lab's from-scratch rule was broken (torch's softmax/SDPA, or an import or construct the "
+              "lab does not allow): build it from exp, sum and matmul",
+    "unknown": "the output differs from SDPA in a way the doctor has no model for",
+}
+
+# what the doctor can name from its probes (each has at least two buggy implementations in its tests)
+DOCTOR_CODES = ("missing_scale", "wrong_scale", "unstable_softmax", "softmax_dim", "wrong_transpose",
+                "value_swapped", "mask_polarity", "mask_after_softmax", "causal_alignment", "fully_masked_nan",
+                "dropout_scale", "shape_error", "unknown")
+
+
+def hint(code: str) -> str:
+    """The hint of a code; a ``KeyError`` names the vocabulary when the code is not in it."""
+    try:
+        return CODES[code]
+    except KeyError:
+        raise KeyError(f"{code!r} is not a named mistake; the vocabulary is attnlab.mistakes.CODES: "
+                       f"{sorted(CODES)}") from None
