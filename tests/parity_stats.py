@@ -1,23 +1,28 @@
-"""Largest parity errors seen in this test session, per dtype; printed in pytest's summary."""
+"""Largest parity errors seen in this test session, per path and dtype; printed in pytest's summary."""
 
 import torch
 
 from attnlab.testing import ParityReport
 
-WORST: dict[str, float] = {}
+WORST: dict[tuple[str, str, str], float] = {}  # (path, dtype, "output" | "grad") -> largest error
 COUNT = {"cases": 0}
 
 
-def record(report: ParityReport) -> None:
+def record(report: ParityReport, path: str = "reference") -> None:
+    """Keep the largest output and gradient errors of ``report`` for ``path`` (e.g. 'tiled')."""
     name = str(report.dtype).replace("torch.", "")
     COUNT["cases"] += 1
-    WORST[f"{name} output"] = max(WORST.get(f"{name} output", 0.0), report.output_error)
+    key = (path, name)
+    WORST[(*key, "output")] = max(WORST.get((*key, "output"), 0.0), report.output_error)
     for err in report.grad_errors.values():
-        WORST[f"{name} grad"] = max(WORST.get(f"{name} grad", 0.0), err)
+        WORST[(*key, "grad")] = max(WORST.get((*key, "grad"), 0.0), err)
 
 
 def summary() -> str:
     order = [str(d).replace("torch.", "") for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16)]
-    parts = [f"{d}: output {WORST[d + ' output']:.2e}, grad {WORST.get(d + ' grad', 0.0):.2e}"
-             for d in order if d + " output" in WORST]
-    return f"{COUNT['cases']} parity checks against torch SDPA; largest error vs float64 golden: " + "; ".join(parts)
+    lines = [f"{COUNT['cases']} parity checks against torch SDPA; largest error vs float64 golden:"]
+    for path in sorted({p for p, _, _ in WORST}):
+        parts = [f"{d}: output {WORST[(path, d, 'output')]:.2e}, grad {WORST.get((path, d, 'grad'), 0.0):.2e}"
+                 for d in order if (path, d, "output") in WORST]
+        lines.append(f"  {path}: " + "; ".join(parts))
+    return "\n".join(lines)

@@ -103,7 +103,7 @@ def test_native_covers_the_public_function_with_grads(gen, native_ops):
     for dtype in (torch.float32, torch.bfloat16):
         for causal in (False, True):
             parity_stats.record(assert_close_to_sdpa(impl, q.to(dtype), k.to(dtype), v.to(dtype), is_causal=causal,
-                                                     enable_gqa=True))
+                                                     enable_gqa=True), "tiled (native kernels)")
 
 
 def _run_python(code: str, **env) -> subprocess.CompletedProcess:

@@ -1,17 +1,17 @@
 """SDPA's semantics at the edges, on every attnlab path and dtype: special values, empty
 dimensions, extreme masks, odd groupings.
 
-The categories follow PyTorch's own SDPA tests (``test/test_transformers.py``), restated
-here for attnlab's functions: NaN propagation (torch's ``test_scaled_dot_product_attention
-_fused_kernels_safe_softmax`` / NaN checks), zero-size inputs (``test_sdpa_with_inf``,
-``test_zero_...`` cases), fully masked rows (``test_fully_masked_out_...``, which fixed
-them to give 0, not NaN), invalid inputs (``test_invalid_inputs_...``: torch raises, so
-attnlab raises its documented ValueError/TypeError), causal variants (``test_causal_variants``,
-upper-left alignment), and GQA (``test_scaled_dot_product_attention_..._gqa``). The oracle is
-torch's MATH backend (``SDPBackend.MATH``) in the same dtype: its NaN where it has NaN, its
-values within attnlab's tolerance elsewhere. A torch CPU-fused-kernel difference, noted where
-it matters: torch's FLASH kernel on the CPU turns a NaN query row into zeros; attnlab follows
-MATH (and the float64 math), where NaN propagates.
+The categories are those of PyTorch's own SDPA tests in ``test/test_transformers.py`` that
+apply on the CPU, restated here in attnlab's terms, not copied: NaN and inf propagation;
+zero-size inputs; fully masked rows (torch's ``test_fully_masked_out_rows``: they give 0,
+not NaN); invalid inputs (torch raises, so attnlab raises its documented
+``ValueError``/``TypeError``); causal variants (``test_causal_variants``: upper-left
+alignment with ``L != S``); grouped-query attention (``enable_gqa``). Added here: the
+float masks real models use (Hugging Face's ``finfo.min`` fill, ``-1e9``, ``-1e4``) and
+the inf/NaN values in masks. The oracle is torch's MATH backend (``SDPBackend.MATH``) in
+the same dtype: its NaN where it has NaN, its values within attnlab's tolerance elsewhere.
+One torch difference, noted where it matters: torch's fused CPU kernel turns a NaN query
+row into zeros; attnlab follows MATH (and the float64 math), where NaN propagates.
 
 Paths: the reference (``attnlab.functional``), the tiled path with the native kernels, the
 tiled path's pure-PyTorch code, and the tiled path with tiny tiles (2 x 3: every block

@@ -30,7 +30,7 @@ def tiled_impl(bq, bk):
 @pytest.mark.parametrize("case", [c for c in CASES if c.id not in NOT_TILED], ids=lambda c: c.id)
 def test_parity_matrix(case, dtype, blocks):
     q, k, v, mask = build(case, dtype)
-    parity_stats.record(assert_close_to_sdpa(tiled_impl(*blocks), q, k, v, attn_mask=mask, **case.kwargs))
+    parity_stats.record(assert_close_to_sdpa(tiled_impl(*blocks), q, k, v, attn_mask=mask, **case.kwargs), "tiled")
 
 
 @pytest.mark.parametrize("L,S", [(1, 1), (113, 113), (1023, 1025), (1025, 1023), (7, 300), (300, 7)])
@@ -39,7 +39,7 @@ def test_odd_lengths(L, S, causal, gen):
     q = torch.randn(1, 2, L, 16, generator=gen)
     k = torch.randn(1, 2, S, 16, generator=gen)
     v = torch.randn(1, 2, S, 8, generator=gen)
-    parity_stats.record(assert_close_to_sdpa(tiled_impl(64, 128), q, k, v, is_causal=causal))
+    parity_stats.record(assert_close_to_sdpa(tiled_impl(64, 128), q, k, v, is_causal=causal), "tiled")
 
 
 def test_block_size_invariance(gen):
