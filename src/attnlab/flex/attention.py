@@ -1,0 +1,194 @@
+"""``flex_attention``: attention with a ``score_mod`` and a ``BlockMask``, forward and backward.
+
+This is the pure-PyTorch path: it visits the query blocks one at a time, and for each the
+key blocks its block mask does not mark empty; full blocks get no mask work, partial ones
+their stored bits. The softmax is online (running max ``m_i``, sum ``l_i``, accumulator
+``acc``, in natural-log units). Each query block is wrapped in activation checkpointing,
+so the forward keeps nothing but its inputs and the backward recomputes one block at a
+time through autograd: arbitrary Python ``score_mod`` s work, and gradients reach the
+tensors they close over (a relative-position bias table, say). Memory: O(block x S) at a
+time, never the whole ``L x S``.
+
+Shapes: ``query (B, H, L, E)``, ``key (B, Hkv, S, E)``, ``value (B, Hkv, S, Ev)``; the
+output is ``(B, H, L, Ev)`` and the log-sum-exp ``(B, H, L)`` (natural log; -inf for a
+row that sees no key, whose output is 0).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from attnlab.flex.block_mask import EMPTY, FULL, BlockMask, _unpack
+
+__all__ = ["flex_attention", "ScoreMod"]
+
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+DEFAULT_BLOCK = 128  # query and key block when no BlockMask sets them
+
+
+def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optional[ScoreMod] = None,
+                   block_mask: Optional[BlockMask] = None, scale: Optional[float] = None, enable_gqa: bool = False,
+                   return_lse: bool = False):
+    """FlexAttention's ``flex_attention``, from scratch, with a backward on the CPU.
+
+    Args:
+        query: ``(B, H, L, E)``.
+        key: ``(B, Hkv, S, E)``; ``Hkv == H`` unless ``enable_gqa``.
+        value: ``(B, Hkv, S, Ev)``.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, called on each tile's
+            scores ``(B, H, bq, bk)`` with broadcastable int64 indices ``b (B, 1, 1, 1)``,
+            ``h (1, H, 1, 1)``, ``q_idx (1, 1, bq, 1)``, ``kv_idx (1, 1, 1, bk)``. Applied
+            after the scale, before the mask (as torch's).
+        block_mask: from :func:`attnlab.flex.create_block_mask` for ``(Q_LEN, KV_LEN) = (L, S)``;
+            None attends everywhere.
+        scale: default ``1 / sqrt(E)``.
+        enable_gqa: query head ``h`` uses key/value head ``h // (H // Hkv)``.
+        return_lse: also return the log-sum-exp ``(B, H, L)`` (natural log).
+
+    Returns:
+        ``(B, H, L, Ev)`` in the query's dtype, or ``(output, lse)``.
+    """
+    _validate(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    B, H, L, E = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    scale_f = float(scale) if scale is not None else (1.0 / math.sqrt(E) if E else 1.0)
+    q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
+    if Hkv != H:  # GQA: each query head's key/value head, (B, H, S, E)
+        k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
+    bq, bk = block_mask.BLOCK_SIZE if block_mask is not None else (DEFAULT_BLOCK, DEFAULT_BLOCK)
+    outs, lses = [], []
+    for i, i0 in enumerate(range(0, L, bq)):
+        i1 = min(L, i0 + bq)
+        plan = _row_plan(block_mask, i, B, H, i1 - i0, S, bk)
+        args = (q[:, :, i0:i1], k, v)
+        fn = _QueryBlock(score_mod, plan, scale_f, i0, bk)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)) or _mod_needs_grad(score_mod):
+            o, lse = checkpoint(fn, *args, use_reentrant=False)
+        else:
+            o, lse = fn(*args)
+        outs.append(o)
+        lses.append(lse)
+    out = torch.cat(outs, dim=2) if outs else q.new_zeros(B, H, 0, value.shape[-1])
+    lse = torch.cat(lses, dim=2) if lses else q.new_zeros(B, H, 0)
+    out = out.to(query.dtype)
+    return (out, lse) if return_lse else out
+
+
+def _mod_needs_grad(score_mod) -> bool:
+    """A score_mod closing over a tensor that requires grad (a bias table) needs checkpointing too."""
+    cells = getattr(score_mod, "__closure__", None) or ()
+    for c in cells:
+        try:
+            v = c.cell_contents
+        except ValueError:
+            continue
+        if isinstance(v, Tensor) and v.requires_grad:
+            return True
+    return torch.is_grad_enabled() and getattr(score_mod, "needs_grad", False)
+
+
+def _row_plan(block_mask: Optional[BlockMask], i: int, B: int, H: int, rows: int, S: int,
+              bk: int) -> list[tuple[int, int, Optional[Tensor]]]:
+    """For query block ``i``: ``(j0, j1, tile_mask)`` per key block to visit, where
+    ``tile_mask`` is None for full blocks (no mask work) or ``(Bm, Hm, rows, j1 - j0)`` bool."""
+    plan = []
+    for j, j0 in enumerate(range(0, S, bk)):
+        j1 = min(S, j0 + bk)
+        if block_mask is None:
+            plan.append((j0, j1, None))
+            continue
+        kinds = block_mask.kinds[:, :, i, j]  # (Bm, Hm)
+        if bool((kinds == EMPTY).all()):
+            continue  # skipped: nothing in this block is visible to anyone
+        if bool((kinds == FULL).all()):
+            plan.append((j0, j1, None))
+            continue
+        Bm, Hm = kinds.shape
+        tile = torch.zeros(Bm, Hm, rows, j1 - j0, dtype=torch.bool)
+        for b in range(Bm):
+            for h in range(Hm):
+                kind = int(kinds[b, h])
+                if kind == FULL:
+                    tile[b, h] = True
+                elif kind != EMPTY:
+                    tile[b, h] = _unpack(block_mask.bits[int(block_mask.partial_index[b, h, i, j])])[:rows, :j1 - j0]
+        plan.append((j0, j1, tile))
+    return plan
+
+
+class _QueryBlock:
+    """One query block's online softmax over its key blocks (a callable for checkpointing)."""
+
+    def __init__(self, score_mod, plan, scale: float, i0: int, bk: int) -> None:
+        self.score_mod, self.plan, self.scale, self.i0, self.bk = score_mod, plan, scale, i0, bk
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        B, H, n, _ = q.shape
+        Ev = v.shape[-1]
+        m_i = q.new_full((B, H, n, 1), float("-inf"))  # running row max
+        l_i = q.new_zeros(B, H, n, 1)  # running sum of exp(s - m_i)
+        acc = q.new_zeros(B, H, n, Ev)  # running sum of exp(s - m_i) v
+        b_idx = torch.arange(B).view(B, 1, 1, 1)
+        h_idx = torch.arange(H).view(1, H, 1, 1)
+        q_idx = torch.arange(self.i0, self.i0 + n).view(1, 1, n, 1)
+        for j0, j1, tile in self.plan:
+            s = (q @ k[:, :, j0:j1].transpose(-2, -1)) * self.scale  # (B, H, n, bk)
+            if self.score_mod is not None:
+                s = self.score_mod(s, b_idx, h_idx, q_idx, torch.arange(j0, j1).view(1, 1, 1, j1 - j0))
+            if tile is not None:
+                s = s.masked_fill(~tile, float("-inf"))
+            m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
+            shift = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)  # no -inf - -inf
+            p = torch.exp(s - shift)
+            alpha = torch.exp(m_i - shift)  # rescales the old state
+            l_i = alpha * l_i + p.sum(dim=-1, keepdim=True)
+            acc = alpha * acc + p @ v[:, :, j0:j1]
+            m_i = m_new
+        out = acc / torch.where(l_i == 0, torch.ones_like(l_i), l_i)  # rows with no key: 0
+        lse = (m_i + torch.log(l_i)).squeeze(-1)  # -inf where l_i = 0
+        return out, lse
+
+
+def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa) -> None:
+    fn = "flex_attention"
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{fn}: {name} must be 4-D (B, H, L/S, E), got shape {tuple(t.shape)}")
+    if not query.is_floating_point() or key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"{fn}: query, key and value must share one floating dtype, got {query.dtype}, "
+                        f"{key.dtype}, {value.dtype}")
+    B, H, L, E = query.shape
+    if key.shape[0] != B or value.shape[0] != B:
+        raise ValueError(f"{fn}: batch sizes differ: query {B}, key {key.shape[0]}, value {value.shape[0]}")
+    if key.shape[-1] != E:
+        raise ValueError(f"{fn}: key's last dim must equal query's E={E}, got key {tuple(key.shape)}")
+    if value.shape[2] != key.shape[2] or value.shape[1] != key.shape[1]:
+        raise ValueError(f"{fn}: value must match key in heads and length: key {tuple(key.shape)}, "
+                         f"value {tuple(value.shape)}")
+    Hkv = key.shape[1]
+    if Hkv != H and not enable_gqa:
+        raise ValueError(f"{fn}: query has {H} heads and key {Hkv}: pass enable_gqa=True for grouped heads")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"{fn}: the query heads ({H}) must be a multiple of the key/value heads ({Hkv})")
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"{fn}: score_mod must be callable, got {type(score_mod).__name__}")
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"{fn}: block_mask must be an attnlab.flex.BlockMask (from attnlab.flex."
+                            f"create_block_mask), got {type(block_mask).__name__}")
+        if (block_mask.Q_LEN, block_mask.KV_LEN) != (L, key.shape[2]):
+            raise ValueError(f"{fn}: block_mask was made for (Q_LEN, KV_LEN) = ({block_mask.Q_LEN}, "
+                             f"{block_mask.KV_LEN}), the inputs have ({L}, {key.shape[2]})")
+        Bm, Hm = block_mask.kinds.shape[:2]
+        if Bm not in (1, B) or Hm not in (1, H):
+            raise ValueError(f"{fn}: block_mask was made for B={Bm}, H={Hm}; the inputs have B={B}, H={H}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"{fn}: scale must be None or a real number, got {type(scale).__name__}")

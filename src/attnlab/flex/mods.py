@@ -1,0 +1,181 @@
+"""Ready-made mask_mods and score_mods (FlexAttention's conventions).
+
+A **mask_mod** ``(b, h, q_idx, kv_idx) -> bool`` says whether query ``q_idx`` may see key
+``kv_idx`` (True = attend); give it to :func:`attnlab.flex.create_block_mask`. A
+**score_mod** ``(score, b, h, q_idx, kv_idx) -> score`` changes a score after the scale;
+give it to :func:`attnlab.flex.flex_attention`. The indices are int64 tensors that
+broadcast against each other, so the mods are written with tensor operations.
+
+The pictures below show which keys (columns) each query (rows) sees, for 6 positions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["causal_mask", "sliding_window", "document_mask", "document_mask_from_lengths", "prefix_lm",
+           "and_masks", "or_masks", "noop_mask", "alibi", "softcap", "relative_bias", "document_ids"]
+
+
+def noop_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """Every query sees every key."""
+    return torch.ones_like(q_idx - kv_idx, dtype=torch.bool)
+
+
+def causal_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """Query i sees keys 0..i (top-left)::
+
+        # . . . . .
+        # # . . . .
+        # # # . . .
+        # # # # . .
+        # # # # # .
+        # # # # # #
+    """
+    return q_idx >= kv_idx
+
+
+def sliding_window(window: int):
+    """Causal attention to the last ``window`` keys, itself included (Mistral's, Gemma's local
+    layers). ``sliding_window(3)``::
+
+        # . . . . .
+        # # . . . .
+        # # # . . .
+        . # # # . .
+        . . # # # .
+        . . . # # #
+    """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window: window must be a positive int, got {window!r}")
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    mask_mod.__name__ = f"sliding_window_{window}"
+    return mask_mod
+
+
+def document_ids(lengths: Sequence[int]) -> Tensor:
+    """``(sum(lengths),)`` int64: the document of each position of a packed sequence."""
+    lengths = torch.as_tensor(list(lengths), dtype=torch.int64)
+    if (lengths < 0).any():
+        raise ValueError(f"document_ids: lengths must be >= 0, got {lengths.tolist()}")
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+
+
+def document_mask(doc_ids: Tensor, causal: bool = True):
+    """Packed sequences: a query sees only keys of its own document (and, with ``causal``,
+    not the future). ``doc_ids`` is ``(S,)`` or ``(B, S)`` int. For documents of 2 and 4::
+
+        # . . . . .
+        # # . . . .
+        . . # . . .
+        . . # # . .
+        . . # # # .
+        . . # # # #
+    """
+    doc_ids = torch.as_tensor(doc_ids)
+    if doc_ids.dim() not in (1, 2) or doc_ids.is_floating_point():
+        raise ValueError(f"document_mask: doc_ids must be an int tensor (S,) or (B, S), got "
+                         f"{doc_ids.dtype} {tuple(doc_ids.shape)}")
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        ids = doc_ids if doc_ids.dim() == 1 else doc_ids[b.view(-1)[0]]
+        same = ids[q_idx] == ids[kv_idx]
+        return same & (q_idx >= kv_idx) if causal else same
+
+    return mask_mod
+
+
+def document_mask_from_lengths(lengths: Sequence[int], causal: bool = True):
+    """:func:`document_mask` for documents of these lengths, packed in order."""
+    return document_mask(document_ids(lengths), causal)
+
+
+def prefix_lm(prefix: Union[int, Tensor]):
+    """Prefix-LM: the first ``prefix`` positions see each other both ways; the rest is causal.
+    ``prefix_lm(3)``::
+
+        # # # . . .
+        # # # . . .
+        # # # . . .
+        # # # # . .
+        # # # # # .
+        # # # # # #
+    """
+    n = torch.as_tensor(prefix)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        limit = n if n.dim() == 0 else n[b]
+        return (kv_idx < limit) | (q_idx >= kv_idx)
+
+    return mask_mod
+
+
+def and_masks(*mods):
+    """Attend where every mask_mod attends."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        out = mods[0](b, h, q_idx, kv_idx)
+        for m in mods[1:]:
+            out = out & m(b, h, q_idx, kv_idx)
+        return out
+    return mask_mod
+
+
+def or_masks(*mods):
+    """Attend where any mask_mod attends."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        out = mods[0](b, h, q_idx, kv_idx)
+        for m in mods[1:]:
+            out = out | m(b, h, q_idx, kv_idx)
+        return out
+    return mask_mod
+
+
+def alibi_slopes(H: int) -> Tensor:
+    """ALiBi's per-head slopes ``2^(-8 (h + 1) / H)`` (Press et al. 2022), ``(H,)``."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)])
+
+
+def alibi(H: int):
+    """ALiBi: ``score + slope[h] * (kv_idx - q_idx)``, a linear penalty with distance."""
+    slopes = alibi_slopes(H)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slopes.to(score.dtype)[h] * (kv_idx - q_idx).to(score.dtype)
+
+    return score_mod
+
+
+def softcap(cap: float):
+    """Tanh soft-capping (Gemma 2): ``cap * tanh(score / cap)``, scores stay in ``(-cap, cap)``."""
+    if not cap > 0:
+        raise ValueError(f"softcap: cap must be > 0, got {cap!r}")
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return score_mod
+
+
+def relative_bias(table: Tensor):
+    """A learned relative-position bias: ``score + table[h, q_idx - kv_idx + (n - 1)]`` with
+    ``table (H, 2n - 1)`` (or ``(2n - 1,)`` shared by the heads), ``n`` the longest distance
+    plus one. Its gradient flows into ``table`` (``table.requires_grad_()``)."""
+    if table.dim() not in (1, 2) or table.shape[-1] % 2 == 0:
+        raise ValueError(f"relative_bias: table must be (H, 2n - 1) or (2n - 1,), got {tuple(table.shape)}")
+    n = (table.shape[-1] + 1) // 2
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        rel = (q_idx - kv_idx).clamp(-(n - 1), n - 1) + (n - 1)
+        bias = table[rel] if table.dim() == 1 else table[h, rel]
+        return score + bias.to(score.dtype)
+
+    score_mod.table = table
+    score_mod.needs_grad = table.requires_grad
+    return score_mod
