@@ -92,8 +92,22 @@ def test_padding_mask_reaches_every_implementation(tmp_path, capsys):
     for impl in ("reference", "math", "flash"):
         assert (outs["tiled"] - outs[impl]).abs().max() < 1e-5, impl
     assert "padding mask" in bench.markdown_table(results)
-    with pytest.raises(ValueError, match="mask must be one of"):
+    with pytest.raises(ValueError, match="expected none, padding, causal, sliding:W"):
         bench.run_benchmarks([32], ["tiled"], ["fwd"], [False], ["float32"], memory=False, mask="sliding")
     assert main(["bench", "--seq-lens", "32", "--impls", "tiled,flash", "--causal", "no", "--mask", "padding",
                  "--dtypes", "float32", "--heads", "2", "--dim", "8", "--repeats", "1", "--no-memory"]) == 0
     assert "| tiled | 32 | fwd | no | float32 |" in capsys.readouterr().out
+
+
+def test_bench_attention_variants_give_flex_its_block_mask_and_the_others_the_dense_mask():
+    from attnlab import bench
+
+    results = bench.run_benchmarks([512], ["flex", "reference", "math"], ["fwd"], [False], ["float64"], B=1, H=2,
+                                   E=8, repeats=1, memory=False, mask="sliding:16")
+    assert [r.status for r in results] == ["ok", "ok", "ok"]
+    c = results[0].config
+    dense = bench._mask(c)
+    assert dense.shape == (512, 512) and int(dense.sum()) == sum(min(i + 1, 16) for i in range(512))
+    assert bench._block_mask(c).density() < 0.7
+    with pytest.raises(ValueError, match="sliding:W"):
+        bench.parse_mask("sliding:0")

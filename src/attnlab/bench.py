@@ -95,7 +95,16 @@ def _fmt(x: Optional[float], digits: int = 2) -> str:
     return "" if x is None else f"{x:.{digits}f}"
 
 
-def _function(impl: str) -> Callable:
+def _function(impl: str, c: Optional["Config"] = None) -> Callable:
+    if impl == "flex":
+        from attnlab.flex import flex_attention
+
+        block_mask = _block_mask(c) if c is not None else None  # built once, as create_block_mask is
+
+        def run_flex(q, k, v, causal, mask):
+            return flex_attention(q, k, v, block_mask=block_mask)
+
+        return run_flex
     if impl == "reference":
         from attnlab.functional import scaled_dot_product_attention
 
@@ -125,15 +134,75 @@ def _inputs(c: Config, requires_grad: bool, seed: int = 0):
 
 
 MASKS = ("none", "padding")
+VARIANTS = ("sliding", "document", "prefix", "causal")  # --mask sliding:W | document:N | prefix:P | causal
+
+
+def parse_mask(text: str) -> str:
+    """Check a --mask value: none, padding, causal, sliding:W, document:N (N documents of
+    equal length), prefix:P. Returns it; raises ValueError naming the accepted forms."""
+    kind, _, arg = text.partition(":")
+    if text in MASKS or text == "causal":
+        return text
+    if kind in ("sliding", "document", "prefix") and arg.isdigit() and int(arg) > 0:
+        return text
+    raise ValueError(f"--mask: expected none, padding, causal, sliding:W, document:N or prefix:P "
+                     f"(W, N, P positive ints), got {text!r}")
+
+
+def _mask_mod(c: "Config"):
+    """The attention variant of ``c.mask`` as an attnlab.flex mask_mod, or None."""
+    from attnlab.flex import mods
+
+    kind, _, arg = c.mask.partition(":")
+    if kind == "sliding":
+        return mods.sliding_window(int(arg))
+    if kind == "document":
+        n = int(arg)
+        return mods.document_mask_from_lengths([c.L // n + (i < c.L % n) for i in range(n)])
+    if kind == "prefix":
+        return mods.prefix_lm(int(arg))
+    if kind == "causal":
+        return mods.causal_mask
+    return None
+
+
+_BLOCK_MASKS: dict = {}
+
+
+def _block_mask(c: "Config"):
+    mod = _mask_mod(c)
+    if mod is None:
+        return None
+    key = (c.mask, c.L)
+    if key not in _BLOCK_MASKS:
+        from attnlab.flex import create_block_mask
+
+        _BLOCK_MASKS.clear()
+        _BLOCK_MASKS[key] = create_block_mask(mod, None, None, c.L, c.L)
+    return _BLOCK_MASKS[key]
+
+
+_DENSE: dict = {}
 
 
 def _mask(c: Config) -> Optional[torch.Tensor]:
-    """The configuration's attn_mask (True = attend): None, or a padding mask whose last L/4 keys are hidden."""
+    """The configuration's attn_mask (True = attend): None; a padding mask whose last L/4 keys
+    are hidden; or an attention variant written out as the dense ``(L, L)`` bool mask that
+    torch's SDPA (and attnlab's dense paths) need for it."""
     if c.mask == "none":
         return None
-    keep = torch.ones(c.B, 1, 1, c.L, dtype=torch.bool)
-    keep[..., c.L - c.L // 4:] = False
-    return keep
+    if c.mask == "padding":
+        keep = torch.ones(c.B, 1, 1, c.L, dtype=torch.bool)
+        keep[..., c.L - c.L // 4:] = False
+        return keep
+    key = (c.mask, c.L)
+    if key not in _DENSE:
+        mod = _mask_mod(c)
+        idx = torch.arange(c.L)
+        _DENSE.clear()
+        _DENSE[key] = mod(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
+                          idx[:, None], idx[None, :]).expand(c.L, c.L).contiguous()
+    return _DENSE[key]
 
 
 def _step(fn: Callable, c: Config, q, k, v, grad) -> None:
@@ -150,9 +219,11 @@ def run_benchmarks(seq_lens: list[int], impls: list[str], modes: list[str], caus
     """Time every configuration; implementations of one configuration are interleaved.
 
     ``mask="padding"`` passes a key-padding ``attn_mask`` to every implementation; SDPA does
-    not take a mask together with ``is_causal``, so those configurations are skipped."""
-    if mask not in MASKS:
-        raise ValueError(f"run_benchmarks: mask must be one of {MASKS}, got {mask!r}")
+    not take a mask together with ``is_causal``, so those configurations are skipped. An
+    attention variant (``"sliding:W"``, ``"document:N"``, ``"prefix:P"``, ``"causal"``) gives
+    ``flex`` its block mask (built once, outside the timing, as torch's create_block_mask)
+    and every other implementation the same mask written out densely."""
+    parse_mask(mask)
     groups = list(itertools.product(dtypes, modes, causals, seq_lens))
     total = len(groups) * len(impls) * (2 if memory else 1)
     done = 0
@@ -174,7 +245,7 @@ def run_benchmarks(seq_lens: list[int], impls: list[str], modes: list[str], caus
             if progress:
                 progress(done, total, f"warm-up {r.config.impl} L={L} {mode} {'causal' if causal else ''} {dtype}")
             try:
-                fns[r.config.impl] = _function(r.config.impl)
+                fns[r.config.impl] = _function(r.config.impl, r.config)
                 for _ in range(warmup):
                     _step(fns[r.config.impl], r.config, q, k, v, grad)
             except Exception as exc:  # e.g. a backend that does not support this dtype
@@ -249,10 +320,11 @@ def peak_rss_growth(step: Callable[[], object]) -> int:
 def _peak_memory_child(argv: list[str]) -> None:
     impl, L, mode, causal, dtype, B, H, E, mask = argv
     c = Config(impl, int(L), mode, bool(int(causal)), dtype, int(B), int(H), int(E), mask)
-    fn = _function(impl)
     small = Config(impl, 16, mode, c.causal, dtype, c.B, c.H, c.E, mask)
-    _step(fn, small, *_inputs(small, mode == "fwd+bwd"))  # allocators and kernels warmed up
+    _step(_function(impl, small), small, *_inputs(small, mode == "fwd+bwd"))  # allocators and kernels warmed up
+    fn = _function(impl, c)  # a block mask is built here, before the baseline, as the timed runs do
     q, k, v, grad = _inputs(c, mode == "fwd+bwd")
+    _mask(c)  # the dense mask too: an input of the call, not part of its peak
     print(peak_rss_growth(lambda: _step(fn, c, q, k, v, grad)))
 
 
@@ -274,7 +346,7 @@ def markdown_table(results: list[Result]) -> str:
     lines = [head, "|" + "---|" * 10]
     for r in results:
         c, row = r.config, r.row()
-        note = ("" if r.status == "ok" else r.status) or ("padding mask" if c.mask == "padding" else "")
+        note = ("" if r.status == "ok" else r.status) or (f"{c.mask} mask" if c.mask != "none" else "")
         lines.append(f"| {c.impl} | {c.L} | {c.mode} | {'yes' if c.causal else 'no'} | {c.dtype} | {row['median_ms']} "
                      f"| {row['gflops']} | {row['ratio_vs_torch_best']} | {row['peak_mem_mib']} | {note} |")
     return "\n".join(lines)

@@ -253,16 +253,19 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="batch size (default: 1)")
     be.add_argument("--heads", type=_positive_int, default=8, metavar="H", help="heads (default: 8)")
     be.add_argument("--dim", type=_positive_int, default=64, metavar="E", help="head size (default: 64)")
-    be.add_argument("--impls", type=_choices(["reference", "tiled", "math", "flash"]),
+    be.add_argument("--impls", type=_choices(["reference", "tiled", "flex", "math", "flash"]),
                     default=["reference", "tiled", "math", "flash"], metavar="NAME,...",
-                    help="reference,tiled (attnlab), math,flash (torch SDPA backends) (default: all)")
+                    help="reference,tiled,flex (attnlab), math,flash (torch SDPA backends) "
+                         "(default: all but flex, which is for --mask variants)")
     be.add_argument("--modes", type=_choices(["fwd", "fwd+bwd"]), default=["fwd", "fwd+bwd"], metavar="MODE,...",
                     help="fwd,fwd+bwd (default: both)")
     be.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="(default: both)")
-    be.add_argument("--mask", choices=["none", "padding"], default="none",
+    be.add_argument("--mask", type=_mask_arg, default="none", metavar="KIND",
                     help="padding: every implementation gets a (B, 1, 1, L) bool key-padding attn_mask hiding the "
-                         "last L/4 keys (causal configurations are then skipped: SDPA takes one or the other) "
-                         "(default: none)")
+                         "last L/4 keys. sliding:W, document:N, prefix:P, causal: an attention variant; the 'flex' "
+                         "implementation (attnlab.flex) gets its block mask, the others the same mask as a dense "
+                         "(L, L) bool tensor. Causal configurations are skipped with a mask (SDPA takes one or "
+                         "the other) (default: none)")
     be.add_argument("--dtypes", type=_choices(DTYPES), default=["float32", "bfloat16"], metavar="DTYPE,...",
                     help="(default: float32,bfloat16)")
     be.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per configuration (default: 5)")
@@ -444,6 +447,15 @@ def _write_atomically(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _mask_arg(text: str) -> str:
+    from attnlab.bench import parse_mask
+
+    try:
+        return parse_mask(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
