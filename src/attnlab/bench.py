@@ -62,6 +62,8 @@ class Config:
     def estimated_peak_bytes(self) -> int:
         if self.impl in ("tiled", "flash"):
             return 16 * self.B * self.H * self.L * self.E * 4
+        if self.impl == "flex":  # one query block's (128, L) tiles at a time, a few copies in the backward
+            return 16 * self.B * self.H * self.L * self.E * 4 + 8 * self.B * self.H * 128 * self.L * 4
         copies = 3 if self.mode == "fwd" else 6  # scores, weights, masked/dropout temporaries, grads
         return copies * self.scores_bytes()
 
