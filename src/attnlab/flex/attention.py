@@ -3,11 +3,12 @@
 This is the pure-PyTorch path: it visits the query blocks one at a time, and for each the
 key blocks its block mask does not mark empty; full blocks get no mask work, partial ones
 their stored bits. The softmax is online (running max ``m_i``, sum ``l_i``, accumulator
-``acc``, in natural-log units). Each query block is wrapped in activation checkpointing,
-so the forward keeps nothing but its inputs and the backward recomputes one block at a
-time through autograd: arbitrary Python ``score_mod`` s work, and gradients reach the
-tensors they close over (a relative-position bias table, say). Memory: O(block x S) at a
-time, never the whole ``L x S``.
+``acc``, in natural-log units). Without a ``score_mod`` the backward is FlashAttention-2's
+(:class:`_MaskedFlex`: each visited tile's ``P`` recomputed from the saved log-sum-exp).
+With one, each query block is wrapped in activation checkpointing, so the forward keeps
+nothing but its inputs and the backward recomputes one block at a time through autograd:
+arbitrary Python ``score_mod`` s work, and gradients reach the tensors they close over (a
+relative-position bias table, say). Memory: O(block x S) at a time, never ``L x S``.
 
 Shapes: ``query (B, H, L, E)``, ``key (B, Hkv, S, E)``, ``value (B, Hkv, S, Ev)``; the
 output is ``(B, H, L, Ev)`` and the log-sum-exp ``(B, H, L)`` (natural log; -inf for a
@@ -62,6 +63,11 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
     if Hkv != H:  # GQA: each query head's key/value head, (B, H, S, E)
         k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
     bq, bk = block_mask.BLOCK_SIZE if block_mask is not None else (DEFAULT_BLOCK, DEFAULT_BLOCK)
+    if score_mod is None:  # masks only: FlashAttention-2's backward, one tile at a time
+        plans = [_row_plan(block_mask, i, B, H, min(L, i0 + bq) - i0, S, bk) for i, i0 in enumerate(range(0, L, bq))]
+        out, lse = _MaskedFlex.apply(q, k, v, plans, scale_f, bq, bk)
+        out = out.to(query.dtype)
+        return (out, lse) if return_lse else out
     outs, lses = [], []
     for i, i0 in enumerate(range(0, L, bq)):
         i1 = min(L, i0 + bq)
@@ -78,6 +84,59 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
     lse = torch.cat(lses, dim=2) if lses else q.new_zeros(B, H, 0)
     out = out.to(query.dtype)
     return (out, lse) if return_lse else out
+
+
+class _MaskedFlex(torch.autograd.Function):
+    """Block-sparse attention without a score_mod: the forward keeps only ``(out, lse)``; the
+    backward recomputes each visited tile's ``P = exp(s - lse)`` (FlashAttention-2), so no
+    autograd graph of the tiles is ever held. Shapes as in :func:`flex_attention`, with K and
+    V already at the query's head count."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plans, scale, bq, bk):
+        outs, lses = [], []
+        with torch.no_grad():
+            for i, plan in enumerate(plans):
+                i0 = i * bq
+                o, lse = _QueryBlock(None, plan, scale, i0, bk)(q[:, :, i0:i0 + bq], k, v)
+                outs.append(o)
+                lses.append(lse)
+        B, H, L = q.shape[:3]
+        out = torch.cat(outs, dim=2) if outs else q.new_zeros(B, H, 0, v.shape[-1])
+        lse = torch.cat(lses, dim=2) if lses else q.new_zeros(B, H, 0)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plans, ctx.scale, ctx.bq = plans, scale, bq
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, bq = ctx.scale, ctx.bq
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dout = dout.to(q.dtype) if dout is not None else torch.zeros_like(out)
+        delta = (dout * out).sum(dim=-1, keepdim=True)  # D_i = rowsum(dO_i * O_i), (B, H, L, 1)
+        # rows that saw no key have lse = -inf: shifting by +inf makes their P exactly 0
+        shift = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse).unsqueeze(-1)
+        for i, plan in enumerate(ctx.plans):
+            i0 = i * bq
+            i1 = min(q.shape[2], i0 + bq)
+            qi, doi, di, si = q[:, :, i0:i1], dout[:, :, i0:i1], delta[:, :, i0:i1], shift[:, :, i0:i1]
+            dli = dlse[:, :, i0:i1].unsqueeze(-1) if dlse is not None else None
+            dqi = torch.zeros_like(qi)
+            for j0, j1, tile in plan:
+                s = (qi @ k[:, :, j0:j1].transpose(-2, -1)) * scale  # (B, H, n, bk)
+                if tile is not None:
+                    s = s.masked_fill(~tile, float("-inf"))
+                p = torch.exp(s - si)  # P_ij
+                dv[:, :, j0:j1] += p.transpose(-2, -1) @ doi  # dV_j += P^T dO_i
+                dp = doi @ v[:, :, j0:j1].transpose(-2, -1)  # dP = dO_i V_j^T
+                ds = p * (dp - di)  # dS = P * (dP - D_i)
+                if dli is not None:
+                    ds = ds + p * dli  # d lse / d s = P
+                dqi += (ds @ k[:, :, j0:j1]) * scale
+                dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ qi) * scale
+            dq[:, :, i0:i1] = dqi
+        return dq, dk, dv, None, None, None, None
 
 
 def _mod_needs_grad(score_mod) -> bool:
