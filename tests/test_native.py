@@ -192,7 +192,7 @@ def test_forward_into_continues_a_saved_state(use_native, gen, monkeypatch, requ
     for j0, j1, causal in [(40, 90, False), (0, 20, False), (20, 40, True)]:
         # views, as the ring passes them: rows 10.. only for the diagonal block
         rows = slice(0, 50) if not causal else slice(20, 40)
-        tiled._forward_into(q4[:, :, rows], k3[:, j0:j1], v3[:, j0:j1], out[:, :, rows], lse2[:, :, rows], causal,
+        tiled.forward_into(q4[:, :, rows], k3[:, j0:j1], v3[:, j0:j1], out[:, :, rows], lse2[:, :, rows], causal,
                             scale2, 16, 16)
     # expected: rows 0-19 and 40-49 see every key except 20-39; rows 20-39 see the causal diagonal too
     mask = torch.ones(50, 90, dtype=torch.bool)
@@ -236,7 +236,7 @@ def test_native_backward_adds_into_views(gen, native_ops):
     out, lse2 = tiled._forward_eager(q4, k3, v3, None, None, True, 0.3 * tiled.LOG2E, 16, 16)
     big = [torch.ones(2, 1, 60, 8), torch.ones(2, 70, 8), torch.ones(2, 70, 8)]
     views = (big[0][:, :, 10:50], big[1][:, 20:60], big[2][:, 20:60])
-    tiled._backward(dout, q4, k3, v3, out, lse2, None, None, True, 0.3, 16, 16, accumulate_into=views)
+    tiled.backward_blocks(dout, q4, k3, v3, out, lse2, None, None, True, 0.3, 16, 16, accumulate_into=views)
     eager = tiled._backward_eager(dout, q4, k3, v3, out, lse2, None, None, True, 0.3, 16, 16)
     for view, e in zip(views, eager):
         assert_close(view - 1, e, msg="added into the view")

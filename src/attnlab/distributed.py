@@ -229,7 +229,7 @@ class _Ring(torch.autograd.Function):
                     pending = _exchange([k_cur, v_cur], group, send_to, recv_from,
                                         kv_bufs.take(step, g.stop - g.start))
                 for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
-                    tiled._forward_into(q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs], lse_g[:, :, qs],
+                    tiled.forward_into(q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs], lse_g[:, :, qs],
                                         diag, scale_f * tiled.LOG2E, bq, bk)
                 if pending is not None:
                     _wait(pending[0], rank, recv_from)
@@ -268,7 +268,7 @@ class _Ring(torch.autograd.Function):
                     kv_next = _exchange([k_cur, v_cur], group, send_to, recv_from, kv_bufs.take(step, n_g))
                 for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
                     # FlashAttention-2's tile backward with the *final* out and lse: exact per block
-                    tiled._backward(dout_g[:, :, qs], q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs],
+                    tiled.backward_blocks(dout_g[:, :, qs], q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs],
                                     lse_g[:, :, qs], layout, None, diag, scale, bq, bk,
                                     accumulate_into=(dq_g[:, :, qs], dk_cur[:, ks], dv_cur[:, ks]),
                                     delta=delta_g[:, :, qs])
@@ -326,8 +326,8 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optional
                          f"query {tuple(query.shape)} and key {tuple(key.shape)}")
     if layout == "zigzag" and query.shape[-2] % 2:
         raise ValueError(f"ring_attention: the zigzag layout needs an even local length, got {query.shape[-2]}")
-    bq = tiled._block_size(block_q, tiled.DEFAULT_BLOCK_Q, "block_q")
-    bk = tiled._block_size(block_k, tiled.DEFAULT_BLOCK_K, "block_k")
+    bq = tiled.block_size(block_q, tiled.DEFAULT_BLOCK_Q, "block_q")
+    bk = tiled.block_size(block_k, tiled.DEFAULT_BLOCK_K, "block_k")
     return _Ring.apply(query, key, value, group, is_causal, scale, layout, enable_gqa, bq, bk, batch)
 
 

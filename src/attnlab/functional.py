@@ -54,6 +54,8 @@ from attnlab._validation import validate as _validate
 from attnlab.softmax import shift_by_max, stable_softmax
 
 __all__ = ["scaled_dot_product_attention", "attention_weights"]
+# Package-internal API (for attnlab.modules; not for users): attention_with_weights (the
+# validated computation, with the weights and an optional step recorder) and dropout_weights.
 
 Recorder = Callable[[str, Tensor], None]
 """Called as ``record(step_name, tensor)`` at each step of the computation (tracing)."""
@@ -107,7 +109,7 @@ def scaled_dot_product_attention(
     """
     _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
               fn="scaled_dot_product_attention")
-    output, _ = _attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    output, _ = attention_with_weights(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return output
 
 
@@ -150,7 +152,7 @@ def attention_weights(
 # --------------------------------------------------------------------------- #
 
 
-def _attention(
+def attention_with_weights(
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -170,7 +172,7 @@ def _attention(
     if enable_gqa:
         k, v = _repeat_kv_heads(k, q), _repeat_kv_heads(v, q)
     weights = _softmax_weights(q, k, attn_mask, is_causal, scale, record)  # (..., L, S)
-    dropped = _dropout(weights, dropout_p) if dropout_p > 0 else weights
+    dropped = dropout_weights(weights, dropout_p) if dropout_p > 0 else weights
     output = (dropped @ v).to(query.dtype)  # (..., L, Ev)
     if record is not None:
         record("output", output)
@@ -213,7 +215,7 @@ def _softmax_weights(
     return weights
 
 
-def _dropout(weights: Tensor, p: float) -> Tensor:
+def dropout_weights(weights: Tensor, p: float) -> Tensor:
     """Dropout as ``torch.nn.functional.dropout(weights, p, training=True)`` computes it.
 
     Same random stream (one ``bernoulli_(1 - p)`` draw over a tensor shaped like

@@ -152,7 +152,7 @@ class SelfAttention(nn.Module):
             for name, t in (("X", x), ("Q", Q), ("K", K), ("V", V)):
                 record(name, t)
         validate(Q, K, V, attn_mask, 0.0, is_causal, None, False, fn="SelfAttention.forward")
-        return F_._attention(Q, K, V, attn_mask, 0.0, is_causal, None, False, record=record)
+        return F_.attention_with_weights(Q, K, V, attn_mask, 0.0, is_causal, None, False, record=record)
 
     def _check_input(self, x: Tensor) -> None:
         if not isinstance(x, Tensor):
@@ -316,7 +316,7 @@ class MultiHeadAttention(nn.Module):
         if need_weights:
             w = F_.attention_weights(q, k, attn_mask=mask, enable_gqa=gqa)  # (B, H, L, S)
             if dropout_p > 0:
-                w = F_._dropout(w, dropout_p)
+                w = F_.dropout_weights(w, dropout_p)
             v_full = F_._repeat_kv_heads(v, q) if gqa else v
             out = w @ v_full  # (B, H, L, hd)
             weights = w.mean(dim=1) if average_attn_weights else w

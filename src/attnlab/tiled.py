@@ -27,6 +27,11 @@ so grouped-query attention never repeats K or V.
 
 This module never imports the reference (:mod:`attnlab.functional`): the two are
 independent implementations checked against each other and against torch.
+
+Package-internal kernel API (for :mod:`attnlab.distributed` and other attnlab modules;
+not in ``__all__``, not for users): :func:`forward_into` (continue a saved ``(out, lse2)``
+state with more keys), :func:`backward_blocks` (FlashAttention-2's backward on the
+``(Nb, r, L, E)`` layout, adding into given tensors), :func:`block_size` (check a tile size).
 """
 
 from __future__ import annotations
@@ -88,8 +93,8 @@ def flash_attention(
         ``E == 0`` gives the mean of the values, as torch does.
     """
     batch = validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, fn="flash_attention")
-    bq = _block_size(block_q, DEFAULT_BLOCK_Q, "block_q")
-    bk = _block_size(block_k, DEFAULT_BLOCK_K, "block_k")
+    bq = block_size(block_q, DEFAULT_BLOCK_Q, "block_q")
+    bk = block_size(block_k, DEFAULT_BLOCK_K, "block_k")
     if enable_gqa and key.shape[-3] != value.shape[-3]:
         # K and V grouped differently (e.g. H = Hk = 6, Hv = 3): the layout shares one group
         # size, so each is repeated up to the query heads (torch accepts this; rare in models)
@@ -114,7 +119,7 @@ def native_status() -> _native.NativeStatus:
     return _native.status()
 
 
-def _block_size(value: Optional[int], default: int, name: str) -> int:
+def block_size(value: Optional[int], default: int, name: str) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -213,7 +218,7 @@ def _forward(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Optional
     return _forward_eager(q4, k3, v3, layout, mask, is_causal, scale2, bq, bk)
 
 
-def _forward_into(q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, is_causal: bool, scale2: float,
+def forward_into(q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, is_causal: bool, scale2: float,
                   bq: int, bk: int) -> None:
     """Continue the online softmax held in ``(out (Nb, r, L, Ev), lse2 (Nb, r, L))`` with more keys, in place.
 
@@ -362,7 +367,7 @@ def _forward_eager(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Op
     return out, lse2
 
 
-def _backward(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, layout: _Layout,
+def backward_blocks(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, layout: _Layout,
               mask: Optional[Tensor], is_causal: bool, scale: float, bq: int, bk: int,
               accumulate_into: Optional[tuple[Tensor, Tensor, Tensor]] = None,
               delta: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -493,7 +498,7 @@ class _FlashAttention(torch.autograd.Function):
             dq4, dk3, dv3 = _backward_eager(dout4, q4, k3, v3, out4, lse2, layout, mask, ctx.is_causal, ctx.scale,
                                             ctx.bq, ctx.bk, natural=True)
         else:
-            dq4, dk3, dv3 = _backward(dout4, q4, k3, v3, out4, lse2, layout, mask if ctx.has_mask else None,
+            dq4, dk3, dv3 = backward_blocks(dout4, q4, k3, v3, out4, lse2, layout, mask if ctx.has_mask else None,
                                       ctx.is_causal, ctx.scale, ctx.bq, ctx.bk)
         if ctx.no_features:  # E == 0: q and k have no elements, so no gradient either
             dq4, dk3 = dq4[..., :0], dk3[..., :0]
