@@ -74,7 +74,8 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
         plan = _row_plan(block_mask, i, B, H, i1 - i0, S, bk)
         args = (q[:, :, i0:i1], k, v)
         fn = _QueryBlock(score_mod, plan, scale_f, i0, bk)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)) or _mod_needs_grad(score_mod):
+        if torch.is_grad_enabled() and (any(t.requires_grad for t in (query, key, value))
+                                        or _mod_needs_grad(score_mod)):
             o, lse = checkpoint(fn, *args, use_reentrant=False)
         else:
             o, lse = fn(*args)
@@ -149,7 +150,7 @@ def _mod_needs_grad(score_mod) -> bool:
             continue
         if isinstance(v, Tensor) and v.requires_grad:
             return True
-    return torch.is_grad_enabled() and getattr(score_mod, "needs_grad", False)
+    return False
 
 
 def _row_plan(block_mask: Optional[BlockMask], i: int, B: int, H: int, rows: int, S: int,

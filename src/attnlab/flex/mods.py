@@ -176,6 +176,4 @@ def relative_bias(table: Tensor):
         bias = table[rel] if table.dim() == 1 else table[h, rel]
         return score + bias.to(score.dtype)
 
-    score_mod.table = table
-    score_mod.needs_grad = table.requires_grad
     return score_mod

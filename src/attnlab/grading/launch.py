@@ -110,11 +110,12 @@ def bwrap_command(bwrap: str, argv: list[str]) -> list[str]:
     for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime"):
         if os.path.exists(f):
             cmd += ["--ro-bind", f, f]
-    for root in python_roots():
+    roots = python_roots()
+    for root in roots:
         if not root.startswith("/usr/"):
             cmd += ["--ro-bind", root, root]
     for exe in {sys.executable, os.path.realpath(sys.executable)}:
-        if not any(exe.startswith(r + os.sep) for r in python_roots()) and not exe.startswith("/usr/"):
+        if not any(exe.startswith(r + os.sep) for r in roots) and not exe.startswith("/usr/"):
             cmd += ["--ro-bind", exe, exe]
     cmd += ["--chdir", "/tmp", "--clearenv",
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
@@ -192,7 +193,8 @@ def _make_cgroup(memory_mb: int, max_procs: int) -> Optional[_Cgroup]:
                 d = base / name
                 d.mkdir()
                 (d / "memory.max").write_text(limit)
-                (d / "memory.swap.max").write_text("0") if (d / "memory.swap.max").exists() else None
+                if (d / "memory.swap.max").exists():
+                    (d / "memory.swap.max").write_text("0")
                 (d / "pids.max").write_text(str(max_procs))
                 return _Cgroup([d], "cgroup v2")
     except OSError:
