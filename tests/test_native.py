@@ -140,7 +140,7 @@ def test_a_failed_build_warns_once_and_falls_back(tmp_path):
     code = textwrap.dedent(f"""
         from attnlab import _native
         from pathlib import Path
-        _native._SOURCE = Path({str(broken)!r})
+        _native._SOURCES = (Path({str(broken)!r}),)
     """) + textwrap.dedent(CHECK_RESULT)
     run = _run_python(code, ATTNLAB_CACHE_DIR=str(tmp_path / "cache"), ATTNLAB_NATIVE="1")
     assert run.returncode == 0, run.stderr
@@ -169,12 +169,14 @@ def test_cache_key_changes_with_the_cpu_and_a_build_for_another_cpu_is_not_loade
     assert not _native._built_for_this_cpu(build)  # no record: rebuilt, not trusted
 
 
-def test_cache_key_changes_with_the_source(tmp_path, monkeypatch):
+@pytest.mark.parametrize("which", ["_SOURCES", "_HEADERS"])
+def test_cache_key_changes_with_any_source_or_header(which, tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNLAB_CACHE_DIR", str(tmp_path))
     first = _native._cache_dir()
-    other = tmp_path / "other.cpp"
-    other.write_text(_native._SOURCE.read_text() + "\n// changed\n")
-    monkeypatch.setattr(_native, "_SOURCE", other)
+    files = getattr(_native, which)
+    other = tmp_path / files[-1].name
+    other.write_text(files[-1].read_text() + "\n// changed\n")
+    monkeypatch.setattr(_native, which, (*files[:-1], other))
     assert _native._cache_dir() != first and _native._cache_dir().parent == first.parent == tmp_path
 
 

@@ -4,6 +4,8 @@ The kernels (``csrc/flash.cpp``) run the same online softmax as
 :func:`attnlab.tiled._forward_eager` and the same FlashAttention-2 backward as
 :func:`attnlab.tiled._backward_eager`, one cache-sized tile at a time so that the row passes
 read scores still in cache; see the comment at the top of that file for why.
+``csrc/block_sparse.cpp`` runs them over the blocks an :class:`attnlab.flex.BlockMask`
+keeps (used through :mod:`attnlab.flex.kernels`); ``csrc/kernels.h`` holds what both share.
 
 It is compiled with ``torch.utils.cpp_extension`` on first use (about 10 s; ``make demo``
 and ``make test`` build it ahead) into ``~/.cache/attnlab/`` (``$ATTNLAB_CACHE_DIR``
@@ -32,7 +34,9 @@ import torch
 
 __all__ = ["NativeStatus", "status", "ops"]
 
-_SOURCE = Path(__file__).parent / "csrc" / "flash.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = (_CSRC / "flash.cpp", _CSRC / "block_sparse.cpp")
+_HEADERS = (_CSRC / "kernels.h",)
 _NAME = "attnlab_native"
 # -march=native: the build runs on the machine that uses it; -fopenmp: at::parallel_for's
 # pragmas (the library resolves to the libgomp torch has already loaded, so one thread pool)
@@ -78,7 +82,8 @@ def _cache_dir() -> Path:
     root = os.environ.get("ATTNLAB_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "attnlab")
     key = hashlib.sha256()
-    key.update(_SOURCE.read_bytes())
+    for source in (*_SOURCES, *_HEADERS):
+        key.update(source.read_bytes())
     key.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     key.update(f"{torch.__version__} {sys.version_info[:2]} {platform.machine()}".encode())
     key.update(f"{torch.backends.cpu.get_cpu_capability()} {' '.join(sorted(cpu_features()))}".encode())
@@ -114,11 +119,13 @@ def _load() -> tuple[Optional[Any], NativeStatus]:
                   file=sys.stderr, flush=True)
             from torch.utils import cpp_extension  # imported only to build: it is slow to import
 
-            cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+            cpp_extension.load(name=_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
                                build_directory=str(build_dir), is_python_module=False, verbose=False)
             (build_dir / _FEATURES_FILE).write_text(" ".join(sorted(cpu_features())) + "\n")
         namespace = torch.ops.attnlab_native
-        namespace.flash_forward, namespace.flash_forward_, namespace.flash_backward_  # all registered
+        for op in ("flash_forward", "flash_forward_", "flash_backward_", "block_sparse_forward",
+                   "block_sparse_backward_"):
+            getattr(namespace, op)  # all registered
     except Exception as exc:  # no compiler, no ninja, a failed build: the pure path still works
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         warnings.warn(f"attnlab: the native tiled kernel is not available ({reason}); the tiled path uses its "
@@ -142,7 +149,8 @@ def ops() -> Optional[Any]:
     -> (out, lse2)`` and ``flash_forward_(q4, k3, v3, out, lse2, scale2, is_causal, block_q, block_k)``,
     which continues the softmax state held in ``(out, lse2)`` in place, and ``flash_backward_(dout,
     q4, k3, v3, lse2, delta, dq, dk, dv, scale, is_causal, block_q, block_k)``, which adds the
-    gradients into ``dq, dk, dv`` (see the C++ source)."""
+    gradients into ``dq, dk, dv`` (see the C++ source); ``block_sparse_forward`` and
+    ``block_sparse_backward_``, the same over the blocks of a block mask (``csrc/block_sparse.cpp``)."""
     return _get()[0]
 
 

@@ -31,7 +31,9 @@ independent implementations checked against each other and against torch.
 Package-internal kernel API (for :mod:`attnlab.distributed` and other attnlab modules;
 not in ``__all__``, not for users): :func:`forward_into` (continue a saved ``(out, lse2)``
 state with more keys), :func:`backward_blocks` (FlashAttention-2's backward on the
-``(Nb, r, L, E)`` layout, adding into given tensors), :func:`block_size` (check a tile size).
+``(Nb, r, L, E)`` layout, adding into given tensors), :func:`block_size` (check a tile size),
+:func:`finite_inputs` and :func:`lse_absorbed` (when the native kernels' base-2 arithmetic
+cannot be used; :mod:`attnlab.flex.kernels` asks them too).
 """
 
 from __future__ import annotations
@@ -251,12 +253,12 @@ def _native_ops(mask: Optional[Tensor], q4: Tensor, k3: Tensor, v3: Tensor):
         return None
     if mask is not None and (mask.device.type != "cpu" or mask.dtype not in (torch.bool, torch.float32)):
         return None
-    if not _finite(q4, k3, v3, mask):
+    if not finite_inputs(q4, k3, v3, mask):
         return None  # NaN/inf: the pure code propagates them as torch's MATH backend does
     return _native.ops()
 
 
-def _finite(q4: Tensor, k3: Tensor, v3: Tensor, mask: Optional[Tensor]) -> bool:
+def finite_inputs(q4: Tensor, k3: Tensor, v3: Tensor, mask: Optional[Tensor]) -> bool:
     """No NaN or inf in the inputs (-inf allowed in a float mask: it masks).
 
     The native row pass treats a NaN row as fully masked (its vector max drops NaNs), so
@@ -271,7 +273,7 @@ def _finite(q4: Tensor, k3: Tensor, v3: Tensor, mask: Optional[Tensor]) -> bool:
     return True
 
 
-def _absorbed(lse2: Tensor) -> bool:
+def lse_absorbed(lse2: Tensor) -> bool:
     """Some row's log-sum-exp is so large that ``m_i + log2(l_i)`` lost ``log2(l_i)``.
 
     That happens when a row's every visible score is huge, e.g. a row masked with -1e4 or
@@ -477,7 +479,7 @@ class _FlashAttention(torch.autograd.Function):
             out4, lse2 = _forward_eager(q4, k3, v3, layout, mask, is_causal, scale_f, bq, bk, natural=True)
         else:
             out4, lse2 = _forward(q4, k3, v3, layout, mask, is_causal, scale_f * LOG2E, bq, bk)
-            if _absorbed(lse2):
+            if lse_absorbed(lse2):
                 ctx.natural = True
                 out4, lse2 = _forward_eager(q4, k3, v3, layout, mask, is_causal, scale_f, bq, bk, natural=True)
         ctx.save_for_backward(q4, k3, v3, out4, lse2, mask if mask is not None else torch.empty(0))

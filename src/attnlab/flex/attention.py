@@ -1,6 +1,8 @@
 """``flex_attention``: attention with a ``score_mod`` and a ``BlockMask``, forward and backward.
 
-This is the pure-PyTorch path: it visits the query blocks one at a time, and for each the
+Without a ``score_mod``, float32 calls on the CPU run the native block-sparse kernels
+(:mod:`attnlab.flex.kernels`, ``csrc/block_sparse.cpp``). The rest runs the pure-PyTorch path
+below, the oracle those kernels are tested against: it visits the query blocks one at a time, and for each the
 key blocks its block mask does not mark empty; full blocks get no mask work, partial ones
 their stored bits. The softmax is online (running max ``m_i``, sum ``l_i``, accumulator
 ``acc``, in natural-log units). Without a ``score_mod`` the backward is FlashAttention-2's
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from attnlab.flex import kernels
 from attnlab.flex.block_mask import EMPTY, FULL, BlockMask, _unpack
 
 __all__ = ["flex_attention", "ScoreMod"]
@@ -60,6 +63,12 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
     dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     scale_f = float(scale) if scale is not None else (1.0 / math.sqrt(E) if E else 1.0)
     q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
+    if score_mod is None and kernels.covers(q, k, v):  # the native block-sparse kernels
+        result = kernels.attention(q, k, v, block_mask, scale_f, DEFAULT_BLOCK)
+        if result is not None:
+            out, lse = result
+            out = out.to(query.dtype)
+            return (out, lse) if return_lse else out
     if Hkv != H:  # GQA: each query head's key/value head, (B, H, S, E)
         k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
     bq, bk = block_mask.BLOCK_SIZE if block_mask is not None else (DEFAULT_BLOCK, DEFAULT_BLOCK)

@@ -16,7 +16,7 @@ and at most :data:`CHUNK_KEYS` keys at a time (its index tensors broadcast to at
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -54,6 +54,27 @@ class BlockMask:
     KV_LEN: int
     BLOCK_SIZE: tuple[int, int]
     mask_mod: Optional[MaskMod] = None
+    _rows: Optional[tuple[Tensor, Tensor, Tensor]] = field(default=None, repr=False, compare=False)
+
+    def compressed_rows(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The non-empty blocks as compressed rows, as the native kernels read them
+        (package-internal, for :mod:`attnlab.flex.kernels`; computed once per mask).
+
+        Returns ``row_ptr (Bm * Hm * nq + 1,)``, ``cols (nnz,)`` and ``bit_idx (nnz,)``, all
+        int64: the blocks of plane ``p = b * Hm + h``, query block ``i`` are entries
+        ``row_ptr[p * nq + i] .. row_ptr[p * nq + i + 1]``, with key block ``cols[e]``
+        (ascending) and its tile in :attr:`bits` (``bit_idx[e]``), or -1 for a full block.
+        """
+        if self._rows is None:
+            Bm, Hm, nq, nk = self.kinds.shape
+            visited = (self.kinds != EMPTY).reshape(Bm * Hm * nq, nk)  # (rows, nk)
+            counts = visited.sum(dim=1)
+            row_ptr = torch.zeros(Bm * Hm * nq + 1, dtype=torch.int64)
+            torch.cumsum(counts, dim=0, out=row_ptr[1:])
+            rows, cols = visited.nonzero(as_tuple=True)  # row-major: ascending key blocks in each row
+            bit_idx = self.partial_index.reshape(Bm * Hm * nq, nk)[rows, cols]
+            self._rows = (row_ptr, cols.contiguous(), bit_idx.contiguous())
+        return self._rows
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

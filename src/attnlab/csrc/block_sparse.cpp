@@ -1,0 +1,345 @@
+// attnlab's native block-sparse kernels: the forward and FlashAttention-2 backward of
+// flash.cpp, visiting only the (query block, key block) tiles an attnlab.flex BlockMask keeps.
+//
+// Why a second kernel: flash.cpp walks every key block of a row (or stops at the causal
+// diagonal) and reads a dense (L, S) mask; a sliding window of 1024 at L = 16384 would do 16x
+// the work and read 256 MiB of mask. Here each query block i has a list of key blocks j
+// (compressed rows, built once from the BlockMask by attnlab.flex.kernels):
+//
+//     full    block: S_ij = scale2 * Q_i K_j^T, no mask work at all
+//     partial block: the same, then the packed bits (bit c % 8 of byte c / 8 of the tile's row a;
+//                    1 = attend) set the hidden scores to -inf before the row pass
+//     empty   block: not in the list, never touched
+//
+// The online softmax per row is flash.cpp's (m_i, l_i, acc in base 2; row_pass from kernels.h).
+//
+// Layout (as flash.cpp; only the last dim must be dense):
+//     q4 (Nb, r, L, E)   k3 (Nb, S, E)   v3 (Nb, S, Ev)     r query heads per key/value head
+//     row_ptr (P * nq + 1) int64: the entries of plane p's query block i are
+//                                 row_ptr[p * nq + i] .. row_ptr[p * nq + i + 1]
+//     cols    (nnz) int64: key block index of each entry, ascending within a row
+//     bit_idx (nnz) int64: the entry's tile in bits, or -1 for a full block
+//     bits    (n_partial, bq, bk / 8) uint8
+//     plane_of_head (Nb * r) int64: the mask plane of query head nb * r + h (planes broadcast
+//                                   over batch or heads, as the BlockMask's B / H = None)
+//
+// Work balance: rows of a causal or document mask have very different numbers of blocks, so
+// tasks are sorted by their block count (largest first) and handed out one at a time from an
+// atomic counter, rather than split into equal contiguous ranges.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+#include <atomic>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+struct BlockPlan {
+  const int64_t* row_ptr;
+  const int64_t* cols;
+  const int64_t* bit_idx;
+  const uint8_t* bits;
+  const int64_t* plane_of_head;
+  int64_t nq;
+  int bq, bk;
+
+  int64_t begin(int64_t head, int64_t i) const { return row_ptr[plane_of_head[head] * nq + i]; }
+  int64_t end(int64_t head, int64_t i) const { return row_ptr[plane_of_head[head] * nq + i + 1]; }
+
+  // the hidden scores of a partial tile's rows 0..n-1 (nk keys) become -inf
+  void apply(float* tile, int64_t entry, int n, int nk) const {
+    const int64_t idx = bit_idx[entry];
+    if (idx < 0) return;  // full block: nothing to hide
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const int bytes = bk / 8;
+    for (int a = 0; a < n; ++a) {
+      const uint8_t* packed = bits + (idx * bq + a) * bytes;
+      float* row = tile + static_cast<int64_t>(a) * nk;
+      for (int c = 0; c < nk; ++c) {
+        if (!((packed[c >> 3] >> (c & 7)) & 1)) row[c] = neg_inf;
+      }
+    }
+  }
+};
+
+BlockPlan make_plan(const at::Tensor& row_ptr, const at::Tensor& cols, const at::Tensor& bit_idx,
+                    const at::Tensor& bits, const at::Tensor& plane_of_head, int64_t heads, int64_t L,
+                    int64_t block_q, int64_t block_k) {
+  for (const at::Tensor* t : {&row_ptr, &cols, &bit_idx, &plane_of_head}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1,
+                "attnlab block-sparse: row_ptr, cols, bit_idx, plane_of_head must be contiguous 1-D int64");
+  }
+  TORCH_CHECK(bits.scalar_type() == at::kByte && bits.is_contiguous() && bits.dim() == 3,
+              "attnlab block-sparse: bits must be contiguous (n_partial, bq, bk / 8) uint8");
+  TORCH_CHECK(block_q > 0 && block_k > 0 && block_k % 8 == 0, "attnlab block-sparse: block sizes");
+  TORCH_CHECK(bits.size(0) == 0 || (bits.size(1) == block_q && bits.size(2) == block_k / 8),
+              "attnlab block-sparse: bits tiles must be (block_q, block_k / 8)");
+  TORCH_CHECK(plane_of_head.numel() == heads, "attnlab block-sparse: one plane per query head");
+  TORCH_CHECK(cols.numel() == bit_idx.numel(), "attnlab block-sparse: cols and bit_idx differ in length");
+  const int64_t nq = (L + block_q - 1) / block_q;
+  TORCH_CHECK(nq == 0 || (row_ptr.numel() - 1) % nq == 0, "attnlab block-sparse: row_ptr length");
+  BlockPlan plan{row_ptr.data_ptr<int64_t>(), cols.data_ptr<int64_t>(), bit_idx.data_ptr<int64_t>(),
+                 bits.data_ptr<uint8_t>(), plane_of_head.data_ptr<int64_t>(), nq, static_cast<int>(block_q),
+                 static_cast<int>(block_k)};
+  return plan;
+}
+
+// Runs fn(task) for every task in `order`, handed out one at a time to the threads.
+template <typename F>
+void for_each_dynamic(const std::vector<int64_t>& order, const F& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(order.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) fn(order[t]);
+  });
+}
+
+// Task ids 0..costs.size()-1, the costliest first (ties keep their order).
+std::vector<int64_t> largest_first(const std::vector<int64_t>& costs) {
+  std::vector<int64_t> order(costs.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
+  return order;
+}
+
+void check_inputs(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3, const char* what) {
+  TORCH_CHECK(q4.dim() == 4 && k3.dim() == 3 && v3.dim() == 3, what, ": bad ranks");
+  for (const at::Tensor* t : {&q4, &k3, &v3}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), what, ": float32 CPU only");
+    TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) == 1, what, ": the last dim must be dense");
+  }
+  TORCH_CHECK(k3.size(0) == q4.size(0) && v3.size(0) == q4.size(0) && k3.size(2) == q4.size(3) &&
+                  v3.size(1) == k3.size(1),
+              what, ": shapes");
+}
+
+int64_t lead(const at::Tensor& t, int64_t width) { return t.size(-2) > 1 ? t.stride(-2) : width; }
+
+// out (Nb, r, L, Ev), lse2 (Nb, r, L) base 2 (-inf and output 0 on rows that see no key)
+std::tuple<at::Tensor, at::Tensor> block_sparse_forward(const at::Tensor& q4, const at::Tensor& k3,
+                                                        const at::Tensor& v3, const at::Tensor& row_ptr,
+                                                        const at::Tensor& cols, const at::Tensor& bit_idx,
+                                                        const at::Tensor& bits, const at::Tensor& plane_of_head,
+                                                        double scale2_d, int64_t block_q, int64_t block_k) {
+  check_inputs(q4, k3, v3, "attnlab block-sparse forward");
+  const int64_t Nb = q4.size(0), r = q4.size(1), L = q4.size(2), E = q4.size(3);
+  const int64_t S = k3.size(1), Ev = v3.size(2);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::Tensor out = at::zeros({Nb, r, L, Ev}, q4.options());
+  at::Tensor lse2 = at::full({Nb, r, L}, neg_inf, q4.options());
+  if (Nb == 0 || r == 0 || L == 0 || S == 0) return {out, lse2};
+  const BlockPlan plan = make_plan(row_ptr, cols, bit_idx, bits, plane_of_head, Nb * r, L, block_q, block_k);
+  const int bq = plan.bq, bk = plan.bk;
+  const float scale2 = static_cast<float>(scale2_d);
+  const float* q = q4.data_ptr<float>();
+  const float* k = k3.data_ptr<float>();
+  const float* v = v3.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  float* lse = lse2.data_ptr<float>();
+  const int64_t q_ld = lead(q4, E), k_ld = lead(k3, E), v_ld = lead(v3, Ev);
+  TORCH_CHECK(q_ld >= E && k_ld >= E && v_ld >= Ev, "attnlab block-sparse forward: rows must not overlap");
+
+  const int64_t nq = plan.nq;
+  std::vector<int64_t> costs(static_cast<size_t>(Nb * r * nq));
+  for (int64_t t = 0; t < Nb * r * nq; ++t) costs[t] = plan.end(t / nq, t % nq) - plan.begin(t / nq, t % nq);
+  const std::vector<int64_t> order = largest_first(costs);
+
+  const int64_t per_thread = static_cast<int64_t>(bq) * bk + static_cast<int64_t>(bq) * Ev + 2 * bq;
+  std::vector<float> scratch(static_cast<size_t>(per_thread * at::get_num_threads()));
+  for_each_dynamic(order, [&](int64_t task) {
+    float* s = scratch.data() + per_thread * at::get_thread_num();
+    float* acc = s + static_cast<int64_t>(bq) * bk;
+    float* m_i = acc + static_cast<int64_t>(bq) * Ev;
+    float* l_i = m_i + bq;
+    const int64_t head = task / nq, i = task % nq;  // head = nb * r + h
+    const int64_t nb = head / r, h = head % r;
+    const int64_t i0 = i * bq;
+    const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
+    const int64_t e0 = plan.begin(head, i), e1 = plan.end(head, i);
+    if (e0 == e1) return;  // no visible key: out stays 0, lse2 -inf
+    const float* q_tile = q + nb * q4.stride(0) + h * q4.stride(1) + i0 * q_ld;
+    const float* k_head = k + nb * k3.stride(0);
+    const float* v_head = v + nb * v3.stride(0);
+    std::fill(m_i, m_i + n, neg_inf);
+    std::fill(l_i, l_i + n, 0.0f);
+    std::fill(acc, acc + static_cast<int64_t>(n) * Ev, 0.0f);
+    for (int64_t e = e0; e < e1; ++e) {
+      const int64_t j0 = plan.cols[e] * bk;
+      const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
+      // S_ij = scale2 * Q_i K_j^T   (n, nk)
+      gemm_rm(false, true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_ld), k_head + j0 * k_ld,
+              static_cast<int>(k_ld), 0.0f, s, nk);
+      plan.apply(s, e, n, nk);
+      for (int a = 0; a < n; ++a) {
+        float* row = s + static_cast<int64_t>(a) * nk;
+        float row_sum;
+        const float m_old = m_i[a];
+        const float m_new = row_pass(row, nk, nk, m_old, &row_sum);
+        // alpha = 2^(m_old - m_new) rescales the old state; 0 while the row has seen nothing
+        const float alpha = m_old == neg_inf ? 0.0f : exp2_nonpos(m_old - m_new);
+        l_i[a] = alpha * l_i[a] + row_sum;
+        m_i[a] = m_new;
+        if (alpha != 1.0f) {
+          float* acc_row = acc + static_cast<int64_t>(a) * Ev;
+#pragma omp simd
+          for (int64_t c = 0; c < Ev; ++c) acc_row[c] *= alpha;
+        }
+      }
+      // acc += P~ V_j   (n, Ev)
+      gemm_rm(false, false, n, static_cast<int>(Ev), nk, 1.0f, s, nk, v_head + j0 * v_ld, static_cast<int>(v_ld), 1.0f,
+              acc, static_cast<int>(Ev));
+    }
+    float* o_tile = o + (head * L + i0) * Ev;
+    float* lse_tile = lse + head * L + i0;
+    for (int a = 0; a < n; ++a) {
+      const float* acc_row = acc + static_cast<int64_t>(a) * Ev;
+      float* o_row = o_tile + static_cast<int64_t>(a) * Ev;
+      const float inv = l_i[a] == 0.0f ? 0.0f : 1.0f / l_i[a];
+#pragma omp simd
+      for (int64_t c = 0; c < Ev; ++c) o_row[c] = acc_row[c] * inv;
+      lse_tile[a] = l_i[a] == 0.0f ? neg_inf : m_i[a] + std::log2(l_i[a]);
+    }
+  });
+  return {out, lse2};
+}
+
+// FlashAttention-2's backward over the visited tiles (flash.cpp's flash_backward_, same
+// formulas), adding into dq (Nb, r, L, E), dk (Nb, S, E), dv (Nb, S, Ev). delta (Nb, r, L) is
+// D_i = rowsum(dO_i * O_i) minus the gradient reaching lse (d lse / d s = P), so one formula
+// covers both. One task per key/value head (single writer of its dK, dV rows), or per query
+// head of a group when there are fewer key/value heads than threads (partial dK, dV summed).
+void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
+                            const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
+                            const at::Tensor& dv, const at::Tensor& row_ptr, const at::Tensor& cols,
+                            const at::Tensor& bit_idx, const at::Tensor& bits, const at::Tensor& plane_of_head,
+                            double scale_d, int64_t block_q, int64_t block_k) {
+  check_inputs(q4, k3, v3, "attnlab block-sparse backward");
+  const int64_t Nb = q4.size(0), r = q4.size(1), L = q4.size(2), E = q4.size(3);
+  const int64_t S = k3.size(1), Ev = v3.size(2);
+  for (const at::Tensor* t : {&dout, &lse2, &delta, &dq, &dk, &dv}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && (t->stride(-1) == 1 || t->size(-1) == 1),
+                "attnlab block-sparse backward: float32 with a dense last dim");
+  }
+  TORCH_CHECK(dq.sizes() == q4.sizes() && dk.sizes() == k3.sizes() && dv.sizes() == v3.sizes() &&
+                  dout.sizes() == at::IntArrayRef({Nb, r, L, Ev}) && lse2.sizes() == at::IntArrayRef({Nb, r, L}) &&
+                  delta.sizes() == lse2.sizes(),
+              "attnlab block-sparse backward: shapes");
+  if (Nb == 0 || r == 0 || L == 0 || S == 0 || E == 0 || Ev == 0) return;
+  const BlockPlan plan = make_plan(row_ptr, cols, bit_idx, bits, plane_of_head, Nb * r, L, block_q, block_k);
+  const int bq = plan.bq, bk = plan.bk;
+  const int64_t nq = plan.nq;
+  const float scale = static_cast<float>(scale_d);
+  const float scale2 = scale * 1.4426950408889634f;  // log2(e): the forward's base-2 scores
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t q_ld = lead(q4, E), do_ld = lead(dout, Ev), dq_ld = lead(dq, E);
+  const int64_t k_ld = lead(k3, E), v_ld = lead(v3, Ev), dk_ld = lead(dk, E), dv_ld = lead(dv, Ev);
+  TORCH_CHECK(q_ld >= E && do_ld >= Ev && dq_ld >= E && k_ld >= E && v_ld >= Ev && dk_ld >= E && dv_ld >= Ev,
+              "attnlab block-sparse backward: rows must not overlap");
+  const float* q = q4.data_ptr<float>();
+  const float* k = k3.data_ptr<float>();
+  const float* v = v3.data_ptr<float>();
+  const float* gout = dout.data_ptr<float>();
+  const float* lse = lse2.data_ptr<float>();
+  const float* dlt = delta.data_ptr<float>();
+  float* gq = dq.data_ptr<float>();
+
+  const int n_threads = at::get_num_threads();
+  const bool split = Nb < n_threads && r > 1;
+  at::Tensor dk_parts, dv_parts;
+  if (split) {
+    dk_parts = at::zeros({Nb, r, S, E}, dk.options());
+    dv_parts = at::zeros({Nb, r, S, Ev}, dv.options());
+  }
+  const int64_t n_tasks = split ? Nb * r : Nb;
+  std::vector<int64_t> costs(static_cast<size_t>(n_tasks), 0);
+  for (int64_t t = 0; t < n_tasks; ++t) {
+    const int64_t h_begin = split ? t % r : 0, h_end = split ? h_begin + 1 : r, nb = split ? t / r : t;
+    for (int64_t h = h_begin; h < h_end; ++h)
+      for (int64_t i = 0; i < nq; ++i) costs[t] += plan.end(nb * r + h, i) - plan.begin(nb * r + h, i);
+  }
+  const std::vector<int64_t> order = largest_first(costs);
+  const int64_t tile = static_cast<int64_t>(bq) * bk;
+  std::vector<float> scratch(static_cast<size_t>(2 * tile * n_threads));
+  for_each_dynamic(order, [&](int64_t task) {
+    float* p = scratch.data() + 2 * tile * at::get_thread_num();
+    float* dp = p + tile;
+    const int64_t nb = split ? task / r : task;
+    const int64_t h_begin = split ? task % r : 0, h_end = split ? h_begin + 1 : r;
+    const float* k_head = k + nb * k3.stride(0);
+    const float* v_head = v + nb * v3.stride(0);
+    float* dk_head = split ? dk_parts.data_ptr<float>() + task * S * E : dk.data_ptr<float>() + nb * dk.stride(0);
+    float* dv_head = split ? dv_parts.data_ptr<float>() + task * S * Ev : dv.data_ptr<float>() + nb * dv.stride(0);
+    const int64_t dk_row = split ? E : dk_ld, dv_row = split ? Ev : dv_ld;
+    for (int64_t h = h_begin; h < h_end; ++h) {
+      const int64_t head = nb * r + h;
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t i0 = i * bq;
+        const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
+        const float* q_tile = q + nb * q4.stride(0) + h * q4.stride(1) + i0 * q_ld;
+        const float* do_tile = gout + nb * dout.stride(0) + h * dout.stride(1) + i0 * do_ld;
+        float* dq_tile = gq + nb * dq.stride(0) + h * dq.stride(1) + i0 * dq_ld;
+        const float* lse_rows = lse + nb * lse2.stride(0) + h * lse2.stride(1) + i0 * lse2.stride(2);
+        const float* d_rows = dlt + nb * delta.stride(0) + h * delta.stride(1) + i0 * delta.stride(2);
+        for (int64_t e = plan.begin(head, i); e < plan.end(head, i); ++e) {
+          const int64_t j0 = plan.cols[e] * bk;
+          const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
+          // P = 2^(scale2 * Q_i K_j^T - lse2_i), hidden scores -inf first (2^-inf = 0)
+          gemm_rm(false, true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_ld), k_head + j0 * k_ld,
+                  static_cast<int>(k_ld), 0.0f, p, nk);
+          plan.apply(p, e, n, nk);
+          for (int a = 0; a < n; ++a) {
+            float* row = p + static_cast<int64_t>(a) * nk;
+            const float m = lse_rows[a * lse2.stride(2)];
+            if (m == neg_inf) {  // a row that saw no key has no gradient
+              std::fill(row, row + nk, 0.0f);
+            } else {
+              exp2_shifted(row, nk, m);
+            }
+          }
+          // dV_j += P^T dO_i   (nk, Ev)
+          gemm_rm(true, false, nk, static_cast<int>(Ev), n, 1.0f, p, nk, do_tile, static_cast<int>(do_ld), 1.0f,
+                  dv_head + j0 * dv_row, static_cast<int>(dv_row));
+          // dP = dO_i V_j^T   (n, nk)
+          gemm_rm(false, true, n, nk, static_cast<int>(Ev), 1.0f, do_tile, static_cast<int>(do_ld), v_head + j0 * v_ld,
+                  static_cast<int>(v_ld), 0.0f, dp, nk);
+          // dS = P * (dP - D_i), over dP
+          for (int a = 0; a < n; ++a) {
+            const float d = d_rows[a * delta.stride(2)];
+            const float* p_row = p + static_cast<int64_t>(a) * nk;
+            float* ds_row = dp + static_cast<int64_t>(a) * nk;
+#pragma omp simd
+            for (int c = 0; c < nk; ++c) ds_row[c] = p_row[c] * (ds_row[c] - d);
+          }
+          // dQ_i += scale * dS K_j   (n, E)
+          gemm_rm(false, false, n, static_cast<int>(E), nk, scale, dp, nk, k_head + j0 * k_ld, static_cast<int>(k_ld),
+                  1.0f, dq_tile, static_cast<int>(dq_ld));
+          // dK_j += scale * dS^T Q_i   (nk, E)
+          gemm_rm(true, false, nk, static_cast<int>(E), n, scale, dp, nk, q_tile, static_cast<int>(q_ld), 1.0f,
+                  dk_head + j0 * dk_row, static_cast<int>(dk_row));
+        }
+      }
+    }
+  });
+  if (split) {
+    dk.add_(dk_parts.sum(1));
+    dv.add_(dv_parts.sum(1));
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
+  m.def("block_sparse_forward(Tensor q4, Tensor k3, Tensor v3, Tensor row_ptr, Tensor cols, Tensor bit_idx, Tensor bits, Tensor plane_of_head, float scale2, int block_q, int block_k) -> (Tensor, Tensor)");
+  m.def("block_sparse_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor row_ptr, Tensor cols, Tensor bit_idx, Tensor bits, Tensor plane_of_head, float scale, int block_q, int block_k) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
+  m.impl("block_sparse_forward", &block_sparse_forward);
+  m.impl("block_sparse_backward_", &block_sparse_backward_);
+}

@@ -1,0 +1,161 @@
+// Shared pieces of attnlab's native kernels (flash.cpp: dense and masked tiles;
+// block_sparse.cpp: the block masks of attnlab.flex): the row-major GEMM through BLAS, the
+// vectorised 2^x, and the online-softmax row pass. Each kernel file includes it; everything
+// here is inline, in an unnamed namespace, so each translation unit has its own copy.
+#pragma once
+
+#include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+namespace {
+
+// Row-major C (m x n, ldc) = alpha * op(A) (m x k) * op(B) (k x n) + beta * C, through
+// column-major sgemm: a row-major matrix is the column-major transpose, so C^T = op(B)^T op(A)^T.
+inline void gemm_rm(bool a_transposed, bool b_transposed, int m, int n, int k, float alpha, const float* a, int lda,
+             const float* b, int ldb, float beta, float* c, int ldc) {
+  const char tb = b_transposed ? 'T' : 'N';
+  const char ta = a_transposed ? 'T' : 'N';
+  sgemm_(&tb, &ta, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+
+// 2^x for x <= 0, vectorisable: x = n + f with n = round(x), f in [-1/2, 1/2];
+// 2^f by its degree-7 Taylor polynomial in f*ln2 (relative error < 1e-8, under float32's
+// half ulp); 2^n by writing n + 127 into the exponent bits. x <= -127 gives exactly 0.
+inline float exp2_nonpos(float x) {
+  x = x < -127.0f ? -127.0f : x;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  const float shifted = x + magic;
+  const float n = shifted - magic;
+  const float f = (x - n) * 0.6931471805599453f;  // f * ln 2, in [-0.347, 0.347]
+  float p = 1.0f / 5040.0f;
+  p = p * f + 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  int32_t shifted_bits, magic_bits;
+  std::memcpy(&shifted_bits, &shifted, 4);
+  std::memcpy(&magic_bits, &magic, 4);
+  const int32_t exponent = (shifted_bits - magic_bits + 127) << 23;  // n = -127 -> 0.0f
+  float two_n;
+  std::memcpy(&two_n, &exponent, 4);
+  return p * two_n;
+}
+
+// One row of the tile: returns max(m_old, rowmax(row[0:valid])) and overwrites row[0:valid]
+// with 2^(row - m_new), row[valid:nk] with 0; *row_sum gets the sum of the new values.
+#if defined(__AVX512F__)
+// The same 2^x with AVX-512: vroundscaleps gives n, vscalefps multiplies by 2^n (and
+// underflows to 0 by itself), and the polynomial in f is a degree-6 near-minimax fit of 2^f on
+// [-1/2, 1/2] (relative error 1.0e-7 in float32, about torch's own exp); 11 vector ops for
+// 16 values where the portable version needs 18: the row pass is bound by this arithmetic.
+inline __m512 exp2_nonpos_v(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));  // keeps x - n finite for x = -inf
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.5370704932138324e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399848248809576e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618373587727547e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550329014658928e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022647738456726f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471824645996f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline float row_pass(float* row, int valid, int nk, float m_old, float* row_sum) {
+  const int full = valid & ~15;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (valid - full)) - 1u);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mx0 = neg_inf, mx1 = neg_inf;  // two chains: vmaxps latency would otherwise bind
+  int c = 0;
+  for (; c + 32 <= full; c += 32) {
+    mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(row + c));
+    mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(row + c + 16));
+  }
+  for (; c < full; c += 16) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(row + c));
+  if (tail) mx1 = _mm512_max_ps(mx1, _mm512_mask_loadu_ps(neg_inf, tail, row + full));
+  const float m_new = std::max(m_old, _mm512_reduce_max_ps(_mm512_max_ps(mx0, mx1)));
+  if (m_new == -std::numeric_limits<float>::infinity()) {  // every key so far masked: nothing to add
+    std::fill(row, row + nk, 0.0f);
+    *row_sum = 0.0f;
+    return m_new;
+  }
+  const __m512 shift = _mm512_set1_ps(m_new);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  for (c = 0; c + 32 <= full; c += 32) {
+    const __m512 p0 = exp2_nonpos_v(_mm512_sub_ps(_mm512_loadu_ps(row + c), shift));
+    const __m512 p1 = exp2_nonpos_v(_mm512_sub_ps(_mm512_loadu_ps(row + c + 16), shift));
+    _mm512_storeu_ps(row + c, p0);
+    _mm512_storeu_ps(row + c + 16, p1);
+    sum0 = _mm512_add_ps(sum0, p0);
+    sum1 = _mm512_add_ps(sum1, p1);
+  }
+  for (; c < full; c += 16) {
+    const __m512 p0 = exp2_nonpos_v(_mm512_sub_ps(_mm512_loadu_ps(row + c), shift));
+    _mm512_storeu_ps(row + c, p0);
+    sum0 = _mm512_add_ps(sum0, p0);
+  }
+  if (tail) {
+    const __m512 p0 = _mm512_maskz_mov_ps(tail, exp2_nonpos_v(_mm512_sub_ps(_mm512_mask_loadu_ps(shift, tail, row + full), shift)));
+    _mm512_mask_storeu_ps(row + full, tail, p0);
+    sum1 = _mm512_add_ps(sum1, p0);
+  }
+  for (c = valid; c < nk; ++c) row[c] = 0.0f;
+  *row_sum = _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+  return m_new;
+}
+// row[0:valid] = 2^(row - shift): the backward's P from the saved log-sum-exp
+inline void exp2_shifted(float* row, int valid, float shift) {
+  const int full = valid & ~15;
+  const __m512 sh = _mm512_set1_ps(shift);
+  int c = 0;
+  for (; c < full; c += 16) _mm512_storeu_ps(row + c, exp2_nonpos_v(_mm512_sub_ps(_mm512_loadu_ps(row + c), sh)));
+  if (c < valid) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (valid - c)) - 1u);
+    _mm512_mask_storeu_ps(row + c, tail, exp2_nonpos_v(_mm512_sub_ps(_mm512_mask_loadu_ps(sh, tail, row + c), sh)));
+  }
+}
+#else
+// row[0:valid] = 2^(row - shift): the backward's P from the saved log-sum-exp
+inline void exp2_shifted(float* row, int valid, float shift) {
+#pragma omp simd
+  for (int c = 0; c < valid; ++c) row[c] = exp2_nonpos(row[c] - shift);
+}
+
+inline float row_pass(float* row, int valid, int nk, float m_old, float* row_sum) {
+  float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+  for (int c = 0; c < valid; ++c) mx = std::max(mx, row[c]);
+  const float m_new = std::max(m_old, mx);
+  if (m_new == -std::numeric_limits<float>::infinity()) {  // every key so far masked: nothing to add
+    std::fill(row, row + nk, 0.0f);
+    *row_sum = 0.0f;
+    return m_new;
+  }
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int c = 0; c < valid; ++c) {
+    const float p = exp2_nonpos(row[c] - m_new);
+    row[c] = p;
+    sum += p;
+  }
+  for (int c = valid; c < nk; ++c) row[c] = 0.0f;
+  *row_sum = sum;
+  return m_new;
+}
+#endif
+
+}  // namespace

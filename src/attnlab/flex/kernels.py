@@ -1,0 +1,124 @@
+"""The native block-sparse kernels behind :func:`attnlab.flex.flex_attention` (package-internal).
+
+``csrc/block_sparse.cpp`` runs attnlab's online-softmax forward and FlashAttention-2 backward
+over the blocks a :class:`~attnlab.flex.BlockMask` keeps: empty blocks are never visited, full
+blocks get no mask work, partial blocks read their packed bits. Grouped heads are not
+repeated: the ``r = H / Hkv`` query heads of a key/value head share its K and V, as in
+:mod:`attnlab.tiled`::
+
+    q4 (Nb, r, L, E)    k3 (Nb, S, E)    v3 (Nb, S, Ev)      Nb = B * Hkv
+
+:func:`attention` is used for calls without a ``score_mod`` when the kernels cover them
+(float32 math on the CPU, finite inputs, the kernels built); anything else runs the pure path
+of :mod:`attnlab.flex.attention`, which is also the oracle these kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from attnlab import _native, tiled
+from attnlab.flex.block_mask import BlockMask
+
+__all__: list[str] = []  # package-internal
+
+LN2 = math.log(2.0)
+
+
+def covers(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """The native kernels can run this call: float32 on the CPU, no NaN or inf, kernels built.
+
+    Non-finite inputs go to the pure path, which propagates them as torch does (the native row
+    pass would treat a NaN row as masked; see :func:`attnlab.tiled.finite_inputs`).
+    """
+    if q.device.type != "cpu" or not (q.dtype == k.dtype == v.dtype == torch.float32):
+        return False
+    if 0 in (q.shape[-1], v.shape[-1]):  # E = 0 or Ev = 0: nothing for BLAS to do; the pure path's answer
+        return False
+    if not tiled.finite_inputs(q, k, v, None):
+        return False
+    return _native.ops() is not None
+
+
+def _full_rows(nq: int, nk: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Compressed rows of a mask with every block full (no block_mask given)."""
+    row_ptr = torch.arange(nq + 1, dtype=torch.int64) * nk
+    cols = torch.arange(nk, dtype=torch.int64).repeat(nq)
+    return row_ptr, cols, torch.full((nq * nk,), -1, dtype=torch.int64)
+
+
+def _plan(block_mask: Optional[BlockMask], B: int, H: int, L: int, S: int,
+          block: int) -> tuple[tuple[Tensor, ...], int, int]:
+    """``(row_ptr, cols, bit_idx, bits, plane_of_head), bq, bk`` for the kernels.
+
+    ``plane_of_head (B * H,)``: the mask plane of query head ``b * H + h``, which is also head
+    ``nb * r + g`` of the ``(Nb, r)`` layout (``nb = b * Hkv + h // r``, ``g = h % r``).
+    """
+    if block_mask is None:
+        bq = bk = block
+        rows = _full_rows(math.ceil(L / bq), math.ceil(S / bk))
+        bits = torch.zeros(0, bq, bk // 8, dtype=torch.uint8)
+        planes = torch.zeros(B * H, dtype=torch.int64)
+        return (*rows, bits, planes), bq, bk
+    bq, bk = block_mask.BLOCK_SIZE
+    Bm, Hm = block_mask.kinds.shape[:2]
+    b = torch.arange(B, dtype=torch.int64).view(B, 1) * (Bm > 1)  # (B, 1); 0 where the mask broadcasts
+    h = torch.arange(H, dtype=torch.int64).view(1, H) * (Hm > 1)  # (1, H)
+    planes = (b * Hm + h).reshape(-1).contiguous()  # (B * H,)
+    return (*block_mask.compressed_rows(), block_mask.bits.contiguous(), planes), bq, bk
+
+
+def _last_dim_dense(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+class _BlockSparse(torch.autograd.Function):
+    """Native forward and backward. Inputs ``q (B, H, L, E)``, ``k (B, Hkv, S, E)``,
+    ``v (B, Hkv, S, Ev)``; outputs ``out (B, H, L, Ev)`` and ``lse2 (B, H, L)`` (base 2)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, bq, bk, scale):
+        B, H, L, E = q.shape
+        Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[-1]
+        r = H // Hkv
+        q4 = _last_dim_dense(q.reshape(B * Hkv, r, L, E))  # (Nb, r, L, E): heads h = g * r + j share K, V of g
+        k3 = _last_dim_dense(k.reshape(B * Hkv, S, E))  # (Nb, S, E)
+        v3 = _last_dim_dense(v.reshape(B * Hkv, S, Ev))  # (Nb, S, Ev)
+        out4, lse2 = _native.ops().block_sparse_forward(q4, k3, v3, *plan, scale * tiled.LOG2E, bq, bk)
+        ctx.save_for_backward(q4, k3, v3, out4, lse2, *plan)
+        ctx.shapes, ctx.blocks, ctx.scale = (q.shape, k.shape, v.shape), (bq, bk), scale
+        return out4.view(B, H, L, Ev), lse2.view(B, H, L)
+
+    @staticmethod
+    def backward(ctx, dout, dlse2):
+        q4, k3, v3, out4, lse2, *plan = ctx.saved_tensors
+        q_shape, k_shape, v_shape = ctx.shapes
+        dout4 = torch.zeros_like(out4) if dout is None else dout.reshape(out4.shape).contiguous()
+        delta = (dout4 * out4).sum(dim=-1)  # D_i = rowsum(dO_i * O_i), (Nb, r, L)
+        if dlse2 is not None:  # lse2 = lse / ln 2 and d lse / d s = P: fold it into D_i
+            delta = delta - dlse2.reshape(delta.shape) * tiled.LOG2E
+        dq, dk, dv = torch.zeros_like(q4), torch.zeros_like(k3), torch.zeros_like(v3)
+        _native.ops().block_sparse_backward_(dout4, q4, k3, v3, lse2, delta.contiguous(), dq, dk, dv, *plan,
+                                             ctx.scale, *ctx.blocks)
+        return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), None, None, None, None
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Optional[BlockMask], scale: float,
+              block: int) -> Optional[tuple[Tensor, Tensor]]:
+    """``(out (B, H, L, Ev), lse (B, H, L))`` (natural-log lse) from the native kernels, or None
+    when a row's log-sum-exp is too large for their base-2 arithmetic
+    (:func:`attnlab.tiled.lse_absorbed`): the caller then runs the pure path.
+
+    ``q (B, H, L, E)``, ``k (B, Hkv, S, E)``, ``v (B, Hkv, S, Ev)``, float32; ``block`` is the
+    tile size used when ``block_mask`` is None (every block full).
+    """
+    B, H, L, _ = q.shape
+    plan, bq, bk = _plan(block_mask, B, H, L, k.shape[2], block)
+    out, lse2 = _BlockSparse.apply(q, k, v, plan, bq, bk, scale)
+    if tiled.lse_absorbed(lse2.detach()):
+        return None
+    return out, lse2 * LN2
