@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from attnlab import tiled
-from attnlab.flex import (BlockMask, causal_mask, create_block_mask, document_ids, document_mask, flex_attention,
-                          prefix_lm, sliding_window)
+from attnlab.flex import (BlockMask, alibi, causal_mask, create_block_mask, document_ids, document_mask, flex_attention,
+                          prefix_lm, relative_bias, sliding_window, softcap)
 from attnlab.flex import block_mask as bm_module
 from attnlab.flex import kernels
 from attnlab.functional import scaled_dot_product_attention as reference
@@ -206,3 +206,67 @@ def test_bfloat16_inputs_run_the_float32_kernels(native_calls):
     assert out.dtype == torch.bfloat16 and native_calls == [True]
     ref = reference(q, k, v, attn_mask=dense(sliding_window(10), 1, 1, 64, 64))
     assert_close(out, ref, dtype=torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- score mods in the kernels
+def scores_oracle(q, k, mod_bias=None, cap=None, mask=None):
+    """float64 scores with the mod written out: (B, H, L, S)."""
+    E = q.shape[-1]
+    s = (q.double() @ k.double().transpose(-2, -1)) / E ** 0.5
+    if cap is not None:
+        s = cap * torch.tanh(s / cap)
+    if mod_bias is not None:
+        s = s + mod_bias
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return s
+
+
+def attend(s, v):
+    """softmax(s) v with zero rows where everything is masked (the oracle, in the test only)."""
+    w = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return w @ v.double()
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "sliding"])
+@pytest.mark.parametrize("kind", ["alibi", "softcap", "relative", "relative_shared"])
+def test_score_mods_run_natively_with_their_gradients(kind, masked, native_calls):
+    """ALiBi, soft-capping and a relative-position table (clamped beyond its n = 40 distances,
+    shorter than L) in the kernels: output, q/k/v gradients and the table's gradient against
+    float64 autograd through the written-out scores."""
+    B, H, L, S, E = 2, 4, 100, 90, 16
+    q = (randn(B, H, L, E) * 2).requires_grad_()
+    k, v = randn(B, H, S, E, seed=1).requires_grad_(), randn(B, H, S, 8, seed=2).requires_grad_()
+    table = (randn(H if kind == "relative" else 1, 79, seed=3) * 0.5).squeeze(0).requires_grad_()
+    mod = {"alibi": alibi(H), "softcap": softcap(1.5), "relative": relative_bias(table),
+           "relative_shared": relative_bias(table)}[kind]
+    bm = create_block_mask(sliding_window(30), None, None, L, S, BLOCK_SIZE=32) if masked else None
+    out = flex_attention(q, k, v, score_mod=mod, block_mask=bm)
+    g = randn(*out.shape, seed=4)
+    (out * g).sum().backward()
+    assert native_calls == [True]
+
+    q2, k2, v2, t2 = (t.detach().double().requires_grad_() for t in (q, k, v, table))
+    d = torch.arange(L).view(L, 1) - torch.arange(S).view(1, S)  # q_idx - kv_idx
+    bias = None
+    if kind == "alibi":
+        slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], dtype=torch.float64)
+        bias = -slopes.view(1, H, 1, 1) * d
+    elif kind.startswith("relative"):
+        idx = d.clamp(-39, 39) + 39
+        bias = t2[:, idx].unsqueeze(0) if kind == "relative" else t2[idx]
+    mask = dense(sliding_window(30), 1, 1, L, S) if masked else None
+    ref = attend(scores_oracle(q2, k2, bias, 1.5 if kind == "softcap" else None, mask), v2)
+    (ref * g.double()).sum().backward()
+    assert_close(out, ref.float(), dtype=torch.float32, msg="output")
+    for a, b_, what in ((q.grad, q2.grad, "dq"), (k.grad, k2.grad, "dk"), (v.grad, v2.grad, "dv")):
+        assert_close(a, b_.float(), dtype=torch.float32, msg=what)
+    if kind.startswith("relative"):
+        assert table.grad is not None and table.grad.abs().sum() > 0
+        assert_close(table.grad, t2.grad.float(), dtype=torch.float32, msg="d table")
+
+
+def test_other_score_mods_take_the_pure_path(native_calls):
+    q = randn(1, 2, 40, 8)
+    flex_attention(q, q, q, score_mod=lambda s, b, h, qi, kv: s * 0.5)
+    assert native_calls == []

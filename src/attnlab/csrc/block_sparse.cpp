@@ -12,6 +12,8 @@
 //     empty   block: not in the list, never touched
 //
 // The online softmax per row is flash.cpp's (m_i, l_i, acc in base 2; row_pass from kernels.h).
+// The common score mods run here too (ScoreMod: ALiBi and relative-position bias tables, with
+// the table's gradient, and tanh soft-capping); any other score_mod runs attnlab.flex's pure path.
 //
 // Layout (as flash.cpp; only the last dim must be dense):
 //     q4 (Nb, r, L, E)   k3 (Nb, S, E)   v3 (Nb, S, Ev)     r query heads per key/value head
@@ -35,6 +37,7 @@
 
 #include <atomic>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -89,6 +92,79 @@ BlockPlan make_plan(const at::Tensor& row_ptr, const at::Tensor& cols, const at:
   return plan;
 }
 
+// The score mods the kernels run natively (attnlab.flex.mods: alibi, relative_bias, softcap),
+// applied to the natural-log scores s = scale * q.k of a tile, in torch's order:
+//     s = cap * tanh(s / cap)                       if cap > 0          (tanh soft-capping)
+//     s = s + table[row_of_head[head], clamp(i - j, -(n-1), n-1) + n - 1]   if a table is given
+// (ALiBi is the table -slope_h * (i - j), built by the caller), then times log2(e) for the
+// base-2 row pass. The backward needs d s_mod / d s = 1 - tanh^2 (kept in `deriv`) and adds
+// the bias gradient dS into dtable.
+struct ScoreMod {
+  const float* table = nullptr;
+  const int64_t* row_of_head = nullptr;
+  int64_t width = 0, n = 0;  // width = 2n - 1
+  float cap = 0.0f;
+
+  bool present() const { return table != nullptr || cap > 0.0f; }
+
+  // tile (rows x nk) natural scores of query head `head`, queries i0.., keys j0..: mod, then base 2
+  void apply(float* tile, float* deriv, int64_t head, int64_t i0, int64_t j0, int rows, int nk) const {
+    const float* t_row = table != nullptr ? table + row_of_head[head] * width : nullptr;
+    for (int a = 0; a < rows; ++a) {
+      float* row = tile + static_cast<int64_t>(a) * nk;
+      if (cap > 0.0f) {
+        float* d_row = deriv != nullptr ? deriv + static_cast<int64_t>(a) * nk : nullptr;
+        const float inv = 1.0f / cap;
+        for (int c = 0; c < nk; ++c) {
+          const float t = std::tanh(row[c] * inv);
+          row[c] = cap * t;
+          if (d_row != nullptr) d_row[c] = 1.0f - t * t;
+        }
+      }
+      if (t_row != nullptr) {
+        const int64_t d0 = i0 + a - j0;  // i - j at c = 0; it falls by one per key
+        if (d0 <= n - 1 && d0 - (nk - 1) >= -(n - 1)) {  // no clamping on this row
+          const float* base = t_row + d0 + n - 1;
+          for (int c = 0; c < nk; ++c) row[c] += base[-c];
+        } else {
+          for (int c = 0; c < nk; ++c) row[c] += t_row[std::clamp<int64_t>(d0 - c, -(n - 1), n - 1) + n - 1];
+        }
+      }
+#pragma omp simd
+      for (int c = 0; c < nk; ++c) row[c] *= 1.4426950408889634f;
+    }
+  }
+
+  // dtable[row_of_head[head], clamp(i - j) + n - 1] += dS  (ds: rows x nk, natural units)
+  void add_grad(float* dtable, const float* ds, int64_t head, int64_t i0, int64_t j0, int rows, int nk) const {
+    float* g_row = dtable + row_of_head[head] * width;
+    for (int a = 0; a < rows; ++a) {
+      const float* ds_row = ds + static_cast<int64_t>(a) * nk;
+      const int64_t d0 = i0 + a - j0;
+      for (int c = 0; c < nk; ++c) g_row[std::clamp<int64_t>(d0 - c, -(n - 1), n - 1) + n - 1] += ds_row[c];
+    }
+  }
+};
+
+ScoreMod make_mod(const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& row_of_head, double cap,
+                  int64_t heads) {
+  ScoreMod mod;
+  TORCH_CHECK(cap >= 0.0, "attnlab block-sparse: softcap must be >= 0 (0 = none)");
+  mod.cap = static_cast<float>(cap);
+  if (!table.has_value() || !table->defined()) return mod;
+  TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() && table->dim() == 2 &&
+                  table->size(1) % 2 == 1,
+              "attnlab block-sparse: bias table must be contiguous float32 (rows, 2n - 1)");
+  TORCH_CHECK(row_of_head.has_value() && row_of_head->scalar_type() == at::kLong && row_of_head->is_contiguous() &&
+                  row_of_head->numel() == heads,
+              "attnlab block-sparse: row_of_head must be int64 with one entry per query head");
+  mod.table = table->data_ptr<float>();
+  mod.row_of_head = row_of_head->data_ptr<int64_t>();
+  mod.width = table->size(1);
+  mod.n = (mod.width + 1) / 2;
+  return mod;
+}
+
 // Runs fn(task) for every task in `order`, handed out one at a time to the threads.
 template <typename F>
 void for_each_dynamic(const std::vector<int64_t>& order, const F& fn) {
@@ -126,6 +202,8 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_forward(const at::Tensor& q4, co
                                                         const at::Tensor& v3, const at::Tensor& row_ptr,
                                                         const at::Tensor& cols, const at::Tensor& bit_idx,
                                                         const at::Tensor& bits, const at::Tensor& plane_of_head,
+                                                        const std::optional<at::Tensor>& table,
+                                                        const std::optional<at::Tensor>& row_of_head, double cap,
                                                         double scale2_d, int64_t block_q, int64_t block_k) {
   check_inputs(q4, k3, v3, "attnlab block-sparse forward");
   const int64_t Nb = q4.size(0), r = q4.size(1), L = q4.size(2), E = q4.size(3);
@@ -135,8 +213,11 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_forward(const at::Tensor& q4, co
   at::Tensor lse2 = at::full({Nb, r, L}, neg_inf, q4.options());
   if (Nb == 0 || r == 0 || L == 0 || S == 0) return {out, lse2};
   const BlockPlan plan = make_plan(row_ptr, cols, bit_idx, bits, plane_of_head, Nb * r, L, block_q, block_k);
+  const ScoreMod mod = make_mod(table, row_of_head, cap, Nb * r);
   const int bq = plan.bq, bk = plan.bk;
   const float scale2 = static_cast<float>(scale2_d);
+  // with a score mod the GEMM gives natural-log scores, the mod works on those, then base 2
+  const float gemm_scale = mod.present() ? scale2 / 1.4426950408889634f : scale2;
   const float* q = q4.data_ptr<float>();
   const float* k = k3.data_ptr<float>();
   const float* v = v3.data_ptr<float>();
@@ -172,9 +253,10 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_forward(const at::Tensor& q4, co
     for (int64_t e = e0; e < e1; ++e) {
       const int64_t j0 = plan.cols[e] * bk;
       const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
-      // S_ij = scale2 * Q_i K_j^T   (n, nk)
-      gemm_rm(false, true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_ld), k_head + j0 * k_ld,
+      // S_ij = scale2 * Q_i K_j^T   (n, nk), or the score mod of scale * Q_i K_j^T
+      gemm_rm(false, true, n, nk, static_cast<int>(E), gemm_scale, q_tile, static_cast<int>(q_ld), k_head + j0 * k_ld,
               static_cast<int>(k_ld), 0.0f, s, nk);
+      if (mod.present()) mod.apply(s, nullptr, head, i0, j0, n, nk);
       plan.apply(s, e, n, nk);
       for (int a = 0; a < n; ++a) {
         float* row = s + static_cast<int64_t>(a) * nk;
@@ -218,7 +300,9 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
                             const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
                             const at::Tensor& dv, const at::Tensor& row_ptr, const at::Tensor& cols,
                             const at::Tensor& bit_idx, const at::Tensor& bits, const at::Tensor& plane_of_head,
-                            double scale_d, int64_t block_q, int64_t block_k) {
+                            const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& row_of_head,
+                            double cap, const std::optional<at::Tensor>& dtable, double scale_d, int64_t block_q,
+                            int64_t block_k) {
   check_inputs(q4, k3, v3, "attnlab block-sparse backward");
   const int64_t Nb = q4.size(0), r = q4.size(1), L = q4.size(2), E = q4.size(3);
   const int64_t S = k3.size(1), Ev = v3.size(2);
@@ -232,6 +316,11 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
               "attnlab block-sparse backward: shapes");
   if (Nb == 0 || r == 0 || L == 0 || S == 0 || E == 0 || Ev == 0) return;
   const BlockPlan plan = make_plan(row_ptr, cols, bit_idx, bits, plane_of_head, Nb * r, L, block_q, block_k);
+  const ScoreMod mod = make_mod(table, row_of_head, cap, Nb * r);
+  const bool table_grad = dtable.has_value() && dtable->defined();
+  TORCH_CHECK(!table_grad || (mod.table != nullptr && dtable->sizes() == table->sizes() &&
+                              dtable->scalar_type() == at::kFloat && dtable->is_contiguous()),
+              "attnlab block-sparse backward: dtable must be a contiguous float32 tensor shaped like table");
   const int bq = plan.bq, bk = plan.bk;
   const int64_t nq = plan.nq;
   const float scale = static_cast<float>(scale_d);
@@ -265,10 +354,17 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
   }
   const std::vector<int64_t> order = largest_first(costs);
   const int64_t tile = static_cast<int64_t>(bq) * bk;
-  std::vector<float> scratch(static_cast<size_t>(2 * tile * n_threads));
+  std::vector<float> scratch(static_cast<size_t>(3 * tile * n_threads));
+  // the bias gradient: one private copy of the table per task (tasks of different batches
+  // share table rows), summed at the end
+  at::Tensor dtable_parts;
+  if (table_grad) dtable_parts = at::zeros({n_tasks, dtable->size(0), dtable->size(1)}, dtable->options());
+  const float gemm_scale = mod.present() ? scale : scale2;
   for_each_dynamic(order, [&](int64_t task) {
-    float* p = scratch.data() + 2 * tile * at::get_thread_num();
+    float* p = scratch.data() + 3 * tile * at::get_thread_num();
     float* dp = p + tile;
+    float* deriv = dp + tile;  // d s_mod / d s, with softcap
+    float* dtable_task = table_grad ? dtable_parts.data_ptr<float>() + task * dtable->numel() : nullptr;
     const int64_t nb = split ? task / r : task;
     const int64_t h_begin = split ? task % r : 0, h_end = split ? h_begin + 1 : r;
     const float* k_head = k + nb * k3.stride(0);
@@ -289,9 +385,10 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
         for (int64_t e = plan.begin(head, i); e < plan.end(head, i); ++e) {
           const int64_t j0 = plan.cols[e] * bk;
           const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
-          // P = 2^(scale2 * Q_i K_j^T - lse2_i), hidden scores -inf first (2^-inf = 0)
-          gemm_rm(false, true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_ld), k_head + j0 * k_ld,
-                  static_cast<int>(k_ld), 0.0f, p, nk);
+          // P = 2^(scale2 * Q_i K_j^T - lse2_i) (or of the score mod), hidden scores -inf first (2^-inf = 0)
+          gemm_rm(false, true, n, nk, static_cast<int>(E), gemm_scale, q_tile, static_cast<int>(q_ld),
+                  k_head + j0 * k_ld, static_cast<int>(k_ld), 0.0f, p, nk);
+          if (mod.present()) mod.apply(p, deriv, head, i0, j0, n, nk);
           plan.apply(p, e, n, nk);
           for (int a = 0; a < n; ++a) {
             float* row = p + static_cast<int64_t>(a) * nk;
@@ -316,6 +413,10 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
 #pragma omp simd
             for (int c = 0; c < nk; ++c) ds_row[c] = p_row[c] * (ds_row[c] - d);
           }
+          if (dtable_task != nullptr) mod.add_grad(dtable_task, dp, head, i0, j0, n, nk);  // d bias = dS
+          if (mod.cap > 0.0f) {  // through the soft-cap: dS_raw = dS * (1 - tanh^2)
+            for (int64_t c = 0; c < static_cast<int64_t>(n) * nk; ++c) dp[c] *= deriv[c];
+          }
           // dQ_i += scale * dS K_j   (n, E)
           gemm_rm(false, false, n, static_cast<int>(E), nk, scale, dp, nk, k_head + j0 * k_ld, static_cast<int>(k_ld),
                   1.0f, dq_tile, static_cast<int>(dq_ld));
@@ -330,13 +431,14 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
     dk.add_(dk_parts.sum(1));
     dv.add_(dv_parts.sum(1));
   }
+  if (table_grad) dtable->add_(dtable_parts.sum(0));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
-  m.def("block_sparse_forward(Tensor q4, Tensor k3, Tensor v3, Tensor row_ptr, Tensor cols, Tensor bit_idx, Tensor bits, Tensor plane_of_head, float scale2, int block_q, int block_k) -> (Tensor, Tensor)");
-  m.def("block_sparse_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor row_ptr, Tensor cols, Tensor bit_idx, Tensor bits, Tensor plane_of_head, float scale, int block_q, int block_k) -> ()");
+  m.def("block_sparse_forward(Tensor q4, Tensor k3, Tensor v3, Tensor row_ptr, Tensor cols, Tensor bit_idx, Tensor bits, Tensor plane_of_head, Tensor? table, Tensor? row_of_head, float cap, float scale2, int block_q, int block_k) -> (Tensor, Tensor)");
+  m.def("block_sparse_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor row_ptr, Tensor cols, Tensor bit_idx, Tensor bits, Tensor plane_of_head, Tensor? table, Tensor? row_of_head, float cap, Tensor(d!)? dtable, float scale, int block_q, int block_k) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {

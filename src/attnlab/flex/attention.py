@@ -1,6 +1,7 @@
 """``flex_attention``: attention with a ``score_mod`` and a ``BlockMask``, forward and backward.
 
-Without a ``score_mod``, float32 calls on the CPU run the native block-sparse kernels
+Float32 calls on the CPU without a ``score_mod``, or with :mod:`attnlab.flex.mods`' ``alibi``,
+``softcap`` or ``relative_bias``, run the native block-sparse kernels
 (:mod:`attnlab.flex.kernels`, ``csrc/block_sparse.cpp``). The rest runs the pure-PyTorch path
 below, the oracle those kernels are tested against: it visits the query blocks one at a time, and for each the
 key blocks its block mask does not mark empty; full blocks get no mask work, partial ones
@@ -63,8 +64,9 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
     dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     scale_f = float(scale) if scale is not None else (1.0 / math.sqrt(E) if E else 1.0)
     q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
-    if score_mod is None and kernels.covers(q, k, v):  # the native block-sparse kernels
-        result = kernels.attention(q, k, v, block_mask, scale_f, DEFAULT_BLOCK)
+    form = kernels.native_form(score_mod)
+    if form is not None and kernels.covers(q, k, v):  # the native block-sparse kernels
+        result = kernels.attention(q, k, v, block_mask, scale_f, DEFAULT_BLOCK, form)
         if result is not None:
             out, lse = result
             out = out.to(query.dtype)

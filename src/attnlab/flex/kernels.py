@@ -8,9 +8,11 @@ repeated: the ``r = H / Hkv`` query heads of a key/value head share its K and V,
 
     q4 (Nb, r, L, E)    k3 (Nb, S, E)    v3 (Nb, S, Ev)      Nb = B * Hkv
 
-:func:`attention` is used for calls without a ``score_mod`` when the kernels cover them
-(float32 math on the CPU, finite inputs, the kernels built); anything else runs the pure path
-of :mod:`attnlab.flex.attention`, which is also the oracle these kernels are tested against.
+:func:`attention` is used when the kernels cover a call (float32 math on the CPU, finite
+inputs, the kernels built) and its ``score_mod`` is None or one of :mod:`attnlab.flex.mods`'
+``alibi``, ``softcap``, ``relative_bias`` (their :class:`~attnlab.flex.mods.NativeForm`; the
+relative table gets its gradient); anything else runs the pure path of
+:mod:`attnlab.flex.attention`, which is also the oracle these kernels are tested against.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import Tensor
 
 from attnlab import _native, tiled
 from attnlab.flex.block_mask import BlockMask
+from attnlab.flex.mods import NativeForm
 
 __all__: list[str] = []  # package-internal
 
@@ -42,6 +45,32 @@ def covers(q: Tensor, k: Tensor, v: Tensor) -> bool:
     if not tiled.finite_inputs(q, k, v, None):
         return False
     return _native.ops() is not None
+
+
+def native_form(score_mod) -> Optional[NativeForm]:
+    """The score_mod's :class:`NativeForm` when the kernels can run it (None for no score_mod
+    gives an empty form), else None."""
+    if score_mod is None:
+        return NativeForm()
+    form = getattr(score_mod, "native_form", None)
+    if not isinstance(form, NativeForm):
+        return None
+    if form.table is not None and not bool(torch.isfinite(form.table).all()):
+        return None  # inf/NaN in the table: the pure path propagates them as torch does
+    return form
+
+
+def _bias_table(form: NativeForm, H: int, L: int, S: int) -> Optional[Tensor]:
+    """``(rows, 2n - 1)`` float32 bias indexed by ``q_idx - kv_idx + n - 1``: the relative table
+    itself (differentiable), or ALiBi's ``-slope_h * d`` for every distance ``d`` (n = max(L, S))."""
+    if form.table is not None:
+        t = form.table.to(torch.float32)
+        return (t.unsqueeze(0) if t.dim() == 1 else t).contiguous()
+    if form.slopes is not None:
+        n = max(L, S, 1)
+        d = torch.arange(-(n - 1), n, dtype=torch.float32)  # q_idx - kv_idx
+        return (-form.slopes.to(torch.float32).view(-1, 1) * d).contiguous()  # (H, 2n - 1)
+    return None
 
 
 def _full_rows(nq: int, nk: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -81,44 +110,57 @@ class _BlockSparse(torch.autograd.Function):
     ``v (B, Hkv, S, Ev)``; outputs ``out (B, H, L, Ev)`` and ``lse2 (B, H, L)`` (base 2)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, bq, bk, scale):
+    def forward(ctx, q, k, v, table, plan, mod, bq, bk, scale):
         B, H, L, E = q.shape
         Hkv, S, Ev = k.shape[1], k.shape[2], v.shape[-1]
         r = H // Hkv
         q4 = _last_dim_dense(q.reshape(B * Hkv, r, L, E))  # (Nb, r, L, E): heads h = g * r + j share K, V of g
         k3 = _last_dim_dense(k.reshape(B * Hkv, S, E))  # (Nb, S, E)
         v3 = _last_dim_dense(v.reshape(B * Hkv, S, Ev))  # (Nb, S, Ev)
-        out4, lse2 = _native.ops().block_sparse_forward(q4, k3, v3, *plan, scale * tiled.LOG2E, bq, bk)
-        ctx.save_for_backward(q4, k3, v3, out4, lse2, *plan)
-        ctx.shapes, ctx.blocks, ctx.scale = (q.shape, k.shape, v.shape), (bq, bk), scale
+        row_of_head, cap = mod
+        out4, lse2 = _native.ops().block_sparse_forward(q4, k3, v3, *plan, table, row_of_head, cap,
+                                                        scale * tiled.LOG2E, bq, bk)
+        ctx.save_for_backward(q4, k3, v3, out4, lse2, table, row_of_head, *plan)
+        ctx.shapes, ctx.blocks, ctx.scale, ctx.cap = (q.shape, k.shape, v.shape), (bq, bk), scale, cap
         return out4.view(B, H, L, Ev), lse2.view(B, H, L)
 
     @staticmethod
     def backward(ctx, dout, dlse2):
-        q4, k3, v3, out4, lse2, *plan = ctx.saved_tensors
+        q4, k3, v3, out4, lse2, table, row_of_head, *plan = ctx.saved_tensors
         q_shape, k_shape, v_shape = ctx.shapes
         dout4 = torch.zeros_like(out4) if dout is None else dout.reshape(out4.shape).contiguous()
         delta = (dout4 * out4).sum(dim=-1)  # D_i = rowsum(dO_i * O_i), (Nb, r, L)
         if dlse2 is not None:  # lse2 = lse / ln 2 and d lse / d s = P: fold it into D_i
             delta = delta - dlse2.reshape(delta.shape) * tiled.LOG2E
         dq, dk, dv = torch.zeros_like(q4), torch.zeros_like(k3), torch.zeros_like(v3)
+        dtable = torch.zeros_like(table) if table is not None and ctx.needs_input_grad[3] else None
         _native.ops().block_sparse_backward_(dout4, q4, k3, v3, lse2, delta.contiguous(), dq, dk, dv, *plan,
-                                             ctx.scale, *ctx.blocks)
-        return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), None, None, None, None
+                                             table, row_of_head, ctx.cap, dtable, ctx.scale, *ctx.blocks)
+        return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), dtable, None, None, None, None, None
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Optional[BlockMask], scale: float,
-              block: int) -> Optional[tuple[Tensor, Tensor]]:
+              block: int, form: NativeForm = NativeForm()) -> Optional[tuple[Tensor, Tensor]]:
     """``(out (B, H, L, Ev), lse (B, H, L))`` (natural-log lse) from the native kernels, or None
     when a row's log-sum-exp is too large for their base-2 arithmetic
     (:func:`attnlab.tiled.lse_absorbed`): the caller then runs the pure path.
 
     ``q (B, H, L, E)``, ``k (B, Hkv, S, E)``, ``v (B, Hkv, S, Ev)``, float32; ``block`` is the
-    tile size used when ``block_mask`` is None (every block full).
+    tile size used when ``block_mask`` is None (every block full); ``form`` the score mod
+    (:func:`native_form`).
     """
     B, H, L, _ = q.shape
-    plan, bq, bk = _plan(block_mask, B, H, L, k.shape[2], block)
-    out, lse2 = _BlockSparse.apply(q, k, v, plan, bq, bk, scale)
+    S = k.shape[2]
+    plan, bq, bk = _plan(block_mask, B, H, L, S, block)
+    table = _bias_table(form, H, L, S)
+    row_of_head = None
+    if table is not None:  # query head b * H + h reads row h, or row 0 of a shared table
+        if table.shape[0] not in (1, H):
+            raise ValueError(f"flex_attention: the score_mod's bias table has {table.shape[0]} rows; "
+                             f"expected 1 or one per query head (H={H})")
+        heads = torch.arange(H, dtype=torch.int64) * (table.shape[0] > 1)
+        row_of_head = heads.repeat(B).contiguous()  # (B * H,)
+    out, lse2 = _BlockSparse.apply(q, k, v, table, plan, (row_of_head, form.cap), bq, bk, scale)
     if tiled.lse_absorbed(lse2.detach()):
         return None
     return out, lse2 * LN2

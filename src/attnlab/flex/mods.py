@@ -7,12 +7,17 @@ give it to :func:`attnlab.flex.flex_attention`. The indices are int64 tensors th
 broadcast against each other, so the mods are written with tensor operations.
 
 The pictures below show which keys (columns) each query (rows) sees, for 6 positions.
+
+:func:`alibi`, :func:`softcap` and :func:`relative_bias` also carry a :class:`NativeForm`
+(attribute ``native_form``): what attnlab's native kernels need to run them without calling
+the Python function (package-internal; any other score_mod runs the pure path).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence, Union
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -137,6 +142,17 @@ def or_masks(*mods):
     return mask_mod
 
 
+@dataclass(frozen=True)
+class NativeForm:
+    """A score_mod as the native kernels run it (package-internal, for :mod:`attnlab.flex.kernels`):
+    ``cap * tanh(s / cap)`` when ``cap > 0``, then ``+ table[h, clamp(q_idx - kv_idx) + n - 1]``
+    for a relative ``table (H or 1, 2n - 1)``, or ``+ slopes[h] * (kv_idx - q_idx)`` for ALiBi."""
+
+    cap: float = 0.0
+    table: Optional[Tensor] = None
+    slopes: Optional[Tensor] = None
+
+
 def alibi_slopes(H: int) -> Tensor:
     """ALiBi's per-head slopes ``2^(-8 (h + 1) / H)`` (Press et al. 2022), ``(H,)``."""
     return torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)])
@@ -149,6 +165,7 @@ def alibi(H: int):
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + slopes.to(score.dtype)[h] * (kv_idx - q_idx).to(score.dtype)
 
+    score_mod.native_form = NativeForm(slopes=slopes)
     return score_mod
 
 
@@ -160,6 +177,7 @@ def softcap(cap: float):
     def score_mod(score, b, h, q_idx, kv_idx):
         return cap * torch.tanh(score / cap)
 
+    score_mod.native_form = NativeForm(cap=float(cap))
     return score_mod
 
 
@@ -176,4 +194,5 @@ def relative_bias(table: Tensor):
         bias = table[rel] if table.dim() == 1 else table[h, rel]
         return score + bias.to(score.dtype)
 
+    score_mod.native_form = NativeForm(table=table)
     return score_mod
