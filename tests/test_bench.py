@@ -111,3 +111,35 @@ def test_bench_attention_variants_give_flex_its_block_mask_and_the_others_the_de
     assert bench._block_mask(c).density() < 0.7
     with pytest.raises(ValueError, match="sliding:W"):
         bench.parse_mask("sliding:0")
+
+
+def test_torch_compiled_flex_is_timed_apart_from_its_compilation_and_has_no_cpu_backward():
+    from attnlab import bench
+
+    results = bench.run_benchmarks([128], ["flex", "torchflex"], ["fwd", "fwd+bwd"], [False], ["float32"], B=1, H=2,
+                                   E=16, repeats=1, memory=False, mask="sliding:32")
+    fwd = {r.config.impl: r for r in results if r.config.mode == "fwd"}
+    assert fwd["torchflex"].status == "ok" and fwd["torchflex"].compile_s > 0 and len(fwd["torchflex"].times_s) == 1
+    assert fwd["flex"].compile_s is None
+    assert fwd["flex"].ratio_vs_torch_best == pytest.approx(fwd["flex"].median_s / fwd["torchflex"].median_s)
+    assert "compile" in bench.markdown_table(results)
+    back = {r.config.impl: r for r in results if r.config.mode == "fwd+bwd"}
+    assert back["flex"].status == "ok"
+    assert back["torchflex"].status.startswith("error") and "backward" in back["torchflex"].status
+
+
+def test_density_sweep_reports_time_against_density(capsys):
+    from attnlab import bench
+
+    rows = bench.density_sweep(512, H=2, E=16, densities=(0.5, 0.25), repeats=1, modes=("fwd",))
+    assert [(r["mask"], r["mode"]) for r in rows] == [("band", "fwd"), ("sliding", "fwd"), ("band", "fwd"),
+                                                    ("sliding", "fwd")]
+    band_half, _, band_quarter, sliding_quarter = rows
+    assert band_half["density"] == 0.5 and band_half["partial"] == 0 and band_quarter["density"] == 0.25
+    assert sliding_quarter["partial"] > 0  # the window's diagonal blocks
+    for r in rows:
+        assert r["ratio"] == pytest.approx(r["ms"] / (r["density"] * r["full_ms"]))
+    assert main(["bench", "--density", "--seq-lens", "256", "--heads", "1", "--dim", "8", "--repeats", "1",
+                     "--modes", "fwd"]) == 0
+    out = capsys.readouterr().out
+    assert "| band | 0.500 | 2 | 0 | fwd |" in out and "ratio = time / (density x time of full attention)" in out

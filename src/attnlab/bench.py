@@ -32,7 +32,7 @@ import torch
 __all__ = ["Config", "Result", "run_benchmarks", "write_csv", "plot", "markdown_table", "IMPLS"]
 
 IMPLS = ("reference", "tiled", "math", "flash")
-TORCH_IMPLS = ("math", "flash")
+TORCH_IMPLS = ("math", "flash", "torchflex")  # "x torch best": against the fastest of these in the run
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -62,7 +62,7 @@ class Config:
     def estimated_peak_bytes(self) -> int:
         if self.impl in ("tiled", "flash"):
             return 16 * self.B * self.H * self.L * self.E * 4
-        if self.impl == "flex":  # one query block's (128, L) tiles at a time, a few copies in the backward
+        if self.impl in ("flex", "torchflex"):  # one query block's (128, L) tiles at a time, copies in the backward
             return 16 * self.B * self.H * self.L * self.E * 4 + 8 * self.B * self.H * 128 * self.L * 4
         copies = 3 if self.mode == "fwd" else 6  # scores, weights, masked/dropout temporaries, grads
         return copies * self.scores_bytes()
@@ -75,6 +75,7 @@ class Result:
     status: str = "ok"  # ok | skipped: ... | error: ...
     peak_mem_bytes: Optional[int] = None
     ratio_vs_torch_best: Optional[float] = None
+    compile_s: Optional[float] = None  # torchflex: its first call (torch.compile), not in the median
 
     @property
     def median_s(self) -> Optional[float]:
@@ -90,7 +91,7 @@ class Result:
         return {**c, "median_ms": _fmt(self.median_s and self.median_s * 1e3), "gflops": _fmt(self.gflops),
                 "ratio_vs_torch_best": _fmt(self.ratio_vs_torch_best, 3),
                 "peak_mem_mib": _fmt(self.peak_mem_bytes and self.peak_mem_bytes / 2**20),
-                "repeats": len(self.times_s), "status": self.status}
+                "repeats": len(self.times_s), "status": self.status, "compile_s": _fmt(self.compile_s)}
 
 
 def _fmt(x: Optional[float], digits: int = 2) -> str:
@@ -98,6 +99,22 @@ def _fmt(x: Optional[float], digits: int = 2) -> str:
 
 
 def _function(impl: str, c: Optional["Config"] = None) -> Callable:
+    if impl == "torchflex":  # torch's own flex_attention, compiled (its eager CPU forward is ~50x slower)
+        import warnings
+
+        from torch.nn.attention import flex_attention as torch_flex
+
+        mod = _mask_mod(c) if c is not None else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            block_mask = (torch_flex.create_block_mask(mod, None, None, c.L, c.L, device="cpu")
+                          if mod is not None else None)
+        compiled = torch.compile(torch_flex.flex_attention)
+
+        def run_torch_flex(q, k, v, causal, mask):
+            return compiled(q, k, v, block_mask=block_mask)
+
+        return run_torch_flex
     if impl == "flex":
         from attnlab.flex import flex_attention
 
@@ -208,7 +225,7 @@ def _mask(c: Config) -> Optional[torch.Tensor]:
 
 
 def _step(fn: Callable, c: Config, q, k, v, grad) -> None:
-    out = fn(q, k, v, c.causal, None if c.impl == "flex" else _mask(c))  # flex has its block mask
+    out = fn(q, k, v, c.causal, None if c.impl in ("flex", "torchflex") else _mask(c))  # those have block masks
     if c.mode == "fwd+bwd":
         q.grad = k.grad = v.grad = None
         out.backward(grad)
@@ -248,6 +265,10 @@ def run_benchmarks(seq_lens: list[int], impls: list[str], modes: list[str], caus
                 progress(done, total, f"warm-up {r.config.impl} L={L} {mode} {'causal' if causal else ''} {dtype}")
             try:
                 fns[r.config.impl] = _function(r.config.impl, r.config)
+                if r.config.impl == "torchflex":  # the first call compiles: timed apart, never in the median
+                    t0 = time.perf_counter()
+                    _step(fns[r.config.impl], r.config, q, k, v, grad)
+                    r.compile_s = time.perf_counter() - t0
                 for _ in range(warmup):
                     _step(fns[r.config.impl], r.config, q, k, v, grad)
             except Exception as exc:  # e.g. a backend that does not support this dtype
@@ -268,7 +289,7 @@ def run_benchmarks(seq_lens: list[int], impls: list[str], modes: list[str], caus
                 r.ratio_vs_torch_best = r.median_s / min(torch_best)
         if memory:
             for r in group:
-                if r.status == "ok":
+                if r.status == "ok" and r.config.impl != "torchflex":  # a child would compile it all again
                     r.peak_mem_bytes = measure_peak_memory(r.config)
                 done += 1
                 if progress:
@@ -364,6 +385,8 @@ def markdown_table(results: list[Result]) -> str:
     for r in results:
         c, row = r.config, r.row()
         note = ("" if r.status == "ok" else r.status) or (f"{c.mask} mask" if c.mask != "none" else "")
+        if r.compile_s is not None:
+            note = f"{note}; compile {r.compile_s:.1f} s (not in the median)".lstrip("; ")
         lines.append(f"| {c.impl} | {c.L} | {c.mode} | {'yes' if c.causal else 'no'} | {c.dtype} | {row['median_ms']} "
                      f"| {row['gflops']} | {row['ratio_vs_torch_best']} | {row['peak_mem_mib']} | {note} |")
     return "\n".join(lines)
@@ -402,6 +425,63 @@ def plot(results: list[Result], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------- #
+# attnlab.flex: time against block-mask density
+# --------------------------------------------------------------------------- #
+
+DENSITIES = (0.5, 0.25, 0.1, 0.05)
+
+
+def density_sweep(L: int, *, B: int = 1, H: int = 8, E: int = 64, densities=DENSITIES, repeats: int = 3,
+                  modes=("fwd", "fwd+bwd"), progress: Optional[Callable[[int, int, str], None]] = None) -> list[dict]:
+    """attnlab.flex's time at block-mask density ``d`` against ``d`` x its time on full attention.
+
+    Two masks per density, timed in interleaved rounds with full attention (flex without a
+    block mask, the same kernels): a *band* of whole blocks (block ``(i, j)`` kept when
+    ``(i - j) mod nq < d * nq``; every block full, every row the same work: the cost of skipping
+    alone) and a causal *sliding window* of ``d * L`` keys (its diagonal blocks are partial: the
+    cost of reading mask bits). Returns one dict per (mask, mode): ``mask, density, full,
+    partial, mode, ms, full_ms, ratio`` where ``ratio = ms / (density * full_ms)`` (1.0 = time
+    exactly proportional to the blocks visited) and ``density`` is the block mask's own.
+    """
+    from attnlab.flex import create_block_mask, flex_attention, mods
+
+    block = 128
+    nq = -(-L // block)
+    masks = {}
+    for d in densities:
+        w = max(1, round(d * nq))
+        masks[f"band {d:g}"] = create_block_mask(
+            lambda b, h, q, kv, w=w: torch.remainder(q // block - kv // block, nq) < w, None, None, L, L)
+        masks[f"sliding {d:g}"] = create_block_mask(mods.sliding_window(max(1, round(d * L))), None, None, L, L)
+    rows = []
+    steps = len(modes) * repeats
+    for m, mode in enumerate(modes):
+        c = Config("flex", L, mode, False, "float32", B, H, E)
+        q, k, v, grad = _inputs(c, mode == "fwd+bwd")
+        fns = {"full": lambda q, k, v, causal, mask: flex_attention(q, k, v)}
+        for name, bm in masks.items():
+            fns[name] = lambda q, k, v, causal, mask, bm=bm: flex_attention(q, k, v, block_mask=bm)
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for fn in fns.values():
+            _step(fn, c, q, k, v, grad)  # warm-up
+        for rep in range(repeats):
+            for name, fn in fns.items():  # interleaved, as run_benchmarks
+                t0 = time.perf_counter()
+                _step(fn, c, q, k, v, grad)
+                times[name].append(time.perf_counter() - t0)
+            if progress:
+                progress(m * repeats + rep + 1, steps, f"density sweep L={L} {mode}")
+        full_ms = statistics.median(times["full"]) * 1e3
+        for name, bm in masks.items():
+            ms = statistics.median(times[name]) * 1e3
+            counts = bm.counts()
+            rows.append({"mask": name.split()[0], "density": bm.density(), "full": counts["full"],
+                         "partial": counts["partial"], "mode": mode, "ms": ms, "full_ms": full_ms,
+                         "ratio": ms / (bm.density() * full_ms)})
+    return rows
 
 
 def machine_line() -> str:

@@ -253,10 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--batch", type=_positive_int, default=1, metavar="B", help="batch size (default: 1)")
     be.add_argument("--heads", type=_positive_int, default=8, metavar="H", help="heads (default: 8)")
     be.add_argument("--dim", type=_positive_int, default=64, metavar="E", help="head size (default: 64)")
-    be.add_argument("--impls", type=_choices(["reference", "tiled", "flex", "math", "flash"]),
+    be.add_argument("--impls", type=_choices(["reference", "tiled", "flex", "math", "flash", "torchflex"]),
                     default=["reference", "tiled", "math", "flash"], metavar="NAME,...",
-                    help="reference,tiled,flex (attnlab), math,flash (torch SDPA backends) "
-                         "(default: all but flex, which is for --mask variants)")
+                    help="reference,tiled,flex (attnlab), math,flash (torch SDPA backends), torchflex (torch's "
+                         "flex_attention under torch.compile; forward only on the CPU, its compile time reported "
+                         "apart) (default: all but flex and torchflex, which are for --mask variants)")
     be.add_argument("--modes", type=_choices(["fwd", "fwd+bwd"]), default=["fwd", "fwd+bwd"], metavar="MODE,...",
                     help="fwd,fwd+bwd (default: both)")
     be.add_argument("--causal", choices=["both", "yes", "no"], default="both", help="(default: both)")
@@ -280,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instead: ring attention, 2 ranks x 1 thread against 1 process x 2 threads, "
                          "forward+backward float32 (default lengths 8192,16384)")
     be.add_argument("--ring-layout", choices=["contiguous", "zigzag"], default="contiguous")
+    be.add_argument("--density", action="store_true",
+                    help="instead: attnlab.flex's time against its block mask's density d (0.5, 0.25, 0.1, 0.05), "
+                         "relative to d x its time on full attention, at the first --seq-lens L (default 8192), "
+                         "float32; band masks of whole blocks and sliding windows (partial diagonal blocks)")
     be.set_defaults(func=_cmd_bench)
 
     pl = sub.add_parser("plot", help="draw the worked example's four panels to a PNG or SVG",
@@ -489,6 +494,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         filled = int(width * done / max(total, 1))
         print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text:<45}", end="", file=sys.stderr,
               flush=True)
+
+    if args.density:
+        L = args.seq_lens[0] if args.seq_lens != [512, 1024, 2048, 4096, 8192, 16384] else 8192
+        rows = bench.density_sweep(L, B=args.batch, H=args.heads, E=args.dim, repeats=args.repeats,
+                                   modes=args.modes, progress=progress)
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
+        print(f"machine: {bench.machine_line()}\n")
+        print(f"attnlab.flex, L={L}, B={args.batch}, H={args.heads}, E={args.dim}, float32; ratio = time / "
+              f"(density x time of full attention); 1.0 = proportional to the blocks visited\n")
+        print("| mask | density | full blocks | partial blocks | mode | median ms | full attention ms | ratio |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['mask']} | {r['density']:.3f} | {r['full']} | {r['partial']} | {r['mode']} | {r['ms']:.1f} "
+                  f"| {r['full_ms']:.1f} | {r['ratio']:.2f} |")
+        return 0
 
     results = bench.run_benchmarks(args.seq_lens, args.impls, args.modes, causals, args.dtypes, B=args.batch,
                                    H=args.heads, E=args.dim, repeats=args.repeats, warmup=args.warmup,
