@@ -63,8 +63,19 @@ struct BlockPlan {
     for (int a = 0; a < n; ++a) {
       const uint8_t* packed = bits + (idx * bq + a) * bytes;
       float* row = tile + static_cast<int64_t>(a) * nk;
-      for (int c = 0; c < nk; ++c) {
-        if (!((packed[c >> 3] >> (c & 7)) & 1)) row[c] = neg_inf;
+      // a byte at a time: masks are runs (a window's edge, a document's end), so most bytes
+      // are all-attend (nothing to do) or all-hidden (eight -inf); only edge bytes go bit by bit
+      for (int c0 = 0; c0 < nk; c0 += 8) {
+        const uint8_t byte = packed[c0 >> 3];
+        if (byte == 0xFF) continue;
+        const int width = std::min(8, nk - c0);
+        if (byte == 0) {
+          std::fill(row + c0, row + c0 + width, neg_inf);
+          continue;
+        }
+        for (int c = 0; c < width; ++c) {
+          if (!((byte >> c) & 1)) row[c0 + c] = neg_inf;
+        }
       }
     }
   }
