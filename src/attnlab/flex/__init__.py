@@ -10,8 +10,9 @@ Code written for ``torch.nn.attention.flex_attention`` runs unchanged with these
 (mask_mod / score_mod signatures, ``BLOCK_SIZE``, ``enable_gqa``, ``return_lse``); unlike
 torch's on the CPU it has a backward and needs no compilation. Modules: :mod:`.block_mask`
 (which tiles to skip, computed chunk by chunk), :mod:`.attention` (the tiled online softmax
-over the visited blocks), :mod:`.mods` (ready mask and score mods), :mod:`.varlen` (packed
-sequences). This is the pure-PyTorch path; native block-sparse kernels are not built yet.
+over the visited blocks, pure-PyTorch), :mod:`.kernels` (the native block-sparse kernels it
+uses for float32 without a score_mod or with alibi / softcap / relative_bias),
+:mod:`.mods` (ready mask and score mods), :mod:`.varlen` (packed sequences).
 """
 
 from attnlab.flex.attention import flex_attention
