@@ -178,14 +178,24 @@ def test_return_lse_matches_the_log_sum_exp():
     assert_close(lse, torch.logsumexp(s, dim=-1), dtype=torch.float32)
 
 
+@pytest.mark.parametrize("path", ["native", "pure"])
 @pytest.mark.parametrize("name", ["causal", "sliding_16", "document", "prefix_25"])
-def test_forward_matches_torch_flex_attention(name):
+def test_forward_matches_torch_flex_attention(name, path, monkeypatch):
     from torch.nn.attention import flex_attention as torch_flex
 
+    from attnlab.flex import kernels
+
+    calls = []
+    if path == "pure":
+        monkeypatch.setattr(kernels, "covers", lambda *a: False)
+    else:
+        real = kernels.attention
+        monkeypatch.setattr(kernels, "attention", lambda *a, **k: calls.append(1) or real(*a, **k))
     q, k, v = randn(B, H, 64, E), randn(B, H, 64, E, seed=1), randn(B, H, 64, Ev, seed=2)
     mod = MASKS[name]
     ours = flex_attention(q, k, v, score_mod=alibi(H), block_mask=create_block_mask(mod, None, None, 64, 64,
                                                                                    BLOCK_SIZE=16))
+    assert calls == ([1] if path == "native" else [])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns that eager flex_attention is unfused
         torch_bm = torch_flex.create_block_mask(mod, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
