@@ -484,6 +484,55 @@ def density_sweep(L: int, *, B: int = 1, H: int = 8, E: int = 64, densities=DENS
     return rows
 
 
+# --------------------------------------------------------------------------- #
+# Whole models: Hugging Face transformers with attn_implementation="attnlab"
+# --------------------------------------------------------------------------- #
+
+HF_CASES = (("llama", 1024, None), ("mistral", 4096, 1024))  # (family, L, sliding window)
+
+
+def transformers_benchmark(cases=HF_CASES, *, B: int = 1, layers: int = 4, repeats: int = 3,
+                           progress: Optional[Callable[[int, int, str], None]] = None) -> list[dict]:
+    """Forward+backward of a small randomly initialised model, ``"sdpa"`` against ``"attnlab"``.
+
+    Llama-style (GQA: 8 query heads, 4 key/value heads of 64, hidden 512, ``layers`` layers) for
+    ``"llama"``; the same as Mistral with a sliding window for ``"mistral"``. The two
+    implementations are timed in interleaved rounds on one model (``set_attn_implementation``),
+    after one untimed step each. Returns dicts ``family, L, window, sdpa_ms, attnlab_ms, ratio``.
+    """
+    import transformers
+
+    import attnlab.integrations.transformers  # noqa: F401  registers "attnlab"
+
+    rows = []
+    steps = len(cases) * (repeats + 1)
+    done = 0
+    for family, L, window in cases:
+        common = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=L)
+        cfg = (transformers.MistralConfig(sliding_window=window, **common) if family == "mistral"
+               else transformers.LlamaConfig(**common))
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        ids = torch.randint(0, 1024, (B, L), generator=torch.Generator().manual_seed(0))
+        times: dict[str, list[float]] = {"sdpa": [], "attnlab": []}
+        for rep in range(repeats + 1):
+            for impl in times:
+                model.set_attn_implementation(impl)
+                model.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                model(input_ids=ids, labels=ids).loss.backward()
+                if rep:  # the first round warms up
+                    times[impl].append(time.perf_counter() - t0)
+            done += 1
+            if progress:
+                progress(done, steps, f"transformers {family} L={L}")
+        sdpa_ms, ours_ms = (statistics.median(times[k]) * 1e3 for k in ("sdpa", "attnlab"))
+        rows.append({"family": family, "L": L, "window": window, "sdpa_ms": sdpa_ms, "attnlab_ms": ours_ms,
+                     "ratio": ours_ms / sdpa_ms})
+    return rows
+
+
 def machine_line() -> str:
     cpu = "unknown CPU"
     try:

@@ -281,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instead: ring attention, 2 ranks x 1 thread against 1 process x 2 threads, "
                          "forward+backward float32 (default lengths 8192,16384)")
     be.add_argument("--ring-layout", choices=["contiguous", "zigzag"], default="contiguous")
+    be.add_argument("--transformers", action="store_true",
+                    help="instead: forward+backward of small Hugging Face models, attn_implementation 'sdpa' "
+                         "against 'attnlab': Llama-style (GQA) at L=1024 and Mistral-style (sliding window 1024) "
+                         "at L=4096 (needs pip install 'attnlab[hf]')")
     be.add_argument("--density", action="store_true",
                     help="instead: attnlab.flex's time against its block mask's density d (0.5, 0.25, 0.1, 0.05), "
                          "relative to d x its time on full attention, at the first --seq-lens L (default 8192), "
@@ -495,6 +499,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text:<45}", end="", file=sys.stderr,
               flush=True)
 
+    if args.transformers:
+        rows = bench.transformers_benchmark(repeats=args.repeats, B=args.batch, progress=progress)
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
+        print(f"machine: {bench.machine_line()}\n")
+        print("| model | L | sliding window | sdpa ms | attnlab ms | x sdpa |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['family']} | {r['L']} | {r['window'] or '-'} | {r['sdpa_ms']:.0f} | {r['attnlab_ms']:.0f} "
+                  f"| {r['ratio']:.2f} |")
+        return 0
     if args.density:
         L = args.seq_lens[0] if args.seq_lens != [512, 1024, 2048, 4096, 8192, 16384] else 8192
         rows = bench.density_sweep(L, B=args.batch, H=args.heads, E=args.dim, repeats=args.repeats,

@@ -1,0 +1,209 @@
+"""attn_implementation="attnlab" in Hugging Face transformers (attnlab.integrations.transformers).
+
+Tiny randomly initialised models of each family the integration must serve, one model per
+test, its attention switched between "sdpa"/"eager" (the oracles) and "attnlab":
+Llama (GQA), Mistral (sliding window), Qwen2 (one K/V head, sliding and full layers), Gemma 2
+(tanh soft-capping, sliding window), GPT-2 (per-layer scaling, dropout in training) and BERT
+(bidirectional, padding). Logits with right, left and no padding, parameter gradients, greedy
+generate() with the KV cache. Each masked comparison is paired with a control showing that
+the same comparison fails when the mask is dropped (the trap the mask hook exists for).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import transformers  # the dev environment (make test) installs it: never skipped
+
+import attnlab.integrations.transformers as hf  # registers "attnlab"
+from attnlab import flex
+from attnlab.testing import assert_close, max_abs_diff
+
+V, L = 96, 24
+ORACLE = {"gemma2": "eager"}  # Gemma 2 refuses sdpa (soft-capping)
+
+
+def config(family: str):
+    common = dict(vocab_size=V, max_position_embeddings=256)
+    decoder = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, **common)
+    if family == "llama":
+        return transformers.LlamaConfig(num_key_value_heads=2, **decoder)
+    if family == "mistral":
+        return transformers.MistralConfig(num_key_value_heads=2, sliding_window=6, **decoder)
+    if family == "qwen2":
+        return transformers.Qwen2Config(num_key_value_heads=1, use_sliding_window=True, sliding_window=6,
+                                        max_window_layers=1, layer_types=["sliding_attention", "full_attention"],
+                                        **decoder)
+    if family == "gemma2":
+        return transformers.Gemma2Config(num_key_value_heads=2, head_dim=8, sliding_window=6,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=None,
+                                         query_pre_attn_scalar=8, **decoder)
+    if family == "gpt2":
+        return transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, vocab_size=V,
+                                       scale_attn_by_inverse_layer_idx=True, attn_pdrop=0.0, resid_pdrop=0.0,
+                                       embd_pdrop=0.0)
+    if family == "bert":
+        return transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=64, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0, initializer_range=0.2,
+                                       **common)  # wider init: padding visibly changes the outputs
+    raise ValueError(family)
+
+
+def model(family: str, impl: str = None):
+    impl = impl or ORACLE.get(family, "sdpa")
+    torch.manual_seed(0)
+    cls = transformers.AutoModelForMaskedLM if family == "bert" else transformers.AutoModelForCausalLM
+    return cls.from_config(config(family), attn_implementation=impl).eval()
+
+
+def batch(padding: str):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, V, (2, L), generator=g)
+    mask = torch.ones(2, L, dtype=torch.long)
+    if padding == "right":
+        mask[1, L - 7:] = 0
+    elif padding == "left":
+        mask[1, :7] = 0
+    return ids, mask
+
+
+def logits_and_grads(m, impl: str, ids, mask):
+    m.set_attn_implementation(impl)
+    m.zero_grad()
+    out = m(input_ids=ids, attention_mask=mask).logits
+    labels = ids.masked_fill(mask == 0, -100)
+    loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    return out.detach(), grads
+
+
+CASES = [(f, p) for f in ("llama", "mistral", "qwen2", "gemma2", "gpt2", "bert") for p in ("none", "right", "left")
+         if (f, p) != ("bert", "left")]  # BERT is right-padded in practice
+
+
+@pytest.mark.parametrize("family,padding", CASES, ids=[f"{f}-{p}" for f, p in CASES])
+def test_logits_and_parameter_gradients_match_the_oracle(family, padding):
+    m = model(family)
+    ids, mask = batch(padding)
+    oracle = ORACLE.get(family, "sdpa")
+    want, want_grads = logits_and_grads(m, oracle, ids, mask)
+    got, got_grads = logits_and_grads(m, "attnlab", ids, mask)
+    real = mask.bool()  # padded positions' outputs are not defined alike by every implementation
+    assert_close(got[real], want[real], dtype=torch.float32, scope="model", msg=f"{family} logits")
+    assert want_grads.keys() == got_grads.keys() and len(got_grads) > 4
+    for name in want_grads:
+        assert_close(got_grads[name], want_grads[name], dtype=torch.float32, scope="model", msg=f"{family} {name}")
+    # the control, wherever the mask changes what real tokens see (sliding windows, left padding
+    # under a causal mask, any padding when bidirectional; a causal model's right padding is
+    # never seen by real tokens): the same comparison with the mask dropped is far outside it
+    if family in ("mistral", "qwen2", "gemma2") or padding == "left" or (family == "bert" and padding != "none"):
+        m.set_attn_implementation("attnlab")
+        hf.AttentionMaskInterface.register("attnlab", lambda *a, **k: None)
+        try:
+            dropped = m(input_ids=ids, attention_mask=mask).logits.detach()
+        finally:
+            hf.register()
+        assert max_abs_diff(dropped[real], want[real]) > 1e-2
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2", "gpt2"])
+def test_greedy_generation_with_the_kv_cache_gives_the_same_tokens(family):
+    m = model(family)
+    ids, mask = batch("left")
+    oracle = ORACLE.get(family, "sdpa")
+    m.set_attn_implementation(oracle)
+    want = m.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    m.set_attn_implementation("attnlab")
+    got = m.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert got.shape == (2, L + 12)
+    assert torch.equal(got, want)
+
+
+def test_a_sliding_window_longer_than_a_block_is_a_block_mask_not_a_dense_one(monkeypatch):
+    """Mistral at L = 300 with a window of 64: the mask hook builds an attnlab.flex BlockMask
+    (blocks of 128, most of them empty) and the logits still match sdpa's."""
+    cfg = config("mistral")
+    cfg.sliding_window = 64
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    ids = torch.randint(3, V, (1, 300), generator=torch.Generator().manual_seed(2))
+    want = m(input_ids=ids).logits
+    made = []
+    real = hf.attnlab_mask
+
+    def spy(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    hf.AttentionMaskInterface.register("attnlab", spy)
+    try:
+        m.set_attn_implementation("attnlab")
+        got = m(input_ids=ids).logits
+    finally:
+        hf.register()
+    block_masks = [b for b in made if isinstance(b, flex.BlockMask)]
+    assert block_masks and block_masks[0].BLOCK_SIZE == (128, 128)
+    assert block_masks[0].counts()["empty"] > 0
+    assert_close(got, want, dtype=torch.float32, scope="model")
+
+
+def test_output_attentions_returns_the_eager_weights():
+    m = model("llama")
+    ids, mask = batch("right")
+    m.set_attn_implementation("eager")
+    want = m(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    m.set_attn_implementation("attnlab")
+    got = m(input_ids=ids, attention_mask=mask, output_attentions=True).attentions
+    assert len(got) == len(want) == 2
+    real = mask.bool()
+    for a, b in zip(got, want):
+        assert a.shape == (2, 4, L, L)
+        # (B, H, L, S) -> (B, L, H, S): the rows of real queries
+        assert_close(a.transpose(1, 2)[real], b.transpose(1, 2)[real], dtype=torch.float32, scope="model")
+
+
+def test_gpt2_trains_with_attention_dropout():
+    """Training mode with attn_pdrop > 0 runs (the tiled path has no dropout: the reference
+    takes those calls), changes with the seed, and is unbiased: averaged over many draws the
+    attention output tends to the no-dropout one."""
+    cfg = config("gpt2")
+    cfg.attn_pdrop = 0.3
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="attnlab").train()
+    ids, mask = batch("right")
+    outs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        out = m(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+        out.loss.backward()
+        outs.append(out.logits.detach())
+        assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+    assert max_abs_diff(outs[0], outs[1]) > 1e-3  # dropout is on
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g) for _ in range(3))
+    layer = m.transformer.h[0].attn
+    plain, _ = hf.attnlab_attention_forward(layer, q, k, v, None, dropout=0.0)
+    torch.manual_seed(4)
+    n = 4000
+    mean = sum(hf.attnlab_attention_forward(layer, q, k, v, None, dropout=0.3)[0] for _ in range(n)) / n
+    # each output is a sum of 16 values weighted by dropped-out weights: the mean's error is
+    # ~ sd / sqrt(n); 5 standard errors of the largest output sd (~1.5 here) bound it
+    assert max_abs_diff(mean, plain) < 5 * 1.5 / n ** 0.5
+
+
+def test_an_unsupported_transformers_version_is_refused_with_the_range():
+    for version in ("4.57.1", "6.0.0"):
+        with pytest.raises(ImportError, match=rf"transformers >=5\.0,<6, found {version}: pip install 'attnlab\[hf\]'"):
+            hf.check_version(version)
+    hf.check_version("5.24.0")
+    hf.check_version()  # the installed one, as the import did
+
+
+def test_a_position_bias_is_refused_with_what_to_use():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match="attn_implementation='eager'"):
+        hf.attnlab_attention_forward(torch.nn.Module(), q, q, q, None, position_bias=torch.zeros(1, 2, 4, 4))
