@@ -18,7 +18,9 @@ Attention backends (``--attention``), the only thing that changes between runs:
   sliding window as a dense bool mask when ``--window`` is given.
 
 Prints a progress bar with tokens/s and the loss, and at the end the validation loss.
-:func:`train` returns the per-step losses (the tests compare attnlab's with SDPA's).
+:func:`train` returns the per-step losses (the tests compare attnlab's with SDPA's);
+``--compare attnlab,flex,sdpa`` (:func:`compare`) trains one model per attention, a step of
+each in turn, and prints their tokens/s side by side.
 """
 
 from __future__ import annotations
@@ -165,38 +167,85 @@ def _bar(step: int, total: int, loss: float, tok_s: float, width: int = 30) -> s
     return f"\r[{'#' * filled}{'.' * (width - filled)}] step {step}/{total}  loss {loss:.4f}  {tok_s:,.0f} tok/s"
 
 
-def train(cfg: Config, text: Optional[str] = None, progress: bool = True) -> dict:
-    """Train from ``cfg.seed``; returns ``losses`` (per step), ``val_loss``, ``tokens_per_s``
-    (steady state: the first step, with its one-off costs, is left out) and ``vocab``."""
-    text = corpus() if text is None else text
-    chars = sorted(set(text))
-    data = torch.tensor(_encode(text, chars), dtype=torch.long)  # (N,) character ids
-    split = int(0.9 * len(data))
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg, len(chars))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
-    batches = _batches(data[:split], cfg, torch.Generator().manual_seed(cfg.seed))
-    losses, t_start = [], None
-    for step in range(1, cfg.steps + 1):
-        x, y = next(batches)
-        _, loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
+class Run:
+    """One model, its optimiser and its data stream: :meth:`step` trains on one batch.
+    Same ``cfg.seed`` -> same initial weights and the same batches, whatever the attention."""
+
+    def __init__(self, cfg: Config, data: Tensor, vocab: int) -> None:
+        self.cfg = cfg
+        self.split = int(0.9 * len(data))
+        self.data = data
+        torch.manual_seed(cfg.seed)
+        self.model = GPT(cfg, vocab)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.1)
+        self.batches = _batches(data[:self.split], cfg, torch.Generator().manual_seed(cfg.seed))
+        self.losses: list[float] = []
+        self.seconds = 0.0  # time in steps after the first (one-off costs: allocation, block masks)
+
+    def step(self) -> float:
+        x, y = next(self.batches)
+        t0 = time.perf_counter()
+        _, loss = self.model(x, y)
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        if step == 1:
-            t_start = time.perf_counter()  # steady state from here
-        tok_s = cfg.batch * cfg.seq_len * (step - 1) / (time.perf_counter() - t_start) if step > 1 else 0.0
+        self.opt.step()
+        if self.losses:
+            self.seconds += time.perf_counter() - t0
+        self.losses.append(loss.item())
+        return self.losses[-1]
+
+    def tokens_per_s(self) -> float:
+        steps = len(self.losses) - 1
+        return self.cfg.batch * self.cfg.seq_len * steps / self.seconds if steps > 0 and self.seconds else 0.0
+
+    def validate(self) -> float:
+        self.model.eval()
+        val = _batches(self.data[self.split:], self.cfg, torch.Generator().manual_seed(self.cfg.seed + 1))
+        with torch.no_grad():
+            total = sum(self.model(*next(val))[1].item() for _ in range(self.cfg.eval_batches))
+        self.model.train()
+        return total / self.cfg.eval_batches
+
+    def result(self) -> dict:
+        return {"losses": self.losses, "val_loss": self.validate(), "tokens_per_s": self.tokens_per_s()}
+
+
+def _data(text: str) -> tuple[Tensor, int]:
+    chars = sorted(set(text))
+    return torch.tensor(_encode(text, chars), dtype=torch.long), len(chars)  # (N,) character ids, vocab
+
+
+def train(cfg: Config, text: Optional[str] = None, progress: bool = True) -> dict:
+    """Train from ``cfg.seed``; returns ``losses`` (per step), ``val_loss`` and ``tokens_per_s``
+    (steady state: the first step, with its one-off costs, is left out)."""
+    data, vocab = _data(corpus() if text is None else text)
+    run = Run(cfg, data, vocab)
+    for step in range(1, cfg.steps + 1):
+        loss = run.step()
         if progress:
-            print(_bar(step, cfg.steps, losses[-1], tok_s), end="", file=sys.stderr, flush=True)
+            print(_bar(step, cfg.steps, loss, run.tokens_per_s()), end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
-    model.eval()
-    val = _batches(data[split:], cfg, torch.Generator().manual_seed(cfg.seed + 1))
-    with torch.no_grad():
-        val_loss = sum(model(*next(val))[1].item() for _ in range(cfg.eval_batches)) / cfg.eval_batches
-    steady = cfg.batch * cfg.seq_len * (cfg.steps - 1) / (time.perf_counter() - t_start) if cfg.steps > 1 else 0.0
-    return {"losses": losses, "val_loss": val_loss, "tokens_per_s": steady, "vocab": len(chars)}
+    return run.result()
+
+
+def compare(cfgs: list[Config], text: str, progress: bool = True) -> list[dict]:
+    """Train one model per config, a step of each in turn (interleaved, so that a noisy
+    neighbour slows all of them alike), and return each :meth:`Run.result`."""
+    data, vocab = _data(text)
+    runs = [Run(cfg, data, vocab) for cfg in cfgs]
+    steps = max(cfg.steps for cfg in cfgs)
+    for step in range(1, steps + 1):
+        for run in runs:
+            if step <= run.cfg.steps:
+                run.step()
+        if progress:
+            speeds = "  ".join(f"{r.cfg.attention} {r.tokens_per_s():,.0f}" for r in runs)
+            print(_bar(step, steps, runs[0].losses[-1], 0.0).split("  loss")[0] + f"  tok/s: {speeds}", end="",
+                  file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    return [run.result() for run in runs]
 
 
 def _encode(text: str, chars: list[str]) -> list[int]:
@@ -219,8 +268,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=Config.seed)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--compare", metavar="A,B,...", default=None,
-                   help="instead: train with each of these attentions in turn (same seed and data) and print "
-                        "a table of tokens/s and final losses, e.g. attnlab,sdpa")
+                   help="instead: train one model per attention (same seed and data), a step of each in turn, "
+                        "and print a table of tokens/s and final losses, e.g. attnlab,flex,sdpa")
     args = p.parse_args(argv)
     if args.attention == "flex" and args.window is None:
         args.window = args.seq_len  # a window as long as the sequence: plain causal
@@ -231,23 +280,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     text = corpus()
     if args.compare:
         names = args.compare.split(",")
-        rows = []
         for name in names:
             if name not in ("attnlab", "flex", "sdpa"):
                 p.error(f"--compare: unknown attention {name!r}; expected attnlab, flex or sdpa")
-            window = args.window if (name != "flex" or args.window) else args.seq_len
-            print(f"training with {name}" + (f" (sliding window {window})" if window else ""), file=sys.stderr)
-            run = Config(name, window, args.seq_len, args.batch, args.layers, args.heads, args.dim, args.steps,
-                         args.lr, args.seed)
-            rows.append((name, window, train(run, text)))
-        base = next((r[2]["tokens_per_s"] for r in rows if r[0] == "sdpa"), None)
+        cfgs = [Config(name, args.window if (name != "flex" or args.window) else args.seq_len, args.seq_len,
+                       args.batch, args.layers, args.heads, args.dim, args.steps, args.lr, args.seed)
+                for name in names]
+        results = compare(cfgs, text)
+        base = next((r["tokens_per_s"] for c, r in zip(cfgs, results) if c.attention == "sdpa"), None)
         print(f"\nL={args.seq_len}, batch {args.batch}, {args.layers} layers, {args.heads} heads, d={args.dim}, "
-              f"{args.steps} steps, {torch.get_num_threads()} threads\n")
+              f"{args.steps} steps each, interleaved, {torch.get_num_threads()} threads\n")
         print("| attention | window | tokens/s | x sdpa | final train loss | validation loss |")
         print("|---|---|---|---|---|---|")
-        for name, window, r in rows:
+        for c, r in zip(cfgs, results):
             ratio = f"{r['tokens_per_s'] / base:.2f}" if base else "-"
-            print(f"| {name} | {window or '-'} | {r['tokens_per_s']:,.0f} | {ratio} | {r['losses'][-1]:.4f} | "
+            print(f"| {c.attention} | {c.window or '-'} | {r['tokens_per_s']:,.0f} | {ratio} | {r['losses'][-1]:.4f} | "
                   f"{r['val_loss']:.4f} |")
         return 0
     print(f"corpus: {len(text):,} characters of standard-library docstrings; attention: {cfg.attention}"
