@@ -79,6 +79,18 @@ each one, so even an interrupted run leaves a valid file.
 A failed check says why, and names the mistake when it recognises one
 (e.g. "you forgot the 1/sqrt(d_k) scale").
 
+A whole class: 'attnlab grade DIR --out OUTDIR [--jobs N]'. DIR holds one submission
+per learner, as DIR/<learner>/attention.py or DIR/<learner>.py; anything else (hidden
+entries, symbolic links, other files, folders without attention.py, a learner present
+twice) is skipped and listed with the reason. Each submission gets its own sandbox
+(bwrap is required; --no-sandbox overrides), N at a time. OUTDIR gets grades.csv (one
+row per learner: total, points per exercise, named mistakes, seed, seconds, status),
+<learner>/results.json (Gradescope's schema), report.html (score distribution, pass
+rate per exercise, the class's mistakes ranked, the slowest submissions) and
+skipped.txt. --seed N gives the same grades on every rerun; --resume skips learners
+an earlier run finished. 'attnlab autograder --out autograder.zip' packs the same
+grader for Gradescope.
+
 exit status: 0 full marks, 1 some checks failed, 2 bad arguments or no sandbox for
 untrusted code, 130 interrupted.
 
@@ -225,7 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     gr = sub.add_parser("grade", help="grade a lab submission safely and explain each failed check",
                         description=GRADE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     gr.add_argument("path", nargs="?", default=None,
-                    help="the learner's attention.py (default: labs/track1/01-attention/attention.py)")
+                    help="the learner's attention.py (default: labs/track1/01-attention/attention.py), or a folder "
+                         "of submissions (a class: needs --out)")
+    gr.add_argument("--out", metavar="OUTDIR", default=None,
+                    help="with a folder: where grades.csv, report.html and <learner>/results.json go")
+    gr.add_argument("--jobs", type=_positive_int, default=2, metavar="N",
+                    help="with a folder: submissions graded at once (default: 2)")
+    gr.add_argument("--resume", action="store_true",
+                    help="with a folder: keep the learners an earlier run into --out finished")
     gr.add_argument("--json", metavar="RESULTS_JSON", default=None,
                     help="also write Gradescope's results.json to this path ('-' for stdout, no text report)")
     gr.add_argument("--timeout", type=float, default=5.0, metavar="S", help="time limit per exercise (default: 5)")
@@ -245,6 +264,16 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("--no-sandbox", action="store_true",
                     help="run without the OS sandbox, with process limits only (trusted code, or no bwrap here)")
     gr.set_defaults(func=_cmd_grade)
+
+    ag = sub.add_parser("autograder", help="pack the grader as a Gradescope autograder zip",
+                        description="Write a Gradescope autograder bundle: setup.sh (installs bubblewrap, CPU-only "
+                                    "torch and this attnlab from its wheel into /autograder/venv), run_autograder "
+                                    "(grades /autograder/submission/attention.py into "
+                                    "/autograder/results/results.json), pinned requirements.txt and the wheel.")
+    ag.add_argument("--out", required=True, metavar="ZIP", help="the zip to write, e.g. autograder.zip")
+    ag.add_argument("--wheel", default=None, metavar="WHL",
+                    help="the attnlab wheel to bundle (default: built from this source checkout)")
+    ag.set_defaults(func=_cmd_autograder)
 
     be = sub.add_parser("bench", help="time attnlab's attention against torch's SDPA backends",
                         description=BENCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -382,6 +411,12 @@ def _cmd_grade(args: argparse.Namespace) -> int:
     from attnlab.grading import launch
 
     mode = "none" if args.no_sandbox else "auto"
+    if args.path is not None and Path(args.path).is_dir():
+        return _cmd_grade_class(args, mode)
+    if args.out or args.resume:
+        print("attnlab grade: --out and --resume are for a folder of submissions; for one file use --json",
+              file=sys.stderr)
+        return 2
     if args.untrusted and not args.no_sandbox and launch.bwrap_path() is None:
         print(f"attnlab grade: refusing to run untrusted code without the OS sandbox: {launch.HOW_TO_GET_BWRAP}. "
               "Or pass --no-sandbox to run it with process limits only.", file=sys.stderr)
@@ -445,6 +480,63 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         if args.json:
             print(f"results written to {args.json}")
     return 0 if report.score == report.max_score else 1
+
+
+def _cmd_grade_class(args: argparse.Namespace, mode: str) -> int:
+    import time
+
+    from attnlab.grading import Limits, batch, launch
+
+    if args.out is None:
+        print(f"attnlab grade: {args.path} is a folder: pass --out OUTDIR for the gradebook, the report and each "
+              f"learner's results.json", file=sys.stderr)
+        return 2
+    if args.json:
+        print("attnlab grade: --json is for one file; a folder's results.json files go under --out", file=sys.stderr)
+        return 2
+    limits = Limits(timeout_s=args.timeout, memory_mb=args.memory_mb, submission_memory_mb=args.memory_mb * 2)
+    started = time.perf_counter()
+    tty = sys.stderr.isatty()
+
+    def progress(done: int, total: int, text: str) -> None:
+        elapsed = time.perf_counter() - started
+        left = elapsed / max(done, 1) * (total - done)
+        line = f"[{'#' * int(30 * done / max(total, 1)):<30}] {done}/{total}  ~{left:.0f} s left  last: {text}"
+        print(("\r" + line[:110].ljust(110)) if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+
+    try:
+        result = batch.grade_class(args.path, args.out, jobs=args.jobs, seed=args.seed, resume=args.resume,
+                                   limits=limits, total_timeout_s=args.total_timeout, sandbox=mode,
+                                   progress=progress)
+    except launch.SandboxUnavailable as exc:
+        print(f"attnlab grade: {exc}", file=sys.stderr)
+        return 2
+    if tty:
+        print(file=sys.stderr)
+    out = Path(args.out)
+    n = len(result.rows)
+    mean = sum(r.total for r in result.rows) / n if n else 0.0
+    statuses = {s: sum(1 for r in result.rows if r.status == s) for s in ("graded", "timed out", "could not be read")}
+    print(f"graded {n} learners in {result.seconds:.0f} s (mean {mean:.1f}; "
+          + ", ".join(f"{k}: {v}" for k, v in statuses.items() if v) + f"); skipped {len(result.skipped)}"
+          + (f" (see {out / 'skipped.txt'})" if result.skipped else ""))
+    print(f"gradebook: {out / 'grades.csv'}\nreport:    {out / 'report.html'}\nper learner: {out}/<learner>/results.json")
+    return 0
+
+
+def _cmd_autograder(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from attnlab.grading import autograder
+
+    try:
+        path = autograder.build_bundle(args.out, wheel=args.wheel)
+    except (RuntimeError, ValueError, OSError, subprocess.CalledProcessError) as exc:
+        print(f"attnlab autograder: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: upload it as the assignment's autograder on Gradescope (setup.sh, run_autograder, "
+          f"requirements.txt, the attnlab wheel)")
+    return 0
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -37,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -82,6 +83,10 @@ def python_roots() -> list[str]:
             roots.add(os.path.realpath(p))
     here = Path(__file__).resolve().parents[1]  # .../attnlab
     roots.add(str(here))
+    # site-packages folders a .pth file added (an environment layered on another one)
+    for entry in sys.path:
+        if os.path.basename(entry.rstrip(os.sep)) in ("site-packages", "dist-packages") and os.path.isdir(entry):
+            roots.add(os.path.realpath(entry))
     # drop a root that lies inside another one
     ordered = sorted(roots, key=len)
     kept: list[str] = []
@@ -319,8 +324,16 @@ def keep_spare(enabled: bool = True) -> None:
     _keep_spare = enabled
 
 
+_spare_lock = threading.Lock()  # batch grading takes servers from several threads
+
+
 def prestart(mode: str = "auto", memory_mb: int = 2048, max_procs: int = 64) -> None:
     """Start a server now, for the next :func:`take` with the same arguments."""
+    with _spare_lock:
+        _prestart(mode, memory_mb, max_procs)
+
+
+def _prestart(mode: str, memory_mb: int, max_procs: int) -> None:
     global _pending
     if _pending is None:
         try:
@@ -334,13 +347,14 @@ def take(mode: str = "auto", memory_mb: int = 2048, max_procs: int = 64) -> Serv
     serves one submission: the caller stops it when that submission is graded."""
     global _pending
     server = None
-    if _pending is not None:
-        key, spare = _pending
-        _pending = None
-        if key == (mode, memory_mb, max_procs) and spare.alive():
-            server = spare
-        else:
-            spare.stop()
+    with _spare_lock:
+        if _pending is not None:
+            key, spare = _pending
+            _pending = None
+            if key == (mode, memory_mb, max_procs) and spare.alive():
+                server = spare
+            else:
+                spare.stop()
     if server is None:
         server = start(mode, memory_mb, max_procs)
     if _keep_spare:

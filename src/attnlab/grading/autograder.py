@@ -1,0 +1,130 @@
+"""``attnlab autograder --out autograder.zip``: the same grader as a Gradescope autograder.
+
+Gradescope runs ``setup.sh`` once to build the image and ``run_autograder`` for each
+submission, in its own container, with the learner's files in
+``/autograder/submission/`` and the results expected in
+``/autograder/results/results.json`` (the schema ``attnlab grade --json`` writes). The
+bundle holds:
+
+* ``setup.sh``: installs bubblewrap (the OS sandbox; where the container cannot run it, the
+  container itself is the per-submission isolation), creates ``/autograder/venv`` and
+  installs CPU-only torch and the pinned requirements, then this attnlab from its wheel;
+* ``run_autograder``: grades ``/autograder/submission/attention.py`` (or the submission's only
+  ``.py`` file) into ``/autograder/results/results.json``;
+* ``requirements.txt``: torch, numpy and jaxtyping pinned to the versions this bundle was
+  made with; ``attnlab-<version>-py3-none-any.whl``; ``README.txt``.
+
+For tests and offline builds ``setup.sh`` reads ``AUTOGRADER_ROOT`` (default ``/autograder``),
+``ATTNLAB_VENV`` (an existing environment to install into), ``ATTNLAB_PIP_ARGS`` (replaces
+the CPU-torch index arguments, e.g. ``--no-index --find-links DIR``) and
+``ATTNLAB_SKIP_APT=1``; ``run_autograder`` reads the first two.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Optional
+
+import attnlab
+
+__all__ = ["build_bundle", "SETUP_SH", "RUN_AUTOGRADER"]
+
+SETUP_SH = r"""#!/usr/bin/env bash
+# attnlab autograder: Gradescope runs this once, as root, when it builds the image.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+ROOT="${AUTOGRADER_ROOT:-/autograder}"
+if [ "${ATTNLAB_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv python3-pip bubblewrap >/dev/null
+fi
+VENV="${ATTNLAB_VENV:-$ROOT/venv}"
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PIP_ARGS="${ATTNLAB_PIP_ARGS:---extra-index-url https://download.pytorch.org/whl/cpu}"
+# shellcheck disable=SC2086  (PIP_ARGS is a list of arguments)
+"$VENV/bin/python" -m pip install --quiet $PIP_ARGS -r "$HERE/requirements.txt"
+"$VENV/bin/python" -m pip install --quiet $PIP_ARGS --no-deps --force-reinstall "$HERE"/attnlab-*.whl
+"$VENV/bin/python" -m attnlab._native || true   # build the native kernels once, into the image
+echo "attnlab autograder installed into $VENV"
+"""
+
+RUN_AUTOGRADER = r"""#!/usr/bin/env bash
+# attnlab autograder: Gradescope runs this once per submission, in its own container.
+ROOT="${AUTOGRADER_ROOT:-/autograder}"
+PY="${ATTNLAB_VENV:-$ROOT/venv}/bin/python"
+SUBMISSION="$ROOT/submission/attention.py"
+if [ ! -f "$SUBMISSION" ]; then   # a differently named file: take the only .py there is
+  mapfile -t FILES < <(find "$ROOT/submission" -maxdepth 2 -name '*.py' -type f 2>/dev/null)
+  [ "${#FILES[@]}" = 1 ] && SUBMISSION="${FILES[0]}"
+fi
+mkdir -p "$ROOT/results"
+# The OS sandbox where the container allows it; otherwise the container is the isolation.
+SANDBOX=--no-sandbox
+if command -v bwrap >/dev/null && bwrap --ro-bind / / --unshare-all true 2>/dev/null; then SANDBOX=--untrusted; fi
+cd "$ROOT/results"
+"$PY" -m attnlab grade "$SUBMISSION" --json "$ROOT/results/results.json" --no-images --no-colour $SANDBOX
+exit 0   # the score is in results.json; a failing grade is not a failed autograder run
+"""
+
+README = """attnlab {version} autograder for Gradescope.
+
+Upload this zip as the autograder of a programming assignment (Ubuntu base image). Learners
+submit attention.py (lab track1/01-attention). Each submission is graded by `attnlab grade`
+in its own container; results.json carries the score, one test per check with the named
+mistakes as tags, and the seed of the inputs (extra_data.seed).
+"""
+
+
+def _pin(name: str) -> str:
+    try:
+        version = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return name
+    return f"{name}=={version.split('+')[0]}"  # torch 2.13.0+cpu -> torch==2.13.0 (the CPU index serves it)
+
+
+def _project_root() -> Optional[Path]:
+    root = Path(attnlab.__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() else None
+
+
+def build_wheel(dest: Path) -> Path:
+    """Build attnlab's wheel from its source checkout into ``dest``."""
+    root = _project_root()
+    if root is None:
+        raise RuntimeError("attnlab autograder: attnlab is not installed from a source checkout; pass --wheel "
+                           "with the attnlab wheel to bundle")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "-w", str(dest), str(root)], check=True, capture_output=True, text=True)
+    wheels = sorted(dest.glob("attnlab-*.whl"))
+    if not wheels:
+        raise RuntimeError(f"attnlab autograder: pip wheel left no attnlab wheel in {dest}")
+    return wheels[-1]
+
+
+def build_bundle(out: os.PathLike, wheel: Optional[os.PathLike] = None) -> Path:
+    """Write the autograder zip to ``out``; returns its path."""
+    out = Path(out)
+    with tempfile.TemporaryDirectory() as tmp:
+        whl = Path(wheel) if wheel is not None else build_wheel(Path(tmp))
+        if not whl.is_file() or not whl.name.startswith("attnlab-") or whl.suffix != ".whl":
+            raise ValueError(f"attnlab autograder: --wheel must be an attnlab-*.whl file, got {whl}")
+        requirements = "\n".join(_pin(n) for n in ("torch", "numpy", "jaxtyping")) + "\n"
+        tmp_zip = out.with_name(f".{out.name}.tmp")
+        with zipfile.ZipFile(tmp_zip, "w", zipfile.ZIP_DEFLATED) as z:
+            for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER)):
+                info = zipfile.ZipInfo(name)
+                info.external_attr = 0o755 << 16  # executable when unpacked
+                info.compress_type = zipfile.ZIP_DEFLATED
+                z.writestr(info, text)
+            z.writestr("requirements.txt", requirements)
+            z.writestr("README.txt", README.format(version=attnlab.__version__))
+            z.write(whl, whl.name)
+        os.replace(tmp_zip, out)
+    return out

@@ -1,0 +1,253 @@
+"""Grading a class folder (attnlab grade DIR --out OUT) and the Gradescope autograder bundle.
+
+A generated class: two solutions (both layouts), a stub, two buggy variants, three hostile
+members from tests/hostile (one overwrites a neighbour's file, one rewrites its own folder,
+one hangs every exercise) and entries that are not submissions. Graded once with the real
+OS sandbox (module fixture); the tests read the gradebook, the per-learner JSON, the report
+page (in headless Chromium) and check that the hostile members changed nothing of anyone else's.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from attnlab.cli import main
+from attnlab.grading import Limits, launch
+from attnlab.grading import batch
+
+HERE = Path(__file__).resolve().parent
+LAB = HERE.parent / "labs/track1/01-attention"
+STUB = (LAB / "attention.py").read_text()
+SOLUTION = (LAB / "solutions/attention.py").read_text()
+SCORES_LINE = "return Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])"
+LIMITS = Limits(timeout_s=2.0)
+TOTAL_S = 10.0
+
+if launch.bwrap_path() is None:
+    if os.environ.get("CI"):
+        pytest.fail("bwrap is missing: 'make test' installs bubblewrap; class grading must run sandboxed in CI",
+                    pytrace=False)
+    pytest.skip("bwrap is not installed (make test installs it)", allow_module_level=True)
+
+
+def hostile(name: str, folder: Path, neighbour: Path) -> str:
+    text = (HERE / "hostile" / f"{name}.py").read_text()
+    base = "stub" if "# base: stub" in text else "solution"
+    for key, value in {"@NEIGHBOUR@": str(neighbour), "@SELF_DIR@": str(folder), "@TOKEN@": "classtoken"}.items():
+        text = text.replace(key, value)
+    return {"stub": STUB, "solution": SOLUTION}[base] + "\n\n# ---- hostile part ----\n" + text
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+def make_class(root: Path) -> Path:
+    cls = root / "class"
+    for learner, text in (("alice", SOLUTION), ("carol", STUB)):
+        (cls / learner).mkdir(parents=True)
+        (cls / learner / "attention.py").write_text(text)
+    (cls / "bob.py").write_text(SOLUTION)
+    (cls / "dave.py").write_text(SOLUTION.replace(SCORES_LINE, "return Q @ K.transpose(-2, -1)"))
+    (cls / "erin.py").write_text(SOLUTION.replace("return scores.masked_fill(~mask, NEG_INF)",
+                                                  "return scores.masked_fill(mask, NEG_INF)"))
+    for learner, name in (("mallory", "fp_neighbour"), ("trent", "write_own_folder"), ("hang", "hang_every_exercise")):
+        (cls / learner).mkdir()
+        (cls / learner / "attention.py").write_text(hostile(name, cls / learner, cls / "alice" / "attention.py"))
+    (cls / "notes.txt").write_text("not a submission\n")
+    (cls / ".hidden").mkdir()
+    (cls / "empty").mkdir()
+    (cls / "link.py").symlink_to(cls / "alice" / "attention.py")
+    return cls
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch")
+    cls = make_class(root)
+    before = digest(cls)
+    seen = []
+    result = batch.grade_class(cls, root / "out", jobs=2, seed=7, limits=LIMITS, total_timeout_s=TOTAL_S,
+                               progress=lambda done, total, text: seen.append((done, total, text)))
+    return root, cls, before, result, seen
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_gradebook_has_every_learner_sorted_with_points_mistakes_and_status(graded):
+    root, cls, before, result, seen = graded
+    rows = read_csv(root / "out" / "grades.csv")
+    by = {r["learner"]: r for r in rows}
+    assert [r["learner"] for r in rows] == ["alice", "bob", "carol", "dave", "erin", "hang", "mallory", "trent"]
+    assert by["alice"]["total"] == by["bob"]["total"] == by["trent"]["total"] == "100"
+    assert by["carol"]["total"] == "0" and by["mallory"]["total"] == "0"
+    assert float(by["dave"]["total"]) < 100 and "missing_scale" in by["dave"]["mistakes"].split()
+    assert float(by["erin"]["total"]) < 100 and "mask_polarity" in by["erin"]["mistakes"].split()
+    assert by["hang"]["status"] == "timed out" and by["alice"]["status"] == "graded"
+    assert {"ex1", "ex12", "seed", "seconds"} <= set(rows[0])
+    assert float(by["dave"]["ex2"]) < float(by["alice"]["ex2"]) == 10  # partial credit on the scale
+    assert len({r["seed"] for r in rows}) == len(rows)  # one seed per learner
+    assert [t for _, total, t in seen if total == 8] and seen[-1][0] == 8  # progress for every learner
+
+
+def test_each_learner_gets_gradescope_results_json(graded):
+    root, *_ = graded
+    for r in read_csv(root / "out" / "grades.csv"):
+        data = json.loads((root / "out" / r["learner"] / "results.json").read_text())
+        assert data["score"] == float(r["total"]) and data["extra_data"]["seed"] == int(r["seed"])
+        assert data["tests"] and data["extra_data"]["sandbox"]["os_sandbox"] is True
+
+
+def test_what_is_not_a_submission_is_skipped_with_a_reason(graded):
+    root, cls, before, result, seen = graded
+    skipped = {s.name: s.reason for s in result.skipped}
+    assert set(skipped) == {"notes.txt", ".hidden", "empty", "link.py"}
+    assert "symbolic link" in skipped["link.py"] and "without a regular attention.py" in skipped["empty"]
+    assert "link.py: a symbolic link" in (root / "out" / "skipped.txt").read_text()
+
+
+def test_hostile_members_changed_nothing_of_anyone_else(graded):
+    root, cls, before, result, seen = graded
+    assert digest(cls) == before  # alice's file (mallory's target), trent's own folder: untouched
+    assert not list(Path("/tmp").glob("*classtoken*"))
+
+
+def test_same_seed_same_grades(graded, tmp_path):
+    root, cls, before, result, seen = graded
+    small = tmp_path / "again"
+    small.mkdir()
+    for name in ("dave.py", "erin.py"):
+        (small / name).write_text((cls / name).read_text())
+    again = batch.grade_class(small, tmp_path / "out", jobs=2, seed=7, limits=LIMITS, total_timeout_s=TOTAL_S)
+    first = {r.learner: r for r in result.rows}
+    for r in again.rows:
+        assert (r.total, r.exercises, r.mistakes, r.seed) == (first[r.learner].total, first[r.learner].exercises,
+                                                             first[r.learner].mistakes, first[r.learner].seed)
+
+
+def test_resume_grades_only_the_unfinished(graded):
+    root, cls, before, result, seen = graded
+    out = root / "out"
+    (out / "dave" / "row.json").unlink()  # as if the run had stopped while grading dave
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/results.json")}
+    calls = []
+    again = batch.grade_class(cls, out, jobs=2, seed=7, limits=LIMITS, total_timeout_s=TOTAL_S, resume=True,
+                              progress=lambda done, total, text: calls.append(text))
+    assert len(calls) == 1 and calls[0].startswith("dave")
+    changed = {p.parent.name for p, t in stamps.items() if p.stat().st_mtime_ns != t}
+    assert changed == {"dave"}
+    assert [r.learner for r in again.rows] == [r.learner for r in result.rows]
+
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run"]
+
+
+def test_report_page_in_headless_chromium(graded):
+    root, *_ = graded
+    browser = __import__("shutil").which("chromium") or __import__("shutil").which("chromium-browser")
+    if browser is None:
+        reason = "cannot run: chromium is not installed (make test installs Debian's chromium)"
+        if os.environ.get("CI"):
+            pytest.fail(reason + "; in CI the page must be checked")
+        pytest.skip(reason)
+    page = root / "out" / "report.html"
+    text = page.read_text()
+    assert "<script" not in text and not re.search(r"(src|href)\s*=\s*[\"']?https?:|url\(", text)  # no network
+    dom = subprocess.run([browser, *CHROMIUM_FLAGS, f"--user-data-dir={tempfile.mkdtemp()}", "--dump-dom",
+                          page.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    assert "8 learners graded" in dom and "Score distribution" in dom and "<svg" in dom
+    assert dom.index("missing_scale") > dom.index("Named mistakes") and "mask_polarity" in dom
+    assert "Slowest submissions" in dom and "hang" in dom and "link.py" in dom
+    assert "the scores are not scaled" in dom  # the shared explanation of the mistake
+
+
+def test_cli_grades_a_folder_and_says_what_it_wrote(tmp_path, capsys):
+    cls = tmp_path / "c"
+    cls.mkdir()
+    (cls / "amy.py").write_text(SOLUTION)
+    (cls / "ben.py").write_text(STUB)
+    (cls / "readme.md").write_text("x")
+    assert main(["grade", str(cls)]) == 2
+    assert "--out" in capsys.readouterr().err
+    code = main(["grade", str(cls), "--out", str(tmp_path / "o"), "--jobs", "2", "--seed", "3", "--timeout", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "2 learners" in out and "grades.csv" in out and "report.html" in out and "skipped 1" in out
+    assert [r["total"] for r in read_csv(tmp_path / "o" / "grades.csv")] == ["100", "0"]
+
+
+# --------------------------------------------------------------------------- the autograder bundle
+@pytest.fixture(scope="module")
+def gradescope(tmp_path_factory):
+    """The bundle unpacked under a root laid out like Gradescope's, set up offline: the
+    environment sees this one's packages (torch, numpy, jaxtyping) through a .pth file and
+    gets attnlab from the bundled wheel."""
+    root = tmp_path_factory.mktemp("gradescope")
+    bundle = root / "autograder.zip"
+    assert main(["autograder", "--out", str(bundle)]) == 0
+    source = root / "autograder" / "source"
+    with zipfile.ZipFile(bundle) as z:
+        names = set(z.namelist())
+        z.extractall(source)
+    for name in ("setup.sh", "run_autograder"):
+        os.chmod(source / name, 0o755)
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next(venv.glob("lib/python*/site-packages"))
+    here_site = next(p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
+    (site / "host.pth").write_text(here_site + "\n")
+    env = {**os.environ, "AUTOGRADER_ROOT": str(root / "autograder"), "ATTNLAB_VENV": str(venv),
+           "ATTNLAB_PIP_ARGS": "--no-index", "ATTNLAB_SKIP_APT": "1"}
+    # the venv has no pip of its own: the host's, seen through host.pth, installs into it
+    setup = subprocess.run(["bash", str(source / "setup.sh")], capture_output=True, text=True, env=env, timeout=600)
+    return root, source, env, names, setup
+
+
+def test_the_bundle_installs_offline_from_its_wheel(gradescope):
+    root, source, env, names, setup = gradescope
+    assert {"setup.sh", "run_autograder", "requirements.txt", "README.txt"} <= names
+    assert any(n.startswith("attnlab-") and n.endswith(".whl") for n in names)
+    assert "torch==" in (source / "requirements.txt").read_text()
+    assert setup.returncode == 0, setup.stdout[-2000:] + setup.stderr[-2000:]
+    venv_python = Path(env["ATTNLAB_VENV"]) / "bin" / "python"
+    where = subprocess.run([str(venv_python), "-c", "import attnlab; print(attnlab.__file__)"], capture_output=True,
+                           text=True, env=env).stdout
+    assert str(Path(env["ATTNLAB_VENV"])) in where  # attnlab came from the bundle's wheel, not this checkout
+
+
+@pytest.mark.parametrize("kind,expect", [("solution", 100), ("stub", 0), ("hostile", 0)])
+def test_run_autograder_grades_the_submission(gradescope, kind, expect):
+    root, source, env, names, setup = gradescope
+    assert setup.returncode == 0, setup.stderr[-2000:]
+    sub = root / "autograder" / "submission"
+    results = root / "autograder" / "results" / "results.json"
+    if sub.exists():
+        for p in sub.iterdir():
+            p.unlink()
+    sub.mkdir(parents=True, exist_ok=True)
+    results.unlink(missing_ok=True)
+    text = {"solution": SOLUTION, "stub": STUB,
+            "hostile": hostile("fp_rewrite_results", sub, sub / "x.py").replace("@RESULTS@", str(results))}[kind]
+    (sub / "attention.py").write_text(text)
+    before = digest(source)
+    run = subprocess.run(["bash", str(source / "run_autograder")], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(results.read_text())
+    assert data["score"] == expect and data["max_score"] == 100
+    assert digest(source) == before
