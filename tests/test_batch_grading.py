@@ -113,6 +113,20 @@ def test_each_learner_gets_gradescope_results_json(graded):
         assert data["tests"] and data["extra_data"]["sandbox"]["os_sandbox"] is True
 
 
+def test_a_learner_whose_exercises_time_out_is_marked_timed_out():
+    from attnlab.grading.grader import GradeReport, TestResult
+    from attnlab.grading.checks import EXERCISES, Verdict
+
+    ex = EXERCISES[0]
+    for message, status in (("did not finish within 2 s (an endless loop?)", "timed out"),
+                            ("not run: the total time limit (10 s) was reached", "timed out"),
+                            ("returned the wrong shape", "graded")):
+        report = GradeReport(path=Path("x.py"), results=[TestResult(ex, "c", 0.0, 1.0, Verdict(False, message))])
+        assert batch._row("x", report).status == status
+    report = GradeReport(path=Path("x.py"), problem="could not import the file:\nSyntaxError")
+    assert batch._row("x", report).status == "could not be read"
+
+
 def test_what_is_not_a_submission_is_skipped_with_a_reason(graded):
     root, cls, before, result, seen = graded
     skipped = {s.name: s.reason for s in result.skipped}

@@ -129,8 +129,8 @@ def _row(learner: str, report: GradeReport) -> Row:
     problem = report.problem
     if problem.startswith(("no file", "could not read", "could not import", "the file breaks")):
         status = "could not be read"
-    elif any("total time limit" in r.verdict.message or "timed out" in r.verdict.message.lower()
-             for r in report.results):
+    elif any("total time limit" in r.verdict.message or "did not finish within" in r.verdict.message
+             for r in report.results):  # the messages of grader.grade and the sandbox's time limits
         status = "timed out"
     else:
         status = "graded"
