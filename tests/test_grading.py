@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from attnlab.cli import main
 from attnlab.grading import Limits, grade
 from attnlab.grading.checks import EXERCISES
 
@@ -277,3 +278,20 @@ def test_json_is_written_even_when_everything_fails(tmp_path):
 def test_missing_file(tmp_path):
     report = grade(tmp_path / "nope.py")
     assert report.score == 0 and "no file" in report.problem
+
+
+def test_a_missing_lab_dependency_is_named_with_its_install_command_not_scored_as_a_mistake(monkeypatch, capsys):
+    """Installed from the wheel without the 'lab' extra, jaxtyping is missing: the report must
+    say so and how to fix it, not 'Score 0 ... Start with ex1' as if the learner had erred."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "jaxtyping" else real(name, *a))
+    path = LAB / "solutions/attention.py"
+    report = grade(path, seed=1)
+    assert "jaxtyping" in report.environment_problem and "pip install 'attnlab[lab]'" in report.environment_problem
+    text = report.to_text()
+    assert "not a mistake in your code" in text and "Start with" not in text and "Fix the installation" in text
+    assert main(["grade", str(path), "--no-images"]) == 2
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    assert grade(path, seed=1).score == 100  # with it installed, the same file is fine

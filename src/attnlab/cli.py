@@ -91,8 +91,8 @@ skipped.txt. --seed N gives the same grades on every rerun; --resume skips learn
 an earlier run finished. 'attnlab autograder --out autograder.zip' packs the same
 grader for Gradescope.
 
-exit status: 0 full marks, 1 some checks failed, 2 bad arguments or no sandbox for
-untrusted code, 130 interrupted.
+exit status: 0 full marks, 1 some checks failed, 2 bad arguments, no sandbox for
+untrusted code, or a module the lab needs (jaxtyping) missing here, 130 interrupted.
 
 examples:
   attnlab grade
@@ -479,6 +479,8 @@ def _cmd_grade(args: argparse.Namespace) -> int:
         print(report.to_text(colour=supports_colour() and not args.no_colour))
         if args.json:
             print(f"results written to {args.json}")
+    if report.environment_problem:
+        return 2  # the installation, not the learner's code
     return 0 if report.score == report.max_score else 1
 
 

@@ -69,7 +69,7 @@ class Row:
     mistakes: list[str]  # named mistake codes (attnlab.mistakes), sorted
     seed: int
     seconds: float
-    status: str  # graded | timed out | could not be read
+    status: str  # graded | timed out | could not be read | grader environment (a module the lab needs is missing)
     messages: dict[str, str] = field(default_factory=dict)  # mistake code -> one message that named it
 
 
@@ -127,7 +127,9 @@ def _row(learner: str, report: GradeReport) -> Row:
         for f in r.verdict.findings:
             messages.setdefault(f["code"], f.get("message", ""))
     problem = report.problem
-    if problem.startswith(("no file", "could not read", "could not import", "the file breaks")):
+    if report.environment_problem:
+        status = "grader environment"
+    elif problem.startswith(("no file", "could not read", "could not import", "the file breaks")):
         status = "could not be read"
     elif any("total time limit" in r.verdict.message or "did not finish within" in r.verdict.message
              for r in report.results):  # the messages of grader.grade and the sandbox's time limits

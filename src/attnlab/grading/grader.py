@@ -78,6 +78,7 @@ class GradeReport:
     memory_fence: str = ""  # how the submission's memory was capped
     restarts: int = 0  # times the sandbox server had to be replaced (it was stopped or killed)
     pending: list = field(default_factory=list)  # exercises not graded yet (an interrupted run)
+    environment_problem: str = ""  # the grader's installation lacks a module the lab allows (not scored)
 
     @property
     def score(self) -> float:
@@ -137,7 +138,9 @@ class GradeReport:
         where = "in the OS sandbox" if self.sandboxed else "not in an OS sandbox"
         lines += ["", f"{bold}Score: {total}{reset}   ({self.elapsed_s:.1f} s; seed {self.seed}; {where})"]
         nxt = self.first_unfinished()
-        if self.score == 0 and nxt is not None:
+        if self.environment_problem:
+            lines.append("Fix the installation above, then run 'attnlab grade' again.")
+        elif self.score == 0 and nxt is not None:
             lines.append(f"Start with {nxt.id}: {nxt.function}() in {self.path.name}, then run 'attnlab grade' again.")
         elif nxt is not None:
             lines.append(f"Next: {nxt.id} {nxt.function}().")
@@ -236,6 +239,15 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
 
     # The from-scratch rule on the text, before any of it runs.
     static = check_source(source, path.name)
+    missing = missing_modules(static.imports)
+    if missing and not static.syntax_error:  # the grader's installation, not the learner's code
+        report.environment_problem = (
+            f"not a mistake in your code: the file imports {', '.join(missing)}, which is not installed where "
+            f"the grader runs. Install it with: {install_command(missing)}, then grade again.")
+        report.problem = report.environment_problem
+        _fail_all(report, EXERCISES, Verdict(False, report.problem))
+        report.elapsed_s = time.perf_counter() - t0
+        return report
     if static.syntax_error:
         report.problem = f"could not import the file:\n{static.syntax_error}"
     elif static.module_level():
@@ -285,6 +297,21 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         _save_pictures(report, Path(images_dir))
     report.elapsed_s = time.perf_counter() - t0
     return report
+
+
+# what installs each module a lab's files may import (the static check's allow-list)
+_INSTALL = {"jaxtyping": "pip install 'attnlab[lab]'  (or: pip install jaxtyping)"}
+
+
+def missing_modules(modules) -> list[str]:
+    """The modules of ``modules`` that cannot be imported where the grader runs."""
+    import importlib.util
+
+    return sorted(m for m in modules if importlib.util.find_spec(m) is None)
+
+
+def install_command(modules: list[str]) -> str:
+    return "; ".join(_INSTALL.get(m, f"pip install {m}") for m in modules)
 
 
 def _clean(v: Verdict) -> Verdict:

@@ -33,7 +33,7 @@ open sockets. The OS sandbox (:mod:`.launch`) is the fence; this check keeps the
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from attnlab.grading.policy import BANNED_FRAGMENTS
@@ -70,6 +70,7 @@ class StaticReport:
     violations: list[Violation]
     calls: dict[str, set[str]]  # top-level function -> top-level functions it names
     syntax_error: str = ""
+    imports: set[str] = field(default_factory=set)  # allowed top-level modules the file imports
 
     def reachable(self, function: str) -> set[str]:
         """``function`` and every top-level function it reaches by name."""
@@ -108,6 +109,7 @@ class _Visitor(ast.NodeVisitor):
         self.function: Optional[str] = None
         self.violations: list[Violation] = []
         self.calls: dict[str, set[str]] = {}
+        self.imports: set[str] = set()
 
     def add(self, node: ast.AST, kind: str, message: str) -> None:
         self.violations.append(Violation(getattr(node, "lineno", 0), self.function, kind, message))
@@ -127,6 +129,8 @@ class _Visitor(ast.NodeVisitor):
     # ----------------------------------------------------------- imports
     def _check_module(self, node: ast.AST, module: str) -> None:
         root = module.split(".")[0]
+        if root in ALLOWED_IMPORTS and root != "__future__":
+            self.imports.add(root)
         if root not in ALLOWED_IMPORTS:
             self.add(node, "import", f"import of {module!r}: a submission may import only "
                                      f"{', '.join(m for m in ALLOWED_IMPORTS if m != '__future__')}")
@@ -209,7 +213,7 @@ def check_source(source: str | bytes, filename: str = "attention.py") -> StaticR
     top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     visitor = _Visitor(top)
     visitor.visit(tree)
-    return StaticReport(visitor.violations, visitor.calls)
+    return StaticReport(visitor.violations, visitor.calls, imports=visitor.imports)
 
 
 def describe(violations: Iterable[Violation], limit: int = 6) -> str:
