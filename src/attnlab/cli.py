@@ -265,6 +265,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run without the OS sandbox, with process limits only (trusted code, or no bwrap here)")
     gr.set_defaults(func=_cmd_grade)
 
+    la = sub.add_parser("labs", help="list the labs, or copy one to start it: attnlab labs get 01",
+                        description="List the labs of track 1 and what each covers; 'attnlab labs get NAME [DIR]' "
+                                    "copies a lab's brief, stubs and walkthrough (never its solutions) into DIR "
+                                    "(default ./NAME), so you can start from 'pip install attnlab' alone.")
+    la_sub = la.add_subparsers(dest="labs_command")
+    lg = la_sub.add_parser("get", help="copy a lab's brief, stubs and walkthrough into a folder")
+    lg.add_argument("name", help="the lab's name or number (e.g. 01-attention or 01)")
+    lg.add_argument("dir", nargs="?", default=None, help="where to put it (default: ./NAME)")
+    la.set_defaults(func=_cmd_labs)
+
     ag = sub.add_parser("autograder", help="pack the grader as a Gradescope autograder zip",
                         description="Write a Gradescope autograder bundle: setup.sh (installs bubblewrap, CPU-only "
                                     "torch and this attnlab from its wheel into /autograder/venv), run_autograder "
@@ -523,6 +533,31 @@ def _cmd_grade_class(args: argparse.Namespace, mode: str) -> int:
           + ", ".join(f"{k}: {v}" for k, v in statuses.items() if v) + f"); skipped {len(result.skipped)}"
           + (f" (see {out / 'skipped.txt'})" if result.skipped else ""))
     print(f"gradebook: {out / 'grades.csv'}\nreport:    {out / 'report.html'}\nper learner: {out}/<learner>/results.json")
+    return 0
+
+
+def _cmd_labs(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from attnlab import labs
+
+    if getattr(args, "labs_command", None) == "get":
+        try:
+            dest = labs.get_lab(args.name, args.dir)
+        except (KeyError, FileNotFoundError, FileExistsError) as exc:
+            print(f"attnlab labs get: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+            return 2
+        lab = labs.find_lab(args.name)
+        print(f"copied lab {lab.name} into {dest}: read README.md, fill in attention.py, then run "
+              f"'attnlab grade {dest / 'attention.py'}'")
+        missing = [m for m in lab.needs if importlib.util.find_spec(m) is None]
+        if missing:
+            print(f"note: the lab's files import {', '.join(missing)}, which is not installed here: "
+                  f"pip install 'attnlab[lab]'", file=sys.stderr)
+        return 0
+    for lab in labs.LABS:
+        print(f"{lab.name}  {lab.title}\n    covers: {lab.covers}")
+    print("\nstart one with: attnlab labs get NAME [DIR]; grade it with: attnlab grade DIR/attention.py")
     return 0
 
 

@@ -1,0 +1,73 @@
+"""The labs of track 1, and how a learner gets them: ``attnlab labs`` / ``attnlab labs get NAME``.
+
+A lab is a folder with a brief (``README.md``), the stubs the learner fills in
+(``attention.py``, ``TODO(exN)`` markers) and a walkthrough notebook (``walkthrough.py``, paired
+with ``walkthrough.ipynb``); its ``solutions/`` stay with the grader and are never copied
+out. The materials are read from attnlab's own checkout (``labs/`` beside ``src/``) or, in an
+installed wheel, from ``<prefix>/share/attnlab/labs`` where the wheel puts them, so
+``pip install attnlab`` alone is enough to start.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["Lab", "LABS", "labs_root", "find_lab", "get_lab", "LAB_FILES"]
+
+LAB_FILES = ("README.md", "attention.py", "walkthrough.py", "walkthrough.ipynb")  # never solutions/
+
+
+@dataclass(frozen=True)
+class Lab:
+    name: str  # the folder under labs/track1/
+    title: str
+    covers: str
+    needs: tuple[str, ...] = ("jaxtyping",)  # imports of the stubs beyond torch: the 'lab' extra
+
+
+LABS = (
+    Lab("01-attention", "Self-attention from queries, keys and values",
+        "projections, scaled scores, a stable softmax, masks (causal, padding), the weighted sum, "
+        "parity with torch's SDPA; the lesson's worked example"),
+)
+
+
+def labs_root() -> Optional[Path]:
+    """Where the lab folders are: the checkout's ``labs/track1`` or the installed copy."""
+    checkout = Path(__file__).resolve().parents[2] / "labs" / "track1"
+    if checkout.is_dir():
+        return checkout
+    installed = Path(sys.prefix) / "share" / "attnlab" / "labs" / "track1"
+    return installed if installed.is_dir() else None
+
+
+def find_lab(name: str) -> Lab:
+    """The lab called ``name`` (its full name, or its number: ``01``, ``1``)."""
+    for lab in LABS:
+        if name in (lab.name, lab.name.split("-")[0], lab.name.split("-")[0].lstrip("0")):
+            return lab
+    raise KeyError(f"no lab {name!r}; the labs are: {', '.join(lab.name for lab in LABS)} (see 'attnlab labs')")
+
+
+def get_lab(name: str, dest: Optional[os.PathLike] = None) -> Path:
+    """Copy a lab's brief, stubs and walkthrough (never its solutions) into ``dest``
+    (default ``./<lab name>``); refuses to overwrite a file that is already there."""
+    lab = find_lab(name)
+    root = labs_root()
+    if root is None or not (root / lab.name).is_dir():
+        raise FileNotFoundError(f"the materials of lab {lab.name} are not installed (looked in the checkout's "
+                                f"labs/ and in {Path(sys.prefix) / 'share' / 'attnlab'}); reinstall attnlab")
+    dest = Path(dest) if dest is not None else Path.cwd() / lab.name
+    sources = [root / lab.name / f for f in LAB_FILES if (root / lab.name / f).is_file()]
+    clashes = [str(dest / s.name) for s in sources if (dest / s.name).exists()]
+    if clashes:
+        raise FileExistsError(f"not overwriting {', '.join(clashes)}: choose another folder or move them away")
+    dest.mkdir(parents=True, exist_ok=True)
+    for s in sources:
+        shutil.copyfile(s, dest / s.name)
+    return dest

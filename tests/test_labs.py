@@ -1,0 +1,39 @@
+"""attnlab labs: the list, and 'labs get' copying a lab without its solutions."""
+
+from __future__ import annotations
+
+import zipfile
+
+import pytest
+
+from attnlab import labs
+from attnlab.cli import main
+
+
+def test_labs_lists_each_lab_with_what_it_covers(capsys):
+    assert main(["labs"]) == 0
+    out = capsys.readouterr().out
+    assert "01-attention" in out and "covers:" in out and "attnlab labs get" in out
+
+
+def test_get_copies_brief_stubs_and_walkthrough_but_never_solutions(tmp_path, capsys):
+    assert main(["labs", "get", "01", str(tmp_path / "mine")]) == 0
+    copied = sorted(p.name for p in (tmp_path / "mine").iterdir())
+    assert copied == sorted(labs.LAB_FILES)
+    assert "TODO(ex1)" in (tmp_path / "mine" / "attention.py").read_text()
+    assert not list((tmp_path / "mine").rglob("solutions"))
+    assert "attnlab grade" in capsys.readouterr().out
+    assert main(["labs", "get", "01-attention", str(tmp_path / "mine")]) == 2  # never overwrites
+    assert "not overwriting" in capsys.readouterr().err
+    assert main(["labs", "get", "99", str(tmp_path / "x")]) == 2
+    assert "no lab '99'" in capsys.readouterr().err
+
+
+def test_the_wheel_carries_the_lab_materials_without_solutions(tmp_path):
+    from attnlab.grading import autograder
+
+    wheel = autograder.build_wheel(tmp_path)
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = [n for n in names if "/share/attnlab/labs/track1/01-attention/" in n]
+    assert sorted(n.rsplit("/", 1)[1] for n in shipped) == sorted(labs.LAB_FILES)
+    assert not [n for n in names if "solutions" in n]
