@@ -121,11 +121,15 @@ def test_one_vocabulary_for_the_doctor_and_the_grader():
     import ast
     from pathlib import Path
 
-    from attnlab import mistakes
-    from attnlab.grading import checks
+    import importlib
+
+    from attnlab import labs, mistakes
 
     emitted = set()
-    for module in (checks, __import__("attnlab.grading.grader", fromlist=["x"])):
+    modules = [importlib.import_module(lab.checks) for lab in labs.LABS] + [importlib.import_module(
+        "attnlab.grading.grader")]
+    assert len(modules) >= 3  # every lab's checks, and the grader
+    for module in modules:
         tree = ast.parse(Path(module.__file__).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Dict):  # {"code": "...", ...}
@@ -135,6 +139,9 @@ def test_one_vocabulary_for_the_doctor_and_the_grader():
             if isinstance(node, ast.Tuple) and len(node.elts) == 3 and isinstance(node.elts[0], ast.Constant) \
                     and isinstance(node.elts[0].value, str) and _is_message(node.elts[1]):
                 emitted.add(node.elts[0].value)  # (code, message, wrong answer) in a check's mistakes list
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "_mistake" and node.args \
+                    and isinstance(node.args[0], ast.Constant):
+                emitted.add(node.args[0].value)  # _mistake(code, message, wrong answer)
     emitted.discard("_")
     assert len(emitted) >= 15, emitted
     assert emitted <= set(mistakes.CODES), emitted - set(mistakes.CODES)

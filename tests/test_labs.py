@@ -19,7 +19,7 @@ def test_labs_lists_each_lab_with_what_it_covers(capsys):
 def test_get_copies_brief_stubs_and_walkthrough_but_never_solutions(tmp_path, capsys):
     assert main(["labs", "get", "01", str(tmp_path / "mine")]) == 0
     copied = sorted(p.name for p in (tmp_path / "mine").iterdir())
-    assert copied == sorted(labs.LAB_FILES)
+    assert copied == sorted(labs.find_lab("01").files)
     assert "TODO(ex1)" in (tmp_path / "mine" / "attention.py").read_text()
     assert not list((tmp_path / "mine").rglob("solutions"))
     assert "attnlab grade" in capsys.readouterr().out
@@ -35,5 +35,5 @@ def test_the_wheel_carries_the_lab_materials_without_solutions(tmp_path):
     wheel = autograder.build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     shipped = [n for n in names if "/share/attnlab/labs/track1/01-attention/" in n]
-    assert sorted(n.rsplit("/", 1)[1] for n in shipped) == sorted(labs.LAB_FILES)
+    assert sorted(n.rsplit("/", 1)[1] for n in shipped) == sorted(labs.find_lab("01").files)
     assert not [n for n in names if "solutions" in n]

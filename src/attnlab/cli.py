@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("path", nargs="?", default=None,
                     help="the learner's attention.py (default: labs/track1/01-attention/attention.py), or a folder "
                          "of submissions (a class: needs --out)")
+    gr.add_argument("--lab", metavar="NAME", default=None,
+                    help="which lab's checks (e.g. 02-masks or 02; default: from the file's folder or name, "
+                         "else 01-attention; see 'attnlab labs')")
     gr.add_argument("--out", metavar="OUTDIR", default=None,
                     help="with a folder: where grades.csv, report.html and <learner>/results.json go")
     gr.add_argument("--jobs", type=_positive_int, default=2, metavar="N",
@@ -421,6 +424,14 @@ def _cmd_grade(args: argparse.Namespace) -> int:
     from attnlab.grading import launch
 
     mode = "none" if args.no_sandbox else "auto"
+    if args.lab is not None:
+        from attnlab import labs
+
+        try:
+            labs.find_lab(args.lab)
+        except KeyError as exc:
+            print(f"attnlab grade: --lab: {exc.args[0]}", file=sys.stderr)
+            return 2
     if args.path is not None and Path(args.path).is_dir():
         return _cmd_grade_class(args, mode)
     if args.out or args.resume:
@@ -434,8 +445,8 @@ def _cmd_grade(args: argparse.Namespace) -> int:
     launch.prestart(mode, args.memory_mb * 2)  # the sandbox server imports torch while this process does the same
     import signal
 
+    from attnlab import labs
     from attnlab.grading import GradeReport, Limits, grade, supports_colour
-    from attnlab.grading.checks import EXERCISES
 
     if mode == "auto" and launch.bwrap_path() is None:
         print(f"note: bwrap was not found, so this file runs with process limits only, NOT in an OS sandbox; "
@@ -456,14 +467,15 @@ def _cmd_grade(args: argparse.Namespace) -> int:
             _write_atomically(json_path, json.dumps(report.to_gradescope(), indent=2) + "\n")
 
     if json_path is not None:  # a valid results.json exists from the start, even if this process is killed
-        first = GradeReport(path=path or Path("attention.py"), seed=args.seed or 0, pending=list(EXERCISES),
+        lab = labs.find_lab(args.lab) if args.lab else labs.lab_for_path(path or Path("attention.py"))
+        first = GradeReport(path=path or Path("attention.py"), seed=args.seed or 0, pending=list(lab.exercises()),
                             problem="grading did not finish")
         checkpoint(first)
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         report = grade(path, limits=limits, total_timeout_s=args.total_timeout, progress=progress,
                        images_dir=None if args.no_images else args.images, seed=args.seed, sandbox=mode,
-                       untrusted=args.untrusted, checkpoint=checkpoint)
+                       untrusted=args.untrusted, checkpoint=checkpoint, lab=args.lab)
     except KeyboardInterrupt:
         report = latest["report"]
         if report is not None:
@@ -519,7 +531,7 @@ def _cmd_grade_class(args: argparse.Namespace, mode: str) -> int:
     try:
         result = batch.grade_class(args.path, args.out, jobs=args.jobs, seed=args.seed, resume=args.resume,
                                    limits=limits, total_timeout_s=args.total_timeout, sandbox=mode,
-                                   progress=progress)
+                                   progress=progress, lab=args.lab)
     except launch.SandboxUnavailable as exc:
         print(f"attnlab grade: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ installed wheel, from ``<prefix>/share/attnlab/labs`` where the wheel puts them,
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import sys
@@ -17,9 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["Lab", "LABS", "labs_root", "find_lab", "get_lab", "LAB_FILES"]
-
-LAB_FILES = ("README.md", "attention.py", "walkthrough.py", "walkthrough.ipynb")  # never solutions/
+__all__ = ["Lab", "LABS", "labs_root", "find_lab", "get_lab", "lab_for_path"]
 
 
 @dataclass(frozen=True)
@@ -27,13 +26,29 @@ class Lab:
     name: str  # the folder under labs/track1/
     title: str
     covers: str
+    file: str = "attention.py"  # the learner's file (stubs), graded by attnlab grade
+    checks: str = "attnlab.grading.checks"  # the module whose EXERCISES grade it
     needs: tuple[str, ...] = ("jaxtyping",)  # imports of the stubs beyond torch: the 'lab' extra
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """What ``labs get`` copies: the brief, the stubs, the walkthrough; never solutions/."""
+        return ("README.md", self.file, "walkthrough.py", "walkthrough.ipynb")
+
+    def exercises(self) -> list:
+        """The lab's :class:`attnlab.grading.checks.Exercise` list (imported on first use)."""
+        return importlib.import_module(self.checks).EXERCISES
 
 
 LABS = (
     Lab("01-attention", "Self-attention from queries, keys and values",
         "projections, scaled scores, a stable softmax, masks (causal, padding), the weighted sum, "
         "parity with torch's SDPA; the lesson's worked example"),
+    Lab("02-masks", "Attention masks, as SDPA reads them",
+        "causal masks aligned top-left and bottom-right (L != S, a KV cache), padding masks from lengths, "
+        "combining masks, -inf before softmax and zeros (not NaN) for fully masked rows, SDPA's True = attend "
+        "against nn.MultiheadAttention's True = ignore, parity with SDPA", file="masks.py",
+        checks="attnlab.grading.lab02_masks"),
 )
 
 
@@ -54,6 +69,19 @@ def find_lab(name: str) -> Lab:
     raise KeyError(f"no lab {name!r}; the labs are: {', '.join(lab.name for lab in LABS)} (see 'attnlab labs')")
 
 
+def lab_for_path(path: os.PathLike) -> Lab:
+    """The lab a learner's file belongs to: by its folder's name (``.../02-masks/masks.py``),
+    else by its file name (``masks.py``), else lab 01."""
+    path = Path(path)
+    for lab in LABS:
+        if path.parent.name == lab.name or (path.parent.name == "solutions" and path.parent.parent.name == lab.name):
+            return lab
+    for lab in LABS:
+        if path.name == lab.file and lab.file != LABS[0].file:
+            return lab
+    return LABS[0]
+
+
 def get_lab(name: str, dest: Optional[os.PathLike] = None) -> Path:
     """Copy a lab's brief, stubs and walkthrough (never its solutions) into ``dest``
     (default ``./<lab name>``); refuses to overwrite a file that is already there."""
@@ -63,7 +91,7 @@ def get_lab(name: str, dest: Optional[os.PathLike] = None) -> Path:
         raise FileNotFoundError(f"the materials of lab {lab.name} are not installed (looked in the checkout's "
                                 f"labs/ and in {Path(sys.prefix) / 'share' / 'attnlab'}); reinstall attnlab")
     dest = Path(dest) if dest is not None else Path.cwd() / lab.name
-    sources = [root / lab.name / f for f in LAB_FILES if (root / lab.name / f).is_file()]
+    sources = [root / lab.name / f for f in lab.files if (root / lab.name / f).is_file()]
     clashes = [str(dest / s.name) for s in sources if (dest / s.name).exists()]
     if clashes:
         raise FileExistsError(f"not overwriting {', '.join(clashes)}: choose another folder or move them away")

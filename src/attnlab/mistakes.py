@@ -38,7 +38,12 @@ CODES: dict[str, str] = {
     "mask_multiplied": "the scores are multiplied by the mask: masking means -inf where the mask is False, not 0",
     "off_by_one": "a boundary is off by one: a sequence of length n has positions 0..n-1 (use <, not <=)",
     "causal_alignment": "the causal mask is misaligned: with is_causal=True query i sees keys 0..i "
-                        "(top-left, torch.ones(L, S).tril()), also when L != S",
+                        "(top-left, torch.ones(L, S).tril()), also when L != S; the L new queries of a KV "
+                        "cache of S keys see 0..i + S - L (bottom-right, tril(S - L))",
+    "padding_query_side": "the padding mask hides padded queries instead of padded keys: padding is a mask "
+                          "over the keys, shape [B, 1, 1, S], so no real query attends to a padding token",
+    "mask_combined_or": "masks are combined with |: a key is visible only where every mask allows it, "
+                        "so combine them with &",
     # reading the weights
     "wrong_axis": "row i of the weights belongs to query i: index [:, i, :], not a column",
     "batch_only": "the result must keep the batch dim: index every batch element, not only the first",

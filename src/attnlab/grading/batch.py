@@ -10,8 +10,8 @@ grading), ``jobs`` at a time. What comes out, in ``OUTDIR``:
 * ``report.html``: one self-contained page (:mod:`attnlab.grading.report`);
 * ``skipped.txt``: what in ``DIR`` was not a submission, and why.
 
-Layouts recognised (:func:`find_submissions`): ``DIR/<learner>/attention.py`` and
-``DIR/<learner>.py``. Hidden entries, symbolic links, other files, folders without an
+Layouts recognised (:func:`find_submissions`): ``DIR/<learner>/attention.py`` (the lab's
+file: ``masks.py`` for lab 02) and ``DIR/<learner>.py``. Hidden entries, symbolic links, other files, folders without an
 ``attention.py`` and a learner present twice are skipped with a reason.
 
 Seeds: with ``seed`` each learner's inputs come from ``crc32(f"{seed}:{learner}")``, so a
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from attnlab.grading import launch
-from attnlab.grading.checks import EXERCISES
+from attnlab import labs
 from attnlab.grading.grader import GradeReport, grade
 from attnlab.grading.sandbox import Limits
 
@@ -79,10 +79,12 @@ class ClassResult:
     skipped: list[Skipped]
     out: Path
     seconds: float
+    lab: str = "01-attention"
 
 
-def find_submissions(folder: os.PathLike) -> tuple[list[Submission], list[Skipped]]:
-    """The submissions in ``folder`` (sorted by learner) and what was skipped, with why."""
+def find_submissions(folder: os.PathLike, file: str = SUBMISSION_FILE) -> tuple[list[Submission], list[Skipped]]:
+    """The submissions in ``folder`` (sorted by learner) and what was skipped, with why;
+    ``file`` is the lab's file name inside a learner's folder."""
     folder = Path(folder)
     found: dict[str, Submission] = {}
     skipped: list[Skipped] = []
@@ -95,14 +97,14 @@ def find_submissions(folder: os.PathLike) -> tuple[list[Submission], list[Skippe
             skipped.append(Skipped(name, "a symbolic link (not followed)"))
             continue
         if entry.is_dir():
-            learner, path = name, entry / SUBMISSION_FILE
+            learner, path = name, entry / file
             if path.is_symlink() or not path.is_file():
-                skipped.append(Skipped(name, f"a folder without a regular {SUBMISSION_FILE}"))
+                skipped.append(Skipped(name, f"a folder without a regular {file}"))
                 continue
         elif entry.is_file() and entry.suffix == ".py":
             learner, path = entry.stem, entry
         else:
-            skipped.append(Skipped(name, f"not a .py file nor a folder with {SUBMISSION_FILE}"))
+            skipped.append(Skipped(name, f"not a .py file nor a folder with {file}"))
             continue
         if not _LEARNER.match(learner):
             skipped.append(Skipped(name, "the learner's name has characters other than letters, digits, ._@+-"))
@@ -119,7 +121,8 @@ def learner_seed(seed: int, learner: str) -> int:
 
 
 def _row(learner: str, report: GradeReport) -> Row:
-    exercises: dict[str, float] = {ex.id: 0.0 for ex in EXERCISES}
+    exercise_list = labs.find_lab(report.lab).exercises()
+    exercises: dict[str, float] = {ex.id: 0.0 for ex in exercise_list}
     for ex_id, (score, _) in report.exercise_scores().items():
         exercises[ex_id] = score
     messages: dict[str, str] = {}
@@ -136,7 +139,7 @@ def _row(learner: str, report: GradeReport) -> Row:
         status = "timed out"
     else:
         status = "graded"
-    return Row(learner, report.score, report.max_score or sum(sum(ex.checks.values()) for ex in EXERCISES),
+    return Row(learner, report.score, report.max_score or sum(ex.max_score for ex in exercise_list),
                exercises, sorted(messages), report.seed, round(report.elapsed_s, 2), status, messages)
 
 
@@ -157,7 +160,8 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: Optional[int] = None,
                 resume: bool = False, limits: Limits = Limits(), total_timeout_s: float = 60.0,
-                sandbox: str = "auto", progress: Optional[Callable[[int, int, str], None]] = None) -> ClassResult:
+                sandbox: str = "auto", progress: Optional[Callable[[int, int, str], None]] = None,
+                lab: Optional[str] = None) -> ClassResult:
     """Grade every submission in ``folder`` into ``out`` (see the module docstring).
 
     Raises :class:`~attnlab.grading.launch.SandboxUnavailable` when ``sandbox='auto'`` and
@@ -170,7 +174,8 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
                                         f"{launch.HOW_TO_GET_BWRAP}; or pass --no-sandbox")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    submissions, skipped = find_submissions(folder)
+    the_lab = labs.find_lab(lab) if lab is not None else labs.LABS[0]
+    submissions, skipped = find_submissions(folder, the_lab.file)
     _write_atomically(out / "skipped.txt", "".join(f"{s.name}: {s.reason}\n" for s in skipped))
     base = seed if seed is not None else secrets.randbelow(2**31)
     rows: dict[str, Row] = {}
@@ -194,7 +199,7 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
             _write_atomically(results, json.dumps(report.to_gradescope(), indent=2) + "\n")
 
         report = grade(sub.path, limits=limits, total_timeout_s=total_timeout_s, seed=learner_seed(base, sub.learner),
-                       sandbox=sandbox, untrusted=sandbox != "none", checkpoint=checkpoint)
+                       sandbox=sandbox, untrusted=sandbox != "none", checkpoint=checkpoint, lab=the_lab.name)
         checkpoint(report)
         row = _row(sub.learner, report)
         _write_atomically(folder_out / "row.json", json.dumps(asdict(row)) + "\n")
@@ -212,17 +217,17 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
     finally:
         launch.keep_spare(False)
     ordered = [rows[s.learner] for s in submissions if s.learner in rows]
-    write_csv(ordered, out / "grades.csv")
+    write_csv(ordered, out / "grades.csv", the_lab.exercises())
     from attnlab.grading.report import write_report
 
-    result = ClassResult(ordered, skipped, out, time.perf_counter() - t0)
+    result = ClassResult(ordered, skipped, out, time.perf_counter() - t0, the_lab.name)
     write_report(result, out / "report.html")
     return result
 
 
-def write_csv(rows: list[Row], path: Path) -> None:
+def write_csv(rows: list[Row], path: Path, exercises: list) -> None:
     """The gradebook: one row per learner, sorted; points per exercise as columns."""
-    ex_ids = [ex.id for ex in EXERCISES]
+    ex_ids = [ex.id for ex in exercises]
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", newline="") as f:
         w = csv.writer(f)

@@ -22,7 +22,8 @@ from typing import Callable, Optional
 
 import torch
 
-from attnlab.grading.checks import EXERCISES, Exercise, Verdict, judge_outcome
+from attnlab.grading.checks import Exercise, Verdict, judge_outcome
+from attnlab import labs
 from attnlab.grading import launch
 from attnlab.grading.sandbox import Limits, Outcome, Sandbox, clean_text
 from attnlab.grading.static import check_source, describe
@@ -79,6 +80,7 @@ class GradeReport:
     restarts: int = 0  # times the sandbox server had to be replaced (it was stopped or killed)
     pending: list = field(default_factory=list)  # exercises not graded yet (an interrupted run)
     environment_problem: str = ""  # the grader's installation lacks a module the lab allows (not scored)
+    lab: str = "01-attention"  # which lab's checks graded it
 
     @property
     def score(self) -> float:
@@ -105,7 +107,7 @@ class GradeReport:
     def to_text(self, colour: bool = False) -> str:
         green, red, yellow, dim, bold, reset = (("\033[32m", "\033[31m", "\033[33m", "\033[2m", "\033[1m", "\033[0m")
                                                 if colour else ("",) * 6)
-        lines = [f"{bold}attnlab grade{reset}: {self.path}", ""]
+        lines = [f"{bold}attnlab grade{reset} (lab {self.lab}): {self.path}", ""]
         if self.problem:
             lines += [f"{red}{self.problem}{reset}", ""]
         by_ex: dict[str, list[TestResult]] = {}
@@ -176,6 +178,7 @@ class GradeReport:
             "tests": tests,
             "extra_data": {
                 "file": str(self.path),
+                "lab": self.lab,
                 "seed": self.seed,
                 "sandbox": {"os_sandbox": self.sandboxed, "memory": self.memory_fence,
                             "server_restarts": self.restarts},
@@ -189,7 +192,7 @@ class GradeReport:
 def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), total_timeout_s: float = 60.0,
           progress: Optional[Callable[[str], None]] = None, seed: Optional[int] = None,
           images_dir: Optional[os.PathLike] = None, sandbox: str = "auto", untrusted: bool = False,
-          checkpoint: Optional[Callable[["GradeReport"], None]] = None) -> GradeReport:
+          checkpoint: Optional[Callable[["GradeReport"], None]] = None, lab: Optional[str] = None) -> GradeReport:
     """Grade a learner's file. Never raises because of the learner's code.
 
     Args:
@@ -207,6 +210,8 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
             (:class:`~attnlab.grading.launch.SandboxUnavailable`) unless ``sandbox='none'``.
         checkpoint: called with the report so far after each exercise (the CLI writes
             results.json there, so an interrupted run still leaves a valid one).
+        lab: the lab's name or number (:data:`attnlab.labs.LABS`); default: from the file's
+            folder or name (:func:`attnlab.labs.lab_for_path`).
 
     Raises:
         SandboxUnavailable: ``sandbox='bwrap'``, or ``untrusted`` with ``sandbox='auto'``,
@@ -224,7 +229,10 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
     if seed is None:
         seed = secrets.randbelow(2**31)
     path = Path(path) if path is not None else default_lab_path()
-    report = GradeReport(path=path, seed=seed, sandboxed=launch.resolve_mode(sandbox) is not None)
+    the_lab = labs.find_lab(lab) if lab is not None else labs.lab_for_path(path)
+    EXERCISES = the_lab.exercises()  # noqa: N806  (the lab's exercise list, in order)
+    report = GradeReport(path=path, seed=seed, sandboxed=launch.resolve_mode(sandbox) is not None,
+                         lab=the_lab.name)
     if not path.is_file():
         report.problem = f"no file at {path}"
         _fail_all(report, EXERCISES, Verdict(False, f"no file at {path}"))

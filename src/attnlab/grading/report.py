@@ -14,8 +14,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from attnlab import mistakes
-from attnlab.grading.checks import EXERCISES
+from attnlab import labs, mistakes
 
 __all__ = ["render_report", "write_report"]
 
@@ -76,7 +75,7 @@ def render_report(result) -> str:
            "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; style-src 'unsafe-inline'; "
            "img-src data:\">",
            f"<title>attnlab class report: {n} learners</title><style>{_CSS}</style></head><body>",
-           f"<h1>attnlab class report</h1><p>{n} learners graded; mean {mean:.1f}/{max_total:g}; "
+           f"<h1>attnlab class report: lab {_e(result.lab)}</h1><p>{n} learners graded; mean {mean:.1f}/{max_total:g}; "
            f"{full} with every check passing; {len(result.skipped)} entries skipped; "
            f"{result.seconds:.0f} s of grading.</p>"]
 
@@ -85,7 +84,7 @@ def render_report(result) -> str:
 
     out.append("<h2 id='exercises'>Exercises: pass rate</h2><table><tr><th>exercise</th><th>function</th>"
                "<th class='num'>full marks</th><th></th><th class='num'>mean points</th></tr>")
-    for ex in EXERCISES:
+    for ex in labs.find_lab(result.lab).exercises():
         pts = sum(ex.checks.values())
         passed = sum(1 for r in rows if r.exercises.get(ex.id, 0) >= pts)
         rate = passed / n if n else 0.0

@@ -1,0 +1,145 @@
+"""Lab 02 (labs/track1/02-masks): solutions score 100, stubs 0 with where to start, and each
+named mistake is named by at least two different buggy variants, in under 5 s a grading."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import jupytext
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+from attnlab import labs, mistakes
+from attnlab.cli import main
+from attnlab.grading import grade
+
+LAB = Path(__file__).resolve().parents[1] / "labs/track1/02-masks"
+SOLUTION = (LAB / "solutions/masks.py").read_text()
+
+EX1 = "return torch.ones(L, S, dtype=torch.bool).tril()"
+EX2 = "return torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)"
+EX3 = "return (torch.arange(S) < lengths[:, None])[:, None, None, :]"
+EX4 = "return a & b"
+EX5_GUARD = "    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # an empty row: no -inf - -inf\n"
+EX5_DIV = "return e / torch.where(total == 0, torch.ones_like(total), total)"
+EX6 = "return (~key_padding_mask)[:, None, None, :]"
+EX7 = "scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])"
+EX5_BODY = ('''    s = scores.masked_fill(~mask, float("-inf"))\n''' + "    m = s.amax(dim=-1, keepdim=True)\n" + EX5_GUARD
+            + "    e = torch.exp(s - m)\n    total = e.sum(dim=-1, keepdim=True)\n    " + EX5_DIV)
+SOFTMAX_THEN_MASK = ("    m = scores.amax(dim=-1, keepdim=True)\n    e = torch.exp(scores - m)\n"
+                     "    w = e / e.sum(dim=-1, keepdim=True)\n    return {}")
+
+# each variant: edits, and the (exercise, code) each must name; every code at least twice overall
+VARIANTS = {
+    "A": ([(EX1, "return ~torch.ones(L, S, dtype=torch.bool).tril()"),
+           (EX2, "return torch.ones(L, S, dtype=torch.bool).tril()"),
+           (EX3, "return (torch.arange(S) < lengths[:, None])[:, None, :, None]"),
+           (EX4, "return a | b"),
+           (EX5_BODY, SOFTMAX_THEN_MASK.format("w * mask")),
+           (EX6, "return key_padding_mask[:, None, None, :]")],
+          [("ex1", "mask_polarity"), ("ex2", "causal_alignment"), ("ex3", "padding_query_side"),
+           ("ex4", "mask_combined_or"), ("ex5", "mask_after_softmax"), ("ex6", "mask_polarity")]),
+    "B": ([(EX1, "return torch.ones(L, S, dtype=torch.bool).triu()"),
+           (EX2, "return torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L + 1)"),
+           (EX3, "return (torch.arange(S) <= lengths[:, None])[:, None, None, :]"),
+           (EX4, "return torch.logical_or(a, b)"),
+           (EX5_GUARD, ""), (EX5_DIV, "return e / total")],
+          [("ex1", "causal_alignment"), ("ex2", "off_by_one"), ("ex3", "off_by_one"), ("ex4", "mask_combined_or"),
+           ("ex5", "fully_masked_nan")]),
+    "C": ([(EX1, "return torch.ones(L, S, dtype=torch.bool).tril(-1)"),
+           (EX2, "return ~torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)"),
+           (EX3, "return (torch.arange(S) < lengths[:, None]).unsqueeze(1).unsqueeze(-1)"),
+           (EX5_BODY, SOFTMAX_THEN_MASK.format("torch.where(mask, w, torch.zeros_like(w))")),
+           (EX6, "return key_padding_mask.unsqueeze(1).unsqueeze(1)")],
+          [("ex1", "off_by_one"), ("ex2", "mask_polarity"), ("ex3", "padding_query_side"),
+           ("ex5", "mask_after_softmax"), ("ex6", "mask_polarity")]),
+    "D": ([(EX1, "return torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)"),
+           (EX3, "return (torch.arange(S) >= lengths[:, None])[:, None, None, :]"),
+           (EX5_DIV, "return e / total"), (EX5_GUARD, ""),
+           (EX7, "scores = Q @ K.transpose(-2, -1)")],
+          [("ex1", "causal_alignment"), ("ex3", "mask_polarity"), ("ex5", "fully_masked_nan")]),
+}
+
+
+def codes(report, ex_id: str) -> set[str]:
+    return {f["code"] for r in report.results if r.exercise.id == ex_id for f in r.verdict.findings}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    out = {}
+    for name, (edits, _) in VARIANTS.items():
+        text = SOLUTION
+        for old, new in edits:
+            assert old in text, old
+            text = text.replace(old, new)
+        folder = tmp_path_factory.mktemp(f"variant{name}") / "02-masks"
+        folder.mkdir()
+        (folder / "masks.py").write_text(text)
+        out[name] = grade(folder / "masks.py", seed=11)
+    return out
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_each_mistake_is_named(graded, name):
+    report = graded[name]
+    assert report.lab == "02-masks"
+    for ex_id, code in VARIANTS[name][1]:
+        assert code in codes(report, ex_id), (ex_id, code, report.to_text())
+        assert code in mistakes.CODES
+
+
+def test_every_named_mistake_has_two_variants():
+    from collections import Counter
+
+    counts = Counter(code for _, expect in VARIANTS.values() for _, code in expect)
+    assert {"mask_polarity", "off_by_one", "causal_alignment", "mask_after_softmax", "fully_masked_nan",
+            "padding_query_side", "mask_combined_or"} <= set(counts)
+    assert min(counts.values()) >= 2, counts
+
+
+def test_solutions_full_marks_stubs_zero_with_a_pointer_and_fast():
+    t0 = time.perf_counter()
+    report = grade(LAB / "solutions/masks.py", seed=3)
+    elapsed = time.perf_counter() - t0
+    assert report.score == 100 and report.lab == "02-masks", report.to_text()
+    assert elapsed < 5.0 or report.elapsed_s < 5.0  # grading a lab takes under 5 s (sandbox start included)
+    stub = grade(LAB / "masks.py", seed=3)
+    assert stub.score == 0 and "Start with ex1: causal_mask() in masks.py" in stub.to_text()
+
+
+def test_the_lab_is_picked_from_the_folder_or_by_lab(tmp_path, capsys):
+    copy = tmp_path / "mine.py"
+    shutil.copy(LAB / "solutions/masks.py", copy)
+    assert labs.lab_for_path(copy).name == "01-attention"  # a neutral name: lab 01 unless told
+    assert main(["grade", str(copy), "--lab", "02", "--no-images", "--seed", "1"]) == 0
+    assert "(lab 02-masks)" in capsys.readouterr().out
+    assert main(["grade", str(copy), "--lab", "7"]) == 2
+    assert "no lab '7'" in capsys.readouterr().err
+
+
+def test_labs_lists_two_labs(capsys):
+    assert main(["labs"]) == 0
+    out = capsys.readouterr().out
+    assert "01-attention" in out and "02-masks" in out
+
+
+def test_walkthrough_is_paired_and_runs_on_the_solutions(tmp_path):
+    from_py = jupytext.read(LAB / "walkthrough.py")
+    from_ipynb = nbformat.read(LAB / "walkthrough.ipynb", as_version=4)
+    assert [(c.cell_type, c.source) for c in from_py.cells] == [(c.cell_type, c.source) for c in from_ipynb.cells]
+    shutil.copy(LAB / "walkthrough.ipynb", tmp_path / "walkthrough.ipynb")
+    shutil.copy(LAB / "solutions/masks.py", tmp_path / "masks.py")
+    nb = nbformat.read(tmp_path / "walkthrough.ipynb", as_version=4)
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "# # # . ." in text and "max |yours - torch SDPA|" in text
+    shutil.copy(LAB / "masks.py", tmp_path / "masks.py")
+    nb = nbformat.read(tmp_path / "walkthrough.ipynb", as_version=4)
+    with pytest.raises(CellExecutionError, match="TODO\\(ex1\\)"):
+        NotebookClient(nb, timeout=120, kernel_name="python3",
+                       resources={"metadata": {"path": str(tmp_path)}}).execute()
