@@ -49,6 +49,11 @@ LABS = (
         "combining masks, -inf before softmax and zeros (not NaN) for fully masked rows, SDPA's True = attend "
         "against nn.MultiheadAttention's True = ignore, parity with SDPA", file="masks.py",
         checks="attnlab.grading.lab02_masks"),
+    Lab("03-multi-head", "Multi-head and grouped-query attention, and a KV cache",
+        "splitting and merging heads, the output projection, parity with nn.MultiheadAttention, "
+        "grouped-query and multi-query attention (which key/value head each query head uses), decoding with "
+        "a KV cache that equals the full causal forward", file="multihead.py",
+        checks="attnlab.grading.lab03_multihead"),
 )
 
 

@@ -44,6 +44,13 @@ CODES: dict[str, str] = {
                           "over the keys, shape [B, 1, 1, S], so no real query attends to a padding token",
     "mask_combined_or": "masks are combined with |: a key is visible only where every mask allows it, "
                         "so combine them with &",
+    # heads, groups, caches
+    "heads_mixed": "the heads are split or merged by a reshape without the transpose, so each head mixes "
+                   "positions: [B, L, D] -> view [B, L, H, E] -> transpose(1, 2), and back the same way",
+    "missing_out_proj": "the output projection is missing: after merging the heads, multiply by W_O",
+    "gqa_group_mapping": "query head h must use key/value head h // (H / Hkv): repeat each key/value head in "
+                         "place (repeat_interleave), not tile them (repeat)",
+    "kv_cache_order": "the new keys and values go after the cached ones: torch.cat([cache, new], dim=2)",
     # reading the weights
     "wrong_axis": "row i of the weights belongs to query i: index [:, i, :], not a column",
     "batch_only": "the result must keep the batch dim: index every batch element, not only the first",

@@ -1,0 +1,212 @@
+"""Lab 03's checks (``labs/track1/03-multi-head``): heads, grouped queries, a KV cache.
+
+Same machinery as lab 01's (:mod:`attnlab.grading.checks`): seeded, unequal inputs (3 heads
+of 4 in a model of 12, 6 query heads over 2 key/value heads, a cache of 4 then 3 new
+tokens), a float64 reference computed here (``nn.MultiheadAttention`` itself for the parity
+check), and what each common mistake returns, to name it (codes from :mod:`attnlab.mistakes`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from attnlab.functional import scaled_dot_product_attention
+from attnlab.grading.checks import Exercise, Verdict, tensor_verdict, value
+from attnlab.grading.sandbox import Call
+
+__all__ = ["EXERCISES"]
+
+B, L, D, H = 2, 5, 12, 3
+E = D // H
+
+
+def _mistake(code: str, message: str, wrong: Tensor) -> tuple[str, str, Tensor]:
+    return code, message, wrong
+
+
+def _split(x: Tensor, h: int) -> Tensor:
+    b, n, d = x.shape
+    return x.view(b, n, h, d // h).transpose(1, 2)  # [B, L, H, E] -> [B, H, L, E]
+
+
+def _merge(x: Tensor) -> Tensor:
+    b, h, n, e = x.shape
+    return x.transpose(1, 2).reshape(b, n, h * e)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask=None, scale=None) -> Tensor:
+    return scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+# --------------------------------------------------------------------------- ex1 - ex2: heads
+def _prep_ex1(g):
+    x = torch.randn(B, L, D, generator=g)
+    return [Call("split_heads", (x, H))], x
+
+
+def _judge_ex1(x, results, outcome):
+    got = value(results, 0)
+    xd = x.double()
+    mistakes = [
+        _mistake("heads_mixed", "reshaped straight to [B, H, L, E] without the transpose: each 'head' then mixes "
+                                "positions; view as [B, L, H, E], then transpose(1, 2)", xd.reshape(B, H, L, E)),
+        _mistake("heads_mixed", "head h must get the contiguous features h*E .. (h+1)*E - 1, not every H-th one",
+                 xd.view(B, L, E, H).permute(0, 3, 1, 2)),
+    ]
+    shape = Verdict(isinstance(got, Tensor) and got.shape == (B, H, L, E),
+                    f"split_heads: expected shape [B, H, L, E] = {[B, H, L, E]}, got "
+                    f"{list(got.shape) if isinstance(got, Tensor) else type(got).__name__}")
+    return {"shape": shape, "values": tensor_verdict(got, _split(xd, H), "split_heads", mistakes)}
+
+
+def _prep_ex2(g):
+    x = torch.randn(B, H, L, E, generator=g)
+    return [Call("merge_heads", (x,))], x
+
+
+def _judge_ex2(x, results, outcome):
+    xd = x.double()
+    mistakes = [_mistake("heads_mixed", "reshaped [B, H, L, E] straight to [B, L, D] without transpose(1, 2) "
+                                        "first: positions and heads are mixed", xd.reshape(B, L, D))]
+    return {"values": tensor_verdict(value(results, 0), _merge(xd), "merge_heads", mistakes)}
+
+
+# --------------------------------------------------------------------------- ex3: the layer
+def _prep_ex3(g):
+    x = torch.randn(B, L, D, generator=g)
+    W = [torch.randn(D, D, generator=g) / math.sqrt(D) for _ in range(4)]
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    return [Call("multi_head_attention", (x, *W, H)), Call("multi_head_attention", (x, *W, H, causal))], (x, W, causal)
+
+
+def _mha(x: Tensor, W: list[Tensor], mask=None, scale=None, out_proj=True, split=_split) -> Tensor:
+    q, k, v = (split(x @ w, H) for w in W[:3])
+    y = _merge(_attend(q, k, v, mask, scale))
+    return y @ W[3] if out_proj else y
+
+
+def _judge_ex3(ctx, results, outcome):
+    x, W, causal = ctx
+    xd, Wd = x.double(), [w.double() for w in W]
+    out = {}
+    for name, i, mask in (("no_mask", 0, None), ("causal_mask", 1, causal)):
+        expected = _mha(xd, Wd, mask)
+        mistakes = [
+            _mistake("missing_out_proj", "the output projection is missing: merge the heads, then @ W_O",
+                     _mha(xd, Wd, mask, out_proj=False)),
+            _mistake("wrong_scale", "the scores are scaled by 1/sqrt(D), D the model size; each head's scores "
+                                    "need 1/sqrt(E), E = D // H the size of one head",
+                     _mha(xd, Wd, mask, scale=1 / math.sqrt(D))),
+            _mistake("heads_mixed", "the heads are split by a reshape without the transpose, so each head mixes "
+                                    "positions", _mha(xd, Wd, mask, split=lambda t, h: t.reshape(B, h, L, D // h))),
+        ]
+        out[name] = tensor_verdict(value(results, i), expected, f"multi_head_attention ({name.replace('_', ' ')})",
+                                   mistakes)
+    # parity with torch's own layer, weights copied in (torch's weights act on the left: W^T)
+    mha = torch.nn.MultiheadAttention(D, H, bias=False, batch_first=True, dtype=torch.float64)
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.cat([w.T for w in Wd[:3]]))
+        mha.out_proj.weight.copy_(Wd[3].T)
+        theirs, _ = mha(xd, xd, xd, need_weights=False)
+    parity = tensor_verdict(value(results, 0), theirs, "multi_head_attention against nn.MultiheadAttention")
+    if not parity.passed and out["no_mask"].findings:
+        parity = Verdict(False, out["no_mask"].message, out["no_mask"].findings)
+    out["matches_nn_multihead"] = parity
+    return out
+
+
+# --------------------------------------------------------------------------- ex4 - ex5: GQA
+def _prep_ex4(g):
+    kv = torch.randn(2, 2, 5, 4, generator=g)
+    return [Call("repeat_kv", (kv, 3))], kv
+
+
+def _judge_ex4(kv, results, outcome):
+    kd = kv.double()
+    mistakes = [_mistake("gqa_group_mapping", "repeat tiles the heads (0, 1, 0, 1, ...); query head h must use "
+                                              "key/value head h // groups (0, 0, 0, 1, 1, 1): repeat_interleave",
+                         kd.repeat(1, 3, 1, 1))]
+    return {"values": tensor_verdict(value(results, 0), kd.repeat_interleave(3, dim=1), "repeat_kv", mistakes)}
+
+
+def _prep_ex5(g):
+    q = torch.randn(2, 6, 4, 8, generator=g)
+    k = torch.randn(2, 2, 7, 8, generator=g)
+    v = torch.randn(2, 2, 7, 5, generator=g)
+    return [Call("gqa_attention", (q, k, v))], (q, k, v)
+
+
+def _judge_ex5(ctx, results, outcome):
+    q, k, v = (t.double() for t in ctx)
+    expected = _attend(q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1))
+    mistakes = [
+        _mistake("gqa_group_mapping", "query head h must use key/value head h // groups (repeat_interleave), not "
+                                      "h % Hkv (repeat)", _attend(q, k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1))),
+        _mistake("missing_scale", "the scores are not divided by sqrt(E)",
+                 _attend(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), scale=1.0)),
+    ]
+    return {"values": tensor_verdict(value(results, 0), expected, "gqa_attention", mistakes)}
+
+
+# --------------------------------------------------------------------------- ex6: the KV cache
+_EX6_CASES = ((4, 3), (0, 7), (6, 1))  # (cached P, new L): each ends at the sequence's 7 tokens
+
+
+def _prep_ex6(g):
+    full = [torch.randn(1, 2, 7, 4, generator=g) for _ in range(2)] + [torch.randn(1, 2, 7, 3, generator=g)]
+    q, k, v = full
+    calls = []
+    for P, n in _EX6_CASES:
+        end = P + n
+        calls.append(Call("decode_step", (q[:, :, P:end], k[:, :, :P], v[:, :, :P], k[:, :, P:end], v[:, :, P:end])))
+    return calls, (q, k, v)
+
+
+def _judge_ex6(ctx, results, outcome):
+    q, k, v = (t.double() for t in ctx)
+    full = _attend(q, k, v, torch.ones(7, 7, dtype=torch.bool).tril())  # the full causal forward
+    got = value(results, 0)
+    P, n = _EX6_CASES[0]
+    if not (isinstance(got, tuple) and len(got) == 3):
+        bad = Verdict(False, f"decode_step must return (output, k_cache, v_cache), got {type(got).__name__}")
+        return {"cache": bad, "output": bad, "equals_full_forward": bad}
+    out, k_cache, v_cache = got
+    cache = tensor_verdict(k_cache, k[:, :, :P + n], "the new k cache", [
+        _mistake("kv_cache_order", "the new keys go after the cached ones: torch.cat([k_cache, k_new], dim=2)",
+                 torch.cat([k[:, :, P:P + n], k[:, :, :P]], dim=2))])
+    if cache.passed:
+        cache = tensor_verdict(v_cache, v[:, :, :P + n], "the new v cache")
+    qn, kk, vv = q[:, :, P:P + n], k[:, :, :P + n], v[:, :, :P + n]
+    mistakes = [
+        _mistake("causal_alignment", "the causal mask ignores the cache's offset: new query i sits at position "
+                                     "P + i and sees keys 0 .. P + i (tril(diagonal=P)), not 0 .. i",
+                 _attend(qn, kk, vv, torch.ones(n, P + n, dtype=torch.bool).tril())),
+        _mistake("causal_alignment", "no causal mask among the new tokens: query i must not see the new tokens "
+                                     "after it (tril(diagonal=P))", _attend(qn, kk, vv)),
+    ]
+    output = tensor_verdict(out, full[:, :, P:P + n], "decode_step output (a cache of 4, 3 new tokens)", mistakes)
+    equal = Verdict(True)
+    for i, (P2, n2) in enumerate(_EX6_CASES[1:], start=1):
+        r = value(results, i)
+        o = r[0] if isinstance(r, tuple) and r else r
+        equal = tensor_verdict(o, full[:, :, P2:P2 + n2], f"decode_step with a cache of {P2} and {n2} new token(s)"
+                               " against the full causal forward")
+        if not equal.passed:
+            break
+    return {"cache": cache, "output": output, "equals_full_forward": equal}
+
+
+EXERCISES: list[Exercise] = [
+    Exercise("ex1", "split_heads", "splitting into heads", {"shape": 4, "values": 10}, _prep_ex1, _judge_ex1),
+    Exercise("ex2", "merge_heads", "merging the heads", {"values": 10}, _prep_ex2, _judge_ex2),
+    Exercise("ex3", "multi_head_attention", "the multi-head layer",
+             {"no_mask": 12, "causal_mask": 8, "matches_nn_multihead": 6}, _prep_ex3, _judge_ex3),
+    Exercise("ex4", "repeat_kv", "sharing key/value heads", {"values": 10}, _prep_ex4, _judge_ex4),
+    Exercise("ex5", "gqa_attention", "grouped-query attention", {"values": 14}, _prep_ex5, _judge_ex5),
+    Exercise("ex6", "decode_step", "decoding with a KV cache", {"cache": 6, "output": 12, "equals_full_forward": 8},
+             _prep_ex6, _judge_ex6),
+]
+assert sum(ex.max_score for ex in EXERCISES) == 100
