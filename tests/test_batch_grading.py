@@ -25,11 +25,8 @@ import pytest
 from attnlab.cli import main
 from attnlab.grading import Limits, launch
 from attnlab.grading import batch
+from make_class import SOLUTION, STUB, hostile  # the class generator of the throughput benchmark
 
-HERE = Path(__file__).resolve().parent
-LAB = HERE.parent / "labs/track1/01-attention"
-STUB = (LAB / "attention.py").read_text()
-SOLUTION = (LAB / "solutions/attention.py").read_text()
 SCORES_LINE = "return Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])"
 LIMITS = Limits(timeout_s=2.0)
 TOTAL_S = 10.0
@@ -39,14 +36,6 @@ if launch.bwrap_path() is None:
         pytest.fail("bwrap is missing: 'make test' installs bubblewrap; class grading must run sandboxed in CI",
                     pytrace=False)
     pytest.skip("bwrap is not installed (make test installs it)", allow_module_level=True)
-
-
-def hostile(name: str, folder: Path, neighbour: Path) -> str:
-    text = (HERE / "hostile" / f"{name}.py").read_text()
-    base = "stub" if "# base: stub" in text else "solution"
-    for key, value in {"@NEIGHBOUR@": str(neighbour), "@SELF_DIR@": str(folder), "@TOKEN@": "classtoken"}.items():
-        text = text.replace(key, value)
-    return {"stub": STUB, "solution": SOLUTION}[base] + "\n\n# ---- hostile part ----\n" + text
 
 
 def digest(folder: Path) -> dict[str, str]:

@@ -207,3 +207,23 @@ def test_a_position_bias_is_refused_with_what_to_use():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match="attn_implementation='eager'"):
         hf.attnlab_attention_forward(torch.nn.Module(), q, q, q, None, position_bias=torch.zeros(1, 2, 4, 4))
+
+
+def test_softcap_with_a_caller_mask_matches_the_formula_or_is_refused():
+    """Soft-capping with a dense mask the caller made (not from the mask hook): a bool or
+    0/min float mask becomes a BlockMask; an additive bias is refused, never dropped."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 9, 8, generator=g) * 3 for _ in range(3))
+    keep = torch.rand(2, 1, 9, 9, generator=g) > 0.3
+    keep[..., 0] = True
+    layer = torch.nn.Module()
+    out, _ = hf.attnlab_attention_forward(layer, q, k, v, keep, softcap=2.0, is_causal=False)
+    s = q.double() @ k.double().transpose(-2, -1) / 8 ** 0.5
+    s = (2.0 * torch.tanh(s / 2.0)).masked_fill(~keep, float("-inf"))
+    want = (torch.softmax(s, dim=-1) @ v.double()).transpose(1, 2)  # the oracle, in the test only
+    assert_close(out, want.float(), dtype=torch.float32)
+    as_float = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    out_float, _ = hf.attnlab_attention_forward(layer, q, k, v, as_float, softcap=2.0, is_causal=False)
+    assert_close(out_float, want.float(), dtype=torch.float32)
+    with pytest.raises(NotImplementedError, match="additive float attention mask"):
+        hf.attnlab_attention_forward(layer, q, k, v, as_float + 0.5, softcap=2.0, is_causal=False)

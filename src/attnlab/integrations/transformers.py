@@ -182,17 +182,31 @@ def _dense(block_mask: Optional[flex.BlockMask], mask: Optional[Tensor], B: int)
 
 
 def _as_block_mask(mask: Optional[Tensor], causal: bool, B: int, L: int, S: int) -> flex.BlockMask:
-    """A BlockMask for a call that came with a dense mask or none (for the soft-capped flex path)."""
+    """A BlockMask for a call that came with a dense mask or none (for the soft-capped flex path).
+
+    A bool mask (True = attend) or a float mask of 0 / large negative values (transformers'
+    eager style) converts; an additive float mask with other values (a bias) cannot be a
+    block mask and is refused rather than silently dropped.
+    """
     if mask is None:
         mod = flex.causal_mask if causal else flex.noop_mask
         return flex.create_block_mask(mod, None, None, L, S, BLOCK_SIZE=_block(L, S))
-    keep = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-    keep = keep.expand(keep.shape[0] if keep.dim() == 4 else 1, 1, L, S) if keep.dim() == 4 else keep.expand(1, 1, L, S)
+    if mask.dtype == torch.bool:
+        keep = mask
+    else:
+        hidden = mask <= torch.finfo(mask.dtype).min / 2
+        if not bool(((mask == 0) | hidden).all()):
+            raise NotImplementedError("attn_implementation='attnlab': softcap with an additive float attention "
+                                      "mask (a bias) is not supported; use attn_implementation='eager'")
+        keep = ~hidden
+    keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))  # (Bm, Hm, L or 1, S or 1)
+    keep = keep.expand(keep.shape[0], keep.shape[1], L, S)
+    Bm, Hm = keep.shape[:2]
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return keep[b.clamp(max=keep.shape[0] - 1), 0, q_idx, kv_idx]
+        return keep[b, h, q_idx, kv_idx]
 
-    return flex.create_block_mask(mask_mod, keep.shape[0] if keep.shape[0] > 1 else None, None, L, S,
+    return flex.create_block_mask(mask_mod, Bm if Bm > 1 else None, Hm if Hm > 1 else None, L, S,
                                   BLOCK_SIZE=_block(L, S))
 
 
