@@ -7,18 +7,15 @@ import shutil
 import time
 from pathlib import Path
 
-import jupytext
-import nbformat
 import pytest
-from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 from attnlab import labs, mistakes
 from attnlab.cli import main
 from attnlab.grading import grade
+from labtests import codes, grade_variants, run_walkthrough
 
 LAB = Path(__file__).resolve().parents[1] / "labs/track1/02-masks"
-SOLUTION = (LAB / "solutions/masks.py").read_text()
 
 EX1 = "return torch.ones(L, S, dtype=torch.bool).tril()"
 EX2 = "return torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)"
@@ -65,23 +62,9 @@ VARIANTS = {
 }
 
 
-def codes(report, ex_id: str) -> set[str]:
-    return {f["code"] for r in report.results if r.exercise.id == ex_id for f in r.verdict.findings}
-
-
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    out = {}
-    for name, (edits, _) in VARIANTS.items():
-        text = SOLUTION
-        for old, new in edits:
-            assert old in text, old
-            text = text.replace(old, new)
-        folder = tmp_path_factory.mktemp(f"variant{name}") / "02-masks"
-        folder.mkdir()
-        (folder / "masks.py").write_text(text)
-        out[name] = grade(folder / "masks.py", seed=11)
-    return out
+    return grade_variants("02-masks", "masks.py", VARIANTS, tmp_path_factory.mktemp("variants"), seed=11)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -129,17 +112,7 @@ def test_labs_lists_two_labs(capsys):
 
 
 def test_walkthrough_is_paired_and_runs_on_the_solutions(tmp_path):
-    from_py = jupytext.read(LAB / "walkthrough.py")
-    from_ipynb = nbformat.read(LAB / "walkthrough.ipynb", as_version=4)
-    assert [(c.cell_type, c.source) for c in from_py.cells] == [(c.cell_type, c.source) for c in from_ipynb.cells]
-    shutil.copy(LAB / "walkthrough.ipynb", tmp_path / "walkthrough.ipynb")
-    shutil.copy(LAB / "solutions/masks.py", tmp_path / "masks.py")
-    nb = nbformat.read(tmp_path / "walkthrough.ipynb", as_version=4)
-    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    text = run_walkthrough("02-masks", "masks.py", LAB / "solutions/masks.py", tmp_path)
     assert "# # # . ." in text and "max |yours - torch SDPA|" in text
-    shutil.copy(LAB / "masks.py", tmp_path / "masks.py")
-    nb = nbformat.read(tmp_path / "walkthrough.ipynb", as_version=4)
     with pytest.raises(CellExecutionError, match="TODO\\(ex1\\)"):
-        NotebookClient(nb, timeout=120, kernel_name="python3",
-                       resources={"metadata": {"path": str(tmp_path)}}).execute()
+        run_walkthrough("02-masks", "masks.py", LAB / "masks.py", tmp_path)

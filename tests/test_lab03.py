@@ -3,22 +3,18 @@ named mistake named by at least two buggy variants, grading under 5 s, the walkt
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections import Counter
 from pathlib import Path
 
-import jupytext
-import nbformat
 import pytest
-from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 from attnlab import mistakes
 from attnlab.grading import grade
+from labtests import codes, grade_variants, run_walkthrough
 
 LAB = Path(__file__).resolve().parents[1] / "labs/track1/03-multi-head"
-SOLUTION = (LAB / "solutions/multihead.py").read_text()
 
 SPLIT = "return x.view(B, L, H, D // H).transpose(1, 2)  # [B, L, H, E] -> [B, H, L, E]"
 MERGE = "return x.transpose(1, 2).reshape(B, L, H * E)  # [B, L, H, E] -> [B, L, D]"
@@ -58,23 +54,9 @@ VARIANTS = {
 }
 
 
-def codes(report, ex_id):
-    return {f["code"] for r in report.results if r.exercise.id == ex_id for f in r.verdict.findings}
-
-
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    out = {}
-    for name, (edits, _) in VARIANTS.items():
-        text = SOLUTION
-        for old, new in edits:
-            assert old in text, old
-            text = text.replace(old, new)
-        folder = tmp_path_factory.mktemp(f"v{name}") / "03-multi-head"
-        folder.mkdir()
-        (folder / "multihead.py").write_text(text)
-        out[name] = grade(folder / "multihead.py", seed=5)
-    return out
+    return grade_variants("03-multi-head", "multihead.py", VARIANTS, tmp_path_factory.mktemp("variants"), seed=5)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -103,18 +85,8 @@ def test_solutions_full_marks_stubs_zero_with_a_pointer_and_fast():
 
 
 def test_walkthrough_is_paired_and_runs_on_the_solutions(tmp_path):
-    from_py = jupytext.read(LAB / "walkthrough.py")
-    from_ipynb = nbformat.read(LAB / "walkthrough.ipynb", as_version=4)
-    assert [(c.cell_type, c.source) for c in from_py.cells] == [(c.cell_type, c.source) for c in from_ipynb.cells]
-    shutil.copy(LAB / "walkthrough.ipynb", tmp_path / "walkthrough.ipynb")
-    shutil.copy(LAB / "solutions/multihead.py", tmp_path / "multihead.py")
-    nb = nbformat.read(tmp_path / "walkthrough.ipynb", as_version=4)
-    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    text = run_walkthrough("03-multi-head", "multihead.py", LAB / "solutions/multihead.py", tmp_path)
     assert "head 1 of position 0: [4.0, 5.0, 6.0, 7.0]" in text and "[0.0, 0.0, 0.0, 1.0, 1.0, 1.0]" in text
-    assert "cache length: 7" in text
-    shutil.copy(LAB / "multihead.py", tmp_path / "multihead.py")
-    nb = nbformat.read(tmp_path / "walkthrough.ipynb", as_version=4)
+    assert "cache length: 7" in text and "max |cached decoding - full causal forward|" in text
     with pytest.raises(CellExecutionError, match="TODO\\(ex1\\)"):
-        NotebookClient(nb, timeout=120, kernel_name="python3",
-                       resources={"metadata": {"path": str(tmp_path)}}).execute()
+        run_walkthrough("03-multi-head", "multihead.py", LAB / "multihead.py", tmp_path)
