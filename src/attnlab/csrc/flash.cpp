@@ -330,26 +330,12 @@ void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Ten
               exp2_shifted(row, valid, m);
               for (int c = valid; c < nk; ++c) row[c] = 0.0f;
             }
-            // dV_j += P^T dO_i   (nk, Ev)
-            gemm_rm(true, false, nk, static_cast<int>(Ev), n, 1.0f, p, nk, do_tile, static_cast<int>(do_ld), 1.0f,
-                    dv_head + j0 * dv_row, static_cast<int>(dv_row));
-            // dP = dO_i V_j^T   (n, nk)
-            gemm_rm(false, true, n, nk, static_cast<int>(Ev), 1.0f, do_tile, static_cast<int>(do_ld),
-                    v_head + j0 * v_ld, static_cast<int>(v_ld), 0.0f, dp, nk);
-            // dS = P * (dP - D_i), over dP
-            for (int a = 0; a < n; ++a) {
-              const float d = d_rows[a * delta.stride(2)];
-              const float* p_row = p + static_cast<int64_t>(a) * nk;
-              float* ds_row = dp + static_cast<int64_t>(a) * nk;
-#pragma omp simd
-              for (int c = 0; c < nk; ++c) ds_row[c] = p_row[c] * (ds_row[c] - d);
-            }
-            // dQ_i += scale * dS K_j   (n, E)
-            gemm_rm(false, false, n, static_cast<int>(E), nk, scale, dp, nk, k_head + j0 * k_ld,
-                    static_cast<int>(k_ld), 1.0f, dq_tile, static_cast<int>(dq_ld));
-            // dK_j += scale * dS^T Q_i   (nk, E)
-            gemm_rm(true, false, nk, static_cast<int>(E), n, scale, dp, nk, q_tile, static_cast<int>(q_ld), 1.0f,
-                    dk_head + j0 * dk_row, static_cast<int>(dk_row));
+            tile_dv_ds(p, dp, n, nk, static_cast<int>(Ev), do_tile, static_cast<int>(do_ld), v_head + j0 * v_ld,
+                       static_cast<int>(v_ld), dv_head + j0 * dv_row, static_cast<int>(dv_row), d_rows,
+                       delta.stride(2));
+            tile_dq_dk(dp, n, nk, static_cast<int>(E), scale, k_head + j0 * k_ld, static_cast<int>(k_ld), dq_tile,
+                       static_cast<int>(dq_ld), q_tile, static_cast<int>(q_ld), dk_head + j0 * dk_row,
+                       static_cast<int>(dk_row));
           }
         }
       }

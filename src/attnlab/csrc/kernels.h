@@ -249,4 +249,30 @@ inline float row_pass(float* row, int valid, int nk, float m_old, float* row_sum
 }
 #endif
 
+// FlashAttention-2's backward on one (query block i, key block j) tile, in two halves so a
+// caller can work on dS in between (block_sparse.cpp adds a bias gradient and the soft-cap's
+// derivative there). p holds P (n x nk, row-major); dp is scratch of the same size.
+//
+// First half:  dV_j += P^T dO_i;  dP = dO_i V_j^T;  dS = P * (dP - D_i), left in dp.
+inline void tile_dv_ds(const float* p, float* dp, int n, int nk, int Ev, const float* do_tile, int do_ld,
+                       const float* v_rows, int v_ld, float* dv_rows, int dv_ld, const float* d_rows,
+                       int64_t d_stride) {
+  gemm_rm(true, false, nk, Ev, n, 1.0f, p, nk, do_tile, do_ld, 1.0f, dv_rows, dv_ld);  // dV_j += P^T dO_i
+  gemm_rm(false, true, n, nk, Ev, 1.0f, do_tile, do_ld, v_rows, v_ld, 0.0f, dp, nk);   // dP = dO_i V_j^T
+  for (int a = 0; a < n; ++a) {  // dS = P * (dP - D_i), over dP
+    const float d = d_rows[a * d_stride];
+    const float* p_row = p + static_cast<int64_t>(a) * nk;
+    float* ds_row = dp + static_cast<int64_t>(a) * nk;
+#pragma omp simd
+    for (int c = 0; c < nk; ++c) ds_row[c] = p_row[c] * (ds_row[c] - d);
+  }
+}
+
+// Second half:  dQ_i += scale dS K_j;  dK_j += scale dS^T Q_i.
+inline void tile_dq_dk(const float* ds, int n, int nk, int E, float scale, const float* k_rows, int k_ld,
+                       float* dq_tile, int dq_ld, const float* q_tile, int q_ld, float* dk_rows, int dk_ld) {
+  gemm_rm(false, false, n, E, nk, scale, ds, nk, k_rows, k_ld, 1.0f, dq_tile, dq_ld);  // dQ_i += scale dS K_j
+  gemm_rm(true, false, nk, E, n, scale, ds, nk, q_tile, q_ld, 1.0f, dk_rows, dk_ld);   // dK_j += scale dS^T Q_i
+}
+
 }  // namespace
