@@ -4,6 +4,7 @@ running a lab's walkthrough notebook (tests/test_lab02.py, tests/test_lab03.py).
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -20,7 +21,7 @@ def grade_variants(lab: str, file: str, variants: dict, root: Path, seed: int) -
     written to ``root/<name>/<lab>/<file>`` (the lab's folder name, so the grader picks it)
     and graded; returns ``name -> GradeReport``."""
     solution = (LABS / lab / "solutions" / file).read_text()
-    out = {}
+    paths = {}
     for name, (edits, _) in variants.items():
         text = solution
         for old, new in edits:
@@ -29,8 +30,10 @@ def grade_variants(lab: str, file: str, variants: dict, root: Path, seed: int) -
         folder = root / name / lab
         folder.mkdir(parents=True)
         (folder / file).write_text(text)
-        out[name] = grade(folder / file, seed=seed)
-    return out
+        paths[name] = folder / file
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two sandboxes at once, as class grading does
+        reports = pool.map(lambda path: grade(path, seed=seed), paths.values())
+        return dict(zip(paths, reports))
 
 
 def codes(report, ex_id: str) -> set[str]:

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-from nbclient.exceptions import CellExecutionError
 
 from attnlab import labs, mistakes
 from attnlab.cli import main
@@ -112,7 +111,6 @@ def test_labs_lists_two_labs(capsys):
 
 
 def test_walkthrough_is_paired_and_runs_on_the_solutions(tmp_path):
+    # (that a stub stops the walkthrough at ex1 is tested once, for lab 01: tests/test_lab_notebook.py)
     text = run_walkthrough("02-masks", "masks.py", LAB / "solutions/masks.py", tmp_path)
     assert "# # # . ." in text and "max |yours - torch SDPA|" in text
-    with pytest.raises(CellExecutionError, match="TODO\\(ex1\\)"):
-        run_walkthrough("02-masks", "masks.py", LAB / "masks.py", tmp_path)

@@ -57,14 +57,17 @@ def test_corpus_needs_no_download(text):
     assert len(text) > 200_000 and text.isascii()
 
 
-def test_the_command_line_prints_progress_tokens_per_second_and_losses(tmp_path):
+def test_the_command_line_prints_progress_tokens_per_second_and_losses():
     run = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "3", "--seq-len", "32", "--batch", "2",
                           "--layers", "1", "--heads", "2", "--dim", "16"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "step 3/3" in run.stderr and "tok/s" in run.stderr
     assert "validation loss" in run.stdout and "tokens/s" in run.stdout
-    run = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "2", "--seq-len", "32", "--batch", "2",
-                          "--layers", "1", "--heads", "2", "--dim", "16", "--compare", "attnlab,sdpa"],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert "| attnlab | - |" in run.stdout and "| sdpa | - |" in run.stdout and "| 1.00 |" in run.stdout
+
+
+def test_compare_interleaves_the_backends_on_the_same_data(train_gpt, text):
+    cfgs = [train_gpt.Config(a, None, seq_len=32, batch=2, layers=1, heads=2, dim=16, steps=3)
+            for a in ("attnlab", "sdpa")]
+    ours, theirs = train_gpt.compare(cfgs, text, progress=False)
+    assert len(ours["losses"]) == len(theirs["losses"]) == 3 and ours["tokens_per_s"] > 0
+    assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), dtype=torch.float32, scope="model")
