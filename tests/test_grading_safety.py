@@ -179,3 +179,22 @@ def test_help_explains_the_sandbox():
                          timeout=60).stdout
     for words in ("bubblewrap", "--untrusted", "--no-sandbox", "--seed", "NOT" if False else "own file"):
         assert words.lower() in out.lower(), words
+
+
+def test_the_static_check_survives_parallel_grading():
+    """Class grading checks submissions from several threads: CPython 3.11's ast.parse is not
+    thread-safe ("SystemError: AST constructor recursion depth mismatch", seen once in a local
+    run grading lab variants two at a time), so check_source serialises it. The race is rare and
+    could not be reproduced on demand without the lock; this runs the parallel path hard."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from attnlab.grading import static
+
+    source = (Path(__file__).resolve().parents[1] / "labs/track1/01-attention/solutions/attention.py").read_text()
+
+    def many(_):
+        return [static.check_source(source).syntax_error for _ in range(40)]
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        errors = [e for batch in pool.map(many, range(6)) for e in batch]
+    assert errors == [""] * 240

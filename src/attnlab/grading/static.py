@@ -33,6 +33,7 @@ open sockets. The OS sandbox (:mod:`.launch`) is the fence; this check keeps the
 from __future__ import annotations
 
 import ast
+import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -40,6 +41,9 @@ from attnlab.grading.policy import BANNED_FRAGMENTS
 
 __all__ = ["ALLOWED_IMPORTS", "BANNED_BUILTINS", "Violation", "StaticReport", "check_source"]
 
+# ast.parse from two threads at once fails on CPython 3.11 ("SystemError: AST constructor
+# recursion depth mismatch", seen when two submissions were graded in parallel)
+_PARSE_LOCK = threading.Lock()
 ALLOWED_IMPORTS = ("torch", "math", "typing", "jaxtyping", "__future__")
 BANNED_BUILTINS = frozenset({"__import__", "eval", "exec", "compile", "open", "globals", "locals", "vars",
                              "breakpoint", "input", "memoryview", "__builtins__", "__loader__", "__spec__"})
@@ -205,7 +209,8 @@ def check_source(source: str | bytes, filename: str = "attention.py") -> StaticR
     """Parse the submission and list what the from-scratch rule refuses (never raises
     for the learner's sake: a syntax error comes back in ``syntax_error``)."""
     try:
-        tree = ast.parse(source, filename=filename)
+        with _PARSE_LOCK:  # CPython 3.11's AST builder is not thread-safe (class grading runs threads)
+            tree = ast.parse(source, filename=filename)
     except (SyntaxError, ValueError) as exc:
         line = getattr(exc, "lineno", None)
         where = f" (line {line})" if line else ""
