@@ -40,6 +40,13 @@ def test_steps_heatmap_and_compare(tmp_path):
         viz.heatmap(trace["weights"], kind="nope")
 
 
+def test_a_long_sequence_gets_a_few_ticks_not_one_per_position(tmp_path):
+    # a tick per position of lab 04's 4096-long output took matplotlib ~20 s per picture
+    ax = viz.heatmap(torch.randn(4096, 16), kind="values")
+    assert len(ax.get_yticks()) <= 12 and [t.get_text() for t in ax.get_xticklabels()] == [str(i) for i in range(16)]
+    assert_not_blank(viz.save(viz.compare(torch.randn(1, 4096, 16), torch.randn(1, 4096, 16)), str(tmp_path / "l.png")))
+
+
 def test_cli_plot_example(tmp_path, capsys):
     assert main(["plot", "example", "--out", str(tmp_path / "s.png"), "--seq-len", "5"]) == 0
     assert_not_blank(tmp_path / "s.png")
