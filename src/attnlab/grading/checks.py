@@ -46,6 +46,7 @@ class Exercise:
     judge: Callable[[Any, list[dict], Outcome], dict[str, Verdict]]
     policy: bool = True  # the from-scratch policy applies
     on_error: Optional[Callable[[str], list[dict]]] = None  # names the mistake behind an exception
+    limits: dict = field(default_factory=dict)  # this exercise's own Limits fields (lab 04's memory cap)
 
     @property
     def max_score(self) -> float:

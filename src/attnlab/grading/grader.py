@@ -12,6 +12,7 @@ in the grader's process, which trusts nothing the children send.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import sys
@@ -288,7 +289,8 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
                 if progress:
                     progress(f"{ex.id} {ex.function}")
                 calls, ctx = ex.prepare(torch.Generator().manual_seed(seed * 1000 + i))
-                outcome = box.run(calls, policy=ex.policy)
+                outcome = box.run(calls, policy=ex.policy,
+                                  limits=dataclasses.replace(limits, **ex.limits) if ex.limits else None)
                 try:
                     verdicts = judge_outcome(ex, ctx, outcome)
                 except Exception as exc:  # a judge must never cost the learner their report

@@ -636,9 +636,12 @@ class Sandbox:
         self.memory_fence = server.memory_fence
         return server
 
-    def run(self, calls: list[Call], *, policy: bool = True, timeout_s: Optional[float] = None) -> Outcome:
-        """Run ``calls`` on the learner's module in a fresh child; never raises for the learner's sake."""
-        timeout = self.limits.timeout_s if timeout_s is None else timeout_s
+    def run(self, calls: list[Call], *, policy: bool = True, timeout_s: Optional[float] = None,
+            limits: Optional[Limits] = None) -> Outcome:
+        """Run ``calls`` on the learner's module in a fresh child; never raises for the learner's sake.
+        ``limits``: this task's own (an exercise with a tighter memory cap); default the sandbox's."""
+        limits = self.limits if limits is None else limits
+        timeout = limits.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
         try:
             server = self._server_ready()
@@ -647,7 +650,7 @@ class Sandbox:
             what = "did not start in time" if isinstance(exc, Deadline) else f"failed to start: {exc}"
             return Outcome("protocol", message=f"the sandbox {what}", elapsed_s=time.perf_counter() - t0)
         try:
-            req = {"op": "run", "calls": calls, "policy": policy, "limits": self.limits, "timeout_s": timeout}
+            req = {"op": "run", "calls": calls, "policy": policy, "limits": limits, "timeout_s": timeout}
             _write_frame(server.proc.stdin.fileno(), _pickle(req))
             deadline = time.monotonic() + timeout + GRACE_S
             fd = server.proc.stdout.fileno()

@@ -20,8 +20,8 @@ with the line:
   except where an exercise allows it (``compare_with_sdpa``);
 * string constants naming attnlab or the solutions.
 
-A violation inside a function costs the exercises whose function reaches it (through
-calls by name inside the file); one at module level costs the whole file. The exercise
+A violation inside a function (or a class: lab 04's ``torch.autograd.Function``) costs
+the exercises whose function reaches it (through names used inside the file); one at module level costs the whole file. The exercise
 that measures the learner against torch (``compare_with_sdpa``) may reach torch's
 attention, so only the unsafe kinds cost it.
 
@@ -60,7 +60,7 @@ BANNED_STRINGS = ("attnlab", "solutions")
 @dataclass(frozen=True)
 class Violation:
     line: int
-    function: Optional[str]  # the top-level function it is in; None: module level
+    function: Optional[str]  # the top-level function or class it is in; None: module level
     kind: str  # "import" | "unsafe" | "attention"
     message: str
 
@@ -128,7 +128,7 @@ class _Visitor(ast.NodeVisitor):
         else:
             self.generic_visit(node)
 
-    visit_FunctionDef = visit_AsyncFunctionDef = _function
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _function
 
     # ----------------------------------------------------------- imports
     def _check_module(self, node: ast.AST, module: str) -> None:
@@ -215,7 +215,8 @@ def check_source(source: str | bytes, filename: str = "attention.py") -> StaticR
         line = getattr(exc, "lineno", None)
         where = f" (line {line})" if line else ""
         return StaticReport([], {}, f"{type(exc).__name__}: {getattr(exc, 'msg', exc)}{where}")
-    top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    # top-level functions and classes (lab 04's autograd.Function) are the units a violation costs
+    top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     visitor = _Visitor(top)
     visitor.visit(tree)
     return StaticReport(visitor.violations, visitor.calls, imports=visitor.imports)
