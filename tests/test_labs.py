@@ -14,6 +14,13 @@ def test_labs_lists_each_lab_with_what_it_covers(capsys):
     assert main(["labs"]) == 0
     out = capsys.readouterr().out
     assert "01-attention" in out and "covers:" in out and "attnlab labs get" in out
+    # the track: four labs, each listed with what it covers, each folder with its file and solution
+    assert [lab.name for lab in labs.LABS] == ["01-attention", "02-masks", "03-multi-head", "04-flash-attention"]
+    assert out.count("covers:") == 4 and "04-flash-attention" in out
+    for lab in labs.LABS:
+        folder = labs.labs_root() / lab.name
+        assert all((folder / f).is_file() for f in lab.files) and (folder / "solutions" / lab.file).is_file()
+        assert lab.exercises() and sum(ex.max_score for ex in lab.exercises()) == 100
 
 
 def test_get_copies_brief_stubs_and_walkthrough_but_never_solutions(tmp_path, capsys):
@@ -34,6 +41,7 @@ def test_the_wheel_carries_the_lab_materials_without_solutions(tmp_path):
 
     wheel = autograder.build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
-    shipped = [n for n in names if "/share/attnlab/labs/track1/01-attention/" in n]
-    assert sorted(n.rsplit("/", 1)[1] for n in shipped) == sorted(labs.find_lab("01").files)
+    for lab in labs.LABS:
+        shipped = [n for n in names if f"/share/attnlab/labs/track1/{lab.name}/" in n]
+        assert sorted(n.rsplit("/", 1)[1] for n in shipped) == sorted(lab.files), lab.name
     assert not [n for n in names if "solutions" in n]

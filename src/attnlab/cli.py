@@ -569,7 +569,8 @@ def _cmd_labs(args: argparse.Namespace) -> int:
         return 0
     for lab in labs.LABS:
         print(f"{lab.name}  {lab.title}\n    covers: {lab.covers}")
-    print("\nstart one with: attnlab labs get NAME [DIR]; grade it with: attnlab grade DIR/attention.py")
+    print("\nstart one with: attnlab labs get NAME [DIR]; grade it with: attnlab grade DIR/FILE (the file the lab "
+          "names: attention.py, masks.py, multihead.py, flash.py)")
     return 0
 
 

@@ -54,6 +54,11 @@ LABS = (
         "grouped-query and multi-query attention (which key/value head each query head uses), decoding with "
         "a KV cache that equals the full causal forward", file="multihead.py",
         checks="attnlab.grading.lab03_multihead"),
+    Lab("04-flash-attention", "FlashAttention from scratch: the online softmax, tiles, the backward",
+        "the online softmax on a stream (running max and sum), the tiled forward with m_i, l_i, acc and the "
+        "saved log-sum-exp, causal tiles skipped and masked, no [L, S] tensor (checked under a memory cap), the "
+        "backward that recomputes tiles (the D term), one torch.autograd.Function", file="flash.py",
+        checks="attnlab.grading.lab04_flash"),
 )
 
 

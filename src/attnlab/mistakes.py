@@ -51,6 +51,19 @@ CODES: dict[str, str] = {
     "gqa_group_mapping": "query head h must use key/value head h // (H / Hkv): repeat each key/value head in "
                          "place (repeat_interleave), not tile them (repeat)",
     "kv_cache_order": "the new keys and values go after the cached ones: torch.cat([cache, new], dim=2)",
+    # FlashAttention: the online softmax, the tiles, the backward
+    "online_rescale": "when a block raises the running max m_i, what was summed under the old max (l_i, and "
+                      "acc) must be multiplied by exp(m_old - m_new) before the block's terms are added",
+    "lse_saved": "the forward must return the natural log-sum-exp of each query row's scaled scores, "
+                 "lse = m_i + log(l_i) (torch.log, not log2; one per row, [B, H, L]): the backward rebuilds "
+                 "P = exp(scores - lse) from it",
+    "causal_block_skip": "under is_causal, skip only the key blocks wholly after the query block, and mask "
+                         "inside the diagonal block (key j > query i gets -inf); skipping the diagonal block or "
+                         "leaving it unmasked changes the answer",
+    "backward_d_term": "dS = P * (dP - D) with D = rowsum(dO * O) per query row: without the D term the "
+                       "gradients of Q and K are wrong (dV is not affected)",
+    "scores_materialized": "an [L, S] tensor (the scores or the weights) is built or saved: tiled attention keeps "
+                           "one [block_q, block_k] tile at a time and saves lse ([B, H, L]) for the backward",
     # reading the weights
     "wrong_axis": "row i of the weights belongs to query i: index [:, i, :], not a column",
     "batch_only": "the result must keep the batch dim: index every batch element, not only the first",

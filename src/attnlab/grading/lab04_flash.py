@@ -1,0 +1,377 @@
+"""Lab 04's checks (``labs/track1/04-flash-attention``): FlashAttention from scratch.
+
+Same machinery as lab 01's (:mod:`attnlab.grading.checks`): seeded, unequal inputs
+(L = 37 queries over S = 45 keys in tiles of 16, a causal 40 x 40 in query tiles of 16 and
+key tiles of 8, so no mistake hides behind square, aligned tiles), a float64 reference
+computed here, and what each common mistake returns, to name it (codes from
+:mod:`attnlab.mistakes`). The mistakes are simulated by :func:`_tiled`, the same loop as the
+lab's with one step broken, so what a named mistake returns is what the learner's code does.
+
+ex3 runs the learner's forward at L = S = 4096 under a memory cap of 32 MB above what the
+child has mapped (``Exercise.limits``): one float32 [L, S] tensor is 64 MB, so building the
+scores fails inside the kernel's own allocator, not by the learner's report.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from attnlab.functional import scaled_dot_product_attention
+from attnlab.grading.checks import Exercise, Verdict, tensor_verdict, value
+from attnlab.grading.sandbox import Call
+
+__all__ = ["EXERCISES", "BIG", "MEMORY_MB"]
+
+NEG_INF = float("-inf")
+BIG = 4096  # ex3's L = S: a float32 [L, S] tensor is 64 MB
+MEMORY_MB = 32  # ex3's cap above the child's start: the tiles (256 x 256) and the output fit many times over
+
+
+def _mistake(code: str, message: str, wrong: Optional[Tensor]) -> tuple[str, str, Optional[Tensor]]:
+    return code, message, wrong
+
+
+def _safe(m: Tensor) -> Tensor:
+    return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+
+
+# --------------------------------------------------------------------------- the mistakes, simulated
+def _stream_stats(x: Tensor, block: int, bug: str = "") -> tuple[Tensor, Tensor]:
+    """ex1's loop; ``bug``: 'no_rescale' (l_i not rescaled), 'inverted' (exp(m_new - m_old)),
+    'unsafe' (exp(-inf - -inf) = NaN on a row that has seen only -inf)."""
+    R, S = x.shape
+    m_i = torch.full((R,), NEG_INF, dtype=x.dtype)
+    l_i = torch.zeros(R, dtype=x.dtype)
+    for s in range(0, S, block):
+        chunk = x[:, s:s + block]
+        m_new = torch.maximum(m_i, chunk.amax(-1))
+        m_ref = m_new if bug == "unsafe" else _safe(m_new)
+        if bug == "no_rescale":
+            alpha = torch.ones_like(m_i)
+        elif bug == "inverted":
+            alpha = torch.exp(m_ref - m_i)
+        else:
+            alpha = torch.exp(m_i - m_ref)
+        l_i = l_i * alpha + torch.exp(chunk - m_ref[:, None]).sum(-1)
+        m_i = m_new
+    return m_i, l_i
+
+
+def _tiled(q: Tensor, k: Tensor, v: Tensor, causal: bool, bq: int, bk: int, bug: str = "") -> tuple[Tensor, Tensor]:
+    """The lab's forward in float64 with one step broken (``bug``): 'acc' (acc not rescaled),
+    'l' (l_i not rescaled), 'diag_unmasked' (causal blocks kept whole), 'diag_skipped' (the
+    diagonal block skipped), 'off_by_one' (key j < query i), 'lse_log2' ((m_i + ln l_i) / ln 2),
+    'lse_log2_sum' (m_i + log2 l_i), 'lse_max' (lse = m_i)."""
+    B, H, L, E = q.shape
+    S, Ev = k.shape[-2], v.shape[-1]
+    o = torch.empty(B, H, L, Ev, dtype=q.dtype)
+    lse = torch.empty(B, H, L, dtype=q.dtype)
+    for qs in range(0, L, bq):
+        qe = min(qs + bq, L)
+        q_i = q[:, :, qs:qe] / math.sqrt(E)
+        m_i = torch.full((B, H, qe - qs), NEG_INF, dtype=q.dtype)
+        l_i = torch.zeros(B, H, qe - qs, dtype=q.dtype)
+        acc = torch.zeros(B, H, qe - qs, Ev, dtype=q.dtype)
+        stop = S if not causal else min(S, qs if bug == "diag_skipped" else qe)
+        for ks in range(0, stop, bk):
+            ke = min(ks + bk, S)
+            s = q_i @ k[:, :, ks:ke].transpose(-2, -1)  # [B, H, bq, bk]
+            if causal and bug not in ("diag_unmasked", "diag_skipped"):
+                rows, cols = torch.arange(qs, qe)[:, None], torch.arange(ks, ke)[None, :]
+                s = s.masked_fill(~(cols < rows if bug == "off_by_one" else cols <= rows), NEG_INF)
+            m_new = torch.maximum(m_i, s.amax(-1))
+            m_safe = _safe(m_new)
+            p = torch.exp(s - m_safe[..., None])
+            alpha = torch.exp(m_i - m_safe)
+            l_i = (l_i if bug == "l" else l_i * alpha) + p.sum(-1)
+            acc = (acc if bug == "acc" else acc * alpha[..., None]) + p @ v[:, :, ks:ke]
+            m_i = m_new
+        o[:, :, qs:qe] = acc / l_i[..., None]
+        lse[:, :, qs:qe] = {"lse_log2": (m_i + torch.log(l_i)) / math.log(2), "lse_log2_sum": m_i + torch.log2(l_i),
+                            "lse_max": m_i}.get(bug, m_i + torch.log(l_i))
+    return o, lse
+
+
+def _grads(q: Tensor, k: Tensor, v: Tensor, do: Tensor, mask: Optional[Tensor], bug: str = "",
+           p_mask: Optional[Tensor] = None) -> tuple:
+    """dq, dk, dv in float64 from the formulas; ``bug``: 'no_d' (the D term dropped),
+    'no_scale' (dq, dk without the scale); ``p_mask``: the mask the backward rebuilds P with,
+    where it differs from the forward's ``mask`` (the causal mask forgotten in the backward)."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    s = (q @ k.transpose(-2, -1)) * scale
+    masked = s if mask is None else s.masked_fill(~mask, NEG_INF)
+    lse = masked.logsumexp(-1, keepdim=True)  # [B, H, L, 1]
+    p = torch.exp((masked if p_mask is None else s.masked_fill(~p_mask, NEG_INF)) - lse)
+    o = torch.exp(masked - lse) @ v
+    dv = p.transpose(-2, -1) @ do
+    dp = do @ v.transpose(-2, -1)
+    ds = p * dp if bug == "no_d" else p * (dp - (do * o).sum(-1, keepdim=True))
+    sc = 1.0 if bug == "no_scale" else scale
+    return ds @ k * sc, ds.transpose(-2, -1) @ q * sc, dv
+
+
+def _causal(L: int, S: int) -> Tensor:
+    return torch.ones(L, S, dtype=torch.bool).tril()
+
+
+def _tiles_kept(L: int, S: int, bq: int, bk: int) -> Tensor:
+    """[L, S]: True where the tile holding (query i, key j) is visited under is_causal (not
+    wholly after the query block), whole: what a loop that skips tiles but masks none sees."""
+    q_end = ((torch.arange(L) // bq + 1) * bq).clamp(max=L)  # [L]: the end of query i's block
+    k_start = torch.arange(S) // bk * bk  # [S]
+    return k_start[None, :] <= q_end[:, None] - 1
+
+
+def _inputs(g: torch.Generator, L: int, S: int, B: int = 2, H: int = 2, E: int = 8, Ev: int = 6) -> tuple:
+    return (torch.randn(B, H, L, E, generator=g), torch.randn(B, H, S, E, generator=g),
+            torch.randn(B, H, S, Ev, generator=g))
+
+
+def _pair(got, what: str) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Verdict]]:
+    if isinstance(got, tuple) and len(got) == 2:
+        return got[0], got[1], None
+    return None, None, Verdict(False, f"{what} must return a pair (o, lse), got {type(got).__name__}")
+
+
+# --------------------------------------------------------------------------- ex1: the online softmax
+EX1_BLOCK = 8
+
+
+def _prep_ex1(g):
+    x = torch.randn(6, 40, generator=g) * 4
+    x[2, :EX1_BLOCK] = NEG_INF  # a row whose first block is all masked
+    x[4] = torch.linspace(-3, 9, 40)  # a row whose max grows in every block
+    return [Call("online_softmax_stats", (x, EX1_BLOCK))], x
+
+
+def _judge_ex1(x, results, outcome):
+    got = value(results, 0)
+    if not (isinstance(got, tuple) and len(got) == 2):
+        bad = Verdict(False, f"online_softmax_stats must return (m_i, l_i), got {type(got).__name__}")
+        return {"m": bad, "l": bad, "masked_first_block": bad}
+    m, l_ = got
+    xd = x.double()
+    m_ref = xd.amax(-1)
+    l_ref = torch.exp(xd - m_ref[:, None]).sum(-1)
+    keep = torch.tensor([r != 2 for r in range(x.shape[0])])
+    rescale = [
+        _mistake("online_rescale", "l_i is not rescaled when the running max grows: multiply it by "
+                                   "exp(m_old - m_new) before adding the block's sum", _stream_stats(xd, EX1_BLOCK, "no_rescale")[1]),
+        _mistake("online_rescale", "the rescale factor is upside down: exp(m_old - m_new) (<= 1), not "
+                                   "exp(m_new - m_old)", _stream_stats(xd, EX1_BLOCK, "inverted")[1]),
+    ]
+    out = {"m": tensor_verdict(m, m_ref, "m_i (the running max)")}
+    if isinstance(l_, Tensor) and l_.shape == l_ref.shape:
+        out["l"] = tensor_verdict(l_[keep], l_ref[keep], "l_i (the running sum)", [
+            (c, msg, w[keep]) for c, msg, w in rescale])
+        out["masked_first_block"] = tensor_verdict(l_[2:3], l_ref[2:3], "l_i of a row whose first block is all "
+                                                   "-inf", [
+            _mistake("online_rescale", "exp(m_i - m_new) is exp(-inf - -inf) = NaN while the row has seen only "
+                                       "-inf: use 0 in place of a -inf max (safe_max)",
+                     _stream_stats(xd, EX1_BLOCK, "unsafe")[1][2:3])])
+    else:
+        out["l"] = out["masked_first_block"] = tensor_verdict(l_, l_ref, "l_i (the running sum)")
+    return out
+
+
+# --------------------------------------------------------------------------- ex2: the tiled forward
+EX2_CASES = ((37, 45, False, 16, 16), (40, 40, True, 16, 8), (24, 40, True, 8, 8))  # (L, S, causal, bq, bk)
+
+
+def _prep_ex2(g):
+    calls, ctx = [], []
+    for L, S, causal, bq, bk in EX2_CASES:
+        q, k, v = _inputs(g, L, S)
+        calls.append(Call("flash_forward", (q, k, v, causal, bq, bk)))
+        ctx.append((q, k, v))
+    return calls, ctx
+
+
+def _judge_ex2(ctx, results, outcome):
+    out = {}
+    # the plain forward: o and lse
+    (L, S, _, bq, bk), (q, k, v) = EX2_CASES[0], [t.double() for t in ctx[0]]
+    o, lse, bad = _pair(value(results, 0), "flash_forward")
+    if bad:
+        return {"output": bad, "lse": bad, "causal": bad, "causal_rectangular": bad}
+    ref_lse = _tiled(q, k, v, False, bq, bk)[1]
+    out["output"] = tensor_verdict(o, scaled_dot_product_attention(q, k, v), "flash_forward output (L = 37, S = 45)", [
+        _mistake("online_rescale", "acc is not rescaled when the running max grows: acc * exp(m_old - m_new) before "
+                                   "adding P @ V", _tiled(q, k, v, False, bq, bk, "acc")[0]),
+        _mistake("online_rescale", "l_i is not rescaled when the running max grows: l_i * exp(m_old - m_new) before "
+                                   "adding the tile's row sums", _tiled(q, k, v, False, bq, bk, "l")[0]),
+    ])
+    out["lse"] = tensor_verdict(lse, ref_lse, "lse (natural log-sum-exp of each row's scaled scores)", [
+        _mistake("lse_saved", "lse is in base 2: use torch.log (natural log), lse = m_i + log(l_i)",
+                 _tiled(q, k, v, False, bq, bk, "lse_log2")[1]),
+        _mistake("lse_saved", "lse = m_i + log2(l_i) mixes bases: m_i is in natural-log units, so use torch.log",
+                 _tiled(q, k, v, False, bq, bk, "lse_log2_sum")[1]),
+        _mistake("lse_saved", "lse is m_i alone: add log(l_i), the log of the running sum",
+                 _tiled(q, k, v, False, bq, bk, "lse_max")[1]),
+        _mistake("lse_saved", "the returned second value is l_i, the sum: lse = m_i + log(l_i)",
+                 torch.exp(ref_lse - _tiled(q, k, v, False, bq, bk, "lse_max")[1])),
+    ])
+    # causal, square then rectangular (top-left: query i sees keys 0 .. i)
+    for name, i in (("causal", 1), ("causal_rectangular", 2)):
+        L, S, _, bq, bk = EX2_CASES[i]
+        q, k, v = (t.double() for t in ctx[i])
+        o_c, _, bad = _pair(value(results, i), "flash_forward")
+        if bad:
+            out[name] = bad
+            continue
+        expected = scaled_dot_product_attention(q, k, v, attn_mask=_causal(L, S))
+        out[name] = tensor_verdict(o_c, expected, f"flash_forward with is_causal (L = {L}, S = {S}, tiles {bq} x {bk})", [
+            _mistake("causal_block_skip", "the diagonal block is not masked inside: a query sees the keys after it "
+                                          "in its own tile (key j > query i needs -inf there)",
+                     _tiled(q, k, v, True, bq, bk, "diag_unmasked")[0]),
+            _mistake("causal_block_skip", "the diagonal block is skipped: each query must see the keys of its own "
+                                          "tile up to itself", _tiled(q, k, v, True, bq, bk, "diag_skipped")[0]),
+            _mistake("causal_block_skip", "is_causal is ignored: every query sees every key",
+                     scaled_dot_product_attention(q, k, v)),
+            _mistake("off_by_one", "the causal mask hides the diagonal: query i sees keys 0 .. i, itself included "
+                                   "(key j <= query i)", _tiled(q, k, v, True, bq, bk, "off_by_one")[0]),
+            _mistake("online_rescale", "acc is not rescaled when the running max grows: acc * exp(m_old - m_new)",
+                     _tiled(q, k, v, True, bq, bk, "acc")[0]),
+            _mistake("online_rescale", "l_i is not rescaled when the running max grows: l_i * exp(m_old - m_new)",
+                     _tiled(q, k, v, True, bq, bk, "l")[0]),
+        ])
+    return out
+
+
+# --------------------------------------------------------------------------- ex3: no [L, S] tensor
+EX3_BLOCK = 256
+
+
+def _prep_ex3(g):
+    q, k, v = _inputs(g, BIG, BIG, B=1, H=1, E=16, Ev=16)
+    return [Call("flash_forward", (q, k, v, False, EX3_BLOCK, EX3_BLOCK))], (q, k, v)
+
+
+def _judge_ex3(ctx, results, outcome):
+    r = results[0]
+    if "error" in r and r.get("memory"):
+        msg = (f"flash_forward at L = S = {BIG} ran out of its {MEMORY_MB} MB: one float32 [L, S] tensor is "
+               f"{BIG * BIG * 4 >> 20} MB. Keep one [block_q, block_k] tile of scores at a time")
+        return {"no_L_by_S": Verdict(False, msg, [{"code": "scores_materialized", "message": msg}])}
+    o, _, bad = _pair(value(results, 0), "flash_forward")
+    if bad:
+        return {"no_L_by_S": bad}
+    q, k, v = (t.double() for t in ctx)
+    expected = torch.cat([scaled_dot_product_attention(q[:, :, i:i + 512], k, v) for i in range(0, BIG, 512)], dim=2)
+    return {"no_L_by_S": tensor_verdict(o, expected, f"flash_forward at L = S = {BIG} (within {MEMORY_MB} MB)")}
+
+
+# --------------------------------------------------------------------------- ex4: the backward
+EX4_CASES = ((37, 45, False, 16, 16), (40, 40, True, 16, 8))
+
+
+def _prep_ex4(g):
+    calls, ctx = [], []
+    for L, S, causal, bq, bk in EX4_CASES:
+        q, k, v = _inputs(g, L, S)
+        do = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=g)
+        o, lse = _tiled(q.double(), k.double(), v.double(), causal, bq, bk)  # the forward's output, exact
+        calls.append(Call("flash_backward", (q, k, v, o.float(), lse.float(), do, causal, bq, bk)))
+        ctx.append((q, k, v, do))
+    return calls, ctx
+
+
+def _triple(got) -> Optional[tuple]:
+    return got if isinstance(got, tuple) and len(got) == 3 else None
+
+
+def _judge_ex4(ctx, results, outcome):
+    out = {}
+    for i, (L, S, causal, bq, bk) in enumerate(EX4_CASES):
+        q, k, v, do = (t.double() for t in ctx[i])
+        mask = _causal(L, S) if causal else None
+        got = _triple(value(results, i))
+        if got is None:
+            bad = Verdict(False, f"flash_backward must return (dq, dk, dv), got {type(value(results, i)).__name__}")
+            out.update({"dv": bad, "dq_dk": bad} if not causal else {"causal": bad})
+            continue
+        dq, dk, dv = _grads(q, k, v, do, mask)
+        no_d, no_scale = (_grads(q, k, v, do, mask, bug) for bug in ("no_d", "no_scale"))
+        # P rebuilt without the causal mask: in every tile (no skipping either), or in the tiles visited
+        unmasked = [_grads(q, k, v, do, mask, p_mask=m) for m in (torch.ones(L, S, dtype=torch.bool),
+                                                                   _tiles_kept(L, S, bq, bk))] if causal else []
+        both = (lambda t: torch.cat([t[0].flatten(), t[1].flatten()]))
+        got_qk = both(got) if all(isinstance(t, Tensor) for t in got[:2]) else None
+        qk_mistakes = [
+            _mistake("backward_d_term", "dS = P * dP is missing the D term: dS = P * (dP - D) with D = "
+                                        "rowsum(dO * O)", both(no_d)),
+            _mistake("missing_scale", "dQ and dK miss the softmax scale: dQ = dS @ K * scale, dK = dS^T @ Q * scale",
+                     both(no_scale)),
+        ] + [_mistake("causal_block_skip", "the backward rebuilds P without the causal mask: mask the tile's "
+                                           "scores as the forward does before exp(scores - lse)", both(u))
+             for u in unmasked]
+        where = f"(L = {L}, S = {S}{', is_causal' if causal else ''})"
+        qk = tensor_verdict(got_qk, both((dq, dk)), f"dq and dk {where}", qk_mistakes)
+        dv_v = tensor_verdict(got[2], dv, f"dv {where}", [
+            _mistake("causal_block_skip", "dV is built from P without the causal mask", u[2]) for u in unmasked])
+        if causal:
+            out["causal"] = dv_v if not dv_v.passed else qk
+        else:
+            out["dv"], out["dq_dk"] = dv_v, qk
+    return out
+
+
+# --------------------------------------------------------------------------- ex5: the autograd Function
+EX5_CASES = ((33, 21, False), (32, 32, True))
+
+
+def _prep_ex5(g):
+    calls, ctx = [], []
+    for L, S, causal in EX5_CASES:
+        q, k, v = _inputs(g, L, S, E=16, Ev=8)
+        do = torch.randn(q.shape[:-1] + (8,), generator=g)
+        calls.append(Call("attention_and_grads", (q, k, v, do, causal)))
+        ctx.append((q, k, v, do))
+    return calls, ctx
+
+
+def _judge_ex5(ctx, results, outcome):
+    outputs, grads, saved_v = Verdict(True), Verdict(True), Verdict(True)
+    for i, (L, S, causal) in enumerate(EX5_CASES):
+        q, k, v, do = (t.double() for t in ctx[i])
+        got = value(results, i)
+        if not (isinstance(got, tuple) and len(got) == 5):
+            bad = Verdict(False, f"attention_and_grads must return 5 values (it is given: restore it), got "
+                                 f"{type(got).__name__}")
+            return {"output": bad, "gradients": bad, "saves_lse_not_weights": bad}
+        where = f"(L = {L}, S = {S}{', is_causal' if causal else ''})"
+        mask = _causal(L, S) if causal else None
+        if outputs.passed:
+            outputs = tensor_verdict(got[0], scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                                     f"tiled_attention output {where}")
+        for name, g_, e_ in zip(("dq", "dk", "dv"), got[1:4], _grads(q, k, v, do, mask)):
+            if grads.passed:
+                grads = tensor_verdict(g_, e_, f"{name} through TiledAttention.backward {where}")
+        shapes = got[4] if isinstance(got[4], list) else []
+        big = [s for s in shapes if isinstance(s, list) and len(s) >= 2 and s[-2:] == [L, S]]
+        if big and saved_v.passed:
+            msg = (f"the forward saves a tensor of shape {big[0]}: the [L, S] weights; save lse ([B, H, L]) and "
+                   "recompute P tile by tile in the backward")
+            saved_v = Verdict(False, msg, [{"code": "scores_materialized", "message": msg}])
+        elif not shapes and saved_v.passed:
+            saved_v = Verdict(False, "the forward saved no tensors: ctx.save_for_backward(q, k, v, o, lse)")
+    return {"output": outputs, "gradients": grads, "saves_lse_not_weights": saved_v}
+
+
+EXERCISES: list[Exercise] = [
+    Exercise("ex1", "online_softmax_stats", "the online softmax on a stream", {"m": 3, "l": 6, "masked_first_block": 3},
+             _prep_ex1, _judge_ex1),
+    Exercise("ex2", "flash_forward", "the tiled forward",
+             {"output": 12, "lse": 8, "causal": 10, "causal_rectangular": 5}, _prep_ex2, _judge_ex2),
+    Exercise("ex3", "flash_forward", "no [L, S] tensor in the forward", {"no_L_by_S": 15}, _prep_ex3, _judge_ex3,
+             limits={"memory_mb": MEMORY_MB, "timeout_s": 20.0}),
+    Exercise("ex4", "flash_backward", "the backward, tile by tile", {"dv": 6, "dq_dk": 10, "causal": 9},
+             _prep_ex4, _judge_ex4),
+    Exercise("ex5", "attention_and_grads", "one autograd Function",
+             {"output": 3, "gradients": 7, "saves_lse_not_weights": 3}, _prep_ex5, _judge_ex5),
+]
+assert sum(ex.max_score for ex in EXERCISES) == 100
