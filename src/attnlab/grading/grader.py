@@ -78,6 +78,7 @@ class GradeReport:
     seed: int = 0  # the inputs' seed: grade(seed=...) / --seed reproduces the run
     sandboxed: bool = False  # ran inside the bwrap OS sandbox
     memory_fence: str = ""  # how the submission's memory was capped
+    launcher: str = ""  # how its sandbox was made: 'bwrap', 'template' (class grading) or 'none'
     restarts: int = 0  # times the sandbox server had to be replaced (it was stopped or killed)
     pending: list = field(default_factory=list)  # exercises not graded yet (an interrupted run)
     environment_problem: str = ""  # the grader's installation lacks a module the lab allows (not scored)
@@ -182,7 +183,7 @@ class GradeReport:
                 "lab": self.lab,
                 "seed": self.seed,
                 "sandbox": {"os_sandbox": self.sandboxed, "memory": self.memory_fence,
-                            "server_restarts": self.restarts},
+                            "made_by": self.launcher, "server_restarts": self.restarts},
                 "exercises": {k: {"score": s, "max_score": m} for k, (s, m) in self.exercise_scores().items()},
                 "diagnostics": [{"test": r.name, **f} for r in self.results for f in r.verdict.findings],
                 "images": {r.name: r.image for r in self.results if r.image},
@@ -270,7 +271,7 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
     with Sandbox(path, limits, mode=sandbox) as box:
         # First: does the file import at all? One child, so a broken file fails fast and once.
         first = box.run([], policy=True)
-        report.sandboxed, report.memory_fence = box.sandboxed, box.memory_fence
+        report.sandboxed, report.memory_fence, report.launcher = box.sandboxed, box.memory_fence, box.launcher
         if first.status != "ok" or first.violations:
             report.problem = _whole_file_problem(first)
             _fail_all(report, EXERCISES, Verdict(False, report.problem))

@@ -46,7 +46,7 @@ from typing import Optional
 
 __all__ = ["Server", "SandboxUnavailable", "bwrap_path", "bwrap_command", "start", "prestart", "take",
            "HOW_TO_GET_BWRAP", "SANDBOX_MODES", "resolve_mode", "python_roots",
-           "keep_spare", "spare"]
+           "keep_spare", "spare", "class_template", "SpawnedServer"]
 
 SANDBOX_MODES = ("auto", "bwrap", "none")
 
@@ -154,6 +154,11 @@ class _Cgroup:
         for d in self.dirs:
             (d / "cgroup.procs").write_text("0")
 
+    def add(self, pid: int) -> None:
+        """Move the process ``pid`` (a host pid) in; raises OSError where it cannot."""
+        for d in self.dirs:
+            (d / "cgroup.procs").write_text(str(pid))
+
     def remove(self) -> None:
         for _ in range(50):
             pids = self.procs()
@@ -249,6 +254,16 @@ class Server:
             return f"{self.cgroup.kind}: {self.memory_mb} MB and a process cap for the whole submission"
         return "per-process RLIMIT_AS and RLIMIT_NPROC" + (" plus size-capped tmpfs" if self.sandboxed else "")
 
+    @property
+    def request_fd(self) -> int:
+        """Where the grader writes requests (:mod:`.frames`)."""
+        return self.proc.stdin.fileno()
+
+    @property
+    def reply_fd(self) -> int:
+        """Where the server's replies come from."""
+        return self.proc.stdout.fileno()
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -342,10 +357,16 @@ def _prestart(mode: str, memory_mb: int, max_procs: int) -> None:
             _pending = None
 
 
-def take(mode: str = "auto", memory_mb: int = 2048, max_procs: int = 64) -> Server:
-    """The prestarted server if it matches and still runs, else a new one. Each server
-    serves one submission: the caller stops it when that submission is graded."""
+def take(mode: str = "auto", memory_mb: int = 2048, max_procs: int = 64):
+    """The prestarted server if it matches and still runs, else a new one (forked from the
+    class template inside :func:`class_template`). Each server serves one submission: the
+    caller stops it when that submission is graded."""
     global _pending
+    template = _template
+    if template is not None and resolve_mode(mode) is not None:
+        spawned = template.spawn(memory_mb, max_procs)
+        if spawned is not None:
+            return spawned
     server = None
     with _spare_lock:
         if _pending is not None:
@@ -360,3 +381,214 @@ def take(mode: str = "auto", memory_mb: int = 2048, max_procs: int = 64) -> Serv
     if _keep_spare:
         prestart(mode, memory_mb, max_procs)
     return server
+
+
+# --------------------------------------------------------------------------- #
+# The class template: one pre-imported server that forks each submission's sandbox
+# --------------------------------------------------------------------------- #
+
+
+def _descendant_with_nspid(root: int, nspid: int) -> Optional[int]:
+    """The host pid of the process below ``root`` whose pid in its own (second-level)
+    namespace is ``nspid``: the template's fork, seen from the host."""
+    children: dict[int, list[int]] = {}
+    nspids: dict[int, list[int]] = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            text = (proc / "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+        try:
+            children.setdefault(int(fields["PPid"]), []).append(int(proc.name))
+            nspids[int(proc.name)] = [int(x) for x in fields.get("NSpid", "").split()]
+        except (KeyError, ValueError):
+            continue
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        chain = nspids.get(pid, [])
+        if len(chain) == 2 and chain[1] == nspid:
+            return pid
+        todo.extend(children.get(pid, []))
+    return None
+
+
+@dataclass
+class SpawnedServer:
+    """A submission's sandbox server forked from the class template (:mod:`.template`):
+    the same channels and fences as a :class:`Server`, without an interpreter start."""
+
+    host_pid: int  # the template's fork (the namespace's init and the server hang below it)
+    pidfd: int
+    request_fd: int
+    reply_fd: int
+    cgroup: Optional[_Cgroup]
+    memory_mb: int
+    sandboxed: bool = True
+
+    @property
+    def memory_fence(self) -> str:
+        if self.cgroup is not None:
+            return f"{self.cgroup.kind}: {self.memory_mb} MB and a process cap for the whole submission"
+        return "per-process RLIMIT_AS and RLIMIT_NPROC plus size-capped tmpfs"
+
+    def alive(self) -> bool:
+        import select
+
+        return self.pidfd >= 0 and not select.select([self.pidfd], [], [], 0)[0]
+
+    def stop(self) -> None:
+        """Kill the fork: its namespace's init dies with it (PR_SET_PDEATHSIG), and every
+        process of the namespace with the init; the cgroup is emptied too."""
+        if self.pidfd >= 0:
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except OSError:
+                pass
+            os.close(self.pidfd)
+            self.pidfd = -1
+        for fd in (self.request_fd, self.reply_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.request_fd = self.reply_fd = -1
+        if self.cgroup is not None:
+            self.cgroup.remove()
+
+
+class _Template:
+    """The template process (in bwrap, as a server is) and the grader's end of its socket."""
+
+    START_TIMEOUT_S = 90.0
+
+    def __init__(self, bwrap: str) -> None:
+        import socket
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [sys.executable, "-I", "-c",
+                f"from attnlab.grading.template import serve_template; serve_template({theirs.fileno()})"]
+        self.proc = subprocess.Popen(bwrap_command(bwrap, argv), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     pass_fds=(theirs.fileno(),), start_new_session=True)
+        theirs.close()
+        self.sock = ours
+        self.lock = threading.Lock()
+        self.problem = ""
+        ours.settimeout(self.START_TIMEOUT_S)
+        try:
+            hello = ours.recv(512)
+        except OSError as exc:
+            hello = f"no answer ({exc})".encode()
+        if hello != b"ready":
+            self.problem = hello.decode(errors="replace").removeprefix("unsupported ") or "it exited"
+            self.stop()
+            return
+        ours.settimeout(10.0)
+
+    def spawn(self, memory_mb: int, max_procs: int) -> Optional[SpawnedServer]:
+        """A new server for one submission, or None (the template is gone or broken: the
+        caller starts a bwrap of its own)."""
+        import socket
+        import struct
+
+        from attnlab.grading.frames import write_frame
+
+        if self.problem or self.proc.poll() is not None:
+            return None
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        cgroup = None
+        pidfd = -1
+        try:
+            with self.lock:
+                socket.send_fds(self.sock, [b"spawn"], [req_r, rep_w])
+                answer = self.sock.recv(64)
+            os.close(req_r)
+            os.close(rep_w)
+            req_r = rep_w = -1
+            if len(answer) != 8:
+                raise OSError(f"the template answered {answer[:40]!r}")
+            (nspid,) = struct.unpack("<q", answer)
+            host = _descendant_with_nspid(self.proc.pid, nspid)
+            if host is None:
+                raise OSError("the template's fork was not found under its bwrap")
+            pidfd = os.pidfd_open(host)
+            cgroup = _make_cgroup(memory_mb, max_procs)
+            if cgroup is not None:
+                cgroup.add(host)  # before it enters anything: all it starts is counted
+            write_frame(req_w, b"go")
+            return SpawnedServer(host, pidfd, req_w, rep_r, cgroup, memory_mb)
+        except OSError:
+            for fd in (req_r, req_w, rep_r, rep_w, pidfd):
+                if fd >= 0:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            if cgroup is not None:
+                cgroup.remove()
+            return None
+
+    def stop(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.proc.kill()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+_template: Optional[_Template] = None
+
+
+class class_template:
+    """``with class_template(mode):`` the servers :func:`take` hands out are forked from one
+    pre-imported template (:mod:`.template`) instead of one ``bwrap`` each; on leaving, the
+    template and everything below it are stopped. Where the template cannot work here
+    (no bwrap, or no nested user namespaces), ``reason`` says why and :func:`take` starts a
+    ``bwrap`` per submission as before."""
+
+    def __init__(self, mode: str = "auto") -> None:
+        self.mode = mode
+        self.reason = ""
+
+    def __enter__(self) -> "class_template":
+        global _template
+        bwrap = resolve_mode(self.mode)
+        if bwrap is None:
+            self.reason = "no OS sandbox (bwrap) here"
+            return self
+        if os.environ.get("ATTNLAB_TEMPLATE") == "0":
+            self.reason = "ATTNLAB_TEMPLATE=0"
+            return self
+        template = _Template(bwrap)
+        if template.problem:
+            self.reason = f"the template cannot make a sandbox per submission here: {template.problem}"
+            return self
+        _template = template
+        return self
+
+    @property
+    def active(self) -> bool:
+        return _template is not None
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The host pid of the template's ``bwrap`` (its process tree holds every sandbox it
+        forked), or None when the template is not in use."""
+        return _template.proc.pid if _template is not None else None
+
+    def __exit__(self, *exc) -> None:
+        global _template
+        if _template is not None:
+            _template.stop()
+            _template = None

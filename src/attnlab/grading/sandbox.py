@@ -40,7 +40,6 @@ import resource
 import select
 import shutil
 import signal
-import struct
 import sys
 import tempfile
 import time
@@ -52,6 +51,7 @@ from typing import Any, Optional
 import torch
 
 from attnlab.grading import launch
+from attnlab.grading.frames import Deadline, read_frame, write_frame
 
 __all__ = ["Limits", "Call", "Outcome", "Sandbox", "Unsupported", "validate_message", "clean_text",
            "MAX_RESULT_BYTES", "MAX_ELEMENTS"]
@@ -151,12 +151,22 @@ def _portable(value: Any, depth: int = 0) -> Any:
     return {"__unsupported__": type(value).__name__[:100]}
 
 
-def _set_limits(limits: Limits, sandboxed: bool) -> None:
-    vm_kb = 0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                vm_kb = int(line.split()[1])
+def _vm_kb(status_fd: Optional[int] = None) -> int:
+    """VmSize of this process (or of the server whose /proc status ``status_fd`` holds open:
+    under the class template /proc is hidden, and a child's VmSize at fork is its server's)."""
+    if status_fd is None:
+        with open("/proc/self/status", "rb") as f:
+            text = f.read()
+    else:
+        text = os.pread(status_fd, 1 << 16, 0)
+    for line in text.splitlines():
+        if line.startswith(b"VmSize:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _set_limits(limits: Limits, sandboxed: bool, vm_kb: Optional[int] = None) -> None:
+    vm_kb = _vm_kb() if vm_kb is None else vm_kb
     cap = vm_kb * 1024 + limits.memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     file_cap = limits.file_mb * 1024 * 1024
@@ -180,7 +190,7 @@ class _RefuseAttnlab:
 
 
 def _child_main(result_fd: int, path: str, calls: list[Call], policy: bool, limits: Limits, workdir: str,
-                sandboxed: bool) -> None:
+                sandboxed: bool, vm_kb: Optional[int] = None) -> None:
     """Entry point of the forked child. Sends exactly one message (bytes), then exits."""
     import importlib.util
 
@@ -194,7 +204,7 @@ def _child_main(result_fd: int, path: str, calls: list[Call], policy: bool, limi
     # Python ignores SIGXFSZ (writes past RLIMIT_FSIZE would just fail): restore the default,
     # so writing a huge file ends the child and is reported as such.
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
-    _set_limits(limits, sandboxed)
+    _set_limits(limits, sandboxed, vm_kb)
     wants_probes = any(c.doctor for c in calls)
     probes = doctor.build_probes(doctor.SELF_ATTENTION_CAPABILITIES) if wants_probes else None
     run_probes, adapt = doctor.run_probes, doctor.adapt_self_attention
@@ -272,43 +282,6 @@ class _Done(Exception):
 
 
 # --------------------------------------------------------------------------- #
-# Framing: a length, then the bytes. Reads on the parent side have deadlines.
-# --------------------------------------------------------------------------- #
-
-
-class Deadline(Exception):
-    """A read did not complete in time."""
-
-
-def _write_frame(fd: int, data: bytes) -> None:
-    view = memoryview(struct.pack("<Q", len(data)) + data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _read_exact(fd: int, n: int, deadline: Optional[float]) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise Deadline()
-        chunk = os.read(fd, min(n - got, 1 << 20))
-        if not chunk:
-            raise EOFError("the sandbox server closed the channel")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def _read_frame(fd: int, limit: int, deadline: Optional[float] = None) -> bytes:
-    (n,) = struct.unpack("<Q", _read_exact(fd, 8, deadline))
-    if n > limit:
-        raise ValueError(f"a frame of {n} bytes is over the limit of {limit}")
-    return _read_exact(fd, n, deadline)
-
-
-# --------------------------------------------------------------------------- #
 # The zygote: a server process that has imported torch and forks one child per task
 # --------------------------------------------------------------------------- #
 
@@ -348,9 +321,11 @@ def _drain(fds: dict[int, bytearray], caps: dict[int, int], until: float) -> Non
             fds[fd] += chunk[: caps[fd] - len(fds[fd])]
 
 
-def _run_task(req: dict, channel_fds: tuple[int, int], sandboxed: bool, root: str) -> tuple[dict, bytes, bytes]:
+def _run_task(req: dict, channel_fds: tuple[int, ...], sandboxed: bool, root: str,
+              status_fd: Optional[int] = None) -> tuple[dict, bytes, bytes]:
     """Fork a child for one task and watch it: its exit, its time, its pipes' sizes."""
     limits: Limits = req["limits"]
+    vm_kb = _vm_kb(status_fd) if status_fd is not None else None  # the child's at fork: /proc is hidden
     timeout = float(req["timeout_s"])
     workdir = tempfile.mkdtemp(prefix="task-", dir=root)
     r, w = os.pipe()
@@ -368,7 +343,7 @@ def _run_task(req: dict, channel_fds: tuple[int, int], sandboxed: bool, root: st
             os.dup2(null, 0)
             os.dup2(out_w, 1)
             os.dup2(out_w, 2)
-            _child_main(w, req["path"], req["calls"], req["policy"], limits, workdir, sandboxed)
+            _child_main(w, req["path"], req["calls"], req["policy"], limits, workdir, sandboxed, vm_kb)
         finally:
             os._exit(70)
     os.close(w)
@@ -418,10 +393,12 @@ def _run_task(req: dict, channel_fds: tuple[int, int], sandboxed: bool, root: st
     return {"status": status, "code": code, "elapsed": time.monotonic() - t0}, payload, output
 
 
-def serve(request_fd: int = 0, reply_fd: int = 1, sandboxed: bool = False) -> None:
+def serve(request_fd: int = 0, reply_fd: int = 1, sandboxed: bool = False, status_fd: Optional[int] = None) -> None:
     """The zygote's loop. Requests (pickled, from the grader: trusted) are ``load`` (the
     submission's source) and ``run`` (fork a child for a task); each ``run`` is answered
-    with three frames: a JSON header, the child's message bytes, its captured output."""
+    with three frames: a JSON header, the child's message bytes, its captured output.
+    ``status_fd``: this server's /proc status, opened before /proc was hidden (the class
+    template, :mod:`.template`); the children close it before the learner's code runs."""
     import pickle
 
     import attnlab.doctor  # noqa: F401
@@ -439,23 +416,24 @@ def serve(request_fd: int = 0, reply_fd: int = 1, sandboxed: bool = False) -> No
         os.dup2(null, fd)
     root = tempfile.mkdtemp(prefix="attnlab-sandbox-", dir="/tmp" if sandboxed else None)
     path = os.path.join(root, "submission", SUBMISSION_NAME)
-    _write_frame(reply_fd, b"ready " + root.encode())
+    write_frame(reply_fd, b"ready " + root.encode())
     try:
         while True:
             try:
-                req = pickle.loads(_read_frame(request_fd, 1 << 24))  # from the grader itself: trusted
+                req = pickle.loads(read_frame(request_fd, 1 << 24))  # from the grader itself: trusted
             except EOFError:
                 return
             if req["op"] == "load":
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "wb") as f:
                     f.write(req["source"])
-                _write_frame(reply_fd, b"loaded")
+                write_frame(reply_fd, b"loaded")
                 continue
-            header, payload, output = _run_task({**req, "path": path}, (request_fd, reply_fd), sandboxed, root)
-            _write_frame(reply_fd, json.dumps(header).encode())
-            _write_frame(reply_fd, payload)
-            _write_frame(reply_fd, output)
+            private = (request_fd, reply_fd) + ((status_fd,) if status_fd is not None else ())
+            header, payload, output = _run_task({**req, "path": path}, private, sandboxed, root, status_fd)
+            write_frame(reply_fd, json.dumps(header).encode())
+            write_frame(reply_fd, payload)
+            write_frame(reply_fd, output)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -596,6 +574,7 @@ class Sandbox:
         self._starts = 0
         self.sandboxed = launch.resolve_mode(mode) is not None
         self.memory_fence = ""
+        self.launcher = ""  # 'template' (forked from the class template), 'bwrap' or 'none'
 
     def __enter__(self) -> "Sandbox":
         return self
@@ -626,14 +605,16 @@ class Sandbox:
         server = launch.take(self.mode, self.limits.submission_memory_mb, self.limits.max_procs)
         self._server = server
         deadline = time.monotonic() + START_TIMEOUT_S
-        hello = _read_frame(server.proc.stdout.fileno(), 4096, deadline)
+        hello = read_frame(server.reply_fd, 4096, deadline)
         if not hello.startswith(b"ready"):
             raise EOFError("the sandbox server did not start")
-        _write_frame(server.proc.stdin.fileno(), _pickle({"op": "load", "source": self.source}))
-        if _read_frame(server.proc.stdout.fileno(), 64, deadline) != b"loaded":
+        write_frame(server.request_fd, _pickle({"op": "load", "source": self.source}))
+        if read_frame(server.reply_fd, 64, deadline) != b"loaded":
             raise EOFError("the sandbox server did not take the submission")
         self.sandboxed = server.sandboxed
         self.memory_fence = server.memory_fence
+        self.launcher = ("template" if isinstance(server, launch.SpawnedServer)
+                         else "bwrap" if server.sandboxed else "none")
         return server
 
     def run(self, calls: list[Call], *, policy: bool = True, timeout_s: Optional[float] = None,
@@ -651,12 +632,12 @@ class Sandbox:
             return Outcome("protocol", message=f"the sandbox {what}", elapsed_s=time.perf_counter() - t0)
         try:
             req = {"op": "run", "calls": calls, "policy": policy, "limits": limits, "timeout_s": timeout}
-            _write_frame(server.proc.stdin.fileno(), _pickle(req))
+            write_frame(server.request_fd, _pickle(req))
             deadline = time.monotonic() + timeout + GRACE_S
-            fd = server.proc.stdout.fileno()
-            header = json.loads(_read_frame(fd, 4096, deadline))
-            payload = _read_frame(fd, MAX_RESULT_BYTES, deadline)
-            raw_output = _read_frame(fd, self.limits.output_kb * 1024, deadline)
+            fd = server.reply_fd
+            header = json.loads(read_frame(fd, 4096, deadline))
+            payload = read_frame(fd, MAX_RESULT_BYTES, deadline)
+            raw_output = read_frame(fd, self.limits.output_kb * 1024, deadline)
         except Deadline:
             self.close()  # a stopped or stuck server: the whole sandbox goes, a new one serves what follows
             return Outcome("timeout", message=f"did not finish within {timeout:g} s, and the sandbox stopped "
