@@ -11,7 +11,7 @@ import nbformat
 import jupytext
 from nbclient import NotebookClient
 
-from attnlab.grading import grade
+from attnlab.grading import grade, launch
 
 LABS = Path(__file__).resolve().parents[1] / "labs" / "track1"
 
@@ -31,7 +31,8 @@ def grade_variants(lab: str, file: str, variants: dict, root: Path, seed: int) -
         folder.mkdir(parents=True)
         (folder / file).write_text(text)
         paths[name] = folder / file
-    with ThreadPoolExecutor(max_workers=2) as pool:  # two sandboxes at once, as class grading does
+    # two sandboxes at once, forked from one class template, as class grading does
+    with launch.class_template("auto"), ThreadPoolExecutor(max_workers=2) as pool:
         reports = pool.map(lambda path: grade(path, seed=seed), paths.values())
         return dict(zip(paths, reports))
 

@@ -95,11 +95,14 @@ def test_the_gradebook_has_every_learner_sorted_with_points_mistakes_and_status(
 
 
 def test_each_learner_gets_gradescope_results_json(graded):
-    root, *_ = graded
+    root, cls, before, result, seen = graded
     for r in read_csv(root / "out" / "grades.csv"):
         data = json.loads((root / "out" / r["learner"] / "results.json").read_text())
         assert data["score"] == float(r["total"]) and data["extra_data"]["seed"] == int(r["seed"])
         assert data["tests"] and data["extra_data"]["sandbox"]["os_sandbox"] is True
+        # every sandbox was forked from the class template (torch imported once for the class)
+        assert data["extra_data"]["sandbox"]["made_by"] == "template", data["extra_data"]["sandbox"]
+    assert "pre-imported template" in result.sandboxes
 
 
 def test_a_learner_whose_exercises_time_out_is_marked_timed_out():
@@ -130,13 +133,19 @@ def test_hostile_members_changed_nothing_of_anyone_else(graded):
     assert not list(Path("/tmp").glob("*classtoken*"))
 
 
-def test_same_seed_same_grades(graded, tmp_path):
+def test_same_seed_same_grades_from_a_bwrap_per_submission_too(graded, tmp_path, monkeypatch):
+    """The same seed gives the same grades; and the fallback where the class template cannot
+    run (here forced off: a kernel without nested user namespaces) grades alike."""
     root, cls, before, result, seen = graded
     small = tmp_path / "again"
     small.mkdir()
     for name in ("dave.py", "erin.py"):
         (small / name).write_text((cls / name).read_text())
+    monkeypatch.setenv("ATTNLAB_TEMPLATE", "0")
     again = batch.grade_class(small, tmp_path / "out", jobs=2, seed=7, limits=LIMITS, total_timeout_s=TOTAL_S)
+    assert "one bwrap OS sandbox per submission" in again.sandboxes and "ATTNLAB_TEMPLATE=0" in again.sandboxes
+    assert {json.loads((tmp_path / "out" / r.learner / "results.json").read_text())["extra_data"]["sandbox"][
+        "made_by"] for r in again.rows} == {"bwrap"}
     first = {r.learner: r for r in result.rows}
     for r in again.rows:
         assert (r.total, r.exercises, r.mistakes, r.seed) == (first[r.learner].total, first[r.learner].exercises,

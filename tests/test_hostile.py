@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import attnlab
-from procs import spare_tree
+from procs import process_tree, spare_tree
 from attnlab.grading import Limits, grade, launch
 from attnlab.grading.checks import EXERCISES
 
@@ -38,6 +38,7 @@ LIMITS = Limits(timeout_s=2.0)
 TOTAL_S = 10.0
 WALL_BOUND_S = 45.0  # the total limit plus the sandbox's start and the judging, with room for a loaded machine
 SERVER_MARK = "attnlab.grading.sandbox import serve"
+TEMPLATE_MARK = "attnlab.grading.template import serve_template"
 
 if launch.bwrap_path() is None:
     if os.environ.get("CI"):
@@ -76,10 +77,11 @@ def digest(folder: Path) -> dict[str, str]:
     return out
 
 
-def server_processes() -> list[str]:
-    """Sandbox servers and bwrap processes alive now, but the spare one started ahead
-    (no learner code has run in it: see launch.keep_spare)."""
-    ignore = spare_tree()
+def server_processes(ignore: frozenset = frozenset()) -> list[str]:
+    """Sandbox servers, class templates (and their forks) and bwrap processes alive now, but
+    the spare one started ahead (no learner code has run in it: see launch.keep_spare) and
+    ``ignore`` (a class template's own processes, while it is in use)."""
+    ignore = spare_tree() | set(ignore)
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid() or int(proc.name) in ignore:
@@ -88,7 +90,7 @@ def server_processes() -> list[str]:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if SERVER_MARK in cmd or cmd.startswith(("bwrap ", launch.bwrap_path() or "/nonexistent")):
+        if SERVER_MARK in cmd or TEMPLATE_MARK in cmd or cmd.startswith(("bwrap ", launch.bwrap_path() or "/nonexistent")):
             found.append(f"{proc.name}: {cmd[:120]}")
     return found
 
@@ -150,8 +152,27 @@ def host_leftovers(token: str) -> list[str]:
     return [str(p) for folder in ("/tmp", "/dev/shm", "/var/tmp") for p in Path(folder).glob(f"*{token}*")]
 
 
+@pytest.fixture(params=["bwrap", "template"])
+def launcher(request):
+    """Every hostile file is graded in a bwrap of its own, and in a sandbox forked from the
+    class template (what 'attnlab grade DIR' uses): yields the template's own processes
+    (its bwrap, that bwrap's init, the template), which must be all that is left of it."""
+    if request.param == "bwrap":
+        yield request.param, frozenset()
+        return
+    with launch.class_template("bwrap") as template:
+        if not template.active:
+            if os.environ.get("CI"):
+                pytest.fail(f"the class template cannot run in CI: {template.reason}")
+            pytest.skip(template.reason)
+        own = frozenset(process_tree(template.pid))
+        assert len(own) == 3, own
+        yield request.param, own
+
+
 @pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
-def test_hostile_submission(path, world):
+def test_hostile_submission(path, world, launcher):
+    how, template_own = launcher
     target, meta = materialise(path, world)
     before = world.snapshot()
     listener = socket.socket()
@@ -184,6 +205,7 @@ def test_hostile_submission(path, world):
     # the honest score, and a valid Gradescope report
     assert report.score == float(meta["expect"]), text
     assert report.sandboxed
+    assert report.launcher == how or (report.launcher == "" and report.problem)  # '': refused before running
     assert data["score"] == sum(t["score"] for t in data["tests"]) == report.score
     assert data["max_score"] == 100 and len(data["tests"]) == sum(len(ex.checks) for ex in EXERCISES)
     for t in data["tests"]:
@@ -192,7 +214,7 @@ def test_hostile_submission(path, world):
     # bounded time, nothing left running, nothing changed outside the sandbox
     assert elapsed < WALL_BOUND_S
     time.sleep(0.3)  # a survivor would have had time to act
-    assert server_processes() == []
+    assert server_processes(ignore=template_own) == []
     assert world.snapshot() == before
     assert host_leftovers(world.token) == []
     assert not world.results.exists()

@@ -10,6 +10,7 @@ import io
 import os
 import socket
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -28,10 +29,59 @@ needs_bwrap = pytest.mark.skipif(launch.bwrap_path() is None and not os.environ.
                                  reason="bwrap is not installed (make test installs it; CI fails without it)")
 
 
-def sandbox_for(tmp_path: Path, code: str, limits: Limits = LIMITS) -> Sandbox:
-    path = tmp_path / "attention.py"
-    path.write_text("import os, signal, socket, sys, time, io\nimport torch\n\n" + textwrap.dedent(code))
+VISIBLE_PIDS = """
+import ctypes
+
+
+def capabilities():
+    # (effective, permitted, inheritable) words of capget, and no_new_privs
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("e", ctypes.c_uint32), ("p", ctypes.c_uint32), ("i", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None)
+    data = (Data * 2)()
+    libc.capget(ctypes.byref(Header(0x20080522, 0)), ctypes.byref(data))
+    return [(d.e, d.p, d.i) for d in data], libc.prctl(39, 0, 0, 0, 0)
+
+def visible_pids():
+    # every pid this process can signal or at least see (EPERM), found without /proc (hidden
+    # under the class template)
+    seen = []
+    for p in range(1, 4097):
+        try:
+            os.kill(p, 0)
+            seen.append(p)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            seen.append(p)
+    return seen
+
+"""
+
+
+def sandbox_for(tmp_path: Path, code: str, limits: Limits = LIMITS, name: str = "attention.py") -> Sandbox:
+    path = tmp_path / name
+    path.write_text("import os, signal, socket, sys, time, io\nimport torch\n\n" + VISIBLE_PIDS + textwrap.dedent(code))
     return Sandbox(path, limits, mode="bwrap")
+
+
+@pytest.fixture(params=["bwrap", "template"])
+def launcher(request):
+    """The fence tests run on both ways of making a submission's sandbox: a bwrap of its own,
+    and a fork of the class template (launch.class_template, what class grading uses)."""
+    if request.param == "bwrap" or launch.bwrap_path() is None:
+        yield request.param
+        return
+    with launch.class_template("bwrap") as template:
+        if not template.active:
+            if os.environ.get("CI"):
+                pytest.fail(f"the class template cannot run in CI: {template.reason}")
+            pytest.skip(template.reason)
+        yield request.param
 
 
 def error_of(outcome) -> str:
@@ -41,7 +91,7 @@ def error_of(outcome) -> str:
 
 # --------------------------------------------------------------------------- the view of the host
 @needs_bwrap
-def test_the_host_is_not_there(tmp_path, monkeypatch):
+def test_the_host_is_not_there(tmp_path, monkeypatch, launcher):
     monkeypatch.setenv("HOSTILE_TEST_SECRET", "ENV-SECRET-123")
     home = tmp_path / "home"
     home.mkdir()
@@ -60,13 +110,18 @@ def test_the_host_is_not_there(tmp_path, monkeypatch):
                 "shadow": os.path.exists("/etc/shadow"),
                 "passwd": os.path.exists("/etc/passwd"),
                 "own_folder": os.path.exists({str(tmp_path)!r}),
-                "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
+                "proc": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
+                "pids": visible_pids(),
+                "caps": capabilities(),
+                "mount": ctypes.CDLL(None).mount(b"tmpfs", b"/tmp", b"tmpfs", 0, None),
                 "net": sorted(os.listdir("/sys/class/net")) if os.path.exists("/sys/class/net") else [],
             }}
             raise ValueError(repr(seen))
         """) as box:
         seen = eval(error_of(box.run([Call("attack")], policy=False)).split(": ", 1)[1])
+        assert box.launcher == launcher
     assert seen["uid"] == launch.UID and seen["uid"] != 0
+    assert seen["caps"][0] == [(0, 0, 0), (0, 0, 0)] and seen["mount"] == -1, seen["caps"]  # no capability left
     assert "HOSTILE_TEST_SECRET" not in seen["env"] and seen["env"]["HOME"] == "/tmp"
     assert not any([seen["home"], seen["repo_labs"], seen["tests"], seen["shadow"], seen["passwd"],
                     seen["own_folder"]])
@@ -74,11 +129,14 @@ def test_the_host_is_not_there(tmp_path, monkeypatch):
     # of root's home only the Python installation can be there (pyenv), when Python lives in it
     python_parts = {Path(p).relative_to("/root").parts[0] for p in launch.python_roots() if p.startswith("/root/")}
     assert set(seen["root_home"]) <= python_parts, seen["root_home"]
-    assert max(seen["pids"]) < 10  # its own pid namespace: the bwrap init, the server, this child
+    assert max(seen["pids"]) < 10  # its own pid namespace: the init, the server, this child
+    # under bwrap /proc shows that namespace; under the template /proc is an empty tmpfs (the
+    # template's /proc would show the other submissions' processes)
+    assert seen["proc"] == (seen["pids"] if launcher == "bwrap" else [])
 
 
 @needs_bwrap
-def test_writes_go_nowhere_and_network_is_absent(tmp_path):
+def test_writes_go_nowhere_and_network_is_absent(tmp_path, launcher):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
@@ -114,7 +172,7 @@ def test_writes_go_nowhere_and_network_is_absent(tmp_path):
 
 # --------------------------------------------------------------------------- processes
 @needs_bwrap
-def test_a_daemon_that_ignores_sigterm_dies_with_the_exercise(tmp_path):
+def test_a_daemon_that_ignores_sigterm_dies_with_the_exercise(tmp_path, launcher):
     with sandbox_for(tmp_path, """
         def attack():
             if os.fork() == 0:
@@ -129,7 +187,7 @@ def test_a_daemon_that_ignores_sigterm_dies_with_the_exercise(tmp_path):
             return 1.0
 
         def look():
-            return os.path.exists("/tmp/daemon-was-here"), len([p for p in os.listdir("/proc") if p.isdigit()])
+            return os.path.exists("/tmp/daemon-was-here"), len(visible_pids())
         """) as box:
         assert box.run([Call("attack")], policy=False).results[0]["value"] == 1.0
         time.sleep(0.3)  # killed processes are reaped by the namespace's init, asynchronously
@@ -137,13 +195,13 @@ def test_a_daemon_that_ignores_sigterm_dies_with_the_exercise(tmp_path):
         seen = box.run([Call("look")], policy=False).results[0]["value"]
     # the file the daemon wrote during the first exercise is there, but the daemon is gone:
     # only the init, the server and this child remain in the namespace
-    assert seen[1] <= 3, seen
-    if procs_after is not None:  # the cgroup: the bwrap processes and the server only
+    assert seen == (True, 3), seen
+    if procs_after is not None:  # the cgroup: bwrap's (or the template fork's) processes and the server only
         assert len(procs_after) <= 3, procs_after
 
 
 @needs_bwrap
-def test_a_stopped_server_costs_one_exercise_and_is_replaced(tmp_path):
+def test_a_stopped_server_costs_one_exercise_and_is_replaced(tmp_path, launcher):
     with sandbox_for(tmp_path, """
         def stop_the_server():
             os.kill(os.getppid(), signal.SIGSTOP)
@@ -164,7 +222,58 @@ def test_a_stopped_server_costs_one_exercise_and_is_replaced(tmp_path):
         killed = box.run([Call("kill_the_server")], policy=False)
         assert killed.status == "protocol" and "server stopped" in killed.message
         assert box.run([Call("fine")], policy=False).results[0]["value"] == 2.0
-        assert box.restarts == 2
+        assert box.restarts == 2 and box.launcher == launcher
+
+
+@needs_bwrap
+def test_two_submissions_at_once_cannot_reach_each_other(tmp_path, launcher):
+    """Class grading runs submissions side by side (under the template, forks of one process).
+    While A holds files in its /tmp and /dev/shm, an abstract socket and a daemon, B sees none
+    of it, and B's kill(-1) reaches only its own namespace: A finishes with its answer."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = sandbox_for(tmp_path / "a", """
+        def plant():
+            open("/tmp/planted-by-a", "w").write("a")
+            open("/dev/shm/planted-by-a", "w").write("a")
+            s = socket.socket(socket.AF_UNIX)
+            s.bind("\\0attnlab-planted-by-a")
+            s.listen(1)
+            if os.fork() == 0:
+                time.sleep(30)
+                os._exit(0)
+            time.sleep(3.0)  # B looks meanwhile
+            return float(len(visible_pids()))
+        """, Limits(timeout_s=8.0))
+    b = sandbox_for(tmp_path / "b", """
+        def look():
+            try:
+                socket.socket(socket.AF_UNIX).connect("\\0attnlab-planted-by-a")
+                reached = True
+            except OSError:
+                reached = False
+            return repr((sorted(os.listdir("/tmp")), sorted(os.listdir("/dev/shm")), reached, visible_pids()))
+
+        def kill_all():
+            os.kill(-1, signal.SIGKILL)  # everything it can reach: its own server included
+
+        def ready():
+            return 1.0
+        """, Limits(timeout_s=8.0))
+    with a, b:
+        assert b.run([Call("ready")], policy=False).status == "ok"  # B's server is up before A plants anything
+        results = {}
+        thread = threading.Thread(target=lambda: results.setdefault("a", a.run([Call("plant")], policy=False)))
+        thread.start()
+        time.sleep(1.5)
+        seen = eval(b.run([Call("look")], policy=False).results[0]["value"])
+        assert b.run([Call("kill_all")], policy=False).status == "protocol"  # B's own server went
+        thread.join()
+        assert a.launcher == b.launcher == launcher
+    tmp_listing, shm_listing, reached, pids = seen
+    assert not [n for n in tmp_listing + shm_listing if "planted" in n] and not reached
+    assert max(pids) < 10, pids  # its own namespace only
+    assert results["a"].status == "ok" and results["a"].results[0]["value"] == 4.0, results["a"]  # init, server, A, daemon
 
 
 @needs_bwrap
@@ -182,7 +291,7 @@ def test_crashes_and_exits_are_named(tmp_path):
 
 
 @needs_bwrap
-def test_memory_is_capped_for_the_whole_submission(tmp_path):
+def test_memory_is_capped_for_the_whole_submission(tmp_path, launcher):
     limits = Limits(timeout_s=9.0, memory_mb=1024, submission_memory_mb=1536)
     with sandbox_for(tmp_path, """
         def hog():

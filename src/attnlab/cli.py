@@ -544,6 +544,7 @@ def _cmd_grade_class(args: argparse.Namespace, mode: str) -> int:
     print(f"graded {n} learners in {result.seconds:.0f} s (mean {mean:.1f}; "
           + ", ".join(f"{k}: {v}" for k, v in statuses.items() if v) + f"); skipped {len(result.skipped)}"
           + (f" (see {out / 'skipped.txt'})" if result.skipped else ""))
+    print(f"sandboxes: {result.sandboxes}")
     print(f"gradebook: {out / 'grades.csv'}\nreport:    {out / 'report.html'}\nper learner: {out}/<learner>/results.json")
     return 0
 

@@ -2,7 +2,12 @@
 
 Each submission is graded by :func:`attnlab.grading.grade` in its own OS sandbox (a fresh
 sandbox server per submission: nothing one learner's code does survives into another's
-grading), ``jobs`` at a time. What comes out, in ``OUTDIR``:
+grading), ``jobs`` at a time. The servers are forked from one pre-imported template
+(:mod:`attnlab.grading.template`: torch is imported once per class, not once per learner,
+each fork getting namespaces, a /tmp and a cgroup of its own); where nested user namespaces
+are not allowed, each gets a ``bwrap`` of its own instead (``ClassResult.sandboxes`` says which).
+
+What comes out, in ``OUTDIR``:
 
 * ``grades.csv``: one row per learner, sorted: learner, total, max, points per exercise,
   named mistakes, seed, seconds, status (``graded`` / ``timed out`` / ``could not be read``);
@@ -80,6 +85,7 @@ class ClassResult:
     out: Path
     seconds: float
     lab: str = "01-attention"
+    sandboxes: str = ""  # how each submission's sandbox was made, in words
 
 
 def find_submissions(folder: os.PathLike, file: str = SUBMISSION_FILE) -> tuple[list[Submission], list[Skipped]]:
@@ -209,18 +215,29 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
             if progress:
                 progress(finished[0], len(submissions), f"{sub.learner} {row.total:g}/{row.max_total:g}")
 
-    launch.keep_spare(True)  # the next sandbox server imports torch while this one grades
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            for future in [pool.submit(one, sub) for sub in todo]:
-                future.result()
-    finally:
-        launch.keep_spare(False)
+    # one pre-imported template forks each submission's sandbox (its own namespaces, cgroup,
+    # /tmp): torch is imported once, not once per learner; where it cannot work here, one
+    # bwrap per submission, the next one importing torch while the current one grades
+    with launch.class_template(sandbox) as template:
+        if template.active:
+            sandboxes = ("one OS sandbox per submission (own user, mount, pid, network and IPC namespaces, "
+                         "private /tmp, its own cgroup), forked from a pre-imported template")
+        elif sandbox == "none":
+            sandboxes = "no OS sandbox (--no-sandbox): process limits only"
+        else:
+            sandboxes = f"one bwrap OS sandbox per submission, each importing torch ({template.reason})"
+            launch.keep_spare(True)
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+                for future in [pool.submit(one, sub) for sub in todo]:
+                    future.result()
+        finally:
+            launch.keep_spare(False)
     ordered = [rows[s.learner] for s in submissions if s.learner in rows]
     write_csv(ordered, out / "grades.csv", the_lab.exercises())
     from attnlab.grading.report import write_report
 
-    result = ClassResult(ordered, skipped, out, time.perf_counter() - t0, the_lab.name)
+    result = ClassResult(ordered, skipped, out, time.perf_counter() - t0, the_lab.name, sandboxes)
     write_report(result, out / "report.html")
     return result
 

@@ -77,7 +77,8 @@ def render_report(result) -> str:
            f"<title>attnlab class report: {n} learners</title><style>{_CSS}</style></head><body>",
            f"<h1>attnlab class report: lab {_e(result.lab)}</h1><p>{n} learners graded; mean {mean:.1f}/{max_total:g}; "
            f"{full} with every check passing; {len(result.skipped)} entries skipped; "
-           f"{result.seconds:.0f} s of grading.</p>"]
+           f"{result.seconds:.0f} s of grading.</p>",
+           f"<p class='muted'>Sandboxes: {_e(result.sandboxes)}.</p>" if result.sandboxes else ""]
 
     out.append("<h2 id='distribution'>Score distribution</h2>")
     out.append(_histogram(totals, max_total) if n else "<p class='muted'>no learners</p>")
