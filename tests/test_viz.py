@@ -32,7 +32,8 @@ def test_steps_heatmap_and_compare(tmp_path):
     assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b", "c", "d"]
     assert any("Σ=1.00" in t.get_text() for t in ax.texts)  # row sums in the margin
     masked = viz.heatmap(trace["masked_scores"], kind="scores")
-    assert len(masked.patches) == 6  # the 6 masked cells of a 4x4 causal mask are hatched
+    (hatched,) = [c for c in masked.collections if c.get_label() == "masked"]
+    assert len(hatched.get_paths()) == 6 and hatched.get_hatch() == "///"  # the 6 masked cells of a 4x4 causal mask
     viz.save(ax.figure, str(tmp_path / "w.svg"))
     assert (tmp_path / "w.svg").read_text().lstrip().startswith("<?xml")
     assert_not_blank(viz.save(viz.compare(trace["output"] * 1.1, trace["output"]), str(tmp_path / "c.png")))

@@ -91,9 +91,13 @@ def heatmap(matrix: Tensor, *, kind: str = "weights", tokens: Optional[Sequence[
         cmap, vmin, vmax = plt.get_cmap("RdBu_r"), -lim or -1.0, lim or 1.0
     cmap = cmap.with_extremes(bad="#d0d0d0")  # masked cells: grey (and hatched below)
     image = ax.imshow(data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
-    for i, j in hidden.nonzero().tolist():  # hatch the masked cells, not only grey
-        ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///", edgecolor="#808080",
-                                   linewidth=0))
+    cells = hidden.nonzero().tolist()
+    if cells:  # hatch the masked cells, not only grey: one collection (a patch per cell took ~1 ms each)
+        from matplotlib.collections import PatchCollection
+
+        ax.add_collection(PatchCollection([plt.Rectangle((j - 0.5, i - 0.5), 1, 1) for i, j in cells],
+                                          facecolor="none", hatch="///", edgecolor="#808080", linewidth=0,
+                                          label="masked"))
     L, S = m.shape
     if annotate if annotate is not None else L * S <= ANNOTATE_MAX_CELLS:
         for i in range(L):
