@@ -135,15 +135,19 @@ def test_hostile_members_changed_nothing_of_anyone_else(graded):
 
 def test_same_seed_same_grades_from_a_bwrap_per_submission_too(graded, tmp_path, monkeypatch):
     """The same seed gives the same grades; and the fallback where the class template cannot
-    run (here forced off: a kernel without nested user namespaces) grades alike."""
+    run grades alike: here every sandbox is made with bwrap's --disable-userns, as a container
+    that forbids nested user namespaces would, so the template's forks cannot make their own."""
     root, cls, before, result, seen = graded
     small = tmp_path / "again"
     small.mkdir()
     for name in ("dave.py", "erin.py"):
         (small / name).write_text((cls / name).read_text())
-    monkeypatch.setenv("ATTNLAB_TEMPLATE", "0")
+    plain = launch.bwrap_command
+    monkeypatch.setattr(launch, "bwrap_command",
+                        lambda bwrap, argv: [bwrap, "--unshare-user", "--disable-userns"] + plain(bwrap, argv)[1:])
     again = batch.grade_class(small, tmp_path / "out", jobs=2, seed=7, limits=LIMITS, total_timeout_s=TOTAL_S)
-    assert "one bwrap OS sandbox per submission" in again.sandboxes and "ATTNLAB_TEMPLATE=0" in again.sandboxes
+    assert "one bwrap OS sandbox per submission" in again.sandboxes, again.sandboxes
+    assert "cannot make a sandbox per submission here" in again.sandboxes and "unshare" in again.sandboxes
     assert {json.loads((tmp_path / "out" / r.learner / "results.json").read_text())["extra_data"]["sandbox"][
         "made_by"] for r in again.rows} == {"bwrap"}
     first = {r.learner: r for r in result.rows}

@@ -55,7 +55,8 @@ from attnlab.softmax import shift_by_max, stable_softmax
 
 __all__ = ["scaled_dot_product_attention", "attention_weights"]
 # Package-internal API (for attnlab.modules; not for users): attention_with_weights (the
-# validated computation, with the weights and an optional step recorder) and dropout_weights.
+# validated computation, with the weights and an optional step recorder), dropout_weights and
+# repeat_kv_heads (grouped-query attention's key/value heads repeated up to the query heads).
 
 Recorder = Callable[[str, Tensor], None]
 """Called as ``record(step_name, tensor)`` at each step of the computation (tracing)."""
@@ -142,7 +143,7 @@ def attention_weights(
     compute_dtype = _compute_dtype(query.dtype)
     q, k = query.to(compute_dtype), key.to(compute_dtype)
     if enable_gqa:
-        k = _repeat_kv_heads(k, q)
+        k = repeat_kv_heads(k, q)
     weights = _softmax_weights(q, k, attn_mask, is_causal, scale)
     return weights.to(query.dtype)
 
@@ -170,7 +171,7 @@ def attention_with_weights(
     compute_dtype = _compute_dtype(query.dtype)
     q, k, v = query.to(compute_dtype), key.to(compute_dtype), value.to(compute_dtype)
     if enable_gqa:
-        k, v = _repeat_kv_heads(k, q), _repeat_kv_heads(v, q)
+        k, v = repeat_kv_heads(k, q), repeat_kv_heads(v, q)
     weights = _softmax_weights(q, k, attn_mask, is_causal, scale, record)  # (..., L, S)
     dropped = dropout_weights(weights, dropout_p) if dropout_p > 0 else weights
     output = (dropped @ v).to(query.dtype)  # (..., L, Ev)
@@ -229,8 +230,10 @@ def dropout_weights(weights: Tensor, p: float) -> Tensor:
     return weights * keep
 
 
-def _repeat_kv_heads(kv: Tensor, q: Tensor) -> Tensor:
-    """``kv (..., Hkv, S, D) -> (..., H, S, D)``, equal to ``repeat_interleave(H // Hkv, dim=-3)``."""
+def repeat_kv_heads(kv: Tensor, q: Tensor) -> Tensor:
+    """``kv (..., Hkv, S, D) -> (..., H, S, D)`` for queries ``q (..., H, L, E)``: equal to
+    ``repeat_interleave(H // Hkv, dim=-3)`` (query head h uses key/value head h // (H / Hkv)),
+    as one expand and reshape. Package-internal (attnlab.modules uses it)."""
     H, Hkv = q.shape[-3], kv.shape[-3]
     if H == Hkv:
         return kv

@@ -317,7 +317,7 @@ class MultiHeadAttention(nn.Module):
             w = F_.attention_weights(q, k, attn_mask=mask, enable_gqa=gqa)  # (B, H, L, S)
             if dropout_p > 0:
                 w = F_.dropout_weights(w, dropout_p)
-            v_full = F_._repeat_kv_heads(v, q) if gqa else v
+            v_full = F_.repeat_kv_heads(v, q) if gqa else v
             out = w @ v_full  # (B, H, L, hd)
             weights = w.mean(dim=1) if average_attn_weights else w
         else:
