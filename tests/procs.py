@@ -1,9 +1,14 @@
 """Process helpers for the grader's tests: which processes belong to the spare sandbox
-server (started ahead, no learner code in it), so that leftover checks can ignore it."""
+server (started ahead, no learner code in it), so that leftover checks can ignore it, and
+the two ways of making a submission's sandbox that the hostile and fence tests run."""
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 from attnlab.grading import launch
 
@@ -29,3 +34,22 @@ def spare_tree() -> set[int]:
     """Pids of the spare server's process tree (bwrap, its init, the server)."""
     spare = launch.spare()
     return process_tree(spare.proc.pid) if spare is not None else set()
+
+
+@contextmanager
+def made_by(how: str):
+    """``how`` = 'bwrap': sandboxes as for one file (a bwrap each); 'template': inside
+    launch.class_template, as class grading makes them. Yields the template's own processes
+    (its bwrap, that bwrap's init, the template: all that may be left of it after a
+    submission), empty for 'bwrap'. Where the template cannot run: a failure in CI, else a skip."""
+    if how == "bwrap" or launch.bwrap_path() is None:
+        yield frozenset()
+        return
+    with launch.class_template("bwrap") as template:
+        if not template.active:
+            if os.environ.get("CI"):
+                pytest.fail(f"the class template cannot run in CI: {template.reason}")
+            pytest.skip(template.reason)
+        own = frozenset(process_tree(template.pid))
+        assert len(own) == 3, own
+        yield own

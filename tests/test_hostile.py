@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import attnlab
-from procs import process_tree, spare_tree
+from procs import made_by, spare_tree
 from attnlab.grading import Limits, grade, launch
 from attnlab.grading.checks import EXERCISES
 
@@ -157,16 +157,7 @@ def launcher(request):
     """Every hostile file is graded in a bwrap of its own, and in a sandbox forked from the
     class template (what 'attnlab grade DIR' uses): yields the template's own processes
     (its bwrap, that bwrap's init, the template), which must be all that is left of it."""
-    if request.param == "bwrap":
-        yield request.param, frozenset()
-        return
-    with launch.class_template("bwrap") as template:
-        if not template.active:
-            if os.environ.get("CI"):
-                pytest.fail(f"the class template cannot run in CI: {template.reason}")
-            pytest.skip(template.reason)
-        own = frozenset(process_tree(template.pid))
-        assert len(own) == 3, own
+    with made_by(request.param) as own:
         yield request.param, own
 
 

@@ -20,6 +20,7 @@ import torch
 from attnlab.grading import launch
 from attnlab.grading.sandbox import (MAX_ELEMENTS, BadMessage, Call, Limits, Sandbox, clean_text,
                                      validate_message)
+from procs import made_by
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -73,14 +74,7 @@ def sandbox_for(tmp_path: Path, code: str, limits: Limits = LIMITS, name: str = 
 def launcher(request):
     """The fence tests run on both ways of making a submission's sandbox: a bwrap of its own,
     and a fork of the class template (launch.class_template, what class grading uses)."""
-    if request.param == "bwrap" or launch.bwrap_path() is None:
-        yield request.param
-        return
-    with launch.class_template("bwrap") as template:
-        if not template.active:
-            if os.environ.get("CI"):
-                pytest.fail(f"the class template cannot run in CI: {template.reason}")
-            pytest.skip(template.reason)
+    with made_by(request.param):
         yield request.param
 
 

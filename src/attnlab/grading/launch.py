@@ -237,6 +237,13 @@ def _make_cgroup(memory_mb: int, max_procs: int) -> Optional[_Cgroup]:
 # --------------------------------------------------------------------------- #
 
 
+def _fence(cgroup: Optional[_Cgroup], memory_mb: int, sandboxed: bool) -> str:
+    """How a submission's memory is capped, in words (``extra_data.sandbox.memory``)."""
+    if cgroup is not None:
+        return f"{cgroup.kind}: {memory_mb} MB and a process cap for the whole submission"
+    return "per-process RLIMIT_AS and RLIMIT_NPROC" + (" plus size-capped tmpfs" if sandboxed else "")
+
+
 @dataclass
 class Server:
     """A running sandbox server: the process, and what fences it."""
@@ -250,9 +257,7 @@ class Server:
     @property
     def memory_fence(self) -> str:
         """How the submission's memory is capped, in words."""
-        if self.cgroup is not None:
-            return f"{self.cgroup.kind}: {self.memory_mb} MB and a process cap for the whole submission"
-        return "per-process RLIMIT_AS and RLIMIT_NPROC" + (" plus size-capped tmpfs" if self.sandboxed else "")
+        return _fence(self.cgroup, self.memory_mb, self.sandboxed)
 
     @property
     def request_fd(self) -> int:
@@ -429,9 +434,7 @@ class SpawnedServer:
 
     @property
     def memory_fence(self) -> str:
-        if self.cgroup is not None:
-            return f"{self.cgroup.kind}: {self.memory_mb} MB and a process cap for the whole submission"
-        return "per-process RLIMIT_AS and RLIMIT_NPROC plus size-capped tmpfs"
+        return _fence(self.cgroup, self.memory_mb, self.sandboxed)
 
     def alive(self) -> bool:
         import select
