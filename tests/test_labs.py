@@ -34,6 +34,10 @@ def test_get_copies_brief_stubs_and_walkthrough_but_never_solutions(tmp_path, ca
     assert "not overwriting" in capsys.readouterr().err
     assert main(["labs", "get", "99", str(tmp_path / "x")]) == 2
     assert "no lab '99'" in capsys.readouterr().err
+    # each lab names its own file: lab 04's is flash.py
+    assert main(["labs", "get", "04", str(tmp_path / "four")]) == 0
+    assert f"fill in flash.py, then run 'attnlab grade {tmp_path / 'four' / 'flash.py'}'" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "four").iterdir()) == sorted(labs.find_lab("04").files)
 
 
 def test_the_wheel_carries_the_lab_materials_without_solutions(tmp_path):

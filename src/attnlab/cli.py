@@ -566,8 +566,8 @@ def _cmd_labs(args: argparse.Namespace) -> int:
             print(f"attnlab labs get: {exc.args[0] if exc.args else exc}", file=sys.stderr)
             return 2
         lab = labs.find_lab(args.name)
-        print(f"copied lab {lab.name} into {dest}: read README.md, fill in attention.py, then run "
-              f"'attnlab grade {dest / 'attention.py'}'")
+        print(f"copied lab {lab.name} into {dest}: read README.md, fill in {lab.file}, then run "
+              f"'attnlab grade {dest / lab.file}'")
         missing = [m for m in lab.needs if importlib.util.find_spec(m) is None]
         if missing:
             print(f"note: the lab's files import {', '.join(missing)}, which is not installed here: "
