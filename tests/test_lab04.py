@@ -66,6 +66,9 @@ VARIANTS = {
            (SAVE, "        p = torch.exp(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) - lse[..., None])\n"
                   "        ctx.save_for_backward(q, k, v, o, lse, p)"), UNPACK],
           [("ex2", "off_by_one"), ("ex2", "lse_saved"), ("ex5", "scores_materialized")]),
+    # every tile computed, the future ones masked to -inf: right answers, but the work (and 0 x NaN)
+    # of the tiles it should skip
+    "I": ([(K_STOP, "        k_stop = S")], [("ex2", "causal_block_skip")]),
 }
 
 
@@ -98,6 +101,11 @@ def test_the_memory_check_fails_the_forward_that_builds_the_scores_and_only_it(g
         assert "ran out of its 32 MB" in ex3[0].verdict.message
     for name in ("C", "D", "E"):  # tiled forwards, right without is_causal, wrong elsewhere: ex3 passes
         assert [r.score for r in graded[name].results if r.exercise.id == "ex3"] == [15.0]
+
+
+def test_a_loop_that_computes_the_future_tiles_loses_only_the_skipping_check(graded):
+    failed = [(r.exercise.id, r.check) for r in graded["I"].results if r.score < r.max_score]
+    assert failed == [("ex2", "skips_future_tiles")], graded["I"].to_text()
 
 
 def test_solutions_full_marks_stubs_zero_with_a_pointer_and_fast():

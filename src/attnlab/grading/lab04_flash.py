@@ -180,6 +180,11 @@ def _judge_ex1(x, results, outcome):
 
 # --------------------------------------------------------------------------- ex2: the tiled forward
 EX2_CASES = ((37, 45, False, 16, 16), (40, 40, True, 16, 8), (24, 40, True, 8, 8))  # (L, S, causal, bq, bk)
+# Whether the tiles wholly after a query block are skipped: the values of keys 32.. are NaN. A
+# query before 32 gives them weight 0, and a loop that skips their tiles never reads them; one
+# that computes those tiles anyway (masked to -inf) gets 0 x NaN = NaN in P @ V. (32 is a tile
+# boundary of both sizes: the diagonal tiles of queries 0..31 hold no NaN.)
+EX2_SKIP = (48, 16, 8, 32)  # (L = S, bq, bk, first NaN value)
 
 
 def _prep_ex2(g):
@@ -188,7 +193,33 @@ def _prep_ex2(g):
         q, k, v = _inputs(g, L, S)
         calls.append(Call("flash_forward", (q, k, v, causal, bq, bk)))
         ctx.append((q, k, v))
+    L, bq, bk, nan_from = EX2_SKIP
+    q, k, v = _inputs(g, L, L)
+    v_nan = v.clone()
+    v_nan[:, :, nan_from:] = float("nan")
+    calls.append(Call("flash_forward", (q, k, v_nan, True, bq, bk)))
+    ctx.append((q, k, v))
     return calls, ctx
+
+
+def _judge_skip(ctx, result) -> Verdict:
+    L, bq, bk, nan_from = EX2_SKIP
+    q, k, v = (t.double() for t in ctx)
+    o, _, bad = _pair(result, "flash_forward")
+    if bad:
+        return bad
+    if not (isinstance(o, Tensor) and o.shape[:-2] == q.shape[:-2] and o.shape[-2] == L):
+        return tensor_verdict(o, q[..., :1].expand(*q.shape[:-1], v.shape[-1]), "flash_forward output")
+    expected = scaled_dot_product_attention(q, k, v, attn_mask=_causal(L, L))[:, :, :nan_from]
+    got = o[:, :, :nan_from]
+    what = (f"flash_forward with is_causal, the values of keys {nan_from}.. NaN, queries 0..{nan_from - 1} (which "
+            "give those keys weight 0)")
+    if got.isnan().any():
+        msg = (f"{what}: NaN. The tiles wholly after a query block are computed, not skipped: their weights are 0, "
+               "but 0 x NaN = NaN in P @ V, and they cost time. Stop each query block's key loop at its last query "
+               "(k_stop = min(S, q_end))")
+        return Verdict(False, msg, [{"code": "causal_block_skip", "message": msg}], (got, expected))
+    return tensor_verdict(got, expected, what)
 
 
 def _judge_ex2(ctx, results, outcome):
@@ -197,7 +228,7 @@ def _judge_ex2(ctx, results, outcome):
     (L, S, _, bq, bk), (q, k, v) = EX2_CASES[0], [t.double() for t in ctx[0]]
     o, lse, bad = _pair(value(results, 0), "flash_forward")
     if bad:
-        return {"output": bad, "lse": bad, "causal": bad, "causal_rectangular": bad}
+        return {"output": bad, "lse": bad, "causal": bad, "causal_rectangular": bad, "skips_future_tiles": bad}
     ref_lse = _tiled(q, k, v, False, bq, bk)[1]
     out["output"] = tensor_verdict(o, scaled_dot_product_attention(q, k, v), "flash_forward output (L = 37, S = 45)", [
         _mistake("online_rescale", "acc is not rescaled when the running max grows: acc * exp(m_old - m_new) before "
@@ -239,6 +270,7 @@ def _judge_ex2(ctx, results, outcome):
             _mistake("online_rescale", "l_i is not rescaled when the running max grows: l_i * exp(m_old - m_new)",
                      _tiled(q, k, v, True, bq, bk, "l")[0]),
         ])
+    out["skips_future_tiles"] = _judge_skip(ctx[3], value(results, 3))
     return out
 
 
@@ -366,7 +398,8 @@ EXERCISES: list[Exercise] = [
     Exercise("ex1", "online_softmax_stats", "the online softmax on a stream", {"m": 3, "l": 6, "masked_first_block": 3},
              _prep_ex1, _judge_ex1),
     Exercise("ex2", "flash_forward", "the tiled forward",
-             {"output": 12, "lse": 8, "causal": 10, "causal_rectangular": 5}, _prep_ex2, _judge_ex2),
+             {"output": 12, "lse": 8, "causal": 8, "causal_rectangular": 3, "skips_future_tiles": 4},
+             _prep_ex2, _judge_ex2),
     Exercise("ex3", "flash_forward", "no [L, S] tensor in the forward", {"no_L_by_S": 15}, _prep_ex3, _judge_ex3,
              limits={"memory_mb": MEMORY_MB, "timeout_s": 20.0}),
     Exercise("ex4", "flash_backward", "the backward, tile by tile", {"dv": 6, "dq_dk": 10, "causal": 9},
