@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/grading_time.py [--runs 7]
 
+    .venv/bin/python benchmarks/grading_time.py --labs [--runs 3]   (every lab's solution and stubs)
+
 Prints a Markdown table (median, min, max over the runs) for the solutions, the
 untouched stubs, and a file whose every exercise raises, each graded in the bwrap
 OS sandbox and with ``--no-sandbox`` (process limits only), the two interleaved run
@@ -42,7 +44,12 @@ def time_grade(path: Path, runs: int) -> tuple[list[float], list[float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--labs", action="store_true",
+                        help="instead: each lab's solution and stubs, in the sandbox (the issue's < 5 s per lab)")
     args = parser.parse_args()
+    if args.labs:
+        labs_table(args.runs)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         raising = Path(tmp, "attention.py")
         text = (LAB / "solutions/attention.py").read_text()
@@ -56,6 +63,21 @@ def main() -> None:
             t, u = time_grade(path, args.runs)
             m, n = statistics.median(t), statistics.median(u)
             print(f"| {name} | {m:.2f} | {min(t):.2f} | {max(t):.2f} | {n:.2f} | {m - n:+.2f} |")
+
+
+def labs_table(runs: int) -> None:
+    """Every lab of track 1: its solution and its stubs, graded in the sandbox, ``runs`` times."""
+    from attnlab import labs
+
+    print(f"`attnlab grade`, each lab, in the sandbox, wall clock incl. process start, {runs} runs\n")
+    print("| lab | solution: median s | min s | max s | stubs: median s |")
+    print("|---|---|---|---|---|")
+    for lab in labs.LABS:
+        folder = LAB.parent / lab.name
+        solution = [time_once(folder / "solutions" / lab.file, "--untrusted") for _ in range(runs)]
+        stubs = [time_once(folder / lab.file, "--untrusted") for _ in range(runs)]
+        print(f"| {lab.name} | {statistics.median(solution):.2f} | {min(solution):.2f} | {max(solution):.2f} | "
+              f"{statistics.median(stubs):.2f} |")
 
 
 if __name__ == "__main__":

@@ -292,9 +292,16 @@ def _judge_ex3(ctx, results, outcome):
     o, _, bad = _pair(value(results, 0), "flash_forward")
     if bad:
         return {"no_L_by_S": bad}
+    if not (isinstance(o, Tensor) and o.shape == ctx[2].shape):
+        return {"no_L_by_S": tensor_verdict(o, ctx[2], f"flash_forward at L = S = {BIG}")}
+    # the answer is checked on three blocks of rows (ex2 checks every row at small sizes; the float64
+    # reference of all 4096 rows took 0.5 s of the grading)
+    rows = torch.cat([torch.arange(i, i + 256) for i in (0, BIG // 2 - 128, BIG - 256)])
     q, k, v = (t.double() for t in ctx)
-    expected = torch.cat([scaled_dot_product_attention(q[:, :, i:i + 512], k, v) for i in range(0, BIG, 512)], dim=2)
-    return {"no_L_by_S": tensor_verdict(o, expected, f"flash_forward at L = S = {BIG} (within {MEMORY_MB} MB)")}
+    expected = scaled_dot_product_attention(q[:, :, rows], k, v)
+    return {"no_L_by_S": tensor_verdict(o[:, :, rows], expected,
+                                        f"flash_forward at L = S = {BIG} (within {MEMORY_MB} MB), rows {rows[0]}..255, "
+                                        f"{rows[256]}..{rows[511]}, {rows[512]}..{BIG - 1}")}
 
 
 # --------------------------------------------------------------------------- ex4: the backward
