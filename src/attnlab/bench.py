@@ -564,8 +564,8 @@ def ring_benchmark(seq_lens: list[int], *, B: int = 1, H: int = 8, E: int = 64, 
     rows = []
     for L in seq_lens:
         cfg = dict(B=B, H=H, L=L, E=E, causal=causal, layout=layout, threads=1, check=False, timeout=1800)
-        run_ring(world, {**cfg, "L": 2 * world * 8})  # warm-up: spawn, gloo, kernels
-        ring = run_ring(world, cfg, timeout_s=3600)
+        run_ring(world, {**cfg, "L": 2 * world * 8}, fresh=True)  # warm-up: spawn, gloo, kernels
+        ring = run_ring(world, cfg, timeout_s=3600, fresh=True)  # fresh processes: their peak memory is the ring's
         errors = [r["error"] for r in ring if "error" in r]
         single = Config("tiled", L, "fwd+bwd", causal, "float32", B, H, E)
         previous = torch.get_num_threads()

@@ -746,7 +746,7 @@ def _cmd_ring(args: argparse.Namespace) -> int:
         return 2
     print(f"ring attention: {args.world} ranks (gloo, 127.0.0.1), L={args.seq_len}, B={args.batch}, "
           f"H={args.heads}, E={args.dim}, {'causal' if args.causal else 'not causal'}, {args.layout}", flush=True)
-    reports = run_ring(args.world, cfg, timeout_s=3600)
+    reports = run_ring(args.world, cfg, timeout_s=3600, fresh=True)  # it reports each rank's peak memory
     failed = [r for r in reports if "error" in r]
     for r in reports:
         if "error" in r:

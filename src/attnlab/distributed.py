@@ -411,8 +411,11 @@ def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
             pass
 
 
-def run_ring(world: int, cfg: dict, timeout_s: float = 300.0) -> list[dict]:
+def run_ring(world: int, cfg: dict, timeout_s: float = 300.0, fresh: bool = False) -> list[dict]:
     """Spawn ``world`` ranks on 127.0.0.1 (gloo) running :func:`_worker`; their reports, by rank.
+
+    ``fresh``: each rank a new interpreter ('spawn'), for memory measurements (a fork's peak
+    RSS starts from its parent's); else forks of a fork server that imported torch once.
 
     A rank that dies shows up as ``{"rank": r, "error": "exited with code ..."}``; the others
     report the timeout error ring_attention raised.
@@ -427,8 +430,9 @@ def run_ring(world: int, cfg: dict, timeout_s: float = 300.0) -> list[dict]:
     # a fork server that has imported torch and this module once: each rank is a fork of it
     # (~0.1 s) instead of a fresh interpreter importing torch (2.6-3.4 s of CPU each here);
     # clean like 'spawn' (the server is single-threaded and holds no state of the caller's)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["attnlab.distributed"])
+    ctx = mp.get_context("spawn" if fresh else "forkserver")
+    if not fresh:
+        ctx.set_forkserver_preload(["attnlab.distributed"])
     results: "mp.Queue" = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, results)) for r in range(world)]
     for p in procs:

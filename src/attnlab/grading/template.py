@@ -54,7 +54,7 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REC, MS_PRIVATE = 16384, 1 << 18
+MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 32, 4096, 8192, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 CAP_LAST = 63  # dropping past the kernel's last capability fails harmlessly (EINVAL)
@@ -107,8 +107,44 @@ def _enter_namespaces() -> None:
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS),
            "unshare(mount, pid, net, ipc, uts)")
     _mount("none", "/", None, MS_REC | MS_PRIVATE)
-    for where in ("/tmp", "/dev/shm"):
-        _mount("tmpfs", where, "tmpfs", MS_NOSUID | MS_NODEV, f"size={TMP_BYTES},mode=1777")
+    # A Python environment or checkout under /tmp (a fresh clone in CI, a venv made by mktemp)
+    # is bound read-only on top of the template's /tmp: carry those mounts across the new /tmp,
+    # staged in the new /dev/shm (the only other writable place) and moved back.
+    _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={TMP_BYTES},mode=1777")
+    kept = [(root, os.path.isdir(root)) for root in _tmp_roots()]
+    if kept:
+        os.mkdir("/dev/shm/.stage")
+    for i, (root, is_dir) in enumerate(kept):
+        _mount_point(f"/dev/shm/.stage/{i}", is_dir)
+        _mount(root, f"/dev/shm/.stage/{i}", None, MS_BIND | MS_REC)
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={TMP_BYTES},mode=1777")
+    for i, (root, is_dir) in enumerate(kept):
+        _mount_point(root, is_dir)
+        _mount(f"/dev/shm/.stage/{i}", root, None, MS_MOVE)
+        _mount("none", root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        (os.rmdir if is_dir else os.unlink)(f"/dev/shm/.stage/{i}")
+    if kept:
+        os.rmdir("/dev/shm/.stage")
+
+
+def _mount_point(path: str, is_dir: bool) -> None:
+    if is_dir:
+        os.makedirs(path, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "a").close()
+
+
+def _tmp_roots() -> list[str]:
+    """What the template's bwrap bound under /tmp (launch.bwrap_command): the Python roots
+    and the interpreter that live there."""
+    from attnlab.grading import launch
+
+    roots = [r for r in launch.python_roots() if r.startswith("/tmp/")]
+    for exe in {sys.executable, os.path.realpath(sys.executable)}:
+        if exe.startswith("/tmp/") and not any(exe.startswith(r + os.sep) for r in roots):
+            roots.append(exe)
+    return [r for r in roots if os.path.exists(r)]
 
 
 def _hide_proc() -> None:
