@@ -139,12 +139,16 @@ def test_one_vocabulary_for_the_doctor_and_the_grader():
             if isinstance(node, ast.Tuple) and len(node.elts) == 3 and isinstance(node.elts[0], ast.Constant) \
                     and isinstance(node.elts[0].value, str) and _is_message(node.elts[1]):
                 emitted.add(node.elts[0].value)  # (code, message, wrong answer) in a check's mistakes list
-            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "_mistake" and node.args \
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "mistake" and node.args \
                     and isinstance(node.args[0], ast.Constant):
-                emitted.add(node.args[0].value)  # _mistake(code, message, wrong answer)
+                emitted.add(node.args[0].value)  # mistake(code, message, wrong answer): checks.mistake
     emitted.discard("_")
     assert len(emitted) >= 15, emitted
     assert emitted <= set(mistakes.CODES), emitted - set(mistakes.CODES)
     assert set(doctor.CODES) <= set(mistakes.CODES) and all(len(h) > 20 for h in mistakes.CODES.values())
     with pytest.raises(KeyError, match="attnlab.mistakes.CODES"):
         mistakes.hint("made_up")
+    from attnlab.grading.checks import mistake
+
+    with pytest.raises(KeyError, match="attnlab.mistakes.CODES"):  # the labs' checks cannot name one outside it
+        mistake("made_up", "a message", None)

@@ -16,13 +16,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from attnlab import doctor, masks
+from attnlab import doctor, masks, mistakes
 from attnlab.functional import attention_weights, scaled_dot_product_attention
 from attnlab.grading.sandbox import Call, Outcome, Unsupported
 from attnlab.softmax import stable_softmax
 from attnlab.testing import max_abs_diff, tolerance
 
-__all__ = ["Verdict", "Exercise", "EXERCISES", "judge_outcome"]
+__all__ = ["Verdict", "Exercise", "EXERCISES", "judge_outcome", "mistake"]
 
 B, T, S, D, DK, DV = 3, 5, 7, 6, 4, 3
 NEG_INF = float("-inf")
@@ -64,6 +64,14 @@ class CallFailed(Exception):
     def __init__(self, result: dict) -> None:
         super().__init__(result.get("error", "failed"))
         self.result = result
+
+
+def mistake(code: str, message: str, wrong: Optional[Tensor]) -> tuple[str, str, Optional[Tensor]]:
+    """One entry of :func:`tensor_verdict`'s ``mistakes``: the code (from :data:`attnlab.mistakes.CODES`:
+    a ``KeyError`` here for one outside the vocabulary), what to tell the learner, and what that
+    mistake returns on these inputs (None: it cannot be told apart here). Shared by every lab's checks."""
+    mistakes.hint(code)
+    return code, message, wrong
 
 
 def value(results: list[dict], i: int) -> Any:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from attnlab.functional import scaled_dot_product_attention
-from attnlab.grading.checks import CallFailed, Exercise, Verdict, tensor_verdict, value
+from attnlab.grading.checks import CallFailed, Exercise, Verdict, mistake, tensor_verdict, value
 from attnlab.grading.sandbox import Call
 
 __all__ = ["EXERCISES"]
@@ -22,10 +22,6 @@ NEG_INF = float("-inf")
 
 def _ones(L: int, S: int) -> Tensor:
     return torch.ones(L, S, dtype=torch.bool)
-
-
-def _mistake(code: str, message: str, wrong: Tensor) -> tuple[str, str, Tensor]:
-    return code, message, wrong
 
 
 # --------------------------------------------------------------------------- ex1: causal, top-left
@@ -38,15 +34,15 @@ def _prep_ex1(g):
 
 def _causal_mistakes(L: int, S: int, expected: Tensor) -> list:
     return [
-        _mistake("mask_polarity", "True marks the hidden keys here; in SDPA True = attend (j <= i)", ~expected),
-        _mistake("causal_alignment", "the mask is upper-triangular: query i would see the future; use .tril()",
-                 _ones(L, S).triu()),
-        _mistake("off_by_one", "the diagonal is hidden: query i must see key i too (tril(), not tril(-1))",
-                 _ones(L, S).tril(-1)),
-        _mistake("off_by_one", "query i sees key i+1: the diagonal is off by one (tril(), not tril(1))",
-                 _ones(L, S).tril(1)),
-        _mistake("causal_alignment", "this is aligned bottom-right (a KV cache's mask); is_causal is top-left: "
-                                     "query i sees keys 0..i whatever L and S are", _ones(L, S).tril(S - L)),
+        mistake("mask_polarity", "True marks the hidden keys here; in SDPA True = attend (j <= i)", ~expected),
+        mistake("causal_alignment", "the mask is upper-triangular: query i would see the future; use .tril()",
+                _ones(L, S).triu()),
+        mistake("off_by_one", "the diagonal is hidden: query i must see key i too (tril(), not tril(-1))",
+                _ones(L, S).tril(-1)),
+        mistake("off_by_one", "query i sees key i+1: the diagonal is off by one (tril(), not tril(1))",
+                _ones(L, S).tril(1)),
+        mistake("causal_alignment", "this is aligned bottom-right (a KV cache's mask); is_causal is top-left: "
+                                    "query i sees keys 0..i whatever L and S are", _ones(L, S).tril(S - L)),
     ]
 
 
@@ -77,14 +73,14 @@ def _judge_ex2(ctx, results, outcome):
     for i, (L, S) in enumerate(_EX2_SHAPES):
         expected = _ones(L, S).tril(S - L)
         mistakes = [
-            _mistake("causal_alignment", "this is aligned top-left (is_causal's): with a cache the new queries are "
-                                         "the last L positions, so query i sees keys 0..i + (S - L); use "
-                                         "tril(diagonal=S - L)", _ones(L, S).tril()),
-            _mistake("off_by_one", "the diagonal is off by one: query i sits at position i + S - L and sees "
-                                   "exactly that many + 1 keys (tril(S - L))", _ones(L, S).tril(S - L - 1)),
-            _mistake("off_by_one", "the diagonal is off by one: query i would see one key past its own position "
-                                   "(tril(S - L), not tril(S - L + 1))", _ones(L, S).tril(S - L + 1)),
-            _mistake("mask_polarity", "True marks the hidden keys here; True = attend", ~expected),
+            mistake("causal_alignment", "this is aligned top-left (is_causal's): with a cache the new queries are "
+                                        "the last L positions, so query i sees keys 0..i + (S - L); use "
+                                        "tril(diagonal=S - L)", _ones(L, S).tril()),
+            mistake("off_by_one", "the diagonal is off by one: query i sits at position i + S - L and sees "
+                                  "exactly that many + 1 keys (tril(S - L))", _ones(L, S).tril(S - L - 1)),
+            mistake("off_by_one", "the diagonal is off by one: query i would see one key past its own position "
+                                  "(tril(S - L), not tril(S - L + 1))", _ones(L, S).tril(S - L + 1)),
+            mistake("mask_polarity", "True marks the hidden keys here; True = attend", ~expected),
         ]
         out.append(tensor_verdict(value(results, i), expected, f"decoding_mask({L}, {S})", mistakes))
     values = next((v for v in out[:2] if not v.passed), out[0])
@@ -103,12 +99,12 @@ def _judge_ex3(lengths, results, outcome):
     expected = keep[:, None, None, :]  # (B, 1, 1, S)
     query_side = keep[:, None, :, None]  # (B, 1, L=S, 1): hides padded *queries*
     mistakes = [
-        _mistake("mask_polarity", "True marks the padding here; True must mean a real key (j < length)", ~expected),
-        _mistake("off_by_one", "one key too many is kept: a sequence of length n has real tokens 0..n-1 "
-                               "(use <, not <=)", (torch.arange(7) <= lengths[:, None])[:, None, None, :]),
-        _mistake("padding_query_side", "the mask hides padded *queries* (shape [B, 1, S, 1]); padding hides keys: "
-                                       "[B, 1, 1, S], so no real query attends to a padding token",
-                 query_side),
+        mistake("mask_polarity", "True marks the padding here; True must mean a real key (j < length)", ~expected),
+        mistake("off_by_one", "one key too many is kept: a sequence of length n has real tokens 0..n-1 "
+                              "(use <, not <=)", (torch.arange(7) <= lengths[:, None])[:, None, None, :]),
+        mistake("padding_query_side", "the mask hides padded *queries* (shape [B, 1, S, 1]); padding hides keys: "
+                                      "[B, 1, 1, S], so no real query attends to a padding token",
+                query_side),
     ]
     shape_ok = isinstance(got, Tensor) and got.shape == (3, 1, 1, 7)
     shape = Verdict(shape_ok, f"expected shape [B, 1, 1, S] = [3, 1, 1, 7], got "
@@ -128,8 +124,8 @@ def _prep_ex4(g):
 def _judge_ex4(ctx, results, outcome):
     a, b = ctx
     expected = a & b
-    mistakes = [_mistake("mask_combined_or", "the masks are combined with |: a key is visible only where *every* "
-                                             "mask allows it, so use &", a | b)]
+    mistakes = [mistake("mask_combined_or", "the masks are combined with |: a key is visible only where *every* "
+                                            "mask allows it, so use &", a | b)]
     return {"values": tensor_verdict(value(results, 0), expected, "combine_masks", mistakes)}
 
 
@@ -155,16 +151,16 @@ def _prep_ex5(g):
 def _ex5_mistakes(s: Tensor, mask: Tensor) -> list:
     naive = torch.exp(s.masked_fill(~mask, NEG_INF))
     return [
-        _mistake("mask_after_softmax", "the mask is applied after the softmax: the visible keys then do not sum to 1; "
-                                       "fill the scores with -inf before it", _softmax(s) * mask),
-        _mistake("mask_after_softmax", "the mask is applied after the softmax (and the row renormalised is not the "
-                                       "same thing for an empty row); mask the scores first",
-                 torch.where(mask, _softmax(s), torch.zeros_like(s))),
-        _mistake("mask_fill_zero", "masked scores are set to 0, which still gets weight; use -inf",
-                 _softmax(s.masked_fill(~mask, 0.0))),
-        _mistake("mask_polarity", "-inf is placed where the mask is True; True = attend", _softmax(s.masked_fill(mask, NEG_INF))),
-        _mistake("fully_masked_nan", "a row whose keys are all masked gives NaN: 0/0. Return zeros there (divide "
-                                     "by 1 where the sum is 0)", naive / naive.sum(-1, keepdim=True)),
+        mistake("mask_after_softmax", "the mask is applied after the softmax: the visible keys then do not sum to 1; "
+                                      "fill the scores with -inf before it", _softmax(s) * mask),
+        mistake("mask_after_softmax", "the mask is applied after the softmax (and the row renormalised is not the "
+                                      "same thing for an empty row); mask the scores first",
+                torch.where(mask, _softmax(s), torch.zeros_like(s))),
+        mistake("mask_fill_zero", "masked scores are set to 0, which still gets weight; use -inf",
+                _softmax(s.masked_fill(~mask, 0.0))),
+        mistake("mask_polarity", "-inf is placed where the mask is True; True = attend", _softmax(s.masked_fill(mask, NEG_INF))),
+        mistake("fully_masked_nan", "a row whose keys are all masked gives NaN: 0/0. Return zeros there (divide "
+                                    "by 1 where the sum is 0)", naive / naive.sum(-1, keepdim=True)),
     ]
 
 
@@ -197,9 +193,9 @@ def _prep_ex6(g):
 
 def _judge_ex6(kpm, results, outcome):
     expected = (~kpm)[:, None, None, :]
-    mistakes = [_mistake("mask_polarity", "nn.MultiheadAttention's key_padding_mask is True where a key is "
-                                          "*ignored*; SDPA's mask is True where it is *attended*: invert it (~)",
-                         kpm[:, None, None, :])]
+    mistakes = [mistake("mask_polarity", "nn.MultiheadAttention's key_padding_mask is True where a key is "
+                                         "*ignored*; SDPA's mask is True where it is *attended*: invert it (~)",
+                        kpm[:, None, None, :])]
     got = value(results, 0)
     if isinstance(got, Tensor) and got.shape == (3, 6):
         return {"values": Verdict(False, "from_key_padding_mask: expected shape [B, 1, 1, S] = [3, 1, 1, 6], got "
@@ -228,10 +224,10 @@ def _judge_ex7(ctx, results, outcome):
         expected = scaled_dot_product_attention(Q, K, V, attn_mask=mask)
         mistakes = []
         if mask is not None:
-            mistakes.append(_mistake("mask_polarity", "the mask is inverted: True = attend",
-                                     scaled_dot_product_attention(Q, K, V, attn_mask=~mask)))
-        mistakes.append(_mistake("missing_scale", "the scores are not divided by sqrt(E)",
-                                 scaled_dot_product_attention(Q, K, V, attn_mask=mask, scale=1.0)))
+            mistakes.append(mistake("mask_polarity", "the mask is inverted: True = attend",
+                                    scaled_dot_product_attention(Q, K, V, attn_mask=~mask)))
+        mistakes.append(mistake("missing_scale", "the scores are not divided by sqrt(E)",
+                                scaled_dot_product_attention(Q, K, V, attn_mask=mask, scale=1.0)))
         try:
             out[name] = tensor_verdict(value(results, i), expected, f"masked_attention ({name.replace('_', ' ')})",
                                        mistakes)

@@ -14,17 +14,13 @@ import torch
 from torch import Tensor
 
 from attnlab.functional import scaled_dot_product_attention
-from attnlab.grading.checks import Exercise, Verdict, tensor_verdict, value
+from attnlab.grading.checks import Exercise, Verdict, mistake, tensor_verdict, value
 from attnlab.grading.sandbox import Call
 
 __all__ = ["EXERCISES"]
 
 B, L, D, H = 2, 5, 12, 3
 E = D // H
-
-
-def _mistake(code: str, message: str, wrong: Tensor) -> tuple[str, str, Tensor]:
-    return code, message, wrong
 
 
 def _split(x: Tensor, h: int) -> Tensor:
@@ -51,10 +47,10 @@ def _judge_ex1(x, results, outcome):
     got = value(results, 0)
     xd = x.double()
     mistakes = [
-        _mistake("heads_mixed", "reshaped straight to [B, H, L, E] without the transpose: each 'head' then mixes "
-                                "positions; view as [B, L, H, E], then transpose(1, 2)", xd.reshape(B, H, L, E)),
-        _mistake("heads_mixed", "head h must get the contiguous features h*E .. (h+1)*E - 1, not every H-th one",
-                 xd.view(B, L, E, H).permute(0, 3, 1, 2)),
+        mistake("heads_mixed", "reshaped straight to [B, H, L, E] without the transpose: each 'head' then mixes "
+                               "positions; view as [B, L, H, E], then transpose(1, 2)", xd.reshape(B, H, L, E)),
+        mistake("heads_mixed", "head h must get the contiguous features h*E .. (h+1)*E - 1, not every H-th one",
+                xd.view(B, L, E, H).permute(0, 3, 1, 2)),
     ]
     shape = Verdict(isinstance(got, Tensor) and got.shape == (B, H, L, E),
                     f"split_heads: expected shape [B, H, L, E] = {[B, H, L, E]}, got "
@@ -69,8 +65,8 @@ def _prep_ex2(g):
 
 def _judge_ex2(x, results, outcome):
     xd = x.double()
-    mistakes = [_mistake("heads_mixed", "reshaped [B, H, L, E] straight to [B, L, D] without transpose(1, 2) "
-                                        "first: positions and heads are mixed", xd.reshape(B, L, D))]
+    mistakes = [mistake("heads_mixed", "reshaped [B, H, L, E] straight to [B, L, D] without transpose(1, 2) "
+                                       "first: positions and heads are mixed", xd.reshape(B, L, D))]
     return {"values": tensor_verdict(value(results, 0), _merge(xd), "merge_heads", mistakes)}
 
 
@@ -95,13 +91,13 @@ def _judge_ex3(ctx, results, outcome):
     for name, i, mask in (("no_mask", 0, None), ("causal_mask", 1, causal)):
         expected = _mha(xd, Wd, mask)
         mistakes = [
-            _mistake("missing_out_proj", "the output projection is missing: merge the heads, then @ W_O",
-                     _mha(xd, Wd, mask, out_proj=False)),
-            _mistake("wrong_scale", "the scores are scaled by 1/sqrt(D), D the model size; each head's scores "
-                                    "need 1/sqrt(E), E = D // H the size of one head",
-                     _mha(xd, Wd, mask, scale=1 / math.sqrt(D))),
-            _mistake("heads_mixed", "the heads are split by a reshape without the transpose, so each head mixes "
-                                    "positions", _mha(xd, Wd, mask, split=lambda t, h: t.reshape(B, h, L, D // h))),
+            mistake("missing_out_proj", "the output projection is missing: merge the heads, then @ W_O",
+                    _mha(xd, Wd, mask, out_proj=False)),
+            mistake("wrong_scale", "the scores are scaled by 1/sqrt(D), D the model size; each head's scores "
+                                   "need 1/sqrt(E), E = D // H the size of one head",
+                    _mha(xd, Wd, mask, scale=1 / math.sqrt(D))),
+            mistake("heads_mixed", "the heads are split by a reshape without the transpose, so each head mixes "
+                                   "positions", _mha(xd, Wd, mask, split=lambda t, h: t.reshape(B, h, L, D // h))),
         ]
         out[name] = tensor_verdict(value(results, i), expected, f"multi_head_attention ({name.replace('_', ' ')})",
                                    mistakes)
@@ -126,9 +122,9 @@ def _prep_ex4(g):
 
 def _judge_ex4(kv, results, outcome):
     kd = kv.double()
-    mistakes = [_mistake("gqa_group_mapping", "repeat tiles the heads (0, 1, 0, 1, ...); query head h must use "
-                                              "key/value head h // groups (0, 0, 0, 1, 1, 1): repeat_interleave",
-                         kd.repeat(1, 3, 1, 1))]
+    mistakes = [mistake("gqa_group_mapping", "repeat tiles the heads (0, 1, 0, 1, ...); query head h must use "
+                                             "key/value head h // groups (0, 0, 0, 1, 1, 1): repeat_interleave",
+                        kd.repeat(1, 3, 1, 1))]
     return {"values": tensor_verdict(value(results, 0), kd.repeat_interleave(3, dim=1), "repeat_kv", mistakes)}
 
 
@@ -143,10 +139,10 @@ def _judge_ex5(ctx, results, outcome):
     q, k, v = (t.double() for t in ctx)
     expected = _attend(q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1))
     mistakes = [
-        _mistake("gqa_group_mapping", "query head h must use key/value head h // groups (repeat_interleave), not "
-                                      "h % Hkv (repeat)", _attend(q, k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1))),
-        _mistake("missing_scale", "the scores are not divided by sqrt(E)",
-                 _attend(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), scale=1.0)),
+        mistake("gqa_group_mapping", "query head h must use key/value head h // groups (repeat_interleave), not "
+                                     "h % Hkv (repeat)", _attend(q, k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1))),
+        mistake("missing_scale", "the scores are not divided by sqrt(E)",
+                _attend(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), scale=1.0)),
     ]
     return {"values": tensor_verdict(value(results, 0), expected, "gqa_attention", mistakes)}
 
@@ -175,17 +171,17 @@ def _judge_ex6(ctx, results, outcome):
         return {"cache": bad, "output": bad, "equals_full_forward": bad}
     out, k_cache, v_cache = got
     cache = tensor_verdict(k_cache, k[:, :, :P + n], "the new k cache", [
-        _mistake("kv_cache_order", "the new keys go after the cached ones: torch.cat([k_cache, k_new], dim=2)",
-                 torch.cat([k[:, :, P:P + n], k[:, :, :P]], dim=2))])
+        mistake("kv_cache_order", "the new keys go after the cached ones: torch.cat([k_cache, k_new], dim=2)",
+                torch.cat([k[:, :, P:P + n], k[:, :, :P]], dim=2))])
     if cache.passed:
         cache = tensor_verdict(v_cache, v[:, :, :P + n], "the new v cache")
     qn, kk, vv = q[:, :, P:P + n], k[:, :, :P + n], v[:, :, :P + n]
     mistakes = [
-        _mistake("causal_alignment", "the causal mask ignores the cache's offset: new query i sits at position "
-                                     "P + i and sees keys 0 .. P + i (tril(diagonal=P)), not 0 .. i",
-                 _attend(qn, kk, vv, torch.ones(n, P + n, dtype=torch.bool).tril())),
-        _mistake("causal_alignment", "no causal mask among the new tokens: query i must not see the new tokens "
-                                     "after it (tril(diagonal=P))", _attend(qn, kk, vv)),
+        mistake("causal_alignment", "the causal mask ignores the cache's offset: new query i sits at position "
+                                    "P + i and sees keys 0 .. P + i (tril(diagonal=P)), not 0 .. i",
+                _attend(qn, kk, vv, torch.ones(n, P + n, dtype=torch.bool).tril())),
+        mistake("causal_alignment", "no causal mask among the new tokens: query i must not see the new tokens "
+                                    "after it (tril(diagonal=P))", _attend(qn, kk, vv)),
     ]
     output = tensor_verdict(out, full[:, :, P:P + n], "decode_step output (a cache of 4, 3 new tokens)", mistakes)
     equal = Verdict(True)

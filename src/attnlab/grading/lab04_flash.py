@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from attnlab.functional import scaled_dot_product_attention
-from attnlab.grading.checks import Exercise, Verdict, tensor_verdict, value
+from attnlab.grading.checks import Exercise, Verdict, mistake, tensor_verdict, value
 from attnlab.grading.sandbox import Call
 
 __all__ = ["EXERCISES", "BIG", "MEMORY_MB"]
@@ -29,10 +29,6 @@ __all__ = ["EXERCISES", "BIG", "MEMORY_MB"]
 NEG_INF = float("-inf")
 BIG = 4096  # ex3's L = S: a float32 [L, S] tensor is 64 MB
 MEMORY_MB = 32  # ex3's cap above the child's start: the tiles (256 x 256) and the output fit many times over
-
-
-def _mistake(code: str, message: str, wrong: Optional[Tensor]) -> tuple[str, str, Optional[Tensor]]:
-    return code, message, wrong
 
 
 def _safe(m: Tensor) -> Tensor:
@@ -159,10 +155,10 @@ def _judge_ex1(x, results, outcome):
     l_ref = torch.exp(xd - m_ref[:, None]).sum(-1)
     keep = torch.tensor([r != 2 for r in range(x.shape[0])])
     rescale = [
-        _mistake("online_rescale", "l_i is not rescaled when the running max grows: multiply it by "
-                                   "exp(m_old - m_new) before adding the block's sum", _stream_stats(xd, EX1_BLOCK, "no_rescale")[1]),
-        _mistake("online_rescale", "the rescale factor is upside down: exp(m_old - m_new) (<= 1), not "
-                                   "exp(m_new - m_old)", _stream_stats(xd, EX1_BLOCK, "inverted")[1]),
+        mistake("online_rescale", "l_i is not rescaled when the running max grows: multiply it by "
+                                  "exp(m_old - m_new) before adding the block's sum", _stream_stats(xd, EX1_BLOCK, "no_rescale")[1]),
+        mistake("online_rescale", "the rescale factor is upside down: exp(m_old - m_new) (<= 1), not "
+                                  "exp(m_new - m_old)", _stream_stats(xd, EX1_BLOCK, "inverted")[1]),
     ]
     out = {"m": tensor_verdict(m, m_ref, "m_i (the running max)")}
     if isinstance(l_, Tensor) and l_.shape == l_ref.shape:
@@ -170,9 +166,9 @@ def _judge_ex1(x, results, outcome):
             (c, msg, w[keep]) for c, msg, w in rescale])
         out["masked_first_block"] = tensor_verdict(l_[2:3], l_ref[2:3], "l_i of a row whose first block is all "
                                                    "-inf", [
-            _mistake("online_rescale", "exp(m_i - m_new) is exp(-inf - -inf) = NaN while the row has seen only "
-                                       "-inf: use 0 in place of a -inf max (safe_max)",
-                     _stream_stats(xd, EX1_BLOCK, "unsafe")[1][2:3])])
+            mistake("online_rescale", "exp(m_i - m_new) is exp(-inf - -inf) = NaN while the row has seen only "
+                                      "-inf: use 0 in place of a -inf max (safe_max)",
+                    _stream_stats(xd, EX1_BLOCK, "unsafe")[1][2:3])])
     else:
         out["l"] = out["masked_first_block"] = tensor_verdict(l_, l_ref, "l_i (the running sum)")
     return out
@@ -231,20 +227,20 @@ def _judge_ex2(ctx, results, outcome):
         return {"output": bad, "lse": bad, "causal": bad, "causal_rectangular": bad, "skips_future_tiles": bad}
     ref_lse = _tiled(q, k, v, False, bq, bk)[1]
     out["output"] = tensor_verdict(o, scaled_dot_product_attention(q, k, v), "flash_forward output (L = 37, S = 45)", [
-        _mistake("online_rescale", "acc is not rescaled when the running max grows: acc * exp(m_old - m_new) before "
-                                   "adding P @ V", _tiled(q, k, v, False, bq, bk, "acc")[0]),
-        _mistake("online_rescale", "l_i is not rescaled when the running max grows: l_i * exp(m_old - m_new) before "
-                                   "adding the tile's row sums", _tiled(q, k, v, False, bq, bk, "l")[0]),
+        mistake("online_rescale", "acc is not rescaled when the running max grows: acc * exp(m_old - m_new) before "
+                                  "adding P @ V", _tiled(q, k, v, False, bq, bk, "acc")[0]),
+        mistake("online_rescale", "l_i is not rescaled when the running max grows: l_i * exp(m_old - m_new) before "
+                                  "adding the tile's row sums", _tiled(q, k, v, False, bq, bk, "l")[0]),
     ])
     out["lse"] = tensor_verdict(lse, ref_lse, "lse (natural log-sum-exp of each row's scaled scores)", [
-        _mistake("lse_saved", "lse is in base 2: use torch.log (natural log), lse = m_i + log(l_i)",
-                 _tiled(q, k, v, False, bq, bk, "lse_log2")[1]),
-        _mistake("lse_saved", "lse = m_i + log2(l_i) mixes bases: m_i is in natural-log units, so use torch.log",
-                 _tiled(q, k, v, False, bq, bk, "lse_log2_sum")[1]),
-        _mistake("lse_saved", "lse is m_i alone: add log(l_i), the log of the running sum",
-                 _tiled(q, k, v, False, bq, bk, "lse_max")[1]),
-        _mistake("lse_saved", "the returned second value is l_i, the sum: lse = m_i + log(l_i)",
-                 torch.exp(ref_lse - _tiled(q, k, v, False, bq, bk, "lse_max")[1])),
+        mistake("lse_saved", "lse is in base 2: use torch.log (natural log), lse = m_i + log(l_i)",
+                _tiled(q, k, v, False, bq, bk, "lse_log2")[1]),
+        mistake("lse_saved", "lse = m_i + log2(l_i) mixes bases: m_i is in natural-log units, so use torch.log",
+                _tiled(q, k, v, False, bq, bk, "lse_log2_sum")[1]),
+        mistake("lse_saved", "lse is m_i alone: add log(l_i), the log of the running sum",
+                _tiled(q, k, v, False, bq, bk, "lse_max")[1]),
+        mistake("lse_saved", "the returned second value is l_i, the sum: lse = m_i + log(l_i)",
+                torch.exp(ref_lse - _tiled(q, k, v, False, bq, bk, "lse_max")[1])),
     ])
     # causal, square then rectangular (top-left: query i sees keys 0 .. i)
     for name, i in (("causal", 1), ("causal_rectangular", 2)):
@@ -256,19 +252,19 @@ def _judge_ex2(ctx, results, outcome):
             continue
         expected = scaled_dot_product_attention(q, k, v, attn_mask=_causal(L, S))
         out[name] = tensor_verdict(o_c, expected, f"flash_forward with is_causal (L = {L}, S = {S}, tiles {bq} x {bk})", [
-            _mistake("causal_block_skip", "the diagonal block is not masked inside: a query sees the keys after it "
-                                          "in its own tile (key j > query i needs -inf there)",
-                     _tiled(q, k, v, True, bq, bk, "diag_unmasked")[0]),
-            _mistake("causal_block_skip", "the diagonal block is skipped: each query must see the keys of its own "
-                                          "tile up to itself", _tiled(q, k, v, True, bq, bk, "diag_skipped")[0]),
-            _mistake("causal_block_skip", "is_causal is ignored: every query sees every key",
-                     scaled_dot_product_attention(q, k, v)),
-            _mistake("off_by_one", "the causal mask hides the diagonal: query i sees keys 0 .. i, itself included "
-                                   "(key j <= query i)", _tiled(q, k, v, True, bq, bk, "off_by_one")[0]),
-            _mistake("online_rescale", "acc is not rescaled when the running max grows: acc * exp(m_old - m_new)",
-                     _tiled(q, k, v, True, bq, bk, "acc")[0]),
-            _mistake("online_rescale", "l_i is not rescaled when the running max grows: l_i * exp(m_old - m_new)",
-                     _tiled(q, k, v, True, bq, bk, "l")[0]),
+            mistake("causal_block_skip", "the diagonal block is not masked inside: a query sees the keys after it "
+                                         "in its own tile (key j > query i needs -inf there)",
+                    _tiled(q, k, v, True, bq, bk, "diag_unmasked")[0]),
+            mistake("causal_block_skip", "the diagonal block is skipped: each query must see the keys of its own "
+                                         "tile up to itself", _tiled(q, k, v, True, bq, bk, "diag_skipped")[0]),
+            mistake("causal_block_skip", "is_causal is ignored: every query sees every key",
+                    scaled_dot_product_attention(q, k, v)),
+            mistake("off_by_one", "the causal mask hides the diagonal: query i sees keys 0 .. i, itself included "
+                                  "(key j <= query i)", _tiled(q, k, v, True, bq, bk, "off_by_one")[0]),
+            mistake("online_rescale", "acc is not rescaled when the running max grows: acc * exp(m_old - m_new)",
+                    _tiled(q, k, v, True, bq, bk, "acc")[0]),
+            mistake("online_rescale", "l_i is not rescaled when the running max grows: l_i * exp(m_old - m_new)",
+                    _tiled(q, k, v, True, bq, bk, "l")[0]),
         ])
     out["skips_future_tiles"] = _judge_skip(ctx[3], value(results, 3))
     return out
@@ -341,17 +337,17 @@ def _judge_ex4(ctx, results, outcome):
         both = (lambda t: torch.cat([t[0].flatten(), t[1].flatten()]))
         got_qk = both(got) if all(isinstance(t, Tensor) for t in got[:2]) else None
         qk_mistakes = [
-            _mistake("backward_d_term", "dS = P * dP is missing the D term: dS = P * (dP - D) with D = "
-                                        "rowsum(dO * O)", both(no_d)),
-            _mistake("missing_scale", "dQ and dK miss the softmax scale: dQ = dS @ K * scale, dK = dS^T @ Q * scale",
-                     both(no_scale)),
-        ] + [_mistake("causal_block_skip", "the backward rebuilds P without the causal mask: mask the tile's "
-                                           "scores as the forward does before exp(scores - lse)", both(u))
+            mistake("backward_d_term", "dS = P * dP is missing the D term: dS = P * (dP - D) with D = "
+                                       "rowsum(dO * O)", both(no_d)),
+            mistake("missing_scale", "dQ and dK miss the softmax scale: dQ = dS @ K * scale, dK = dS^T @ Q * scale",
+                    both(no_scale)),
+        ] + [mistake("causal_block_skip", "the backward rebuilds P without the causal mask: mask the tile's "
+                                          "scores as the forward does before exp(scores - lse)", both(u))
              for u in unmasked]
         where = f"(L = {L}, S = {S}{', is_causal' if causal else ''})"
         qk = tensor_verdict(got_qk, both((dq, dk)), f"dq and dk {where}", qk_mistakes)
         dv_v = tensor_verdict(got[2], dv, f"dv {where}", [
-            _mistake("causal_block_skip", "dV is built from P without the causal mask", u[2]) for u in unmasked])
+            mistake("causal_block_skip", "dV is built from P without the causal mask", u[2]) for u in unmasked])
         if causal:
             out["causal"] = dv_v if not dv_v.passed else qk
         else:

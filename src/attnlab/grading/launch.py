@@ -33,8 +33,11 @@ the process limits of :mod:`.sandbox` still apply, the OS fences do not.
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -43,6 +46,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from attnlab.grading.frames import write_frame
 
 __all__ = ["Server", "SandboxUnavailable", "bwrap_path", "bwrap_command", "start", "prestart", "take",
            "HOW_TO_GET_BWRAP", "SANDBOX_MODES", "resolve_mode", "python_roots",
@@ -437,8 +442,6 @@ class SpawnedServer:
         return _fence(self.cgroup, self.memory_mb, self.sandboxed)
 
     def alive(self) -> bool:
-        import select
-
         return self.pidfd >= 0 and not select.select([self.pidfd], [], [], 0)[0]
 
     def stop(self) -> None:
@@ -467,8 +470,6 @@ class _Template:
     START_TIMEOUT_S = 90.0
 
     def __init__(self, bwrap: str) -> None:
-        import socket
-
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [sys.executable, "-I", "-c",
                 f"from attnlab.grading.template import serve_template; serve_template({theirs.fileno()})"]
@@ -493,11 +494,6 @@ class _Template:
     def spawn(self, memory_mb: int, max_procs: int) -> Optional[SpawnedServer]:
         """A new server for one submission, or None (the template is gone or broken: the
         caller starts a bwrap of its own)."""
-        import socket
-        import struct
-
-        from attnlab.grading.frames import write_frame
-
         if self.problem or self.proc.poll() is not None:
             return None
         req_r, req_w = os.pipe()
