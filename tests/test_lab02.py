@@ -97,7 +97,11 @@ def test_solutions_full_marks_stubs_zero_with_a_pointer_and_fast():
 def test_the_lab_is_picked_from_the_folder_or_by_lab(tmp_path, capsys):
     copy = tmp_path / "mine.py"
     shutil.copy(LAB / "solutions/masks.py", copy)
-    assert labs.lab_for_path(copy).name == "01-attention"  # a neutral name: lab 01 unless told
+    # a neutral name: the lab whose functions it defines
+    assert labs.lab_for_path(copy).name == "02-masks"
+    neutral = tmp_path / "other.py"
+    neutral.write_text("def helper(x):\n    return x\n")
+    assert labs.lab_for_path(neutral).name == "01-attention"  # nothing to go by: lab 01 unless told
     assert main(["grade", str(copy), "--lab", "02", "--no-images", "--seed", "1"]) == 0
     assert "(lab 02-masks)" in capsys.readouterr().out
     assert main(["grade", str(copy), "--lab", "7"]) == 2

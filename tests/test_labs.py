@@ -36,7 +36,8 @@ def test_get_copies_brief_stubs_and_walkthrough_but_never_solutions(tmp_path, ca
     assert "no lab '99'" in capsys.readouterr().err
     # each lab names its own file: lab 04's is flash.py
     assert main(["labs", "get", "04", str(tmp_path / "four")]) == 0
-    assert f"fill in flash.py, then run 'attnlab grade {tmp_path / 'four' / 'flash.py'}'" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fill in flash.py" in out and f"cd {tmp_path / 'four'}\n  attnlab grade\n" in out
     assert sorted(p.name for p in (tmp_path / "four").iterdir()) == sorted(labs.find_lab("04").files)
 
 

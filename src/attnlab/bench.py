@@ -298,6 +298,71 @@ def run_benchmarks(seq_lens: list[int], impls: list[str], modes: list[str], caus
     return results
 
 
+# Rough throughputs on 2 cores for the estimate only (BENCHMARKS.md, "The targets, L = 4096",
+# an AMD EPYC: tiled/flash ~160 GFLOP/s, reference/math 33-77 GFLOP/s; bf16/fp16 and the
+# reference's backward are slower, so the estimate errs long); a fresh memory process ~3 s.
+_EST_GFLOPS = {"tiled": 120.0, "flash": 120.0, "flex": 100.0, "torchflex": 100.0, "reference": 25.0, "math": 25.0}
+_EST_MEMORY_RUN_S = 3.0
+
+
+def estimate_seconds(seq_lens: list[int], impls: list[str], modes: list[str], causals: list[bool],
+                     dtypes: list[str], *, B: int = 1, H: int = 8, E: int = 64, repeats: int = 5, warmup: int = 1,
+                     memory: bool = True, max_memory_gb: float = 8.0, mask: str = "none") -> float:
+    """A rough duration of :func:`run_benchmarks` with the same arguments, from each
+    configuration's FLOPs at the throughputs above (printed before a long run)."""
+    total = 0.0
+    for dtype, mode, causal, L in itertools.product(dtypes, modes, causals, seq_lens):
+        for impl in impls:
+            c = Config(impl, L, mode, causal, dtype, B, H, E, mask)
+            if c.estimated_peak_bytes() > max_memory_gb * 2**30 or (mask != "none" and causal):
+                continue
+            slow = 1.0 if dtype in ("float32", "float64") else 2.0
+            per_call = c.flops() / (_EST_GFLOPS.get(impl, 25.0) * 1e9) * slow
+            total += per_call * (repeats + warmup) + (per_call + _EST_MEMORY_RUN_S if memory else 0.0)
+    return total
+
+
+def format_duration(seconds: float) -> str:
+    """``75`` -> ``'1 min 15 s'``; ``3900`` -> ``'1 h 5 min'``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {(s % 3600) // 60} min"
+
+
+def ring_table(rows: list[dict], causal: bool) -> list[str]:
+    """Markdown rows of :func:`ring_benchmark` (the header is :data:`RING_HEADER`)."""
+    return [f"| {r['L']} | {'yes' if causal else 'no'} | {r['layout']} | {r['ring_s']:.2f} | {r['single_s']:.2f} | "
+            f"{r['ratio']:.2f} | {r['ring_peak_mib']:.1f} | {r['single_peak_mib']:.1f} | "
+            f"{r['sent_mib_per_rank']:.1f} | {100 * r['comm_wait_share']:.1f}% |"
+            + (f" errors: {r['errors']}" if r["errors"] else "") for r in rows]
+
+
+RING_HEADER = ("| L | causal | layout | 2 ranks x 1 thread s | 1 process x 2 threads s | ratio | ring peak +MiB/rank "
+               "| one process peak +MiB | sent MiB/rank | waiting on messages |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def transformers_table(rows: list[dict]) -> str:
+    """Markdown table of :func:`transformers_benchmark`."""
+    lines = ["| model | L | sliding window | sdpa ms | attnlab ms | x sdpa |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['family']} | {r['L']} | {r['window'] or '-'} | {r['sdpa_ms']:.0f} | {r['attnlab_ms']:.0f} "
+              f"| {r['ratio']:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def density_table(rows: list[dict], L: int, B: int, H: int, E: int) -> str:
+    """Markdown table of :func:`density_sweep`, with the line that says what its ratio means."""
+    lines = [f"attnlab.flex, L={L}, B={B}, H={H}, E={E}, float32; ratio = time / (density x time of full attention); "
+             f"1.0 = proportional to the blocks visited", "",
+             "| mask | density | full blocks | partial blocks | mode | median ms | full attention ms | ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['mask']} | {r['density']:.3f} | {r['full']} | {r['partial']} | {r['mode']} | {r['ms']:.1f} "
+              f"| {r['full_ms']:.1f} | {r['ratio']:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- #
 # Peak memory, one fresh process per configuration
 # --------------------------------------------------------------------------- #

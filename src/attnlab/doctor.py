@@ -40,6 +40,7 @@ from attnlab.testing import max_abs_diff
 
 __all__ = [
     "CODES",
+    "load_function",
     "Finding",
     "DoctorReport",
     "Probe",
@@ -675,3 +676,39 @@ def adapt_self_attention(self_attention: Callable) -> Callable:
 
     sdpa_like.capabilities = SELF_ATTENTION_CAPABILITIES  # type: ignore[attr-defined]
     return sdpa_like
+
+
+def load_function(target: str) -> Callable:
+    """The function named by ``'pkg.mod:fn'`` or ``'path/to/file.py:fn'`` (imported, so it runs:
+    only for code you trust).
+
+    Raises:
+        ValueError: the target is malformed, its module cannot be found, or it has no such function.
+    """
+    import importlib
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    module_name, sep, func_name = target.rpartition(":")
+    if not sep or not module_name or not func_name:
+        raise ValueError(f"expected MODULE:FUNCTION (e.g. mypkg.attn:sdpa or attention.py:self_attention), "
+                         f"got {target!r}")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise ValueError(f"cannot import {module_name}: no such file")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))  # like `python -m`: modules beside you import
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"cannot import {module_name}: {exc}") from None
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise ValueError(f"{module_name} has no function {func_name!r}")
+    return fn

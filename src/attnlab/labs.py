@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["Lab", "LABS", "labs_root", "find_lab", "get_lab", "lab_for_path"]
+__all__ = ["Lab", "LABS", "LAB_FILES", "labs_root", "find_lab", "get_lab", "lab_for_path", "lab_for_source",
+           "lab_file_in", "NoLabFile"]
 
 
 @dataclass(frozen=True)
@@ -79,16 +80,68 @@ def find_lab(name: str) -> Lab:
     raise KeyError(f"no lab {name!r}; the labs are: {', '.join(lab.name for lab in LABS)} (see 'attnlab labs')")
 
 
+LAB_FILES = tuple(lab.file for lab in LABS)  # each lab's file name is its own: attention.py, masks.py, ...
+
+
+class NoLabFile(LookupError):
+    """No lab file (or more than one) in a folder; the message says what to do."""
+
+
+def lab_file_in(folder: os.PathLike) -> tuple[Lab, Path]:
+    """The lab file a learner is working on in ``folder`` (``attnlab grade`` with no path):
+    the one of :data:`LAB_FILES` that is there.
+
+    Raises:
+        NoLabFile: none is there, or several are (the message lists them and says how to choose).
+    """
+    folder = Path(folder)
+    present = [(lab, folder / lab.file) for lab in LABS if (folder / lab.file).is_file()]
+    if len(present) == 1:
+        return present[0]
+    if present:
+        raise NoLabFile(f"{folder} holds more than one lab's file ({', '.join(p.name for _, p in present)}); "
+                        f"say which to grade, e.g. 'attnlab grade {present[0][1].name}'")
+    hint = ("start a lab with 'attnlab labs get 01' and run 'attnlab grade' inside its folder, "
+            "or pass the file: 'attnlab grade path/to/attention.py'")
+    raise NoLabFile(f"no lab file in {folder} (looked for {', '.join(LAB_FILES)}): {hint}")
+
+
+def lab_for_source(source: bytes) -> Optional[Lab]:
+    """The lab whose exercises' functions a file defines most of (None when it defines none,
+    or the file does not parse): how a ``DIR/<learner>.py`` submission names its lab."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    best, best_n = None, 0
+    for lab in LABS:
+        n = len(defined & {ex.function for ex in lab.exercises()})
+        if n > best_n:
+            best, best_n = lab, n
+    return best
+
+
 def lab_for_path(path: os.PathLike) -> Lab:
     """The lab a learner's file belongs to: by its folder's name (``.../02-masks/masks.py``),
-    else by its file name (``masks.py``), else lab 01."""
+    else by its file name (``masks.py``: each lab's is its own), else by the functions it
+    defines, else lab 01."""
     path = Path(path)
     for lab in LABS:
         if path.parent.name == lab.name or (path.parent.name == "solutions" and path.parent.parent.name == lab.name):
             return lab
     for lab in LABS:
-        if path.name == lab.file and lab.file != LABS[0].file:
+        if path.name == lab.file:
             return lab
+    try:
+        if path.is_file() and path.stat().st_size <= 1 << 20:
+            found = lab_for_source(path.read_bytes())
+            if found is not None:
+                return found
+    except OSError:
+        pass
     return LABS[0]
 
 

@@ -3,7 +3,7 @@
 Fill in each function below, in order (ex1, ex2, ...), replacing the
 ``raise NotImplementedError`` line. Then check your work:
 
-    attnlab grade labs/track1/02-masks/masks.py
+    attnlab grade                      # in this folder: grades this file
 
 Conventions (SDPA's): a bool mask is True where a query may attend to a key and
 False where it may not; it is applied to the scores, before softmax, as -inf.

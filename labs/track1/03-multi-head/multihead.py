@@ -3,7 +3,7 @@
 Fill in each function below, in order (ex1, ex2, ...), replacing the
 ``raise NotImplementedError`` line. Then check your work:
 
-    attnlab grade labs/track1/03-multi-head/multihead.py
+    attnlab grade                      # in this folder: grades this file
 
 Shapes: B batch, L queries, S keys, D model size, H query heads, Hkv key/value heads
 (H a multiple of Hkv), E = D // H the size of one head. Weights act on the right

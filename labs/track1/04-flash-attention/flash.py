@@ -3,7 +3,7 @@
 Fill in each function below, in order (ex1, ex2, ...), replacing the
 ``raise NotImplementedError`` line. Then check your work:
 
-    attnlab grade labs/track1/04-flash-attention/flash.py
+    attnlab grade                      # in this folder: grades this file
 
 Shapes: B batch, H heads, L queries, S keys, E query/key size, Ev value size. The
 online-softmax state is named as in the FlashAttention-2 paper: ``m_i`` the running maximum

@@ -17,13 +17,17 @@ bundle holds:
 For tests and offline builds ``setup.sh`` reads ``AUTOGRADER_ROOT`` (default ``/autograder``),
 ``ATTNLAB_VENV`` (an existing environment to install into), ``ATTNLAB_PIP_ARGS`` (replaces
 the CPU-torch index arguments, e.g. ``--no-index --find-links DIR``) and
-``ATTNLAB_SKIP_APT=1``; ``run_autograder`` reads the first two.
+``ATTNLAB_SKIP_APT=1``; ``run_autograder`` reads the first two. :func:`try_bundle`
+(``attnlab autograder --test FILE``) uses them to run a bundle in a simulated Gradescope
+root on this machine, offline, before an instructor uploads it.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,7 +37,7 @@ from typing import Optional
 
 import attnlab
 
-__all__ = ["build_bundle", "SETUP_SH", "RUN_AUTOGRADER"]
+__all__ = ["build_bundle", "try_bundle", "SETUP_SH", "RUN_AUTOGRADER"]
 
 SETUP_SH = r"""#!/usr/bin/env bash
 # attnlab autograder: Gradescope runs this once, as root, when it builds the image.
@@ -58,7 +62,8 @@ RUN_AUTOGRADER = r"""#!/usr/bin/env bash
 # attnlab autograder: Gradescope runs this once per submission, in its own container.
 ROOT="${AUTOGRADER_ROOT:-/autograder}"
 PY="${ATTNLAB_VENV:-$ROOT/venv}/bin/python"
-SUBMISSION="$ROOT/submission/attention.py"
+LAB="@LAB@"
+SUBMISSION="$ROOT/submission/@FILE@"
 if [ ! -f "$SUBMISSION" ]; then   # a differently named file: take the only .py there is
   mapfile -t FILES < <(find "$ROOT/submission" -maxdepth 2 -name '*.py' -type f 2>/dev/null)
   [ "${#FILES[@]}" = 1 ] && SUBMISSION="${FILES[0]}"
@@ -68,14 +73,14 @@ mkdir -p "$ROOT/results"
 SANDBOX=--no-sandbox
 if command -v bwrap >/dev/null && bwrap --ro-bind / / --unshare-all true 2>/dev/null; then SANDBOX=--untrusted; fi
 cd "$ROOT/results"
-"$PY" -m attnlab grade "$SUBMISSION" --json "$ROOT/results/results.json" --no-images --no-colour $SANDBOX
+"$PY" -m attnlab grade "$SUBMISSION" --lab "$LAB" --json "$ROOT/results/results.json" --no-images --no-colour $SANDBOX
 exit 0   # the score is in results.json; a failing grade is not a failed autograder run
 """
 
 README = """attnlab {version} autograder for Gradescope.
 
 Upload this zip as the autograder of a programming assignment (Ubuntu base image). Learners
-submit attention.py (lab track1/01-attention). Each submission is graded by `attnlab grade`
+submit {file} (lab track1/{lab}: {title}). Each submission is graded by `attnlab grade`
 in its own container; results.json carries the score, one test per check with the named
 mistakes as tags, and the seed of the inputs (extra_data.seed).
 """
@@ -108,8 +113,11 @@ def build_wheel(dest: Path) -> Path:
     return wheels[-1]
 
 
-def build_bundle(out: os.PathLike, wheel: Optional[os.PathLike] = None) -> Path:
-    """Write the autograder zip to ``out``; returns its path."""
+def build_bundle(out: os.PathLike, wheel: Optional[os.PathLike] = None, lab: str = "01") -> Path:
+    """Write the autograder zip of lab ``lab`` (its name or number) to ``out``; returns its path."""
+    from attnlab import labs
+
+    the_lab = labs.find_lab(lab)
     out = Path(out)
     with tempfile.TemporaryDirectory() as tmp:
         whl = Path(wheel) if wheel is not None else build_wheel(Path(tmp))
@@ -118,13 +126,61 @@ def build_bundle(out: os.PathLike, wheel: Optional[os.PathLike] = None) -> Path:
         requirements = "\n".join(_pin(n) for n in ("torch", "numpy", "jaxtyping")) + "\n"
         tmp_zip = out.with_name(f".{out.name}.tmp")
         with zipfile.ZipFile(tmp_zip, "w", zipfile.ZIP_DEFLATED) as z:
-            for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER)):
+            run = RUN_AUTOGRADER.replace("@LAB@", the_lab.name).replace("@FILE@", the_lab.file)
+            for name, text in (("setup.sh", SETUP_SH), ("run_autograder", run)):
                 info = zipfile.ZipInfo(name)
                 info.external_attr = 0o755 << 16  # executable when unpacked
                 info.compress_type = zipfile.ZIP_DEFLATED
                 z.writestr(info, text)
             z.writestr("requirements.txt", requirements)
-            z.writestr("README.txt", README.format(version=attnlab.__version__))
+            z.writestr("README.txt", README.format(version=attnlab.__version__, file=the_lab.file, lab=the_lab.name,
+                                                 title=the_lab.title))
             z.write(whl, whl.name)
         os.replace(tmp_zip, out)
     return out
+
+
+def try_bundle(bundle: os.PathLike, submission: os.PathLike, work: os.PathLike,
+               progress=lambda text: None) -> dict:
+    """Run ``bundle`` on ``submission`` the way Gradescope would, in a simulated root under
+    ``work``: unpack it to ``work/autograder/source``, run ``setup.sh`` offline into a fresh
+    venv that sees this environment's packages (torch, numpy, jaxtyping; no apt, no download),
+    put ``submission`` in ``work/autograder/submission/`` and run ``run_autograder``.
+    Returns the results.json it wrote.
+
+    Raises:
+        RuntimeError: setup.sh or run_autograder failed, or no results.json was written
+            (the message holds the end of its output).
+    """
+    import site
+    import sysconfig
+
+    work = Path(work)
+    root = work / "autograder"
+    source = root / "source"
+    with zipfile.ZipFile(bundle) as z:
+        z.extractall(source)
+    for name in ("setup.sh", "run_autograder"):
+        os.chmod(source / name, 0o755)
+    venv = work / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    venv_site = next(venv.glob("lib/python*/site-packages"))
+    here = [sysconfig.get_paths()["purelib"], *site.getsitepackages()]
+    (venv_site / "host.pth").write_text("\n".join(dict.fromkeys(p for p in here if Path(p).is_dir())) + "\n")
+    env = {**os.environ, "AUTOGRADER_ROOT": str(root), "ATTNLAB_VENV": str(venv),
+           "ATTNLAB_PIP_ARGS": "--no-index", "ATTNLAB_SKIP_APT": "1"}
+    progress("setup.sh (installing the bundled wheel offline)")
+    setup = subprocess.run(["bash", str(source / "setup.sh")], capture_output=True, text=True, env=env, timeout=1200)
+    if setup.returncode != 0:
+        raise RuntimeError(f"setup.sh failed (exit {setup.returncode}):\n{(setup.stdout + setup.stderr)[-1500:]}")
+    sub = root / "submission"
+    sub.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(submission, sub / Path(submission).name)
+    (root / "results").mkdir(exist_ok=True)
+    progress("run_autograder (grading the submission)")
+    run = subprocess.run(["bash", str(source / "run_autograder")], capture_output=True, text=True, env=env,
+                         timeout=1200)
+    results = root / "results" / "results.json"
+    if run.returncode != 0 or not results.is_file():
+        raise RuntimeError(f"run_autograder failed (exit {run.returncode}):\n{(run.stdout + run.stderr)[-1500:]}")
+    return json.loads(results.read_text())

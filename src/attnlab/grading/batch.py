@@ -33,6 +33,7 @@ import re
 import secrets
 import threading
 import time
+import unicodedata
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -41,20 +42,28 @@ from typing import Callable, Optional
 
 from attnlab.grading import launch
 from attnlab import labs
-from attnlab.grading.grader import GradeReport, grade
+from attnlab.grading.grader import GradeReport, grade, write_atomically
 from attnlab.grading.sandbox import Limits
 
-__all__ = ["Submission", "Skipped", "Row", "ClassResult", "find_submissions", "grade_class", "learner_seed",
-           "SUBMISSION_FILE"]
+__all__ = ["Submission", "Skipped", "Row", "ClassResult", "ClassPlan", "ClassRefused", "find_submissions",
+           "grade_class", "plan_class", "infer_lab", "learner_seed", "name_problem", "folder_name", "SUBMISSION_FILE",
+           "STATUSES"]
 
 SUBMISSION_FILE = "attention.py"
-_LEARNER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,99}$")  # a name that is safe as a folder and in a CSV
+STATUSES = ("graded", "timed out", "could not be read", "grader environment", "grader error")
+# what a learner's name may hold besides letters and digits (any script's): the usual punctuation of names
+NAME_PUNCTUATION = " .,'\u2019-_@+()"
+
+
+class ClassRefused(ValueError):
+    """A class folder that would grade nobody, or that mixes labs: the message says why and what to do."""
 
 
 @dataclass(frozen=True)
 class Submission:
-    learner: str
+    learner: str  # the learner's name as in DIR (NFC), kept in grades.csv
     path: Path
+    folder: str = ""  # the learner's output folder under OUT: plain ASCII, unique in the class
 
 
 @dataclass(frozen=True)
@@ -74,8 +83,10 @@ class Row:
     mistakes: list[str]  # named mistake codes (attnlab.mistakes), sorted
     seed: int
     seconds: float
-    status: str  # graded | timed out | could not be read | grader environment (a module the lab needs is missing)
+    status: str  # one of STATUSES; 'grader environment': a module the lab needs is missing where it runs
     messages: dict[str, str] = field(default_factory=dict)  # mistake code -> one message that named it
+    folder: str = ""  # where under OUT its results.json is
+    problem: str = ""  # why a file could not be read, in one line
 
 
 @dataclass
@@ -88,12 +99,49 @@ class ClassResult:
     sandboxes: str = ""  # how each submission's sandbox was made, in words
 
 
+@dataclass
+class ClassPlan:
+    """What :func:`grade_class` would grade, found before any grading: the lab, the submissions, what is skipped."""
+
+    lab: "labs.Lab"
+    submissions: list[Submission]
+    skipped: list[Skipped]
+
+
+def name_problem(name: str) -> Optional[str]:
+    """Why ``name`` cannot be a learner's name (None when it can): which character, and how to rename."""
+    if not name:
+        return "the name is empty"
+    if len(name) > 100:
+        return f"the name is {len(name)} characters long (at most 100): shorten the folder's name"
+    if not name[0].isalnum():
+        return (f"the name begins with {name[0]!r}: rename it to begin with a letter or a digit")
+    for ch in name:
+        if ch.isalnum() or ch in NAME_PUNCTUATION or unicodedata.category(ch).startswith("M"):
+            continue
+        return (f"the name has the character {ch!r} (U+{ord(ch):04X}): rename it using letters, digits, spaces "
+                f"and {NAME_PUNCTUATION.strip()!r} only")
+    return None
+
+
+def folder_name(learner: str) -> str:
+    """A plain-ASCII folder name for a learner's outputs: accents dropped, other characters
+    as '_', and a short hash of the real name when anything changed (so 'Li Wei' and
+    'Li_Wei' get different folders)."""
+    ascii_ = unicodedata.normalize("NFKD", learner).encode("ascii", "ignore").decode()
+    plain = re.sub(r"[^A-Za-z0-9._@+-]+", "_", ascii_).strip("._-") or "learner"
+    if plain == learner:
+        return plain
+    return f"{plain[:80]}-{zlib.crc32(learner.encode()) & 0xFFFFFF:06x}"
+
+
 def find_submissions(folder: os.PathLike, file: str = SUBMISSION_FILE) -> tuple[list[Submission], list[Skipped]]:
     """The submissions in ``folder`` (sorted by learner) and what was skipped, with why;
     ``file`` is the lab's file name inside a learner's folder."""
     folder = Path(folder)
     found: dict[str, Submission] = {}
     skipped: list[Skipped] = []
+    folders: set[str] = set()
     for entry in sorted(folder.iterdir(), key=lambda p: p.name):
         name = entry.name
         if name.startswith("."):
@@ -105,20 +153,87 @@ def find_submissions(folder: os.PathLike, file: str = SUBMISSION_FILE) -> tuple[
         if entry.is_dir():
             learner, path = name, entry / file
             if path.is_symlink() or not path.is_file():
-                skipped.append(Skipped(name, f"a folder without a regular {file}"))
+                others = [f for f in labs.LAB_FILES if f != file and (entry / f).is_file()]
+                skipped.append(Skipped(name, f"a folder without a regular {file}"
+                                       + (f" (it holds {', '.join(others)}: another lab's file; see --lab)"
+                                          if others else "")))
                 continue
         elif entry.is_file() and entry.suffix == ".py":
             learner, path = entry.stem, entry
         else:
             skipped.append(Skipped(name, f"not a .py file nor a folder with {file}"))
             continue
-        if not _LEARNER.match(learner):
-            skipped.append(Skipped(name, "the learner's name has characters other than letters, digits, ._@+-"))
+        learner = unicodedata.normalize("NFC", learner)
+        problem = name_problem(learner)
+        if problem:
+            skipped.append(Skipped(name, problem))
         elif learner in found:
             skipped.append(Skipped(name, f"learner {learner!r} has another submission ({found[learner].path.name})"))
         else:
-            found[learner] = Submission(learner, path)
+            base = folder_name(learner)
+            out_name, n = base, 2
+            while out_name.lower() in folders:  # case-insensitive file systems too
+                out_name, n = f"{base}-{n}", n + 1
+            folders.add(out_name.lower())
+            found[learner] = Submission(learner, path, out_name)
     return sorted(found.values(), key=lambda s: s.learner), skipped
+
+
+def infer_lab(folder: os.PathLike) -> dict[str, list[str]]:
+    """Which lab each entry of a class folder belongs to: lab name -> entries. A learner's
+    folder counts for the lab whose file it holds; a ``<learner>.py`` for the lab whose
+    functions it defines (:func:`attnlab.labs.lab_for_source`)."""
+    by_lab: dict[str, list[str]] = {}
+    for entry in sorted(Path(folder).iterdir(), key=lambda p: p.name):
+        if entry.name.startswith(".") or entry.is_symlink():
+            continue
+        found = None
+        if entry.is_dir():
+            held = [lab for lab in labs.LABS if (entry / lab.file).is_file() and not (entry / lab.file).is_symlink()]
+            found = held[0] if len(held) == 1 else None
+        elif entry.is_file() and entry.suffix == ".py":
+            try:
+                if entry.stat().st_size <= 1 << 20:
+                    found = labs.lab_for_source(entry.read_bytes())
+            except OSError:
+                found = None
+        if found is not None:
+            by_lab.setdefault(found.name, []).append(entry.name)
+    return by_lab
+
+
+def plan_class(folder: os.PathLike, out: Optional[os.PathLike] = None, *, lab: Optional[str] = None) -> ClassPlan:
+    """Find a class's lab and submissions before grading anything.
+
+    Raises:
+        ClassRefused: ``folder`` is not a folder, the folders mix labs (without ``lab``), or no
+            submission would be graded; the message says why and what to do.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ClassRefused(f"{folder} is not a folder of submissions")
+    if lab is not None:
+        the_lab = labs.find_lab(lab)
+    else:
+        by_lab = infer_lab(folder)
+        if len(by_lab) > 1:
+            counts = "; ".join(f"lab {name}: {len(v)} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
+                               for name, v in sorted(by_lab.items()))
+            raise ClassRefused(f"the submissions in {folder} mix labs ({counts}); grade one lab at a time with "
+                               f"--lab NAME, or move the others away")
+        the_lab = labs.find_lab(next(iter(by_lab))) if by_lab else labs.LABS[0]
+    submissions, skipped = find_submissions(folder, the_lab.file)
+    if not submissions:
+        why = "; ".join(f"{s.name}: {s.reason}" for s in skipped[:5]) or "the folder is empty"
+        raise ClassRefused(f"nothing to grade in {folder} for lab {the_lab.name} ({why}). A class folder holds "
+                           f"DIR/<learner>/{the_lab.file} or DIR/<learner>.py; for another lab pass --lab NAME "
+                           f"(see 'attnlab labs')")
+    if out is not None:
+        o, f = Path(out).resolve(), folder.resolve()
+        if o == f or f in o.parents or o in f.parents:
+            raise ClassRefused(f"--out {out} must be outside the class folder {folder} (and not contain it): "
+                               f"learners must not be able to plant or read the grader's files")
+    return ClassPlan(the_lab, submissions, skipped)
 
 
 def learner_seed(seed: int, learner: str) -> int:
@@ -126,7 +241,7 @@ def learner_seed(seed: int, learner: str) -> int:
     return zlib.crc32(f"{seed}:{learner}".encode()) & 0x7FFFFFFF
 
 
-def _row(learner: str, report: GradeReport) -> Row:
+def _row(learner: str, report: GradeReport, folder: str = "") -> Row:
     exercise_list = labs.find_lab(report.lab).exercises()
     exercises: dict[str, float] = {ex.id: 0.0 for ex in exercise_list}
     for ex_id, (score, _) in report.exercise_scores().items():
@@ -146,22 +261,17 @@ def _row(learner: str, report: GradeReport) -> Row:
     else:
         status = "graded"
     return Row(learner, report.score, report.max_score or sum(ex.max_score for ex in exercise_list),
-               exercises, sorted(messages), report.seed, round(report.elapsed_s, 2), status, messages)
+               exercises, sorted(messages), report.seed, round(report.elapsed_s, 2), status, messages,
+               folder or learner, problem.splitlines()[0][:300] if status != "graded" and problem else "")
 
 
-def _done_row(out: Path, learner: str) -> Optional[Row]:
+def _done_row(out: Path, sub: Submission) -> Optional[Row]:
     """A learner finished by an earlier run (``row.json`` is written last, after results.json)."""
     try:
-        data = json.loads((out / learner / "row.json").read_text())
-        return Row(**data)
+        row = Row(**json.loads((out / sub.folder / "row.json").read_text(encoding="utf-8")))
+        return row if row.learner == sub.learner else None
     except (OSError, ValueError, TypeError):
         return None
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: Optional[int] = None,
@@ -178,16 +288,16 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
     if sandbox == "auto" and launch.bwrap_path() is None:
         raise launch.SandboxUnavailable(f"refusing to grade a class without the OS sandbox: "
                                         f"{launch.HOW_TO_GET_BWRAP}; or pass --no-sandbox")
+    plan = plan_class(folder, out, lab=lab)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    the_lab = labs.find_lab(lab) if lab is not None else labs.LABS[0]
-    submissions, skipped = find_submissions(folder, the_lab.file)
-    _write_atomically(out / "skipped.txt", "".join(f"{s.name}: {s.reason}\n" for s in skipped))
+    the_lab, submissions, skipped = plan.lab, plan.submissions, plan.skipped
+    write_atomically(out / "skipped.txt", "".join(f"{s.name}: {s.reason}\n" for s in skipped))
     base = seed if seed is not None else secrets.randbelow(2**31)
     rows: dict[str, Row] = {}
     todo = []
     for sub in submissions:
-        done = _done_row(out, sub.learner) if resume else None
+        done = _done_row(out, sub) if resume else None
         if done is not None:
             rows[sub.learner] = done
         else:
@@ -196,19 +306,31 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
     finished = [len(rows)]
 
     def one(sub: Submission) -> None:
-        folder_out = out / sub.learner
+        try:
+            graded(sub)
+        except Exception as exc:  # one learner's grading must never stop the class
+            row = Row(sub.learner, 0.0, sum(ex.max_score for ex in the_lab.exercises()), {}, [], 0, 0.0,
+                      "grader error", {}, sub.folder, f"the grader failed on this submission: {type(exc).__name__}")
+            with lock:
+                rows[sub.learner] = row
+                finished[0] += 1
+                if progress:
+                    progress(finished[0], len(submissions), f"{sub.learner}: grader error")
+
+    def graded(sub: Submission) -> None:
+        folder_out = out / sub.folder
         folder_out.mkdir(exist_ok=True)
         (folder_out / "row.json").unlink(missing_ok=True)
         results = folder_out / "results.json"
 
         def checkpoint(report: GradeReport) -> None:
-            _write_atomically(results, json.dumps(report.to_gradescope(), indent=2) + "\n")
+            write_atomically(results, json.dumps(report.to_gradescope(), indent=2) + "\n")
 
         report = grade(sub.path, limits=limits, total_timeout_s=total_timeout_s, seed=learner_seed(base, sub.learner),
                        sandbox=sandbox, untrusted=sandbox != "none", checkpoint=checkpoint, lab=the_lab.name)
         checkpoint(report)
-        row = _row(sub.learner, report)
-        _write_atomically(folder_out / "row.json", json.dumps(asdict(row)) + "\n")
+        row = _row(sub.learner, report, sub.folder)
+        write_atomically(folder_out / "row.json", json.dumps(asdict(row), ensure_ascii=False) + "\n")
         with lock:
             rows[sub.learner] = row
             finished[0] += 1
@@ -246,10 +368,17 @@ def write_csv(rows: list[Row], path: Path, exercises: list) -> None:
     """The gradebook: one row per learner, sorted; points per exercise as columns."""
     ex_ids = [ex.id for ex in exercises]
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
+    with open(tmp, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["learner", "total", "max", *ex_ids, "mistakes", "seed", "seconds", "status"])
+        w.writerow(["learner", "total", "max", *ex_ids, "mistakes", "seed", "seconds", "status", "folder"])
         for r in sorted(rows, key=lambda r: r.learner):
-            w.writerow([r.learner, f"{r.total:g}", f"{r.max_total:g}", *(f"{r.exercises.get(e, 0):g}" for e in ex_ids),
-                        " ".join(r.mistakes), r.seed, f"{r.seconds:.2f}", r.status])
+            w.writerow([csv_cell(r.learner), f"{r.total:g}", f"{r.max_total:g}",
+                        *(f"{r.exercises.get(e, 0):g}" for e in ex_ids), " ".join(r.mistakes), r.seed,
+                        f"{r.seconds:.2f}", r.status, csv_cell(r.folder or r.learner)])
     os.replace(tmp, path)
+
+
+def csv_cell(text: str) -> str:
+    """A cell a spreadsheet shows as text: one that begins with = + - @, a tab or a CR gets a
+    leading apostrophe (OWASP's advice against formula injection)."""
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text

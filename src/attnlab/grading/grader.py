@@ -13,9 +13,11 @@ in the grader's process, which trusts nothing the children send.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import secrets
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,7 @@ from attnlab.grading import launch
 from attnlab.grading.sandbox import Limits, Outcome, Sandbox, clean_text
 from attnlab.grading.static import check_source, describe
 
-__all__ = ["grade", "GradeReport", "TestResult", "default_lab_path", "Limits"]
+__all__ = ["grade", "GradeReport", "TestResult", "default_lab_path", "Limits", "write_atomically", "ResultsFile"]
 
 PICTURE_MAX_ELEMENTS = 1 << 16
 LAB_RELATIVE = Path("labs/track1/01-attention/attention.py")
@@ -376,3 +378,37 @@ def _fail_all(report: GradeReport, exercises: list[Exercise], verdict: Verdict) 
 
 def supports_colour(stream=sys.stdout) -> bool:
     return stream.isatty() and os.environ.get("NO_COLOR") is None and os.environ.get("TERM") != "dumb"
+
+
+def write_atomically(path: os.PathLike, text: str) -> None:
+    """Write to a temporary file beside ``path``, then rename it over ``path``: a reader
+    sees the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # threads of a class
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class ResultsFile:
+    """Gradescope's results.json at ``path``, kept valid through a grading run.
+
+    :meth:`start` writes a report in which every exercise is pending ("grading did not
+    finish") before anything runs; :meth:`checkpoint` (pass it as ``grade(checkpoint=...)``)
+    rewrites it after each exercise, so a run killed at any moment leaves a valid file.
+    """
+
+    def __init__(self, path: Optional[os.PathLike]):
+        self.path = Path(path) if path is not None else None
+        self.latest: Optional[GradeReport] = None
+
+    def start(self, path: Path, lab: "labs.Lab", seed: Optional[int]) -> None:
+        self.checkpoint(GradeReport(path=path, seed=seed or 0, pending=list(lab.exercises()),
+                                    problem="grading did not finish", lab=lab.name))
+
+    def checkpoint(self, report: GradeReport) -> None:
+        self.latest = report
+        if self.path is not None:
+            write_atomically(self.path, json.dumps(report.to_gradescope(), indent=2) + "\n")

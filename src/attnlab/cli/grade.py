@@ -1,0 +1,252 @@
+"""``attnlab grade``: grade one learner's file, or a whole class's folder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from attnlab.cli._args import UsageError, new_folder, output_file, plural, positive_float, positive_int
+
+HELP = """\
+Grade a learner's file for one of the labs (attnlab labs lists them). With no path it
+grades the lab file in the current folder: attention.py, masks.py, multihead.py or
+flash.py, whichever is there (the folder 'attnlab labs get NAME' made). The lab comes
+from the file's folder, its name or the functions it defines; --lab overrides.
+
+Safety. Learner code never runs inside the grader. Where bubblewrap ('bwrap') is
+installed, each submission gets its own OS sandbox: no network, its own process
+namespace (everything it starts dies when its grading ends), a read-only view of
+the system and Python and nothing else of this machine (not your home folder, not
+the output folder, not other submissions, not the solutions), a private size-capped
+/tmp, and, where a cgroup can be made, one memory and process cap for the whole
+submission. Inside it each exercise runs in its own child process with a time limit,
+a memory limit, a cap on printed output and an empty working folder.
+
+Without bwrap (macOS, some containers): grading your OWN file still runs, with the
+process limits only, and says so once. Grading someone else's code (--untrusted)
+refuses to run without the sandbox unless you also pass --no-sandbox. Get bwrap with
+'sudo apt-get install bubblewrap' (Debian/Ubuntu) or 'sudo dnf install bubblewrap'.
+
+The from-scratch rule is checked twice: on the file's text before anything runs
+(imports only from torch, math, typing, jaxtyping; no eval/exec/open/__import__,
+no dunder or private attributes; no softmax, SDPA or nn.MultiheadAttention outside
+compare_with_sdpa; a violation costs the exercises that reach it, with the line),
+and by call recorders while it runs. Inputs come from a seed drawn per run (printed,
+and stored in results.json); --seed reproduces a run. The reference is computed here,
+in float64. results.json is written atomically, before the first exercise and after
+each one, so even an interrupted run leaves a valid file.
+
+A failed check says why, and names the mistake when it recognises one
+(e.g. "you forgot the 1/sqrt(d_k) scale").
+
+A whole class: 'attnlab grade DIR --out OUTDIR [--jobs N]'. DIR holds one submission
+per learner, as DIR/<learner>/<lab file> or DIR/<learner>.py; the lab is found from
+the files the folders hold (--lab overrides; a class that mixes labs is refused).
+Learners' names may use any letters and digits, spaces and . , ' - _ @ + ( ); their
+outputs go to a plain-ASCII folder name, and grades.csv keeps the real name. Anything
+else (hidden entries, symbolic links, other files, folders without the lab's file, a
+learner present twice) is skipped and listed with the reason. A class that would
+grade nobody is refused (exit 2). Each submission gets its own sandbox (bwrap is
+required; --no-sandbox overrides), N at a time, forked from one template that
+imports torch once (its own user, mount, pid, network and IPC namespaces, /tmp and
+cgroup: as isolated as a bwrap of its own, and ~3x faster: 100 submissions in ~70 s on
+2 cores); where nested user namespaces are not allowed it falls back to one bwrap per
+submission (ATTNLAB_TEMPLATE=0 forces that) and the summary says so. OUTDIR gets
+grades.csv (one row per learner: total, points per exercise, named mistakes, seed,
+seconds, status), <learner>/results.json (Gradescope's schema), report.html (every
+learner with their score, the score distribution, pass rate per exercise, the class's
+mistakes ranked, the slowest submissions) and skipped.txt. --seed N gives the same
+grades on every rerun; --resume skips learners an earlier run finished.
+'attnlab autograder --lab NAME --out autograder.zip' packs the same grader for Gradescope.
+
+exit status: 0 full marks (or a class graded), 1 some checks failed, 2 bad arguments,
+no sandbox for untrusted code, or a module the lab needs (jaxtyping) missing here,
+130 interrupted.
+
+examples:
+  attnlab grade                                    # the lab file in this folder
+  attnlab grade masks.py --json results.json
+  attnlab grade student/attention.py --untrusted --json results.json --seed 7
+  attnlab grade submissions/ --out graded/ --jobs 2
+"""
+
+
+def add(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("grade", help="grade a lab submission safely and explain each failed check",
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", nargs="?", default=None,
+                   help="the learner's file (default: the lab file in the current folder), or a folder of "
+                        "submissions (a class: needs --out)")
+    p.add_argument("--lab", metavar="NAME", default=None,
+                   help="which lab's checks (e.g. 02-masks or 02; default: from the file; see 'attnlab labs')")
+    p.add_argument("--out", metavar="OUTDIR", type=new_folder, default=None,
+                   help="with a folder: where grades.csv, report.html and <learner>/results.json go")
+    p.add_argument("--jobs", type=positive_int, default=2, metavar="N",
+                   help="with a folder: submissions graded at once (default: 2)")
+    p.add_argument("--resume", action="store_true",
+                   help="with a folder: keep the learners an earlier run into --out finished")
+    p.add_argument("--json", metavar="RESULTS_JSON", default=None,
+                   help="also write Gradescope's results.json to this path ('-' for stdout, no text report)")
+    p.add_argument("--timeout", type=positive_float, default=5.0, metavar="S",
+                   help="time limit per exercise (default: 5)")
+    p.add_argument("--total-timeout", type=positive_float, default=60.0, metavar="S",
+                   help="time limit for the whole file (default: 60)")
+    p.add_argument("--memory-mb", type=positive_int, default=1024, metavar="MB",
+                   help="memory an exercise may allocate (default: 1024)")
+    p.add_argument("--no-colour", "--no-color", action="store_true", help="plain text even on a terminal")
+    p.add_argument("--images", default="attnlab-grade-images", metavar="DIR",
+                   help="where to save a yours/reference/difference picture for each failed numeric check "
+                        "(default: ./attnlab-grade-images; needs matplotlib)")
+    p.add_argument("--no-images", action="store_true", help="save no pictures")
+    p.add_argument("--seed", type=int, default=None, metavar="N",
+                   help="seed of the inputs (default: drawn per run and printed; pass it to reproduce a run)")
+    p.add_argument("--untrusted", action="store_true",
+                   help="the file is someone else's: refuse to run it without the bwrap OS sandbox")
+    p.add_argument("--no-sandbox", action="store_true",
+                   help="run without the OS sandbox, with process limits only (trusted code, or no bwrap here)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _resolve(args: argparse.Namespace):
+    """The lab and the file (or folder) to grade, checked before any work: UsageError otherwise."""
+    from attnlab import labs
+
+    lab = None
+    if args.lab is not None:
+        try:
+            lab = labs.find_lab(args.lab)
+        except KeyError as exc:
+            raise UsageError(f"--lab: {exc.args[0]}") from None
+    if args.path is None:
+        try:
+            found_lab, path = labs.lab_file_in(Path.cwd())
+        except labs.NoLabFile as exc:
+            raise UsageError(str(exc)) from None
+        return lab or found_lab, path
+    path = Path(args.path)
+    if not path.exists():
+        raise UsageError(f"no file or folder {args.path!r}: give the path of the learner's file (e.g. attention.py) "
+                         f"or of a class's folder")
+    if path.is_dir():
+        return lab, path
+    if not path.is_file():
+        raise UsageError(f"{args.path!r} is not a regular file")
+    return lab or labs.lab_for_path(path), path
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnlab.grading import launch
+
+    mode = "none" if args.no_sandbox else "auto"
+    lab, path = _resolve(args)
+    if path.is_dir():
+        return _run_class(args, mode, lab, path)
+    if args.out or args.resume:
+        raise UsageError("--out and --resume are for a folder of submissions; for one file use --json")
+    if args.json not in (None, "-"):
+        output_file(".json")(args.json)  # the folder exists and is writable, before any grading
+    if args.untrusted and not args.no_sandbox and launch.bwrap_path() is None:
+        raise UsageError(f"refusing to run untrusted code without the OS sandbox: {launch.HOW_TO_GET_BWRAP}. "
+                         "Or pass --no-sandbox to run it with process limits only.")
+    launch.prestart(mode, args.memory_mb * 2)  # the sandbox server imports torch while this process does the same
+    from attnlab.grading import Limits, grade, supports_colour
+    from attnlab.grading.grader import ResultsFile, write_atomically
+
+    if mode == "auto" and launch.bwrap_path() is None:
+        print(f"note: bwrap was not found, so this file runs with process limits only, NOT in an OS sandbox; "
+              f"fine for your own code. To grade other people's code safely, {launch.HOW_TO_GET_BWRAP}.",
+              file=sys.stderr)
+    to_stdout = args.json == "-"
+    if not to_stdout:
+        print(f"grading {path} (lab {lab.name})", file=sys.stderr, flush=True)
+    progress = None
+    if not to_stdout and sys.stderr.isatty():
+        progress = lambda text: print(f"\rgrading {text:<40}", end="", file=sys.stderr, flush=True)  # noqa: E731
+    limits = Limits(timeout_s=args.timeout, memory_mb=args.memory_mb, submission_memory_mb=args.memory_mb * 2)
+    results = ResultsFile(None if to_stdout or not args.json else args.json)
+    if results.path is not None:  # a valid results.json exists from the start, even if this process is killed
+        results.start(path, lab, args.seed)
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        report = grade(path, limits=limits, total_timeout_s=args.total_timeout, progress=progress,
+                       images_dir=None if args.no_images else args.images, seed=args.seed, sandbox=mode,
+                       untrusted=args.untrusted, checkpoint=results.checkpoint, lab=lab.name)
+    except KeyboardInterrupt:
+        if results.latest is not None:
+            results.latest.problem = "grading was interrupted"
+            results.checkpoint(results.latest)
+        print("\nattnlab grade: interrupted" + (f"; {results.path} holds the checks graded so far"
+                                                if results.path else ""), file=sys.stderr)
+        return 130
+    except launch.SandboxUnavailable as exc:
+        raise UsageError(str(exc)) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if progress:
+        print("\r" + " " * 50 + "\r", end="", file=sys.stderr, flush=True)
+    if args.json:
+        text = json.dumps(report.to_gradescope(), indent=2)
+        if to_stdout:
+            print(text)
+        else:
+            write_atomically(results.path, text + "\n")
+    if not to_stdout:
+        print(report.to_text(colour=supports_colour() and not args.no_colour))
+        if args.json:
+            print(f"results written to {args.json}")
+    if report.environment_problem:
+        return 2  # the installation, not the learner's code
+    return 0 if report.score == report.max_score else 1
+
+
+def _run_class(args: argparse.Namespace, mode: str, lab, folder: Path) -> int:
+    from attnlab.grading import Limits, batch, launch
+
+    if args.out is None:
+        raise UsageError(f"{folder} is a folder: pass --out OUTDIR for the gradebook, the report and each "
+                         f"learner's results.json")
+    if args.json:
+        raise UsageError("--json is for one file; a folder's results.json files go under --out")
+    try:
+        plan = batch.plan_class(folder, args.out, lab=lab.name if lab else None)
+    except batch.ClassRefused as exc:
+        raise UsageError(str(exc)) from None
+    limits = Limits(timeout_s=args.timeout, memory_mb=args.memory_mb, submission_memory_mb=args.memory_mb * 2)
+    started = time.perf_counter()
+    tty = sys.stderr.isatty()
+    print(f"grading {plural(len(plan.submissions), 'learner')} of lab {plan.lab.name} from {folder}"
+          + (f" ({plural(len(plan.skipped), 'entry', 'entries')} skipped)" if plan.skipped else ""),
+          file=sys.stderr, flush=True)
+
+    def progress(done: int, total: int, text: str) -> None:
+        elapsed = time.perf_counter() - started
+        left = elapsed / max(done, 1) * (total - done)
+        line = f"[{'#' * int(30 * done / max(total, 1)):<30}] {done}/{total}  ~{left:.0f} s left  last: {text}"
+        print(("\r" + line[:110].ljust(110)) if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+
+    try:
+        result = batch.grade_class(folder, args.out, jobs=args.jobs, seed=args.seed, resume=args.resume,
+                                   limits=limits, total_timeout_s=args.total_timeout, sandbox=mode,
+                                   progress=progress, lab=plan.lab.name)
+    except launch.SandboxUnavailable as exc:
+        raise UsageError(str(exc)) from None
+    if tty:
+        print(file=sys.stderr)
+    out = Path(args.out)
+    n = len(result.rows)
+    mean = sum(r.total for r in result.rows) / n if n else 0.0
+    statuses = {s: [r for r in result.rows if r.status == s] for s in batch.STATUSES}
+    print(f"graded {plural(n, 'learner')} of lab {result.lab} in {result.seconds:.0f} s (mean {mean:.1f}; "
+          + ", ".join(f"{k}: {len(v)}" for k, v in statuses.items() if v) + f"); skipped {len(result.skipped)}"
+          + (f" (see {out / 'skipped.txt'})" if result.skipped else ""))
+    unread = statuses.get("could not be read") or []
+    if unread:
+        print("could not be read: " + ", ".join(r.learner for r in unread))
+    print(f"sandboxes: {result.sandboxes}")
+    print(f"gradebook: {out / 'grades.csv'}\nreport:    {out / 'report.html'}\nper learner: {out}/<folder>/results.json")
+    return 0
