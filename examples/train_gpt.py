@@ -164,7 +164,8 @@ def _batches(data: Tensor, cfg: Config, generator: torch.Generator):
 
 def _bar(step: int, total: int, loss: float, tok_s: float, width: int = 30) -> str:
     filled = int(width * step / max(total, 1))
-    return f"\r[{'#' * filled}{'.' * (width - filled)}] step {step}/{total}  loss {loss:.4f}  {tok_s:,.0f} tok/s"
+    # padded: a shorter line after a longer one must not leave the old line's tail ("tok/ss")
+    return f"\r[{'#' * filled}{'.' * (width - filled)}] step {step}/{total}  loss {loss:.4f}  {tok_s:,.0f} tok/s".ljust(90)
 
 
 class Run:
@@ -241,7 +242,7 @@ def compare(cfgs: list[Config], text: str, progress: bool = True) -> list[dict]:
                 run.step()
         if progress:
             speeds = "  ".join(f"{r.cfg.attention} {r.tokens_per_s():,.0f}" for r in runs)
-            print(_bar(step, steps, runs[0].losses[-1], 0.0).split("  loss")[0] + f"  tok/s: {speeds}", end="",
+            print((_bar(step, steps, runs[0].losses[-1], 0.0).split("  loss")[0] + f"  tok/s: {speeds}").ljust(90), end="",
                   file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)

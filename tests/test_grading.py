@@ -61,7 +61,7 @@ def test_untouched_stubs_score_zero_and_say_where_to_start():
 def test_solutions_score_full_marks():
     report = grade(LAB / "solutions/attention.py")
     assert report.score == report.max_score == 100, report.to_text()
-    assert "All checks pass." in report.to_text()
+    assert f"All checks pass in {report.path}." in report.to_text()
 
 
 def test_points_add_up_to_100():

@@ -158,7 +158,10 @@ def get_lab(name: str, dest: Optional[os.PathLike] = None) -> Path:
     clashes = [str(dest / s.name) for s in sources if (dest / s.name).exists()]
     if clashes:
         raise FileExistsError(f"not overwriting {', '.join(clashes)}: choose another folder or move them away")
-    dest.mkdir(parents=True, exist_ok=True)
-    for s in sources:
-        shutil.copyfile(s, dest / s.name)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        for s in sources:
+            shutil.copyfile(s, dest / s.name)
+    except OSError as exc:  # a folder that cannot be made here (/proc/..., read-only, a file in the way)
+        raise OSError(f"cannot put the lab in {dest}: {exc.strerror or exc}; choose a folder you can write") from None
     return dest

@@ -196,7 +196,8 @@ def _run(fn: AttentionFn, inputs: dict[str, Optional[Tensor]], kwargs: dict, gra
         c = t.detach().to(dtype) if cast else t.detach().clone()
         leaves[name] = c.requires_grad_(name in grad_names)
     torch.manual_seed(seed)  # dropout draws the same numbers in every run
-    out = fn(leaves["query"], leaves["key"], leaves["value"], attn_mask=leaves["attn_mask"], **kwargs)
+    extra = {"attn_mask": leaves["attn_mask"], **kwargs} if kwargs.pop("_with_mask", True) else dict(kwargs)
+    out = fn(leaves["query"], leaves["key"], leaves["value"], **extra)
     grads: dict[str, Tensor] = {}
     if grad_names and out.numel() > 0:
         targets = [leaves[n] for n in grad_names]
@@ -205,6 +206,50 @@ def _run(fn: AttentionFn, inputs: dict[str, Optional[Tensor]], kwargs: dict, gra
         got = torch.autograd.grad(out, targets, grad_outputs=grad_out, allow_unused=True)
         grads = {n: (g if g is not None else torch.zeros_like(leaves[n])) for n, g in zip(grad_names, got)}
     return out.detach(), grads
+
+
+def _keywords_for(impl: AttentionFn, keywords: dict) -> dict:
+    """The keywords of SDPA's call that ``impl`` accepts: all of them when it takes ``**kwargs``,
+    else those its signature names. One it lacks is left out while it has SDPA's default
+    (``attn_mask=None``, ``enable_gqa=False``, ...); asked for with another value it is an error."""
+    import inspect
+
+    defaults = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+    try:
+        params = inspect.signature(impl).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: call it as SDPA
+        return {k: v for k, v in keywords.items() if k != "attn_mask"}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return {k: v for k, v in keywords.items() if k != "attn_mask"}
+    out = {"_with_mask": "attn_mask" in params}
+    for name, value in keywords.items():
+        if name in params:
+            if name != "attn_mask":
+                out[name] = value
+        elif not (value is defaults.get(name) or value == defaults.get(name)):
+            raise TypeError(f"assert_close_to_sdpa: {name}={value!r} was asked, but {getattr(impl, '__name__', impl)}"
+                            f"{inspect.signature(impl)} takes no {name!r}; add it to the function, or leave "
+                            f"{name} at its default")
+    return out
+
+
+def _worst_line(name: str, ours: Tensor, golden: Tensor, err: float, bound: float) -> str:
+    """Where ``ours`` is farthest from ``golden``: the index, both values, and the error against the bound."""
+    if ours.numel() == 0 or ours.shape != golden.shape:
+        return ""
+    diff = (ours.double() - golden.double()).abs()
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
+    index = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+    ratio = f"{err / bound:.3g}x the tolerance" if bound > 0 else "the tolerance is 0"
+    return (f"  worst {name} at index {list(index)}: yours {ours[index].item():.6g}, float64 reference "
+            f"{golden[index].item():.6g} (|diff| {err:.3g} > tolerance {bound:.3g}: {ratio})")
+
+
+def _doctor_command(impl: AttentionFn) -> str:
+    module, name = getattr(impl, "__module__", None), getattr(impl, "__qualname__", None)
+    if module and name and "<" not in name and module != "__main__":
+        return f"attnlab doctor {module}:{name}"
+    return "attnlab doctor MODULE:FUNCTION (or path/to/file.py:FUNCTION)"
 
 
 def assert_close_to_sdpa(
@@ -241,7 +286,8 @@ def assert_close_to_sdpa(
     Args:
         impl: the attention function under test, called as
             ``impl(query, key, value, attn_mask=..., dropout_p=..., is_causal=...,
-            scale=..., enable_gqa=...)``.
+            scale=..., enable_gqa=...)`` with the keywords its signature accepts (all of
+            them when it takes ``**kwargs``); a keyword it lacks must be at SDPA's default.
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as SDPA.
         check_grads: also compare gradients for query, key, value, and for a float
             ``attn_mask`` that has ``requires_grad=True``.
@@ -252,7 +298,9 @@ def assert_close_to_sdpa(
         The :class:`ParityReport` (also when it passes, so callers can log the numbers).
 
     Raises:
-        AssertionError: with the report, when a bound is exceeded or shapes differ.
+        AssertionError: with the report, when a bound is exceeded or shapes differ: the
+            worst index, both values, the tolerance, and the doctor command to run next.
+        TypeError: ``impl`` lacks a keyword that was asked with a non-default value.
     """
     dtype = query.dtype
     inputs = {"query": query, "key": key, "value": value, "attn_mask": attn_mask}
@@ -269,7 +317,8 @@ def assert_close_to_sdpa(
     torch_dtype = torch.float32 if dtype == torch.float64 else dtype
     rescale = torch.finfo(dtype).eps / torch.finfo(torch_dtype).eps
     theirs, their_grads = _run(sdpa_oracle, inputs, kwargs, grad_names, seed, torch_dtype)
-    ours, our_grads = _run(impl, inputs, kwargs, grad_names, seed, dtype)
+    ours, our_grads = _run(impl, inputs, _keywords_for(impl, {"attn_mask": attn_mask, **kwargs}), grad_names, seed,
+                           dtype)
 
     if ours.shape != golden.shape or ours.dtype != dtype:
         raise AssertionError(f"assert_close_to_sdpa: expected output of shape {tuple(golden.shape)} and dtype "
@@ -287,5 +336,10 @@ def assert_close_to_sdpa(
         report.torch_grad_errors[n] = max_abs_diff(their_grads[n], golden_grads[n]) * rescale
         report.grad_bounds[n] = grad_factor * report.torch_grad_errors[n] + _floor(dtype, golden_grads[n], score_bound)
     if not report.ok():
-        raise AssertionError(f"attention differs from torch SDPA by more than the bound:\n{report}")
+        worst = ([_worst_line("output", ours, golden, report.output_error, report.output_bound)]
+                 if report.output_error > report.output_bound else [])
+        worst += [_worst_line(f"d{n}", our_grads[n], golden_grads[n], report.grad_errors[n], report.grad_bounds[n])
+                  for n in our_grads if report.grad_errors[n] > report.grad_bounds[n]]
+        raise AssertionError(f"attention differs from torch SDPA by more than the bound:\n{report}\n"
+                             + "\n".join(w for w in worst if w) + f"\nto name the mistake, run: {_doctor_command(impl)}")
     return report

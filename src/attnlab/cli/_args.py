@@ -90,11 +90,11 @@ def output_file(*suffixes: str) -> Callable[[str], str]:
 
     def parse(text: str) -> str:
         path = Path(text)
-        if suffixes and not text.lower().endswith(suffixes):
-            raise argparse.ArgumentTypeError(f"{text!r} must end in {' or '.join(suffixes)}")
         if path.is_dir():
             raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name inside it, "
                                              f"e.g. {path / ('out' + (suffixes[0] if suffixes else ''))}")
+        if suffixes and not text.lower().endswith(suffixes):
+            raise argparse.ArgumentTypeError(f"{text!r} must end in {' or '.join(suffixes)}")
         check_writable_folder(path.parent if str(path.parent) else Path("."), for_what=text)
         return text
 

@@ -149,7 +149,10 @@ def run(args: argparse.Namespace) -> int:
     if args.out or args.resume:
         raise UsageError("--out and --resume are for a folder of submissions; for one file use --json")
     if args.json not in (None, "-"):
-        output_file(".json")(args.json)  # the folder exists and is writable, before any grading
+        try:
+            output_file()(args.json)  # the folder exists and is writable, before any grading
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"--json: {exc}") from None
     if args.untrusted and not args.no_sandbox and launch.bwrap_path() is None:
         raise UsageError(f"refusing to run untrusted code without the OS sandbox: {launch.HOW_TO_GET_BWRAP}. "
                          "Or pass --no-sandbox to run it with process limits only.")

@@ -46,10 +46,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(exc.args[0]) from None
         try:
             dest = labs.get_lab(args.name, args.dir)
-        except (FileNotFoundError, FileExistsError) as exc:
-            raise UsageError(exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)) from None
-        except OSError as exc:
-            raise UsageError(f"cannot create {args.dir or lab.name}: {exc.strerror or exc}") from None
+        except OSError as exc:  # get_lab's own messages: not installed, not overwriting, cannot be made
+            raise UsageError(str(exc.args[0]) if len(exc.args) == 1 else str(exc)) from None
         here = Path.cwd()
         shown = dest.relative_to(here) if dest.is_relative_to(here) else dest
         print(f"copied lab {lab.name} into {shown}: read README.md, fill in {lab.file}, then grade it:\n"

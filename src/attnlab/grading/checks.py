@@ -10,6 +10,7 @@ common mistakes produce; a match names the mistake.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -45,7 +46,7 @@ class Exercise:
     prepare: Callable[[torch.Generator], tuple[list[Call], Any]]
     judge: Callable[[Any, list[dict], Outcome], dict[str, Verdict]]
     policy: bool = True  # the from-scratch policy applies
-    on_error: Optional[Callable[[str], list[dict]]] = None  # names the mistake behind an exception
+    on_error: Optional[Callable[[str, str], list[dict]]] = None  # (error, traceback) -> the mistake behind it
     limits: dict = field(default_factory=dict)  # this exercise's own Limits fields (lab 04's memory cap)
 
     @property
@@ -141,13 +142,20 @@ _SHAPE_ERRORS = ("must match the size", "cannot be multiplied", "Expected size f
                  "size mismatch", "shape mismatch")
 
 
-def _transpose_hint(error: str) -> list[dict]:
-    """A matmul that fails on shapes in the scores is almost always K.T on a 3-D tensor."""
-    if any(s in error for s in _SHAPE_ERRORS):
-        return [{"code": "wrong_transpose",
-                 "message": "a shape mismatch in Q @ K^T: on a [B, S, d_k] tensor K.T reverses all three dims "
-                            "([d_k, S, B]); use K.transpose(-2, -1) to get [B, d_k, S]"}]
-    return []
+def _transpose_hint(error: str, traceback: str = "") -> list[dict]:
+    """A matmul that fails on shapes in the scores is almost always the wrong transpose of K on a
+    3-D tensor; the learner's own line (in the traceback) says which one it was."""
+    if not any(s in error for s in _SHAPE_ERRORS):
+        return []
+    if re.search(r"\.transpose\(\s*0\s*,\s*1\s*\)|\.transpose\(\s*1\s*,\s*0\s*\)", traceback):
+        wrong = "K.transpose(0, 1) swaps the batch and position dims ([S, B, d_k])"
+    elif re.search(r"\.T\b|\.t\(\)", traceback) or not traceback:
+        wrong = "K.T reverses all three dims ([d_k, S, B])"
+    else:
+        wrong = "the transpose swaps the wrong dims"
+    return [{"code": "wrong_transpose",
+             "message": f"a shape mismatch in Q @ K^T: on a [B, S, d_k] tensor {wrong}; use K.transpose(-2, -1) "
+                        f"to get [B, d_k, S]"}]
 
 
 def _all(names, verdict: Verdict) -> dict[str, Verdict]:
@@ -455,7 +463,7 @@ def _judge_ex8(ctx, results, outcome):
         out["weights_values"] = tensor_verdict(w, ref_w, "weights")
     except CallFailed as exc:
         v = Verdict(False, f"raised {exc.result['error']}\n{exc.result.get('traceback', '')}",
-                    _transpose_hint(exc.result["error"]))
+                    _transpose_hint(exc.result["error"], exc.result.get("traceback", "")))
         out.update(_all(["output_shape", "weights_shape", "output_values", "weights_values"], v))
 
     for name, i, mask in (("padding_mask", 1, pad), ("causal_mask", 2, masks.causal(T, T)),
@@ -469,7 +477,7 @@ def _judge_ex8(ctx, results, outcome):
                                     [{"code": "fully_masked_nan", "message": "fully masked rows give NaN"}])
         except CallFailed as exc:
             out[name] = Verdict(False, f"raised {exc.result['error']}\n{exc.result.get('traceback', '')}",
-                                _transpose_hint(exc.result["error"]))
+                                _transpose_hint(exc.result["error"], exc.result.get("traceback", "")))
 
     # Explain failures with the doctor, from the probes the child ran on this function.
     if any(not v.passed for v in out.values()) and outcome.probes:
@@ -643,7 +651,7 @@ def judge_outcome(ex: Exercise, ctx: Any, outcome: Outcome) -> dict[str, Verdict
     except CallFailed as exc:
         r = exc.result
         memory = " (the memory limit was hit: is something huge allocated?)" if r.get("memory") else ""
-        hints = ex.on_error(r.get("error", "")) if ex.on_error else []
+        hints = ex.on_error(r.get("error", ""), r.get("traceback", "")) if ex.on_error else []
         return _all(ex.checks, Verdict(False, f"raised {r.get('error')}{memory}\n{r.get('traceback', '')}".rstrip(),
                                        hints))
     except Exception as exc:  # a return value of a shape the judge did not foresee

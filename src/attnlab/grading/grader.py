@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from attnlab.grading.checks import Exercise, Verdict, judge_outcome
-from attnlab import labs
+from attnlab import labs, mistakes
 from attnlab.grading import launch
 from attnlab.grading.sandbox import Limits, Outcome, Sandbox, clean_text
 from attnlab.grading.static import check_source, describe
@@ -131,12 +131,20 @@ class GradeReport:
                     continue  # shown already (several checks failed for one reason)
                 messages.remove(msg)
                 label = f"{r.check.replace('_', ' ')}: " if labelled else ""
+                if label and msg.lower().startswith(label.lower()):
+                    label = ""  # the message names its check already ("large scores: ...")
                 for i, line in enumerate(msg.splitlines()):
                     lines.append(f"      {label if i == 0 else ''}{line}")
             findings = {(f["code"], f["message"]): f for r in failed for f in r.verdict.findings}
+            named: set[str] = set()
             for (code, message), _ in findings.items():
-                if not any(message in r.verdict.message for r in failed):
-                    lines.append(f"      {yellow}-> [{code}] {message}{reset}")
+                if any(message in r.verdict.message for r in failed):
+                    continue  # said above; its code gets its own line below
+                named.add(code)
+                lines.append(f"      {yellow}-> [{code}] {message}{reset}")
+            for code in dict.fromkeys(code for code, _ in findings):  # every named mistake gets a '->' line
+                if code not in named and code != "policy" and code in mistakes.CODES:
+                    lines.append(f"      {yellow}-> [{code}] {mistakes.hint(code)}{reset}")
             for r in failed:
                 if r.image:
                     lines.append(f"      {dim}picture: {r.image}{reset}")
@@ -144,14 +152,15 @@ class GradeReport:
         where = "in the OS sandbox" if self.sandboxed else "not in an OS sandbox"
         lines += ["", f"{bold}Score: {total}{reset}   ({self.elapsed_s:.1f} s; seed {self.seed}; {where})"]
         nxt = self.first_unfinished()
+        again = f"then run 'attnlab grade' again (graded: {self.path})"
         if self.environment_problem:
-            lines.append("Fix the installation above, then run 'attnlab grade' again.")
+            lines.append(f"Fix the installation above, {again}.")
         elif self.score == 0 and nxt is not None:
-            lines.append(f"Start with {nxt.id}: {nxt.function}() in {self.path.name}, then run 'attnlab grade' again.")
+            lines.append(f"Start with {nxt.id}: {nxt.function}() in {self.path.name}, {again}.")
         elif nxt is not None:
-            lines.append(f"Next: {nxt.id} {nxt.function}().")
+            lines.append(f"Next: {nxt.id} {nxt.function}() in {self.path.name}, {again}.")
         else:
-            lines.append(f"{green}All checks pass.{reset}")
+            lines.append(f"{green}All checks pass{reset} in {self.path}.")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ JSON

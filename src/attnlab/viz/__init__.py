@@ -61,7 +61,8 @@ def _as_2d(t: Tensor, name: str) -> Tensor:
 
 def heatmap(matrix: Tensor, *, kind: str = "weights", tokens: Optional[Sequence[str]] = None,
             key_tokens: Optional[Sequence[str]] = None, mask: Optional[Tensor] = None, ax=None,
-            title: Optional[str] = None, annotate: Optional[bool] = None):
+            title: Optional[str] = None, annotate: Optional[bool] = None,
+            limit: Optional[float] = None):
     """Draw one ``(L, S)`` matrix (queries down, keys across) and return the Axes.
 
     Args:
@@ -71,6 +72,9 @@ def heatmap(matrix: Tensor, *, kind: str = "weights", tokens: Optional[Sequence[
         tokens, key_tokens: tick labels for the rows (queries) and columns (keys).
         mask: bool ``(L, S)``, False = masked; cells that are ``-inf`` count as masked too.
         annotate: print the numbers in the cells (default: when there are <= 64 cells).
+        limit: for ``"scores"``/``"values"``, the colour scale is ``[-limit, limit]`` (default:
+            this matrix's largest finite ``|value|``); pass one limit to draw two matrices
+            on the same scale.
     """
     plt = _plt()
     import numpy as np
@@ -87,7 +91,7 @@ def heatmap(matrix: Tensor, *, kind: str = "weights", tokens: Optional[Sequence[
         cmap, vmin, vmax = plt.get_cmap("viridis"), 0.0, 1.0
     else:
         finite = m[~hidden & torch.isfinite(m)]
-        lim = float(finite.abs().max()) if finite.numel() else 1.0
+        lim = limit if limit is not None else (float(finite.abs().max()) if finite.numel() else 1.0)
         cmap, vmin, vmax = plt.get_cmap("RdBu_r"), -lim or -1.0, lim or 1.0
     cmap = cmap.with_extremes(bad="#d0d0d0")  # masked cells: grey (and hatched below)
     image = ax.imshow(data, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
@@ -166,12 +170,16 @@ def steps(trace: AttentionTrace, *, title: Optional[str] = None):
 
 
 def compare(learner: Tensor, reference: Tensor, *, name: str = "output", kind: str = "values"):
-    """Learner | reference | |learner - reference| side by side; returns the Figure."""
+    """Learner | reference | |learner - reference| side by side, yours and the reference on one
+    colour scale (so a 2x error shows as a darker picture); returns the Figure."""
     plt = _plt()
     a, b = _as_2d(learner, "compare"), _as_2d(reference, "compare")
     fig, axes = plt.subplots(1, 3, figsize=(13, 4), constrained_layout=True)
-    heatmap(a, kind=kind, ax=axes[0], title=f"yours: {name} {list(learner.shape)}")
-    heatmap(b, kind=kind, ax=axes[1], title=f"reference: {name} {list(reference.shape)}")
+    both = torch.cat([a.flatten(), b.flatten()])
+    both = both[torch.isfinite(both)]
+    limit = (float(both.abs().max()) or 1.0) if both.numel() else None
+    heatmap(a, kind=kind, ax=axes[0], title=f"yours: {name} {list(learner.shape)}", limit=limit)
+    heatmap(b, kind=kind, ax=axes[1], title=f"reference: {name} {list(reference.shape)}", limit=limit)
     if a.shape == b.shape:
         diff = (a - b).abs().nan_to_num(nan=float("inf"))
         axes[2].imshow(diff.clamp(max=1e30).numpy(), cmap="cividis", aspect="auto", interpolation="nearest")
