@@ -177,6 +177,14 @@ FITTED = [
      "you multiplied by sqrt(d_k)"),
     ("wrong_scale", "hardcoded_one_eighth", variant(scale_fn=lambda scale, q, k, v: 0.125), "constant 0.125"),
     ("wrong_scale", "fourth_root", variant(scale_fn=lambda scale, q, k, v: q.shape[-1] ** -0.25), "d_k^-0.25"),
+    # the right scale (an explicit one honoured) multiplied by sqrt(d_k) or by d_k
+    ("wrong_scale", "scale_times_sqrt_E", variant(
+        scale_fn=lambda scale, q, k, v: (scale or q.shape[-1] ** -0.5) * math.sqrt(q.shape[-1])),
+     "multiplied it by sqrt(d_k) where 1/sqrt(d_k) is already the scale"),
+    ("wrong_scale", "scale_times_E", variant(scale_fn=lambda scale, q, k, v: (scale or q.shape[-1] ** -0.5) * q.shape[-1]),
+     "is multiplied by d_k^1"),
+    # so large that every core probe's softmax saturates (one-hot rows): only the small-score probes pin it
+    ("wrong_scale", "cube_of_E", variant(scale_fn=lambda scale, q, k, v: float(q.shape[-1]) ** 3), "d_k^3 instead"),
     ("causal_alignment", "tril_plus_two", variant(causal_fn=lambda L, S: torch.ones(L, S, dtype=torch.bool).tril(2)),
      "off by +2"),
     ("causal_alignment", "tril_minus_two", variant(

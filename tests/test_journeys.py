@@ -271,3 +271,175 @@ def test_every_command_has_an_example_in_its_help(capsys):
         assert main([name, "--help"]) == 0
         text = capsys.readouterr().out
         assert "example" in text and f"attnlab {name}" in text.split("example", 1)[1], name
+
+
+# --------------------------------------------------------------------------- the small things
+def _report(lab: str, checks: list[tuple[str, str, list[dict]]]):
+    from attnlab.grading.checks import Verdict
+    from attnlab.grading.grader import GradeReport, TestResult
+
+    ex = labs.find_lab(lab).exercises()[0]
+    report = GradeReport(path=Path("x.py"), lab=lab)
+    for check, message, findings in checks:
+        report.results.append(TestResult(ex, check, 0.0, 1.0, Verdict(False, message, findings)))
+    return report.to_text()
+
+
+def test_a_check_that_names_itself_is_not_labelled_twice():
+    text = _report("01", [("large_scores", "large scores: NaN in row 0", []), ("dim_argument", "dim: wrong", [])])
+    assert "large scores: NaN in row 0" in text and "large scores: large scores:" not in text
+    assert "dim argument: dim: wrong" in text  # a label the message lacks is still given
+
+
+def test_every_named_mistake_gets_an_arrow_line_in_labs_02_and_03():
+    from attnlab import mistakes
+
+    for lab, code in (("02", "mask_polarity"), ("03", "heads_mixed")):
+        message = "True means attend here"
+        text = _report(lab, [("values", f"mask: {message}", [{"code": code, "message": message}])])
+        assert f"-> [{code}] {mistakes.hint(code)}" in text, text
+    # a finding whose text was not shown keeps its own message
+    text = _report("01", [("values", "differs", [{"code": "missing_scale", "message": "forgot the scale"}])])
+    assert "-> [missing_scale] forgot the scale" in text and text.count("-> [missing_scale]") == 1
+
+
+def test_the_transpose_hint_names_the_learners_own_transpose():
+    from attnlab.grading.checks import _transpose_hint  # noqa: PLC2701  (the check's own helper, tested here)
+
+    err = "RuntimeError: The size of tensor a (5) must match the size of tensor b (7)"
+    swapped = _transpose_hint(err, "  line 20, in attention_scores\n    return Q @ K.transpose(0, 1)")[0]["message"]
+    assert "K.transpose(0, 1) swaps the batch and position dims" in swapped and "K.T" not in swapped
+    dot_t = _transpose_hint(err, "  line 20, in attention_scores\n    return Q @ K.T / 2")[0]["message"]
+    assert "K.T reverses all three dims" in dot_t
+    assert _transpose_hint("ValueError: something else", "K.T") == []
+
+
+def test_the_comparison_picture_uses_one_colour_scale():
+    pytest.importorskip("matplotlib")  # the dev environment has it (attnlab[viz])
+    import torch
+
+    from attnlab import viz
+
+    ref = torch.linspace(-1, 1, 12).reshape(3, 4)
+    fig = viz.compare(2 * ref, ref)  # a 2x error must look darker, not the same
+    yours, reference = (ax.images[0].get_clim() for ax in fig.axes[:2] if ax.images)
+    assert yours == reference == (-2.0, 2.0)
+
+
+def doctors_signature(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    """The signature the doctor documents: no enable_gqa."""
+    from attnlab.functional import scaled_dot_product_attention
+
+    return scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+
+def unscaled(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    from attnlab.functional import scaled_dot_product_attention
+
+    return scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=1.0)
+
+
+def test_assert_close_to_sdpa_reads_the_signature_and_says_where_it_failed():
+    import torch
+
+    from attnlab.testing import assert_close_to_sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 5, 8, generator=g) for _ in range(3))
+    assert assert_close_to_sdpa(doctors_signature, q, k, v, is_causal=True).ok()  # was a TypeError
+    with pytest.raises(AssertionError) as failed:
+        assert_close_to_sdpa(unscaled, q, k, v)
+    text = str(failed.value)
+    assert "worst output at index [" in text and "float64 reference" in text and "x the tolerance" in text
+    assert f"attnlab doctor {__name__}:unscaled" in text
+    with pytest.raises(TypeError, match="enable_gqa=True was asked, but doctors_signature"):
+        assert_close_to_sdpa(doctors_signature, q, k[:, :1], v[:, :1], enable_gqa=True)
+
+
+# --------------------------------------------------------------------------- the teacher's report
+def _chromium() -> str:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        reason = "cannot run: chromium is not installed (make test installs Debian's chromium)"
+        if os.environ.get("CI"):
+            pytest.fail(reason + "; in CI the page must be checked")
+        pytest.skip(reason)
+    return browser
+
+
+def _dom(browser: str, url: str, width: int) -> str:
+    import tempfile
+
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+             "--disable-background-networking", f"--window-size={width},900"]
+    with tempfile.TemporaryDirectory() as profile:
+        return subprocess.run([browser, *flags, f"--user-data-dir={profile}", "--dump-dom", url],
+                              capture_output=True, text=True, timeout=120).stdout
+
+
+def test_the_class_report_lists_every_learner_sorts_and_fits_a_phone(tmp_path):
+    import re
+
+    from attnlab.grading.report import write_report
+
+    def row(name, total, status="graded", mistakes=(), problem=""):
+        return batch.Row(name, total, 100, {"ex1": total / 10}, list(mistakes), 1, 0.5, status, folder=name,
+                         problem=problem)
+
+    rows = [row("Zoë Ångström", 40, mistakes=["mask_polarity", "off_by_one"]), row("amir", 100),
+            row("Li Wei", 0, "could not be read", problem="could not import the file: SyntaxError at line 3"),
+            row("<b>mallory</b>", 70, mistakes=["missing_scale"])]
+    result = batch.ClassResult(rows, [batch.Skipped("notes.txt", "not a .py file")], tmp_path, 12.0, "02-masks",
+                               "one OS sandbox per submission")
+    page = tmp_path / "report.html"
+    write_report(result, page)
+    text = page.read_text(encoding="utf-8")
+    assert "<b>mallory</b>" not in text and "&lt;b&gt;mallory&lt;/b&gt;" in text  # learner text is escaped
+    assert "Li Wei</b> (could not be read): could not import the file: SyntaxError at line 3" in text
+    assert not re.search(r"(src|href)\s*=\s*[\"']?https?:", text)  # nothing fetched
+    browser = _chromium()
+    for width in (1280, 390):
+        dom = _dom(browser, page.as_uri(), width)
+        assert 'data-overflow="no"' in dom, f"the page is wider than {width} px"
+        assert dom.count("<tr data-name=") == 4
+    by_score = _dom(browser, page.as_uri() + "#sort=score-desc", 390)
+    assert 'data-sorted="score-desc"' in by_score  # the script ran under the page's CSP
+    order = re.findall(r"<tr data-name=\"([^\"]+)\"", by_score)
+    assert order == ["amir", "&lt;b&gt;mallory&lt;/b&gt;", "zoë ångström", "li wei"]
+
+
+def test_the_notebook_extra_installs_a_way_to_open_the_notebooks():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith(("jupyterlab", "notebook>")) for d in extras["notebook"])
+    assert "attnlab[walkthrough]" in extras["notebook"]  # and what runs them headless
+
+
+@pytest.mark.parametrize("lab", labs.LABS, ids=lambda lab: lab.name)
+def test_a_walkthrough_without_jaxtyping_says_what_to_install(lab, monkeypatch):
+    """Its first code cell, up to the import of the lab's file, with jaxtyping missing: one
+    message with the install command (SystemExit), not a ModuleNotFoundError traceback."""
+    import importlib.util
+
+    text = (TRACK / lab.name / "walkthrough.py").read_text()
+    head = text[:text.index(f"import {lab.file[:-3]} as lab")]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "jaxtyping" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"pip install 'attnlab\[lab\]'"):
+        exec(compile(head, "walkthrough.py", "exec"), {})
+
+
+def test_a_lab_02_bundle_is_tried_before_upload(tmp_path, capsys):
+    """attnlab autograder --lab 02 --test FILE: the bundle's own setup.sh and run_autograder,
+    in a simulated Gradescope root, grade lab 02's solution 100 (a lab 01 bundle would give 0)."""
+    _sandbox_or_skip()
+    bundle = tmp_path / "autograder-02.zip"
+    assert main(["autograder", "--lab", "02", "--out", str(bundle), "--test", str(SOLUTION_02)]) == 0
+    out = capsys.readouterr().out
+    assert "the autograder of lab 02-masks (learners submit masks.py)" in out
+    assert f"simulated Gradescope run of {SOLUTION_02}: score 100/100" in out
+    import zipfile
+
+    run = zipfile.ZipFile(bundle).read("run_autograder").decode()
+    assert 'LAB="02-masks"' in run and 'SUBMISSION="$ROOT/submission/masks.py"' in run

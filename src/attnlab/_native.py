@@ -7,7 +7,7 @@ read scores still in cache; see the comment at the top of that file for why.
 ``csrc/block_sparse.cpp`` runs them over the blocks an :class:`attnlab.flex.BlockMask`
 keeps (used through :mod:`attnlab.flex.kernels`); ``csrc/kernels.h`` holds what both share.
 
-It is compiled with ``torch.utils.cpp_extension`` on first use (about 10 s; ``make demo``
+It is compiled with ``torch.utils.cpp_extension`` on first use (20-70 s measured on 2 cores; ``make demo``
 and ``make test`` build it ahead) into ``~/.cache/attnlab/`` (``$ATTNLAB_CACHE_DIR``
 overrides), under a key made of the source's hash, torch's and Python's versions and the CPU's
 instruction set (see :func:`_cache_dir`), so a stale build, or one made for another CPU, is
@@ -115,7 +115,8 @@ def _load() -> tuple[Optional[Any], NativeStatus]:
             torch.ops.load_library(str(library))
         else:
             build_dir.mkdir(parents=True, exist_ok=True)
-            print(f"attnlab: building the native tiled kernel into {build_dir} (once, about 10 s)...",
+            # measured: 22.6 s on a 2-core AVX-512 EPYC (2026-12-01), 68 s on another 2-core machine (issue 22)
+            print(f"attnlab: building the native tiled kernel into {build_dir} (once, 20-70 s)...",
                   file=sys.stderr, flush=True)
             from torch.utils import cpp_extension  # imported only to build: it is slow to import
 

@@ -71,7 +71,7 @@ _PRIORITY = ["wrong_transpose", "value_swapped", "softmax_dim", "missing_scale",
 class BugModel:
     """Attention with each textbook choice made explicit; the defaults are SDPA."""
 
-    scale: str = "sdpa"  # sdpa | one | inv_E | inv_sqrt_Ev | inv_sqrt_S | ignore_arg | power | const
+    scale: str = "sdpa"  # sdpa | one | inv_E | inv_sqrt_Ev | inv_sqrt_S | ignore_arg | power | rel_power | const
     softmax_dim: int = -1
     scores: str = "q_kT"  # q_kT | q_k (no transpose) | k_qT (scores transposed)
     values: str = "v"  # v | q | k
@@ -80,7 +80,7 @@ class BugModel:
     empty_rows: str = "zero"  # zero | nan | uniform
     softmax: str = "stable"  # stable | naive
     # continuous parameters, fitted from the probes when no enumerated choice explains them
-    power: float = -0.5  # scale = E ** power (scale == "power")
+    power: float = -0.5  # scale = E ** power ("power"), or SDPA's scale times E ** power ("rel_power")
     factor: float = 1.0  # scale = factor, whatever E (scale == "const")
     diagonal: int = 0  # causal == "diagonal": keep = tril(diagonal)
 
@@ -136,6 +136,7 @@ def _model_attention(m: BugModel, q: Tensor, k: Tensor, v: Tensor, attn_mask: Op
         "inv_sqrt_S": 1 / math.sqrt(S),
         "ignore_arg": 1 / math.sqrt(E),
         "power": float(E) ** m.power,
+        "rel_power": (1 / math.sqrt(E) if scale is None else scale) * float(E) ** m.power,
         "const": m.factor,
     }[m.scale]
     try:
@@ -202,7 +203,7 @@ class Probe:
     key: Tensor
     value: Tensor
     kwargs: dict = field(default_factory=dict)
-    aspect: str = "core"  # core | rank | large | mask | float_mask | causal | empty | dropout
+    aspect: str = "core"  # core | scale_fit | rank | large | mask | float_mask | causal | empty | dropout
     repeats: int = 1
     tolerance: float = 1e-4  # relative to the expected output's magnitude
 
@@ -277,6 +278,9 @@ def build_probes(capabilities: frozenset[str] = _ALL_CAPABILITIES, seed: int = 0
                         rnd(B, H, T, T)))
     probes.append(Probe("square_small", "B=2, H=2, L=S=E=Ev=4, no mask", rnd(B, H, 4, 4), rnd(B, H, 4, 4),
                         rnd(B, H, 4, 4) * 3))
+    for E in (4, 8, 16):  # scores of magnitude ~0.01: a scale even E x too large does not saturate the softmax
+        probes.append(Probe(f"small_scores_{E}", f"B=2, H=2, L=S=E=Ev={E}, scores of magnitude ~0.01",
+                            rnd(B, H, E, E) * 0.1, rnd(B, H, E, E) * 0.1, rnd(B, H, E, E) * 3, aspect="scale_fit"))
     if "scale" in capabilities:
         probes.append(Probe("explicit_scale", "L=S=E=Ev=8, scale=0.3", rnd(B, H, T, T), rnd(B, H, T, T),
                             rnd(B, H, T, T), {"scale": 0.3}))
@@ -412,12 +416,12 @@ def analyze(probes: list[Probe], results: list[ProbeResult]) -> DoctorReport:
     if best_hits == 0:
         best = sdpa
     if best_hits < len(core):  # no enumerated choice explains them all: fit the scale
-        fitted = _fit_scale(core, best)
+        fitted = _fit_scale(core, best, [(p, r) for p, r in zip(probes, results) if p.aspect == "scale_fit"])
         if fitted is not None:
             best, best_hits = fitted, len(core)
     for f in _CORE_CHOICES:
         if getattr(best, f) != getattr(sdpa, f):
-            if f == "scale" and best.scale in ("power", "const"):
+            if f == "scale" and best.scale in ("power", "rel_power", "const"):
                 findings.append(_scale_finding(best))
                 continue
             code, msg = _FIELD_FINDINGS[(f, getattr(best, f))]
@@ -437,6 +441,10 @@ def analyze(probes: list[Probe], results: list[ProbeResult]) -> DoctorReport:
             f = _unexplained(p, r, best)
             if f.code != "unknown":
                 findings.append(f)
+            continue
+        if p.aspect == "scale_fit":  # like a core probe, at small scores
+            if not _matches(best, p, r):
+                findings.append(_unexplained(p, r, best))
             continue
         if p.aspect == "dropout":
             f = _judge_dropout(best, p, r)
@@ -567,28 +575,49 @@ def _fit_one_scale(m: BugModel, p: Probe, r: ProbeResult) -> Optional[float]:
     return 10.0 ** best if _matches(fitted, p, r) else None
 
 
-def _fit_scale(core: list[tuple[Probe, ProbeResult]], base: BugModel) -> Optional[BugModel]:
-    """The scale as ``E ** power`` (the same power for every probe: multiplied by sqrt(E), by E,
-    ...) or as a constant (``/ 8`` written for d_k = 64), when one of them explains every core
-    probe; the other core choices stay those of ``base``."""
+def _scale_candidates(probes: list[tuple[Probe, ProbeResult]], base: BugModel) -> list[BugModel]:
+    """The scale models that ``probes`` point to: ``E ** power`` when every probe's fitted factor
+    gives the same power, a constant when every factor is the same."""
     fits = []
-    for p, r in core:
+    for p, r in probes:
         factor = _fit_one_scale(base, p, r)
         if factor is None or factor <= 0:
-            return None
+            return []
         fits.append((p.query.shape[-1], factor))
+    out = []
     powers = [math.log(f) / math.log(E) for E, f in fits if E > 1]
     if powers and max(powers) - min(powers) < 0.02:
         power = sum(powers) / len(powers)
         nearest = round(power * 2) / 2
-        m = replace(base, scale="power", power=nearest if abs(power - nearest) < 0.02 else power)
-        if all(_matches(m, p, r) for p, r in core):
-            return m
+        out.append(replace(base, scale="power", power=nearest if abs(power - nearest) < 0.02 else power))
+    # the right scale (an explicit `scale` honoured) times a wrong power of E: `scale * sqrt(d_k)`
+    sdpa_scales = [p.kwargs.get("scale") or 1 / math.sqrt(p.query.shape[-1]) for p, _ in probes]
+    relative = [math.log(f / s0) / math.log(E) for (E, f), s0 in zip(fits, sdpa_scales) if E > 1]
+    if relative and max(relative) - min(relative) < 0.02:
+        rel = sum(relative) / len(relative)
+        nearest = round(rel * 2) / 2
+        out.append(replace(base, scale="rel_power", power=nearest if abs(rel - nearest) < 0.02 else rel))
     factors = [f for _, f in fits]
-    if max(factors) / min(factors) < 1.02:
-        m = replace(base, scale="const", factor=sum(factors) / len(factors))
-        if all(_matches(m, p, r) for p, r in core):
-            return m
+    if factors and max(factors) / min(factors) < 1.02:
+        out.append(replace(base, scale="const", factor=sum(factors) / len(factors)))
+    return out
+
+
+def _fit_scale(core: list[tuple[Probe, ProbeResult]], base: BugModel,
+               precise: list[tuple[Probe, ProbeResult]] = ()) -> Optional[BugModel]:
+    """The scale as ``E ** power`` (the same power for every probe: multiplied by sqrt(E), by E,
+    ...) or as a constant (``/ 8`` written for d_k = 64), when one of them explains every core
+    probe; the other core choices stay those of ``base``.
+
+    A scale many times too large saturates the softmax on the core probes (each row's weights
+    become one-hot), so a range of factors fits each of them and their powers disagree; the
+    ``precise`` probes (scores of magnitude ~0.01 at E = 4, 8, 16) stay far from saturation
+    and pin the exponent, which must then explain the core probes too."""
+    precise = list(precise)
+    for fitted_on in (core, precise):
+        for m in _scale_candidates(fitted_on, base) if fitted_on else []:
+            if all(_matches(m, p, r) for p, r in [*core, *precise]):
+                return m
     return None
 
 
@@ -597,6 +626,11 @@ def _scale_finding(m: BugModel) -> Finding:
         return Finding("wrong_scale", f"the scores are multiplied by the constant {m.factor:.4g} whatever d_k; "
                                       f"1/sqrt(d_k) equals it only when d_k = {1 / m.factor ** 2:.3g}: "
                                       "compute it from the query's last dim")
+    if m.scale == "rel_power":
+        return Finding("wrong_scale", f"your scale (an explicit `scale` included) is multiplied by d_k^{m.power:.3g}"
+                                      + (": you multiplied it by sqrt(d_k) where 1/sqrt(d_k) is already the scale"
+                                         if abs(m.power - 0.5) < 1e-9 else "")
+                                      + f" (e.g. {64 ** m.power:.3g}x too large for d_k = 64)")
     ratio = m.power + 0.5  # the scores are d_k ** ratio times the reference's
     if abs(ratio - 1.0) < 1e-9:
         return Finding("wrong_scale", "your scores are d_k times the reference's: you multiplied by sqrt(d_k) "

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -23,11 +25,16 @@
 # size, `d_v` value size.
 
 # %%
+import importlib.util
 import math
 
 import torch
 
-import attention as lab
+if importlib.util.find_spec("jaxtyping") is None:  # the lab's file annotates shapes with it
+    raise SystemExit("attention.py imports jaxtyping, which is not installed: pip install 'attnlab[lab]', "
+                     "then run this again")
+
+import attention as lab  # noqa: E402
 
 torch.set_printoptions(precision=4, sci_mode=False)
 

@@ -24,10 +24,15 @@
 # scores, before the softmax, as `-inf`.
 
 # %%
+import importlib.util
 import torch
 import torch.nn.functional as F
 
-import masks as lab
+if importlib.util.find_spec("jaxtyping") is None:  # the lab's file annotates shapes with it
+    raise SystemExit("masks.py imports jaxtyping, which is not installed: pip install 'attnlab[lab]', "
+                     "then run this again")
+
+import masks as lab  # noqa: E402
 
 
 def show(m):

@@ -21,10 +21,15 @@
 # scores it and names each mistake.
 
 # %%
+import importlib.util
 import torch
 import torch.nn.functional as F
 
-import multihead as lab
+if importlib.util.find_spec("jaxtyping") is None:  # the lab's file annotates shapes with it
+    raise SystemExit("multihead.py imports jaxtyping, which is not installed: pip install 'attnlab[lab]', "
+                     "then run this again")
+
+import multihead as lab  # noqa: E402
 
 torch.manual_seed(0)
 

@@ -21,12 +21,17 @@
 # it, names each mistake, and checks that your forward never builds an [L, S] tensor.
 
 # %%
+import importlib.util
 import math
 
 import torch
 import torch.nn.functional as F
 
-import flash as lab
+if importlib.util.find_spec("jaxtyping") is None:  # the lab's file annotates shapes with it
+    raise SystemExit("flash.py imports jaxtyping, which is not installed: pip install 'attnlab[lab]', "
+                     "then run this again")
+
+import flash as lab  # noqa: E402
 
 torch.manual_seed(0)
 
