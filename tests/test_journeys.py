@@ -443,3 +443,31 @@ def test_a_lab_02_bundle_is_tried_before_upload(tmp_path, capsys):
 
     run = zipfile.ZipFile(bundle).read("run_autograder").decode()
     assert 'LAB="02-masks"' in run and 'SUBMISSION="$ROOT/submission/masks.py"' in run
+
+
+def test_the_library_default_is_the_lab_file_here_too(tmp_path, monkeypatch):
+    from attnlab.grading.grader import default_lab_path
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(labs.NoLabFile):
+        default_lab_path()  # never the clone's lab 01 stub
+    (tmp_path / "flash.py").write_text("")
+    assert default_lab_path() == tmp_path / "flash.py"
+
+
+def test_the_sandbox_copy_keeps_the_learners_file_name():
+    from attnlab.grading.sandbox import SUBMISSION_NAME, submission_name
+
+    assert submission_name("/x/02-masks/masks.py") == "masks.py"  # tracebacks say masks.py, not attention.py
+    assert submission_name("/x/Zoë's file.py") == SUBMISSION_NAME == "submission.py"
+
+
+def test_a_lab_02_traceback_names_masks_py(tmp_path):
+    _sandbox_or_skip()
+    from attnlab.grading import grade
+
+    target = tmp_path / "masks.py"
+    target.write_text(SOLUTION_02.read_text() + "\n\ndef causal_mask(L, S):\n    return 1 // 0\n")
+    report = grade(target, seed=1)
+    text = report.to_text()
+    assert 'masks.py", line' in text and "attention.py" not in text, text[:3000]

@@ -71,3 +71,10 @@ def test_compare_interleaves_the_backends_on_the_same_data(train_gpt, text):
     ours, theirs = train_gpt.compare(cfgs, text, progress=False)
     assert len(ours["losses"]) == len(theirs["losses"]) == 3 and ours["tokens_per_s"] > 0
     assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), dtype=torch.float32, scope="model")
+
+
+def test_the_progress_line_covers_the_longer_line_before_it(train_gpt):
+    """A '\\r' line shorter than the one it overwrites left that line's tail on screen
+    ('... 999 tok/ss'): every line is padded to one width."""
+    long, short = train_gpt._bar(1, 10, 1.0, 123456.0), train_gpt._bar(2, 10, 1.0, 5.0)
+    assert len(long) == len(short) and short.rstrip().endswith(" 5 tok/s")

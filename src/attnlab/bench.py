@@ -607,8 +607,10 @@ def machine_line() -> str:
         pass
     from attnlab import _native
 
-    return (f"{cpu}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-            f"Python {sys.version.split()[0]}; {_native.status()}")
+    # the flags that choose code paths (attnlab's row passes, torch's and oneDNN's GEMMs)
+    flags = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in _native.cpu_features()]
+    return (f"{cpu} ({' '.join(flags) or 'no AVX2'}), {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, "
+            f"torch {torch.__version__}, Python {sys.version.split()[0]}; {_native.status()}")
 
 
 if __name__ == "__main__":

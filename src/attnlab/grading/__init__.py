@@ -1,4 +1,4 @@
-"""Grade a learner's ``attention.py`` safely, with feedback that names the mistake.
+"""Grade a learner's lab file safely, with feedback that names the mistake.
 
     from attnlab.grading import grade
     report = grade("labs/track1/01-attention/attention.py")

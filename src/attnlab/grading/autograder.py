@@ -37,7 +37,7 @@ from typing import Optional
 
 import attnlab
 
-__all__ = ["build_bundle", "try_bundle", "SETUP_SH", "RUN_AUTOGRADER"]
+__all__ = ["build_bundle", "try_bundle", "SimulatedRoot", "SETUP_SH", "RUN_AUTOGRADER"]
 
 SETUP_SH = r"""#!/usr/bin/env bash
 # attnlab autograder: Gradescope runs this once, as root, when it builds the image.
@@ -140,47 +140,69 @@ def build_bundle(out: os.PathLike, wheel: Optional[os.PathLike] = None, lab: str
     return out
 
 
+class SimulatedRoot:
+    """A bundle unpacked under ``work`` as Gradescope lays it out (``autograder/source``,
+    ``submission``, ``results``), with a fresh venv that sees this environment's packages
+    (torch, numpy, jaxtyping) through a ``.pth`` file, so ``setup.sh`` runs offline
+    (``--no-index``, no apt) and installs attnlab from the bundled wheel."""
+
+    def __init__(self, bundle: os.PathLike, work: os.PathLike):
+        import site
+        import sysconfig
+
+        work = Path(work)
+        self.root = work / "autograder"
+        self.source = self.root / "source"
+        with zipfile.ZipFile(bundle) as z:
+            self.names = set(z.namelist())
+            z.extractall(self.source)
+        for name in ("setup.sh", "run_autograder"):
+            os.chmod(self.source / name, 0o755)
+        self.venv = work / "venv"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(self.venv)], check=True)
+        venv_site = next(self.venv.glob("lib/python*/site-packages"))
+        here = [sysconfig.get_paths()["purelib"], *site.getsitepackages()]
+        (venv_site / "host.pth").write_text("\n".join(dict.fromkeys(p for p in here if Path(p).is_dir())) + "\n")
+        self.env = {**os.environ, "AUTOGRADER_ROOT": str(self.root), "ATTNLAB_VENV": str(self.venv),
+                    "ATTNLAB_PIP_ARGS": "--no-index", "ATTNLAB_SKIP_APT": "1"}
+        self.results = self.root / "results" / "results.json"
+
+    def setup(self) -> subprocess.CompletedProcess:
+        """Run the bundle's ``setup.sh`` (the venv has no pip: this environment's, seen through
+        host.pth, installs into it)."""
+        return subprocess.run(["bash", str(self.source / "setup.sh")], capture_output=True, text=True, env=self.env,
+                              timeout=1200)
+
+    def run(self, submission: Optional[os.PathLike] = None) -> subprocess.CompletedProcess:
+        """Put ``submission`` (alone) in ``submission/`` and run ``run_autograder``; without one,
+        run it on what ``submission/`` already holds."""
+        sub = self.root / "submission"
+        if submission is not None:
+            shutil.rmtree(sub, ignore_errors=True)
+            sub.mkdir(parents=True)
+            shutil.copyfile(submission, sub / Path(submission).name)
+        self.results.parent.mkdir(parents=True, exist_ok=True)
+        self.results.unlink(missing_ok=True)
+        return subprocess.run(["bash", str(self.source / "run_autograder")], capture_output=True, text=True,
+                              env=self.env, timeout=1200)
+
+
 def try_bundle(bundle: os.PathLike, submission: os.PathLike, work: os.PathLike,
                progress=lambda text: None) -> dict:
-    """Run ``bundle`` on ``submission`` the way Gradescope would, in a simulated root under
-    ``work``: unpack it to ``work/autograder/source``, run ``setup.sh`` offline into a fresh
-    venv that sees this environment's packages (torch, numpy, jaxtyping; no apt, no download),
-    put ``submission`` in ``work/autograder/submission/`` and run ``run_autograder``.
-    Returns the results.json it wrote.
+    """Run ``bundle`` on ``submission`` the way Gradescope would, in a :class:`SimulatedRoot`
+    under ``work``, and return the results.json it wrote.
 
     Raises:
         RuntimeError: setup.sh or run_autograder failed, or no results.json was written
             (the message holds the end of its output).
     """
-    import site
-    import sysconfig
-
-    work = Path(work)
-    root = work / "autograder"
-    source = root / "source"
-    with zipfile.ZipFile(bundle) as z:
-        z.extractall(source)
-    for name in ("setup.sh", "run_autograder"):
-        os.chmod(source / name, 0o755)
-    venv = work / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    venv_site = next(venv.glob("lib/python*/site-packages"))
-    here = [sysconfig.get_paths()["purelib"], *site.getsitepackages()]
-    (venv_site / "host.pth").write_text("\n".join(dict.fromkeys(p for p in here if Path(p).is_dir())) + "\n")
-    env = {**os.environ, "AUTOGRADER_ROOT": str(root), "ATTNLAB_VENV": str(venv),
-           "ATTNLAB_PIP_ARGS": "--no-index", "ATTNLAB_SKIP_APT": "1"}
+    root = SimulatedRoot(bundle, work)
     progress("setup.sh (installing the bundled wheel offline)")
-    setup = subprocess.run(["bash", str(source / "setup.sh")], capture_output=True, text=True, env=env, timeout=1200)
+    setup = root.setup()
     if setup.returncode != 0:
         raise RuntimeError(f"setup.sh failed (exit {setup.returncode}):\n{(setup.stdout + setup.stderr)[-1500:]}")
-    sub = root / "submission"
-    sub.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(submission, sub / Path(submission).name)
-    (root / "results").mkdir(exist_ok=True)
     progress("run_autograder (grading the submission)")
-    run = subprocess.run(["bash", str(source / "run_autograder")], capture_output=True, text=True, env=env,
-                         timeout=1200)
-    results = root / "results" / "results.json"
-    if run.returncode != 0 or not results.is_file():
+    run = root.run(submission)
+    if run.returncode != 0 or not root.results.is_file():
         raise RuntimeError(f"run_autograder failed (exit {run.returncode}):\n{(run.stdout + run.stderr)[-1500:]}")
-    return json.loads(results.read_text())
+    return json.loads(root.results.read_text())

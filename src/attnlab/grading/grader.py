@@ -1,6 +1,6 @@
-"""Grade a learner's ``attention.py`` safely, with feedback that names the mistake.
+"""Grade a learner's lab file safely, with feedback that names the mistake.
 
-    report = grade("labs/track1/01-attention/attention.py")
+    report = grade("labs/track1/01-attention/attention.py")   # or grade() in a lab's folder
     print(report.to_text())
     json.dump(report.to_gradescope(), open("results.json", "w"))
 
@@ -34,16 +34,14 @@ from attnlab.grading.static import check_source, describe
 __all__ = ["grade", "GradeReport", "TestResult", "default_lab_path", "Limits", "write_atomically", "ResultsFile"]
 
 PICTURE_MAX_ELEMENTS = 1 << 16
-LAB_RELATIVE = Path("labs/track1/01-attention/attention.py")
-
-
 def default_lab_path() -> Path:
-    """The lab's ``attention.py``: under the current folder, else in attnlab's own checkout."""
-    here = Path.cwd() / LAB_RELATIVE
-    if here.is_file():
-        return here
-    repo = Path(__file__).resolve().parents[3] / LAB_RELATIVE
-    return repo if repo.is_file() else here
+    """The lab file in the current folder (``attention.py``, ``masks.py``, ... : the one of
+    :data:`attnlab.labs.LAB_FILES` that is there), what ``grade()`` with no path grades.
+
+    Raises:
+        attnlab.labs.NoLabFile: none is there, or more than one (the message says what to do).
+    """
+    return labs.lab_file_in(Path.cwd())[1]
 
 
 @dataclass
@@ -209,7 +207,8 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
     """Grade a learner's file. Never raises because of the learner's code.
 
     Args:
-        path: the learner's ``attention.py`` (default: the lab's).
+        path: the learner's file (default: the lab file in the current folder,
+            :func:`default_lab_path`).
         limits: per-exercise and per-submission limits (time, memory, output, processes).
         total_timeout_s: stop running exercises after this long; the rest fail as not run.
         progress: called with a short line before each exercise (e.g. to print progress).
@@ -229,6 +228,7 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
     Raises:
         SandboxUnavailable: ``sandbox='bwrap'``, or ``untrusted`` with ``sandbox='auto'``,
             and bwrap cannot be found.
+        attnlab.labs.NoLabFile: no ``path`` and no lab file in the current folder.
     """
     t0 = time.perf_counter()
     if untrusted and sandbox == "auto" and launch.bwrap_path() is None:

@@ -62,7 +62,15 @@ MAX_TEXT = 4000  # characters of learner text kept per message field
 MAX_SOURCE_BYTES = 1 << 20  # a submission file
 START_TIMEOUT_S = 90.0  # the server imports torch; on a loaded 2-core machine that took up to ~10 s
 GRACE_S = 3.0  # parent's deadline beyond the zygote's own
-SUBMISSION_NAME = "attention.py"
+SUBMISSION_NAME = "submission.py"  # the copy's name inside the sandbox when the learner's own is not plain
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,60}\.py$")
+
+
+def submission_name(path: os.PathLike) -> str:
+    """The name the submission's copy gets inside the sandbox: the learner's own file name
+    (so tracebacks say masks.py in lab 02), or :data:`SUBMISSION_NAME` when it is not plain."""
+    name = os.path.basename(os.fspath(path))
+    return name if _PLAIN_NAME.match(name) else SUBMISSION_NAME
 
 
 @dataclass(frozen=True)
@@ -230,7 +238,8 @@ def _child_main(result_fd: int, path: str, calls: list[Call], policy: bool, limi
         for call in calls:
             fn = getattr(module, call.function, None)
             if fn is None:
-                message["results"].append({"error": f"{SUBMISSION_NAME} has no {call.function!r}", "traceback": ""})
+                message["results"].append({"error": f"{os.path.basename(path)} has no {call.function!r}",
+                                           "traceback": ""})
                 continue
             if not callable(fn):  # a constant such as EXERCISE_2_ANSWER
                 message["results"].append({"value": _portable(fn)})
@@ -415,7 +424,7 @@ def serve(request_fd: int = 0, reply_fd: int = 1, sandboxed: bool = False, statu
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     root = tempfile.mkdtemp(prefix="attnlab-sandbox-", dir="/tmp" if sandboxed else None)
-    path = os.path.join(root, "submission", SUBMISSION_NAME)
+    path = os.path.join(root, "submission", SUBMISSION_NAME)  # renamed by each 'load' to the learner's file name
     write_frame(reply_fd, b"ready " + root.encode())
     try:
         while True:
@@ -424,6 +433,7 @@ def serve(request_fd: int = 0, reply_fd: int = 1, sandboxed: bool = False, statu
             except EOFError:
                 return
             if req["op"] == "load":
+                path = os.path.join(root, "submission", submission_name(req.get("name", SUBMISSION_NAME)))
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "wb") as f:
                     f.write(req["source"])
@@ -608,7 +618,8 @@ class Sandbox:
         hello = read_frame(server.reply_fd, 4096, deadline)
         if not hello.startswith(b"ready"):
             raise EOFError("the sandbox server did not start")
-        write_frame(server.request_fd, _pickle({"op": "load", "source": self.source}))
+        write_frame(server.request_fd, _pickle({"op": "load", "source": self.source,
+                                                "name": submission_name(self.path)}))
         if read_frame(server.reply_fd, 64, deadline) != b"loaded":
             raise EOFError("the sandbox server did not take the submission")
         self.sandboxed = server.sandboxed
