@@ -304,3 +304,23 @@ def test_a_missing_lab_dependency_is_named_with_its_install_command_not_scored_a
     assert main(["grade", str(path), "--no-images"]) == 2
     monkeypatch.setattr(importlib.util, "find_spec", real)
     assert grade(path, seed=1).score == 100  # with it installed, the same file is fine
+
+
+def test_a_nan_layer_cannot_claim_parity(tmp_path):
+    """self_attention returning NaN and compare_with_sdpa claiming 0.0 earned ex9's points
+    ('inf > inf' is False); now ex9 fails and says why."""
+    bad = tmp_path / "attention.py"
+    bad.write_text((LAB / "solutions/attention.py").read_text() + '''
+
+def self_attention(X, W_Q, W_K, W_V, mask=None):
+    Q = X @ W_Q
+    return Q[..., :1] * float("nan") + (X @ W_V), Q @ Q.transpose(-2, -1) * float("nan")
+
+
+def compare_with_sdpa(X, W_Q, W_K, W_V, mask=None):
+    return 0.0
+''')
+    report = grade(bad, seed=3)
+    ex9 = [r for r in report.results if r.exercise.id == "ex9"]
+    assert ex9 and all(r.score == 0 for r in ex9), report.to_text()
+    assert "returns NaN or inf" in ex9[0].verdict.message

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import attnlab
-from procs import made_by, spare_tree
+from procs import made_by, own_processes
 from attnlab.grading import Limits, grade, launch
 from attnlab.grading.checks import EXERCISES
 
@@ -78,21 +78,11 @@ def digest(folder: Path) -> dict[str, str]:
 
 
 def server_processes(ignore: frozenset = frozenset()) -> list[str]:
-    """Sandbox servers, class templates (and their forks) and bwrap processes alive now, but
-    the spare one started ahead (no learner code has run in it: see launch.keep_spare) and
-    ``ignore`` (a class template's own processes, while it is in use)."""
-    ignore = spare_tree() | set(ignore)
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid() or int(proc.name) in ignore:
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if SERVER_MARK in cmd or TEMPLATE_MARK in cmd or cmd.startswith(("bwrap ", launch.bwrap_path() or "/nonexistent")):
-            found.append(f"{proc.name}: {cmd[:120]}")
-    return found
+    """Sandbox servers, class templates (and their forks) and bwrap processes of this test
+    process's own tree (tests/procs.own_processes), but the spare one started ahead (no
+    learner code has run in it: see launch.keep_spare) and ``ignore`` (a class template's own
+    processes, while it is in use)."""
+    return own_processes(SERVER_MARK, TEMPLATE_MARK, "bwrap ", launch.bwrap_path() or "/nonexistent", ignore=ignore)
 
 
 def free_port() -> int:

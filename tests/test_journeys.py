@@ -6,6 +6,7 @@ never a traceback."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import shutil
 import subprocess
@@ -471,3 +472,25 @@ def test_a_lab_02_traceback_names_masks_py(tmp_path):
     report = grade(target, seed=1)
     text = report.to_text()
     assert 'masks.py", line' in text and "attention.py" not in text, text[:3000]
+
+
+def test_resume_trusts_only_rows_the_grader_signed(tmp_path):
+    """A row.json planted in OUT (the stub recorded as 100, a =HYPERLINK cell), or the row of
+    an earlier version of the submission, is graded anew; a signed row of the same file is kept."""
+    _sandbox_or_skip()
+    cls = _make(tmp_path / "class", {"ann.py": STUB_02, "bob.py": SOLUTION_02})
+    out = tmp_path / "out"
+    first = batch.grade_class(cls, out, seed=4, jobs=2)
+    assert {r.learner: r.total for r in first.rows} == {"ann": 0, "bob": 100}
+    row = json.loads((out / "ann" / "row.json").read_text())
+    forged = {**row, "total": 100.0, "learner": "ann", "mistakes": ["=HYPERLINK(\"http://x\")"]}
+    (out / "ann" / "row.json").write_text(json.dumps(forged))  # the old signature does not cover this
+    seen = []
+    again = batch.grade_class(cls, out, seed=4, jobs=2, resume=True,
+                              progress=lambda done, total, text: seen.append(text))
+    assert {r.learner: r.total for r in again.rows} == {"ann": 0, "bob": 100}
+    assert [t.split()[0] for t in seen] == ["ann"]  # bob's signed row was kept, ann's forged one regraded
+    (cls / "bob.py").write_text(STUB_02.read_text())  # bob changed the file: his old row no longer applies
+    third = batch.grade_class(cls, out, seed=4, jobs=2, resume=True)
+    assert {r.learner: r.total for r in third.rows} == {"ann": 0, "bob": 0}
+    assert "HYPERLINK" not in (out / "grades.csv").read_text()

@@ -7,8 +7,10 @@ is validated, nothing of the host is visible or writable, and nothing survives.
 from __future__ import annotations
 
 import io
+import json
 import os
 import socket
+import struct
 import textwrap
 import threading
 import time
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from attnlab.grading import launch
+from attnlab.grading.protocol import encode_message
 from attnlab.grading.sandbox import (MAX_ELEMENTS, BadMessage, Call, Limits, Sandbox, clean_text,
                                      validate_message)
 from procs import made_by
@@ -316,19 +319,38 @@ def test_memory_is_capped_for_the_whole_submission(tmp_path, launcher):
 
 # --------------------------------------------------------------------------- forged messages
 def forged(msg) -> bytes:
+    """A message in the protocol's own format (safetensors + JSON), or raw bytes as they are."""
+    return msg if isinstance(msg, bytes) else encode_message(msg)
+
+
+def raw_safetensors(header: dict, data: bytes = b"") -> bytes:
+    head = json.dumps(header).encode()
+    return struct.pack("<Q", len(head)) + head + data
+
+
+def _pickled_zip() -> bytes:  # what the grader used to accept: torch.save's zip (now never parsed)
     buf = io.BytesIO()
-    torch.save(msg, buf)
+    torch.save({"status": "ok", "results": [{"value": 1.0}], "violations": []}, buf)
     return buf.getvalue()
+
+
+MESSAGE = json.dumps({"status": "ok", "results": [{"value": {"__tensor__": "t0"}}], "violations": []})
 
 
 @needs_bwrap
 @pytest.mark.parametrize("message,words", [
     ({"status": "ok", "results": [5]}, "not a dict"),
-    ({"status": "ok", "results": [{"value": torch.zeros(1, dtype=torch.bool).expand(10**12)}]}, "storage"),
-    ({"status": "ok", "results": [{"value": torch.zeros(1).expand(1_500_000_000)}]}, "storage"),
+    (raw_safetensors({"__metadata__": {"message": MESSAGE},  # 10^12 elements claimed, 1 byte sent
+                      "t0": {"dtype": "BOOL", "shape": [10**12], "data_offsets": [0, 1]}}, b"\0"), "tensor elements"),
+    (raw_safetensors({"__metadata__": {"message": MESSAGE},
+                      "t0": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]}}, b"\0" * 16), "bytes at"),
     ({"status": "ok", "results": [{"value": {"__seq__": 5, "__tuple__": True}}]}, "unknown shape"),
     ({"status": "passed", "results": []}, "unknown status"),
     ({"status": "ok", "results": [{"value": 1.0}], "violations": [], "admin": True}, "known fields"),
+    (raw_safetensors({"__metadata__": {"message": "[" * 4000 + "]" * 4000}}), "nested deeper"),
+    (raw_safetensors({"__metadata__": {"message": "[" + "[[[[[[0]]]]]]," * 16000 + "0]"}}), "more than"),
+    (_pickled_zip(), "header of"),
+    (struct.pack("<Q", 1 << 62) + b"{}", "header of"),
 ])
 def test_a_forged_message_is_refused_not_trusted(tmp_path, message, words):
     payload = forged(message)

@@ -21,12 +21,17 @@ file: ``masks.py`` for lab 02) and ``DIR/<learner>.py``. Hidden entries, symboli
 
 Seeds: with ``seed`` each learner's inputs come from ``crc32(f"{seed}:{learner}")``, so a
 rerun with the same seed gives the same grades; without, a seed is drawn and recorded.
-``resume``: learners whose ``results.json`` is complete are not graded again.
+``resume``: learners whose ``row.json`` an earlier run into the same ``out`` wrote are not graded
+again; each row is signed (HMAC-SHA256 with a key kept in ``out``, over the row and the
+submission's content), so a planted or stale row is graded anew, and ``out`` must lie outside
+the class folder.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -265,10 +270,49 @@ def _row(learner: str, report: GradeReport, folder: str = "") -> Row:
                folder or learner, problem.splitlines()[0][:300] if status != "graded" and problem else "")
 
 
-def _done_row(out: Path, sub: Submission) -> Optional[Row]:
-    """A learner finished by an earlier run (``row.json`` is written last, after results.json)."""
+KEY_FILE = ".attnlab-resume-key"  # in OUT: the HMAC key of this gradebook's rows (never in a learner's reach)
+
+
+def _resume_key(out: Path) -> bytes:
+    """The key that signs this OUT's rows, made on the first run (0600)."""
+    path = out / KEY_FILE
     try:
-        row = Row(**json.loads((out / sub.folder / "row.json").read_text(encoding="utf-8")))
+        key = path.read_bytes()
+        if len(key) == 32:
+            return key
+    except OSError:
+        pass
+    key = secrets.token_bytes(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+    return key
+
+
+def _signature(key: bytes, row: dict, source_digest: str) -> str:
+    """HMAC-SHA256 over the row and the submission's content: a row.json that the grader did not
+    write (or one of an earlier version of the submission) does not verify."""
+    body = json.dumps({"row": row, "source": source_digest}, sort_keys=True, ensure_ascii=False).encode()
+    return hmac.new(key, body, hashlib.sha256).hexdigest()
+
+
+def _source_digest(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read(1 << 21)).hexdigest()
+    except OSError:
+        return ""
+
+
+def _done_row(out: Path, sub: Submission, key: bytes) -> Optional[Row]:
+    """A learner finished by an earlier run (``row.json`` is written last, after results.json),
+    trusted only when its signature verifies with this OUT's key for this submission's content."""
+    try:
+        data = json.loads((out / sub.folder / "row.json").read_text(encoding="utf-8"))
+        signature = data.pop("hmac")
+        if not hmac.compare_digest(str(signature), _signature(key, data, _source_digest(sub.path))):
+            return None
+        row = Row(**data)
         return row if row.learner == sub.learner else None
     except (OSError, ValueError, TypeError):
         return None
@@ -294,10 +338,11 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
     the_lab, submissions, skipped = plan.lab, plan.submissions, plan.skipped
     write_atomically(out / "skipped.txt", "".join(f"{s.name}: {s.reason}\n" for s in skipped))
     base = seed if seed is not None else secrets.randbelow(2**31)
+    key = _resume_key(out)
     rows: dict[str, Row] = {}
     todo = []
     for sub in submissions:
-        done = _done_row(out, sub) if resume else None
+        done = _done_row(out, sub, key) if resume else None
         if done is not None:
             rows[sub.learner] = done
         else:
@@ -330,7 +375,8 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
                        sandbox=sandbox, untrusted=sandbox != "none", checkpoint=checkpoint, lab=the_lab.name)
         checkpoint(report)
         row = _row(sub.learner, report, sub.folder)
-        write_atomically(folder_out / "row.json", json.dumps(asdict(row), ensure_ascii=False) + "\n")
+        signed = {**asdict(row), "hmac": _signature(key, asdict(row), _source_digest(sub.path))}
+        write_atomically(folder_out / "row.json", json.dumps(signed, ensure_ascii=False) + "\n")
         with lock:
             rows[sub.learner] = row
             finished[0] += 1

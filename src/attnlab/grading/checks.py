@@ -519,6 +519,9 @@ def _judge_ex9(ctx, results, outcome):
         return {"returns_max_diff": Verdict(False, f"returned {got:.3g}, but your self_attention could not be "
                                                    "measured on these inputs (it raised or returned the wrong shape): "
                                                    "fix ex8 first")}
+    if not math.isfinite(expected):  # a NaN/inf self_attention: no claim about it can be checked ('inf > inf')
+        return {"returns_max_diff": Verdict(False, f"returned {got:.3g}, but your self_attention returns NaN or inf "
+                                                   "on these inputs, so no difference can be checked: fix ex8 first")}
     if abs(got - expected) > 1e-4 + 1e-3 * expected:
         return {"returns_max_diff": Verdict(False, f"returned {got:.3g}, but your self_attention differs from SDPA "
                                                    f"by {expected:.3g} on these inputs (with the padding mask)")}

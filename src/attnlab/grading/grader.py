@@ -28,7 +28,7 @@ import torch
 from attnlab.grading.checks import Exercise, Verdict, judge_outcome
 from attnlab import labs, mistakes
 from attnlab.grading import launch
-from attnlab.grading.sandbox import Limits, Outcome, Sandbox, clean_text
+from attnlab.grading.sandbox import MAX_SOURCE_BYTES, Limits, Outcome, Sandbox, clean_text
 from attnlab.grading.static import check_source, describe
 
 __all__ = ["grade", "GradeReport", "TestResult", "default_lab_path", "Limits", "write_atomically", "ResultsFile"]
@@ -251,11 +251,18 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         _fail_all(report, EXERCISES, Verdict(False, f"no file at {path}"))
         report.elapsed_s = time.perf_counter() - t0
         return report
-    try:
-        source = path.read_bytes()
+    try:  # the size first: a 2 GiB (sparse) file is refused without reading it
+        size = path.stat().st_size
+        if size > MAX_SOURCE_BYTES:
+            raise OSError(f"it is {size:,} bytes; a lab file is at most {MAX_SOURCE_BYTES:,}")
+        with open(path, "rb") as f:
+            source = f.read(MAX_SOURCE_BYTES + 1)
+        if len(source) > MAX_SOURCE_BYTES:  # it grew since the stat
+            raise OSError(f"it is larger than {MAX_SOURCE_BYTES:,} bytes")
     except OSError as exc:
-        report.problem = f"could not read {path}: {exc}"
+        report.problem = f"could not read {path}: {exc.strerror or exc}"
         _fail_all(report, EXERCISES, Verdict(False, report.problem))
+        report.elapsed_s = time.perf_counter() - t0
         return report
 
     # The from-scratch rule on the text, before any of it runs.

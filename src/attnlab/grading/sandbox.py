@@ -18,12 +18,11 @@ Learner code is hostile until proven otherwise. Three layers keep it away from t
    pipe open or a daemon that ignores SIGTERM is gone before the next exercise.
 3. **A parent that trusts nothing.** Every read from the zygote has a deadline; on
    a deadline or a broken frame the parent kills the whole sandbox (and starts a new
-   one for the next exercise). Results come back over a pipe the parent created, as
-   ``torch.save`` bytes that are loaded with ``weights_only=True`` and then validated
-   field by field (:func:`validate_message`): known keys and types only, tensors
-   dense, contiguous and fully backed by their storage (``numel`` is checked against
-   the storage's bytes, so a stride-0 tensor claiming 10^12 elements is refused before
-   anything touches it), capped in elements and bytes. Learner text is stripped of
+   one for the next exercise). Results come back over a pipe the parent created as one
+   safetensors file with the message as bounded JSON in its metadata
+   (:mod:`.protocol`: no pickle, no zip; every size is checked against the bytes
+   received before anything is allocated), and are then validated field by field
+   (:func:`validate_message`): known keys and types only, capped in elements and bytes. Learner text is stripped of
    control characters and lone surrogates and capped (:func:`clean_text`).
 
 Without ``bwrap`` layer 1 is missing (``Sandbox.sandboxed`` is False): the grader
@@ -52,6 +51,7 @@ import torch
 
 from attnlab.grading import launch
 from attnlab.grading.frames import Deadline, read_frame, write_frame
+from attnlab.grading.protocol import BadPayload, bounded_json, decode_message, encode_message
 
 __all__ = ["Limits", "Call", "Outcome", "Sandbox", "Unsupported", "validate_message", "clean_text",
            "MAX_RESULT_BYTES", "MAX_ELEMENTS"]
@@ -143,7 +143,7 @@ def _trim_traceback(exc: BaseException, learner_file: str, limit: int = 4) -> st
 
 
 def _portable(value: Any, depth: int = 0) -> Any:
-    """Learner return values -> what torch.load(weights_only=True) accepts."""
+    """Learner return values -> what :func:`.protocol.encode_message` sends (JSON and dense tensors)."""
     if depth > 5:
         return {"__unsupported__": "nested too deeply"}
     if isinstance(value, torch.Tensor):
@@ -271,15 +271,13 @@ def _child_main(result_fd: int, path: str, calls: list[Call], policy: bool, limi
                 message["violations"] = recorder.violations()
             except Exception:  # the learner popped the grader's recorders off the stack
                 message["violations"] = ["the grader's call recorder (it was removed or tampered with)"]
-    buf = io.BytesIO()
     try:
-        torch.save(message, buf)
+        payload = encode_message(message)  # safetensors + JSON: the grader parses nothing else
     except Exception as exc:
-        buf = io.BytesIO()
-        torch.save({"status": "protocol", "message": f"could not send the result back: {exc}"[:500],
-                    "results": [], "violations": []}, buf)
+        payload = encode_message({"status": "protocol", "message": f"could not send the result back: {exc}"[:500],
+                                  "results": [], "violations": []})
     sys.stdout.flush()
-    data = memoryview(buf.getvalue())
+    data = memoryview(payload)
     while data:
         data = data[os.write(result_fd, data):]
     os.close(result_fd)
@@ -646,7 +644,7 @@ class Sandbox:
             write_frame(server.request_fd, _pickle(req))
             deadline = time.monotonic() + timeout + GRACE_S
             fd = server.reply_fd
-            header = json.loads(read_frame(fd, 4096, deadline))
+            header_bytes = read_frame(fd, 4096, deadline)
             payload = read_frame(fd, MAX_RESULT_BYTES, deadline)
             raw_output = read_frame(fd, self.limits.output_kb * 1024, deadline)
         except Deadline:
@@ -660,8 +658,12 @@ class Sandbox:
                                                "(did your code kill it?)", elapsed_s=time.perf_counter() - t0)
         elapsed = time.perf_counter() - t0
         output = self._show(raw_output)
+        try:  # the server is in the sandbox: its header is as untrusted as the child's bytes
+            header = bounded_json(header_bytes, max_bytes=4096, max_depth=1, max_nodes=16)
+        except BadPayload:
+            header = None
         if not isinstance(header, dict) or header.get("status") not in {"ok", "timeout", "too_big", "output_flood"} \
-                or not isinstance(header.get("code"), int):
+                or not isinstance(header.get("code"), int) or isinstance(header.get("code"), bool):
             self.close()
             return Outcome("protocol", message="the sandbox server sent a malformed header", elapsed_s=elapsed)
         status = header["status"]
@@ -691,7 +693,7 @@ class Sandbox:
     def _decode(self, payload: bytes, output: str, elapsed: float, n_calls: int,
                 n_probes: Optional[int]) -> Outcome:
         try:
-            msg = torch.load(io.BytesIO(payload), weights_only=True)
+            msg = decode_message(payload)  # bounded JSON + safetensors: no pickle, no zip
             validate_message(msg, n_calls, n_probes)
         except Exception as exc:
             return Outcome("protocol", message=f"the child's answer was refused: {clean_text(exc, 300)}",

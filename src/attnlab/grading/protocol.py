@@ -1,0 +1,204 @@
+"""What may cross from a sandboxed child to the grader: bounded JSON and safetensors, nothing else.
+
+The child runs the learner's code, which may run anything, so every byte it sends is
+hostile. The grader never unpickles it, never unzips it, and never lets it choose an
+allocation: a message is one **safetensors** file (https://huggingface.co/docs/safetensors:
+an 8-byte little-endian header length, a JSON header of ``{name: {dtype, shape,
+data_offsets}}``, then the raw bytes), whose ``__metadata__`` holds the message itself as
+JSON, with each tensor written as ``{"__tensor__": name}``.
+
+:func:`decode_message` checks, before it allocates anything: the header length against the
+bytes received and :data:`MAX_HEADER_BYTES`; the JSON's nesting depth and node count (a
+scan of the text, so a header of 4000 ``[`` is refused without recursion, and JSON has no
+shared references that could expand); each tensor's dtype (a fixed list), rank, shape and
+byte count against its offsets, the offsets against the data (in order, no gaps, no
+overlap), and the elements of all tensors together against :data:`MAX_ELEMENTS`. A tensor
+is then a copy of exactly its own bytes. Any failure is a :class:`BadPayload`.
+
+:func:`encode_message` is the child's side; the format is the safetensors library's own
+(``tests/test_protocol.py`` reads ours with it and its files with ours).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import torch
+
+__all__ = ["BadPayload", "encode_message", "decode_message", "bounded_json", "MAX_HEADER_BYTES", "MAX_ELEMENTS",
+           "MAX_DEPTH", "MAX_NODES"]
+
+MAX_HEADER_BYTES = 1 << 20  # the JSON header, the message included (a result's text is capped at 4000 chars)
+MAX_ELEMENTS = 1 << 23  # tensor elements in one message, all tensors together (64 MB of float64)
+MAX_DEPTH = 12  # JSON nesting: the message's own is at most 9 (results > value > seq > dict > ...)
+MAX_NODES = 100_000  # JSON values in one message
+
+# safetensors' dtype names; only those a lab's answer can be
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class BadPayload(ValueError):
+    """The bytes are not a message this grader's child sends; the text says what was wrong."""
+
+
+def bounded_json(data: bytes | str, *, max_bytes: int = MAX_HEADER_BYTES, max_depth: int = MAX_DEPTH,
+                 max_nodes: int = MAX_NODES) -> Any:
+    """``json.loads`` of untrusted text, refused (:class:`BadPayload`) when it is larger than
+    ``max_bytes``, nests deeper than ``max_depth`` or holds more than ``max_nodes`` values,
+    all found by one linear scan before the parser runs (so no RecursionError, no blow-up)."""
+    if isinstance(data, bytes):
+        if len(data) > max_bytes:
+            raise BadPayload(f"{len(data)} bytes of JSON (at most {max_bytes})")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadPayload("JSON that is not UTF-8") from None
+    else:
+        text = data
+        if len(text) > max_bytes:
+            raise BadPayload(f"{len(text)} characters of JSON (at most {max_bytes})")
+    depth = nodes = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+            continue
+        if ch == '"':
+            in_string = True
+            nodes += 1
+        elif ch in "[{":
+            depth += 1
+            nodes += 1
+            if depth > max_depth:
+                raise BadPayload(f"JSON nested deeper than {max_depth}")
+        elif ch in "]}":
+            depth -= 1
+        elif ch == ",":
+            nodes += 1
+        if nodes > max_nodes:
+            raise BadPayload(f"JSON with more than {max_nodes} values")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise BadPayload(f"not valid JSON: {str(exc)[:120]}") from None
+
+
+def encode_message(message: Any) -> bytes:
+    """The child's message as one safetensors file: every tensor (dense, contiguous, CPU)
+    stored once, the rest as JSON in ``__metadata__["message"]``. Raises ``TypeError`` for a
+    value JSON cannot hold."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            tensors.append(v.detach().cpu().contiguous())
+            return {"__tensor__": f"t{len(tensors) - 1}"}
+        if isinstance(v, dict):
+            return {str(k): walk(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [walk(x) for x in v]
+        if v is None or isinstance(v, (bool, int, str)):
+            return v
+        if isinstance(v, float):
+            return v if v == v and v not in (float("inf"), float("-inf")) else {"__float__": repr(v)}
+        raise TypeError(f"cannot send a {type(v).__name__}")
+
+    body = json.dumps(walk(message), allow_nan=False)
+    header: dict[str, Any] = {"__metadata__": {"message": body}}
+    offset = 0
+    blobs = []
+    for i, t in enumerate(tensors):
+        if t.dtype not in _NAMES:
+            raise TypeError(f"cannot send a tensor of dtype {t.dtype}")
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[f"t{i}"] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)  # safetensors pads the header to 8 bytes
+    return struct.pack("<Q", len(head)) + head + b"".join(blobs)
+
+
+def decode_message(payload: bytes, *, max_elements: int = MAX_ELEMENTS) -> Any:
+    """The message of :func:`encode_message`'s bytes, every tensor a copy of its own bytes;
+    :class:`BadPayload` for anything else (see the module docstring for what is checked)."""
+    if len(payload) < 8:
+        raise BadPayload(f"{len(payload)} bytes: too short for a header")
+    (n,) = struct.unpack("<Q", payload[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > len(payload):
+        raise BadPayload(f"a header of {n} bytes in a message of {len(payload)}")
+    header = bounded_json(payload[8:8 + n], max_depth=3)
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+        raise BadPayload("the header is not a safetensors header with __metadata__")
+    meta = header.pop("__metadata__")
+    if set(meta) != {"message"} or not isinstance(meta["message"], str):
+        raise BadPayload("__metadata__ holds other fields than the message")
+    data = memoryview(payload)[8 + n:]
+    tensors: dict[str, torch.Tensor] = {}
+    spans = []
+    budget = max_elements
+    for name, entry in header.items():
+        if not (isinstance(entry, dict) and set(entry) == {"dtype", "shape", "data_offsets"}):
+            raise BadPayload(f"tensor {name[:40]!r}: not a safetensors entry")
+        dtype = _DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if dtype is None:
+            raise BadPayload(f"tensor {name[:40]!r}: dtype {str(entry['dtype'])[:20]!r} is not one a lab returns")
+        if not (isinstance(shape, list) and len(shape) <= 8
+                and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d for d in shape)):
+            raise BadPayload(f"tensor {name[:40]!r}: a shape that is not up to 8 sizes >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+            raise BadPayload(f"tensor {name[:40]!r}: data_offsets is not two integers")
+        numel = 1
+        for d in shape:
+            numel *= d
+            if numel > max_elements:
+                break
+        budget -= numel
+        if budget < 0:
+            raise BadPayload(f"more than {max_elements} tensor elements")
+        start, end = offsets
+        if not 0 <= start <= end <= len(data) or end - start != numel * dtype.itemsize:
+            raise BadPayload(f"tensor {name[:40]!r}: {end - start} bytes at [{start}, {end}) for shape {shape} "
+                             f"of {entry['dtype']} in {len(data)} bytes of data")
+        spans.append((start, end))
+        tensors[name] = (dtype, shape, start, end)
+    spans.sort()
+    position = 0
+    for start, end in spans:  # safetensors: the tensors tile the data exactly, in order
+        if start != position:
+            raise BadPayload("tensor data with gaps or overlaps")
+        position = end
+    if position != len(data):
+        raise BadPayload(f"{len(data) - position} bytes after the last tensor")
+    built = {}
+    for name, (dtype, shape, start, end) in tensors.items():
+        raw = bytearray(data[start:end])  # a copy: the tensor owns exactly its bytes
+        built[name] = (torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)).reshape(shape)
+    message = bounded_json(meta["message"])
+
+    def restore(v: Any) -> Any:
+        if isinstance(v, dict):
+            if set(v) == {"__tensor__"}:
+                if v["__tensor__"] not in built:
+                    raise BadPayload("a reference to a tensor the message does not hold")
+                return built[v["__tensor__"]]
+            if set(v) == {"__float__"} and v["__float__"] in ("nan", "inf", "-inf"):
+                return float(v["__float__"])
+            return {k: restore(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [restore(x) for x in v]
+        return v
+
+    return restore(message)
