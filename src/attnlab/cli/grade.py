@@ -23,8 +23,10 @@ namespace (everything it starts dies when its grading ends), a read-only view of
 the system and Python and nothing else of this machine (not your home folder, not
 the output folder, not other submissions, not the solutions), a private size-capped
 /tmp, and, where a cgroup can be made, one memory and process cap for the whole
-submission. Inside it each exercise runs in its own child process with a time limit,
-a memory limit, a cap on printed output and an empty working folder.
+submission. Inside it each exercise runs in its own child process with a budget of CPU
+time (so the grade does not depend on the machine's load; a wall-clock backstop 10x as
+long stops what only waits), a memory limit, a cap on printed output and an empty
+working folder.
 
 Without bwrap (macOS, some containers): grading your OWN file still runs, with the
 process limits only, and says so once. Grading someone else's code (--untrusted)
@@ -92,9 +94,10 @@ def add(sub) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="RESULTS_JSON", default=None,
                    help="also write Gradescope's results.json to this path ('-' for stdout, no text report)")
     p.add_argument("--timeout", type=positive_float, default=5.0, metavar="S",
-                   help="time limit per exercise (default: 5)")
+                   help="CPU time per exercise (default: 5); what waits without using CPU is stopped after 10x "
+                        "as much wall-clock time. A loaded machine does not shrink the budget")
     p.add_argument("--total-timeout", type=positive_float, default=60.0, metavar="S",
-                   help="time limit for the whole file (default: 60)")
+                   help="CPU time for the whole file (default: 60; 3x as much wall clock at most)")
     p.add_argument("--memory-mb", type=positive_int, default=1024, metavar="MB",
                    help="memory an exercise may allocate (default: 1024)")
     p.add_argument("--no-colour", "--no-color", action="store_true", help="plain text even on a terminal")

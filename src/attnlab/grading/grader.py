@@ -34,6 +34,12 @@ from attnlab.grading.static import check_source, describe
 __all__ = ["grade", "GradeReport", "TestResult", "default_lab_path", "Limits", "write_atomically", "ResultsFile"]
 
 PICTURE_MAX_ELEMENTS = 1 << 16
+# The whole file's wall-clock backstop, this many times its CPU budget (total_timeout_s): a
+# solution uses ~1.3 s of CPU in all (BENCHMARKS.md), so at 10x load it still finishes within
+# 3x the default 60 s, while a submission that sleeps in every exercise is stopped at 3x.
+TOTAL_WALL_FACTOR = 3.0
+
+
 def default_lab_path() -> Path:
     """The lab file in the current folder (``attention.py``, ``masks.py``, ... : the one of
     :data:`attnlab.labs.LAB_FILES` that is there), what ``grade()`` with no path grades.
@@ -210,7 +216,8 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         path: the learner's file (default: the lab file in the current folder,
             :func:`default_lab_path`).
         limits: per-exercise and per-submission limits (time, memory, output, processes).
-        total_timeout_s: stop running exercises after this long; the rest fail as not run.
+        total_timeout_s: stop running exercises once they have used this much CPU time (or
+            :data:`TOTAL_WALL_FACTOR` times as much wall-clock time); the rest fail as not run.
         progress: called with a short line before each exercise (e.g. to print progress).
         seed: seed of the inputs; None draws one (recorded in the report: pass it back to
             reproduce a run). Inputs differ between runs, so answers cannot be precomputed.
@@ -296,10 +303,12 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
             report.elapsed_s = time.perf_counter() - t0
             return report
         report.pending = list(EXERCISES)
+        cpu_used = first.cpu_s  # the total budget is CPU time too; wall clock only as a backstop
         for i, ex in enumerate(EXERCISES):
             broken = static.for_exercise(ex.function, allow_attention=not ex.policy)
-            if time.perf_counter() - t0 > total_timeout_s:
-                _fail_all(report, [ex], Verdict(False, f"not run: the total time limit ({total_timeout_s:g} s) "
+            if cpu_used > total_timeout_s or time.perf_counter() - t0 > total_timeout_s * TOTAL_WALL_FACTOR:
+                _fail_all(report, [ex], Verdict(False, f"not run: the total time limit ({total_timeout_s:g} s of CPU"
+                                                       f", {total_timeout_s * TOTAL_WALL_FACTOR:g} s of wall clock) "
                                                        "was reached"))
             elif broken:
                 _fail_all(report, [ex], Verdict(False, f"not run: {ex.function}() breaks the rules of the lab:\n"
@@ -310,6 +319,7 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
                 calls, ctx = ex.prepare(torch.Generator().manual_seed(seed * 1000 + i))
                 outcome = box.run(calls, policy=ex.policy,
                                   limits=dataclasses.replace(limits, **ex.limits) if ex.limits else None)
+                cpu_used += outcome.cpu_s
                 try:
                     verdicts = judge_outcome(ex, ctx, outcome)
                 except Exception as exc:  # a judge must never cost the learner their report

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 import resource
@@ -75,7 +76,10 @@ def submission_name(path: os.PathLike) -> str:
 
 @dataclass(frozen=True)
 class Limits:
-    timeout_s: float = 5.0  # wall clock, per task
+    timeout_s: float = 5.0  # CPU time of the task's process, per task (a budget that load does not shrink)
+    # the wall-clock backstop, this many times timeout_s: it stops what uses no CPU (a sleep, a
+    # blocked read) and leaves a task its whole CPU budget up to 10x oversubscription
+    wall_factor: float = 10.0
     memory_mb: int = 1024  # per process, on top of what the child has mapped at start
     output_kb: int = 256  # stdout + stderr
     show_output_chars: int = 1500  # how much of the output a report quotes
@@ -108,6 +112,7 @@ class Outcome:
     output: str = ""
     elapsed_s: float = 0.0
     probes: Optional[list[dict]] = None
+    cpu_s: float = 0.0  # CPU time of the task's process (what the time budget counts)
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
@@ -179,7 +184,11 @@ def _set_limits(limits: Limits, sandboxed: bool, vm_kb: Optional[int] = None) ->
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     file_cap = limits.file_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_cap, file_cap))
-    cpu = int(limits.timeout_s) + 2
+    # The budget is CPU time, so a loaded machine does not shrink it: SIGPROF after exactly
+    # timeout_s of this process's CPU (all its threads), and RLIMIT_CPU a second later as the
+    # fence a learner cannot lift (SIGPROF can be ignored; the hard limit is SIGKILL).
+    signal.setitimer(signal.ITIMER_PROF, limits.timeout_s)
+    cpu = math.ceil(limits.timeout_s) + 1
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if sandboxed:  # outside the sandbox the count would include all of the user's processes
@@ -334,6 +343,7 @@ def _run_task(req: dict, channel_fds: tuple[int, ...], sandboxed: bool, root: st
     limits: Limits = req["limits"]
     vm_kb = _vm_kb(status_fd) if status_fd is not None else None  # the child's at fork: /proc is hidden
     timeout = float(req["timeout_s"])
+    backstop = timeout * limits.wall_factor  # wall clock: only for what burns no CPU (sleeping, blocked)
     workdir = tempfile.mkdtemp(prefix="task-", dir=root)
     r, w = os.pipe()
     out_r, out_w = os.pipe()
@@ -361,7 +371,7 @@ def _run_task(req: dict, channel_fds: tuple[int, ...], sandboxed: bool, root: st
     open_fds = dict(bufs)
     status, exited = "ok", False
     while True:
-        left = t0 + timeout - time.monotonic()
+        left = t0 + backstop - time.monotonic()
         if left <= 0:
             status = "timeout"
             break
@@ -392,12 +402,13 @@ def _run_task(req: dict, channel_fds: tuple[int, ...], sandboxed: bool, root: st
         _drain({fd: bufs[fd] for fd in open_fds}, caps, time.monotonic() + 1.0)
     for fd in (r, out_r, pidfd):
         os.close(fd)
-    _, wstatus = os.waitpid(pid, 0)
+    _, wstatus, usage = os.wait4(pid, 0)
     code = os.WEXITSTATUS(wstatus) if os.WIFEXITED(wstatus) else -os.WTERMSIG(wstatus)
+    cpu_s = usage.ru_utime + usage.ru_stime
     shutil.rmtree(workdir, ignore_errors=True)
     payload = bytes(bufs[r]) if status == "ok" else b""
     output = bytes(bufs[out_r][: caps[out_r]])
-    return {"status": status, "code": code, "elapsed": time.monotonic() - t0}, payload, output
+    return {"status": status, "code": code, "elapsed": time.monotonic() - t0, "cpu": cpu_s}, payload, output
 
 
 def serve(request_fd: int = 0, reply_fd: int = 1, sandboxed: bool = False, status_fd: Optional[int] = None) -> None:
@@ -642,14 +653,15 @@ class Sandbox:
         try:
             req = {"op": "run", "calls": calls, "policy": policy, "limits": limits, "timeout_s": timeout}
             write_frame(server.request_fd, _pickle(req))
-            deadline = time.monotonic() + timeout + GRACE_S
+            deadline = time.monotonic() + timeout * limits.wall_factor + GRACE_S
             fd = server.reply_fd
             header_bytes = read_frame(fd, 4096, deadline)
             payload = read_frame(fd, MAX_RESULT_BYTES, deadline)
             raw_output = read_frame(fd, self.limits.output_kb * 1024, deadline)
         except Deadline:
             self.close()  # a stopped or stuck server: the whole sandbox goes, a new one serves what follows
-            return Outcome("timeout", message=f"did not finish within {timeout:g} s, and the sandbox stopped "
+            return Outcome("timeout", message=f"did not finish within {timeout * limits.wall_factor:g} s of wall-clock "
+                                              "time, and the sandbox stopped "
                                               "answering (was the grader's server stopped or killed?)",
                            elapsed_s=time.perf_counter() - t0)
         except (EOFError, OSError, ValueError) as exc:
@@ -667,9 +679,12 @@ class Sandbox:
             self.close()
             return Outcome("protocol", message="the sandbox server sent a malformed header", elapsed_s=elapsed)
         status = header["status"]
-        if status == "timeout":
-            return Outcome("timeout", message=f"did not finish within {timeout:g} s (an endless loop?)",
-                           output=output, elapsed_s=elapsed)
+        cpu_s = header.get("cpu") if isinstance(header.get("cpu"), float) and header["cpu"] >= 0 else 0.0
+        if status == "timeout":  # the wall-clock backstop: it waited without using its CPU budget
+            return Outcome("timeout", message=f"did not finish within {timeout * limits.wall_factor:g} s of "
+                                              f"wall-clock time, using {cpu_s:.1f} s of CPU (waiting on something "
+                                              "that never comes? a sleep?)", output=output, elapsed_s=elapsed,
+                           cpu_s=cpu_s)
         if status == "too_big":
             return Outcome("protocol", message=f"returned more than {MAX_RESULT_BYTES // 2**20} MB of data",
                            output=output, elapsed_s=elapsed)
@@ -683,8 +698,11 @@ class Sandbox:
                 from attnlab import doctor
 
                 n_probes = len(doctor.build_probes(doctor.SELF_ATTENTION_CAPABILITIES))
-            return self._decode(payload, output, elapsed, len(calls), n_probes)
-        return self._failure(header["code"], output, elapsed)
+            outcome = self._decode(payload, output, elapsed, len(calls), n_probes)
+        else:
+            outcome = self._failure(header["code"], output, elapsed, timeout, cpu_s)
+        outcome.cpu_s = cpu_s
+        return outcome
 
     def _show(self, data: bytes) -> str:
         text = data.decode("utf-8", errors="replace")
@@ -713,15 +731,16 @@ class Sandbox:
                        violations=[clean_text(v, 200) for v in msg.get("violations", [])],
                        output=output, elapsed_s=elapsed, probes=probes)
 
-    def _failure(self, exitcode: int, output: str, elapsed: float) -> Outcome:
+    def _failure(self, exitcode: int, output: str, elapsed: float, timeout: float = 0.0,
+                 cpu_s: float = 0.0) -> Outcome:
         if exitcode < 0:
             sig = -exitcode
+            if sig in (signal.SIGPROF, signal.SIGXCPU) or (sig == signal.SIGKILL and timeout and cpu_s >= timeout):
+                return Outcome("timeout", message=f"did not finish within {timeout:g} s of CPU time (an endless "
+                                                  f"loop?)", output=output, elapsed_s=elapsed)
             if sig == signal.SIGXFSZ:
                 return Outcome("crash", message=f"wrote a file larger than {self.limits.file_mb} MB",
                                output=output, elapsed_s=elapsed)
-            if sig == signal.SIGXCPU:
-                return Outcome("timeout", message="used up its CPU time (an endless loop?)", output=output,
-                               elapsed_s=elapsed)
             name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
             if sig == signal.SIGKILL:
                 return Outcome("crash", message="was killed (SIGKILL): the submission's memory or process limit, "
