@@ -28,7 +28,7 @@ __all__ = ["render_report", "write_report"]
 
 _CSS = """
 body{font:15px/1.45 system-ui,sans-serif;margin:2em auto;max-width:60em;color:#222;padding:0 1em}
-.scroll{overflow-x:auto;max-width:100%}svg{max-width:100%;height:auto}li,p,h1{overflow-wrap:anywhere}
+.scroll{overflow-x:auto;max-width:100%}svg{max-width:100%;height:auto}li,p,h1,td.codes{overflow-wrap:anywhere}
 th button{font:inherit;font-weight:bold;background:none;border:0;padding:0;cursor:pointer}
 th button::after{content:" \\2195";color:#999}
 @media (max-width:40em){body{margin:1em auto;font-size:14px}td,th{padding:.2em .3em}}
@@ -127,7 +127,7 @@ def render_report(result) -> str:
     for r in sorted(rows, key=lambda r: r.learner):
         out.append(f"<tr data-name='{_e(r.learner.casefold())}' data-score='{r.total:g}' data-status='{_e(r.status)}'>"
                    f"<td>{_e(r.learner)}</td><td class='num'>{r.total:g}/{r.max_total:g}</td><td>{_e(r.status)}</td>"
-                   f"<td>{' '.join(f'<code>{_e(c)}</code>' for c in r.mistakes) or '-'}</td></tr>")
+                   f"<td class='codes'>{' '.join(f'<code>{_e(c)}</code>' for c in r.mistakes) or '-'}</td></tr>")
     out.append("</tbody></table></div>")
     unread = [r for r in rows if r.status in ("could not be read", "grader error", "grader environment")]
     if unread:
