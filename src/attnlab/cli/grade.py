@@ -74,6 +74,7 @@ examples:
   attnlab grade masks.py --json results.json
   attnlab grade student/attention.py --untrusted --json results.json --seed 7
   attnlab grade submissions/ --out graded/ --jobs 2
+  attnlab grade --self-test                        # does the OS sandbox work here?
 """
 
 
@@ -111,6 +112,9 @@ def add(sub) -> argparse.ArgumentParser:
                    help="the file is someone else's: refuse to run it without the bwrap OS sandbox")
     p.add_argument("--no-sandbox", action="store_true",
                    help="run without the OS sandbox, with process limits only (trusted code, or no bwrap here)")
+    p.add_argument("--self-test", action="store_true",
+                   help="only check that the exact OS sandbox the grader uses starts and answers here (exit 0), "
+                        "or say why not (exit 1); Gradescope's run_autograder chooses its mode by it")
     p.set_defaults(func=run)
     return p
 
@@ -145,6 +149,12 @@ def _resolve(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from attnlab.grading import launch
 
+    if args.self_test:
+        from attnlab.grading.sandbox import self_test
+
+        ok, why = self_test("bwrap")
+        print(f"attnlab grade --self-test: {why}", file=sys.stdout if ok else sys.stderr)
+        return 0 if ok else 1
     mode = "none" if args.no_sandbox else "auto"
     lab, path = _resolve(args)
     if path.is_dir():

@@ -69,9 +69,10 @@ if [ ! -f "$SUBMISSION" ]; then   # a differently named file: take the only .py 
   [ "${#FILES[@]}" = 1 ] && SUBMISSION="${FILES[0]}"
 fi
 mkdir -p "$ROOT/results"
-# The OS sandbox where the container allows it; otherwise the container is the isolation.
+# The OS sandbox where the container allows it, decided by starting the grader's exact sandbox
+# (not a simpler bwrap probe); otherwise the container is the isolation.
 SANDBOX=--no-sandbox
-if command -v bwrap >/dev/null && bwrap --ro-bind / / --unshare-all true 2>/dev/null; then SANDBOX=--untrusted; fi
+if command -v bwrap >/dev/null && "$PY" -m attnlab grade --self-test >/dev/null 2>&1; then SANDBOX=--untrusted; fi
 cd "$ROOT/results"
 "$PY" -m attnlab grade "$SUBMISSION" --lab "$LAB" --json "$ROOT/results/results.json" --no-images --no-colour $SANDBOX
 exit 0   # the score is in results.json; a failing grade is not a failed autograder run

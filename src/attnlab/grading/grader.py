@@ -297,6 +297,15 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         # First: does the file import at all? One child, so a broken file fails fast and once.
         first = box.run([], policy=True)
         report.sandboxed, report.memory_fence, report.launcher = box.sandboxed, box.memory_fence, box.launcher
+        if first.environment:  # the sandbox could not start here: nothing of the learner's ran
+            report.environment_problem = (
+                f"not a mistake in your code: the grader's OS sandbox could not start on this machine "
+                f"({first.environment}), so your file was not graded. For the instructor: 'attnlab grade "
+                f"--self-test' says why; fix the grader's machine or container, then grade again.")
+            report.problem = report.environment_problem
+            _fail_all(report, EXERCISES, Verdict(False, report.problem))
+            report.elapsed_s = time.perf_counter() - t0
+            return report
         if first.status != "ok" or first.violations:
             report.problem = _whole_file_problem(first)
             _fail_all(report, EXERCISES, Verdict(False, report.problem))

@@ -362,7 +362,7 @@ def _prestart(mode: str, memory_mb: int, max_procs: int) -> None:
     global _pending
     if _pending is None:
         try:
-            _pending = ((mode, memory_mb, max_procs), start(mode, memory_mb, max_procs))
+            _pending = ((mode, memory_mb, max_procs, bwrap_path()), start(mode, memory_mb, max_procs))
         except (SandboxUnavailable, OSError):
             _pending = None
 
@@ -382,7 +382,7 @@ def take(mode: str = "auto", memory_mb: int = 2048, max_procs: int = 64):
         if _pending is not None:
             key, spare = _pending
             _pending = None
-            if key == (mode, memory_mb, max_procs) and spare.alive():
+            if key == (mode, memory_mb, max_procs, bwrap_path()) and spare.alive():  # made the same way
                 server = spare
             else:
                 spare.stop()

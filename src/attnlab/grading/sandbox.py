@@ -54,7 +54,7 @@ from attnlab.grading import launch
 from attnlab.grading.frames import Deadline, read_frame, write_frame
 from attnlab.grading.protocol import BadPayload, bounded_json, decode_message, encode_message
 
-__all__ = ["Limits", "Call", "Outcome", "Sandbox", "Unsupported", "validate_message", "clean_text",
+__all__ = ["Limits", "Call", "Outcome", "Sandbox", "Unsupported", "validate_message", "clean_text", "self_test",
            "MAX_RESULT_BYTES", "MAX_ELEMENTS"]
 
 MAX_RESULT_BYTES = 64 * 1024 * 1024  # one child's message
@@ -113,6 +113,7 @@ class Outcome:
     elapsed_s: float = 0.0
     probes: Optional[list[dict]] = None
     cpu_s: float = 0.0  # CPU time of the task's process (what the time budget counts)
+    environment: str = ""  # set when the sandbox itself could not start here: the grader's problem, not the learner's
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
@@ -647,9 +648,11 @@ class Sandbox:
         try:
             server = self._server_ready()
         except (EOFError, OSError, ValueError, Deadline) as exc:
+            first_start = self._starts <= 1  # no learner code has run yet: this machine cannot make the sandbox
             self.close()
             what = "did not start in time" if isinstance(exc, Deadline) else f"failed to start: {exc}"
-            return Outcome("protocol", message=f"the sandbox {what}", elapsed_s=time.perf_counter() - t0)
+            return Outcome("protocol", message=f"the sandbox {what}", elapsed_s=time.perf_counter() - t0,
+                           environment=f"the sandbox {what}" if first_start else "")
         try:
             req = {"op": "run", "calls": calls, "policy": policy, "limits": limits, "timeout_s": timeout}
             write_frame(server.request_fd, _pickle(req))
@@ -776,3 +779,26 @@ class Unsupported:
     """A return value the child could not send (an object of this type name)."""
 
     type_name: str
+
+
+def self_test(mode: str = "bwrap", limits: Limits = Limits()) -> tuple[bool, str]:
+    """Start the exact sandbox the grader uses (``mode``: 'bwrap' or 'auto'), run one trivial
+    task in it and check its answer: ``(True, how it is fenced)`` or ``(False, why not)``.
+    This, not a simpler ``bwrap ... true``, is what decides whether grading here is sandboxed."""
+    folder = tempfile.mkdtemp(prefix="attnlab-self-test-")
+    try:
+        path = Path(folder) / "self_test.py"
+        path.write_text("def answer():\n    return 42\n")
+        try:
+            with Sandbox(path, limits, mode=mode) as box:
+                outcome = box.run([Call("answer")], policy=False)
+                fence, sandboxed = box.memory_fence, box.sandboxed
+        except launch.SandboxUnavailable as exc:
+            return False, str(exc)
+        if outcome.status != "ok" or not outcome.results or outcome.results[0].get("value") != 42:
+            return False, outcome.environment or outcome.message or f"the test task ended with {outcome.status}"
+        if mode != "none" and not sandboxed:
+            return False, "the task ran, but not in the OS sandbox"
+        return True, f"the OS sandbox works here ({fence or 'no memory fence'})"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
