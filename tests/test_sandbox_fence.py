@@ -386,3 +386,71 @@ def test_learner_text_is_made_safe():
     cleaned.encode("utf-8")  # no lone surrogate left
     assert cleaned.startswith("a") and "\ng" in cleaned
     assert len(clean_text("x" * 100_000)) < 4100
+
+
+# --------------------------------------------------------------------------- seccomp, not dumpable
+REACH = """
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def attempt(fn):
+        r = fn()
+        return "ok" if r != -1 else os.strerror(ctypes.get_errno())
+
+    def reach():
+        server = os.getppid()
+        pidfd = os.pidfd_open(server)
+        out = {
+            "unshare_user": attempt(lambda: libc.unshare(0x10000000)),   # CLONE_NEWUSER: root in a nested ns
+            "clone_newns": attempt(lambda: libc.syscall(56, 0x00020000 | 17, 0, 0, 0, 0)),  # clone(CLONE_NEWNS)
+            "ptrace_server": attempt(lambda: libc.ptrace(16, server, 0, 0)),  # PTRACE_ATTACH
+            "pidfd_getfd": attempt(lambda: libc.syscall(438, pidfd, 3, 0)),   # the server's fds
+            "mount": attempt(lambda: libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)),
+        }
+        pid = os.fork()  # ordinary forks and threads still work
+        if pid == 0:
+            os._exit(7)
+        out["fork"] = os.WEXITSTATUS(os.waitpid(pid, 0)[1])
+        return str(sorted(out.items()))
+"""
+
+
+@needs_bwrap
+def test_learner_code_cannot_reach_other_processes_or_make_namespaces(tmp_path, launcher):
+    """The pidfd_getfd attack (the server's reply pipe taken, a forged header written) and the
+    nested user namespace (root inside, a tmpfs of any size) both need calls the child's
+    seccomp filter refuses; the server is not dumpable either."""
+    with sandbox_for(tmp_path, REACH) as box:
+        outcome = box.run([Call("reach")], policy=False)
+    assert outcome.status == "ok" and "value" in outcome.results[0], (outcome.message, outcome.results)
+    got = dict(eval(outcome.results[0]["value"]))  # noqa: S307  (our own repr of a list of pairs)
+    assert got.pop("fork") == 7
+    assert got == {k: "Operation not permitted" for k in got}, got
+
+
+def test_the_filter_refuses_what_it_lists_and_nothing_a_lab_needs():
+    """Without a sandbox, in a child of this test: before the filter a nested user namespace
+    can be made (the check is not vacuous), after it not; threads, fork and torch still run."""
+    import subprocess
+    import sys
+
+    code = textwrap.dedent("""
+        import ctypes, os, threading, torch
+        from attnlab.grading import seccomp
+        libc = ctypes.CDLL(None, use_errno=True)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if libc.unshare(0x10000000) == 0 else 1)
+        before = os.WEXITSTATUS(os.waitpid(pid, 0)[1])
+        seccomp.install()
+        after = libc.unshare(0x10000000)
+        t = threading.Thread(target=lambda: None); t.start(); t.join()
+        torch.set_num_threads(2)
+        ok = bool((torch.ones(256, 256) @ torch.ones(256, 256)).sum() == 256 ** 3)
+        print(before, after, os.strerror(ctypes.get_errno()), ok)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    words = run.stdout.split()
+    assert (words[0], words[1], words[-1]) == ("0", "-1", "True"), run.stdout
+    assert "Operation not permitted" in run.stdout

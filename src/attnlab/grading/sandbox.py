@@ -50,7 +50,7 @@ from typing import Any, Optional
 
 import torch
 
-from attnlab.grading import launch
+from attnlab.grading import launch, seccomp
 from attnlab.grading.frames import Deadline, read_frame, write_frame
 from attnlab.grading.protocol import BadPayload, bounded_json, decode_message, encode_message
 
@@ -223,6 +223,10 @@ def _child_main(result_fd: int, path: str, calls: list[Call], policy: bool, limi
     # so writing a huge file ends the child and is reported as such.
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
     _set_limits(limits, sandboxed, vm_kb)
+    try:  # before any learner code: no ptrace, pidfd_getfd, process_vm_*, namespaces or mounts
+        seccomp.install()
+    except OSError:  # a kernel without seccomp: the OS sandbox and the limits still hold
+        pass
     wants_probes = any(c.doctor for c in calls)
     probes = doctor.build_probes(doctor.SELF_ATTENTION_CAPABILITIES) if wants_probes else None
     run_probes, adapt = doctor.run_probes, doctor.adapt_self_attention
@@ -421,6 +425,13 @@ def serve(request_fd: int = 0, reply_fd: int = 1, sandboxed: bool = False, statu
     import pickle
 
     import attnlab.doctor  # noqa: F401
+
+    try:  # not dumpable: a learner's process of the same uid cannot ptrace this server or take its fds
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        pass
     import attnlab.grading.policy  # noqa: F401
 
     try:  # the lab imports it; importing it once here saves every child the time
