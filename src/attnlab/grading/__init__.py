@@ -7,11 +7,14 @@
 
 Learner code is hostile until proven otherwise. Modules: :mod:`.grader` (the run and
 the report), :mod:`.launch` (the bwrap OS sandbox of one submission and its cgroup,
-started early, without importing torch), :mod:`.sandbox` (child processes with limits,
-and the validation of everything they send back), :mod:`.static` (the from-scratch
+started early, without importing torch), :mod:`.sandbox` (child processes with CPU-time
+budgets, and the validation of everything they send back), :mod:`.protocol` (what may
+cross from a child: safetensors and bounded JSON, checked before anything is allocated),
+:mod:`.seccomp` (the filter every child runs under), :mod:`.static` (the from-scratch
 rule on the file's text, before it runs), :mod:`.policy` (the call recorders inside
-the child, a second layer), :mod:`.checks` (the exercises, the float64 reference,
-named mistakes).
+the child, a second layer, evidence and not a fence), :mod:`.checks` and the
+``labNN_*`` modules (each lab's exercises, float64 references, named mistakes),
+:mod:`.batch`, :mod:`.report` and :mod:`.autograder` (a class, its report, Gradescope).
 
 Names are loaded lazily, so ``import attnlab.grading.launch`` stays cheap.
 """

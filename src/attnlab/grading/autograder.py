@@ -162,7 +162,8 @@ class SimulatedRoot:
         self.venv = work / "venv"
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(self.venv)], check=True)
         venv_site = next(self.venv.glob("lib/python*/site-packages"))
-        here = [sysconfig.get_paths()["purelib"], *site.getsitepackages()]
+        here = [sysconfig.get_paths()["purelib"], *site.getsitepackages(),
+                *(p for p in sys.path if os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages"))]
         (venv_site / "host.pth").write_text("\n".join(dict.fromkeys(p for p in here if Path(p).is_dir())) + "\n")
         self.env = {**os.environ, "AUTOGRADER_ROOT": str(self.root), "ATTNLAB_VENV": str(self.venv),
                     "ATTNLAB_PIP_ARGS": "--no-index", "ATTNLAB_SKIP_APT": "1"}

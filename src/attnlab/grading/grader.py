@@ -276,13 +276,9 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
     static = check_source(source, path.name)
     missing = missing_modules(static.imports)
     if missing and not static.syntax_error:  # the grader's installation, not the learner's code
-        report.environment_problem = (
-            f"not a mistake in your code: the file imports {', '.join(missing)}, which is not installed where "
-            f"the grader runs. Install it with: {install_command(missing)}, then grade again.")
-        report.problem = report.environment_problem
-        _fail_all(report, EXERCISES, Verdict(False, report.problem))
-        report.elapsed_s = time.perf_counter() - t0
-        return report
+        return _environment_problem(report, EXERCISES, t0,
+                                    f"the file imports {', '.join(missing)}, which is not installed where the grader "
+                                    f"runs. Install it with: {install_command(missing)}, then grade again.")
     if static.syntax_error:
         report.problem = f"could not import the file:\n{static.syntax_error}"
     elif static.module_level():
@@ -298,14 +294,11 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         first = box.run([], policy=True)
         report.sandboxed, report.memory_fence, report.launcher = box.sandboxed, box.memory_fence, box.launcher
         if first.environment:  # the sandbox could not start here: nothing of the learner's ran
-            report.environment_problem = (
-                f"not a mistake in your code: the grader's OS sandbox could not start on this machine "
-                f"({first.environment}), so your file was not graded. For the instructor: 'attnlab grade "
-                f"--self-test' says why; fix the grader's machine or container, then grade again.")
-            report.problem = report.environment_problem
-            _fail_all(report, EXERCISES, Verdict(False, report.problem))
-            report.elapsed_s = time.perf_counter() - t0
-            return report
+            return _environment_problem(report, EXERCISES, t0,
+                                        f"the grader's OS sandbox could not start on this machine "
+                                        f"({first.environment}), so your file was not graded. For the instructor: "
+                                        f"'attnlab grade --self-test' says why; fix the grader's machine or "
+                                        f"container, then grade again.")
         if first.status != "ok" or first.violations:
             report.problem = _whole_file_problem(first)
             _fail_all(report, EXERCISES, Verdict(False, report.problem))
@@ -403,6 +396,16 @@ def _whole_file_problem(o: Outcome) -> str:
         return f"policy violation while importing the file: it reached {', '.join(o.violations)}"
     text = f"importing the file failed: {o.message}"
     return text + (f"\nit printed:\n{o.output}" if o.output else "")
+
+
+def _environment_problem(report: GradeReport, exercises: list[Exercise], t0: float, why: str) -> GradeReport:
+    """End ``report`` with a problem of the grader's installation or machine, not the learner's
+    (no points, and it says so: the class status 'grader environment')."""
+    report.environment_problem = f"not a mistake in your code: {why}"
+    report.problem = report.environment_problem
+    _fail_all(report, exercises, Verdict(False, report.problem))
+    report.elapsed_s = time.perf_counter() - t0
+    return report
 
 
 def _fail_all(report: GradeReport, exercises: list[Exercise], verdict: Verdict) -> None:
