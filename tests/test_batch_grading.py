@@ -83,7 +83,8 @@ def test_the_gradebook_has_every_learner_sorted_with_points_mistakes_and_status(
     rows = read_csv(root / "out" / "grades.csv")
     by = {r["learner"]: r for r in rows}
     assert [r["learner"] for r in rows] == ["alice", "bob", "carol", "dave", "erin", "hang", "mallory", "trent"]
-    assert by["alice"]["total"] == by["bob"]["total"] == by["trent"]["total"] == "100"
+    assert by["alice"]["total"] == by["bob"]["total"] == "100"
+    assert by["trent"]["total"] == "0"  # its module-level torch.save is not on the lab's allow-list: refused unrun
     assert by["carol"]["total"] == "0" and by["mallory"]["total"] == "0"
     assert float(by["dave"]["total"]) < 100 and "missing_scale" in by["dave"]["mistakes"].split()
     assert float(by["erin"]["total"]) < 100 and "mask_polarity" in by["erin"]["mistakes"].split()
@@ -100,8 +101,10 @@ def test_each_learner_gets_gradescope_results_json(graded):
         data = json.loads((root / "out" / r["learner"] / "results.json").read_text())
         assert data["score"] == float(r["total"]) and data["extra_data"]["seed"] == int(r["seed"])
         assert data["tests"] and data["extra_data"]["sandbox"]["os_sandbox"] is True
-        # every sandbox was forked from the class template (torch imported once for the class)
-        assert data["extra_data"]["sandbox"]["made_by"] == "template", data["extra_data"]["sandbox"]
+        # every sandbox was forked from the class template (torch imported once for the class); a file
+        # the static check refused whole never needed one
+        refused_unrun = "none of it was run" in data["output"]
+        assert data["extra_data"]["sandbox"]["made_by"] == ("" if refused_unrun else "template"), data["output"]
     assert "pre-imported template" in result.sandboxes
 
 

@@ -203,7 +203,7 @@ BAD = [
      "ValueError: oops: a learner bug"),
     ("print_flood", "def project_qkv(X, W_Q, W_K, W_V):\n    while True:\n        print('x' * 1000)\n", "ex1",
      "printed more than 256 KB"),
-    ("returns_garbage", "def attend(weights, V):\n    return object()\n", "ex4", "an object of type object"),
+    ("returns_garbage", "def attend(weights, V):\n    return range(3)\n", "ex4", "an object of type range"),
     ("returns_huge", "def attend(weights, V):\n    return torch.zeros(30_000_000)\n", "ex4", "returned more than 64 MB"),
 ]
 
@@ -237,15 +237,22 @@ def test_endless_loop_at_import(tmp_path):
 
 
 def test_learner_code_runs_in_a_child_in_an_empty_folder(tmp_path, monkeypatch):
+    """torch alone can write files: the static check refuses torch.save (not on the lab's list),
+    and the same code run straight in the sandbox writes only inside it."""
+    from attnlab.grading.sandbox import Call, Sandbox
+    from attnlab.grading.static import check_source
+
     monkeypatch.chdir(tmp_path)
     sub = tmp_path / "sub"
     sub.mkdir()
-    path = make_variant(sub, ("NEG_INF = float(\"-inf\")",
-                              "NEG_INF = float(\"-inf\")\n"
-                              "torch.save(torch.zeros(1), 'marker.pt')\n"  # torch alone can write files
-                              "torch.save(torch.zeros(1), '../marker.pt')\n"))
-    report = grade(path, limits=FAST)
-    assert report.score == 100, report.to_text()
+    code = ("import torch\n\ndef write():\n    torch.save(torch.zeros(1), 'marker.pt')\n"
+            "    torch.save(torch.zeros(1), '../marker.pt')\n    return 1\n")
+    assert any(".save" in v.message for v in check_source(code).violations)
+    path = sub / "attention.py"
+    path.write_text(code)
+    with Sandbox(path, FAST) as box:
+        outcome = box.run([Call("write")], policy=False)
+    assert outcome.status == "ok" and outcome.results[0]["value"] == 1, outcome
     assert not (tmp_path / "marker.pt").exists() and not (sub / "marker.pt").exists()
     assert not list(tmp_path.rglob("marker.pt"))
 

@@ -22,11 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 import attnlab
 from procs import made_by, own_processes
 from attnlab.grading import Limits, grade, launch
 from attnlab.grading.checks import EXERCISES
+from attnlab.grading.sandbox import Sandbox
 
 HERE = Path(__file__).resolve().parent
 HOSTILE = HERE / "hostile"
@@ -50,7 +52,7 @@ if launch.bwrap_path() is None:
 def header(text: str) -> dict[str, str]:
     fields = {}
     for line in text.splitlines():
-        m = re.match(r"# (class|base|expect): (.+)", line)
+        m = re.match(r"# (class|base|expect|static): (.+)", line)
         if not m:
             break
         fields[m.group(1)] = m.group(2).strip()
@@ -210,6 +212,19 @@ def test_hostile_submission(path, world, launcher):
             listener.accept()
     listener.close()
     assert reached == []
+    if meta.get("static") == "refused":
+        # The allow-list refuses this file before it runs: that is its honest score above. Its code
+        # still goes through the OS sandbox here, straight (import and ex1's calls), so the fence it
+        # was written against is still tested: nothing left running, nothing changed outside.
+        assert "allows" in text or "reaches" in text, text
+        calls, _ = EXERCISES[0].prepare(torch.Generator().manual_seed(0))
+        with Sandbox(target, LIMITS, mode="bwrap") as box:
+            box.run([], policy=False)
+            box.run(calls, policy=False)
+        time.sleep(0.3)
+        assert server_processes(ignore=template_own) == []
+        assert world.snapshot() == before
+        assert host_leftovers(world.token) == []
 
 
 def test_a_daemon_cannot_rewrite_results_json_after_the_grader_wrote_it(world):
@@ -257,5 +272,6 @@ def test_the_suite_sees_the_damage_when_the_sandbox_is_off(name, world):
     test's own temporary folders are run this way."""
     target, _ = materialise(HOSTILE / f"{name}.py", world)
     before = world.snapshot()
-    grade(target, limits=LIMITS, sandbox="none")
+    with Sandbox(target, LIMITS, mode="none") as box:  # straight: the static check would refuse it first
+        box.run([], policy=False)
     assert world.snapshot() != before

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from attnlab import labs
+
 from attnlab import mistakes
 from attnlab.grading import grade
 from attnlab.grading.static import check_source
@@ -121,7 +123,7 @@ def test_a_banned_call_inside_the_autograd_function_costs_the_exercises_that_rea
     source = (LAB / "solutions/flash.py").read_text().replace(
         "        o, lse = flash_forward(q, k, v, is_causal)\n",
         "        o, lse = flash_forward(q, k, v, is_causal)\n        o = torch.softmax(o, dim=-1)\n")
-    report = check_source(source, "flash.py")
+    report = check_source(source, "flash.py", labs.find_lab("04").allowed_names)
     assert [v.function for v in report.violations] == ["TiledAttention"]
     assert report.for_exercise("attention_and_grads", allow_attention=False)
     assert not report.for_exercise("flash_forward", allow_attention=False)

@@ -30,6 +30,9 @@ class Lab:
     file: str = "attention.py"  # the learner's file (stubs), graded by attnlab grade
     checks: str = "attnlab.grading.checks"  # the module whose EXERCISES grade it
     needs: tuple[str, ...] = ("jaxtyping",)  # imports of the stubs beyond torch: the 'lab' extra
+    # names beyond the shared tensor arithmetic (attnlab.grading.static.COMMON_ATTRIBUTES) that
+    # this lab's files may use as attributes or from-imports: the static check's allow-list
+    allowed_names: tuple[str, ...] = ()
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -44,7 +47,8 @@ class Lab:
 LABS = (
     Lab("01-attention", "Self-attention from queries, keys and values",
         "projections, scaled scores, a stable softmax, masks (causal, padding), the weighted sum, "
-        "parity with torch's SDPA; the lesson's worked example"),
+        "parity with torch's SDPA; the lesson's worked example",
+        allowed_names=("nn", "functional")),  # compare_with_sdpa calls torch.nn.functional's SDPA
     Lab("02-masks", "Attention masks, as SDPA reads them",
         "causal masks aligned top-left and bottom-right (L != S, a KV cache), padding masks from lengths, "
         "combining masks, -inf before softmax and zeros (not NaN) for fully masked rows, SDPA's True = attend "
@@ -59,7 +63,10 @@ LABS = (
         "the online softmax on a stream (running max and sum), the tiled forward with m_i, l_i, acc and the "
         "saved log-sum-exp, causal tiles skipped and masked, no [L, S] tensor (checked under a memory cap), the "
         "backward that recomputes tiles (the D term), one torch.autograd.Function", file="flash.py",
-        checks="attnlab.grading.lab04_flash"),
+        checks="attnlab.grading.lab04_flash",
+        # the autograd.Function and what the stub's ctx carries
+        allowed_names=("autograd", "Function", "apply", "save_for_backward", "saved_tensors", "grad_fn",
+                       "is_causal")),
 )
 
 

@@ -1,6 +1,7 @@
 # class: leftovers
+# static: refused
 # base: solution
-# expect: 100
+# expect: 0
 # leaves processes behind at import and in every exercise; the answers themselves are right
 
 

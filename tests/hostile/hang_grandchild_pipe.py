@@ -1,7 +1,10 @@
 # class: hang
+# static: refused
 # base: solution
-# expect: 100
-# a grandchild keeps the result pipe open forever; the answer itself is right
+# expect: 59
+# a grandchild keeps the result pipe open forever; the answer itself is right (the allow-list refuses
+# torch.multiprocessing in project_qkv: 59 without ex1 and the exercises that reach it; the harness
+# still runs the code straight in the sandbox)
 
 
 _project = project_qkv

@@ -273,7 +273,7 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         return report
 
     # The from-scratch rule on the text, before any of it runs.
-    static = check_source(source, path.name)
+    static = check_source(source, path.name, the_lab.allowed_names)
     missing = missing_modules(static.imports)
     if missing and not static.syntax_error:  # the grader's installation, not the learner's code
         return _environment_problem(report, EXERCISES, t0,

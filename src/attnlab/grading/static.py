@@ -33,6 +33,7 @@ open sockets. The OS sandbox (:mod:`.launch`) is the fence; this check keeps the
 from __future__ import annotations
 
 import ast
+import builtins
 import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -55,6 +56,57 @@ BANNED_ATTRIBUTES = frozenset({"sys", "os", "builtins", "subprocess", "importlib
 # attributes that compute attention's pieces in disguise
 DISGUISED = {"distributions": "torch.distributions computes a softmax for you (Categorical(logits=...).probs)"}
 BANNED_STRINGS = ("attnlab", "solutions")
+
+# ---------------------------------------------------------------- the allow-lists
+# The rules above name what is refused; these name what is allowed, so a way to run code that
+# nobody thought of (a string annotation evaluated by typing.get_type_hints, a pickle reached
+# through torch.serialization, a match class pattern, getattr under another name,
+# torch.ops.load_library) is refused because it is not on a list. Everything a lab's solution,
+# its stubs and the test suite's buggy variants use is here (tests/test_static_allowlist.py
+# checks it), plus the tensor arithmetic an honest alternative commonly writes.
+ALLOWED_NODES = frozenset({
+    "Module", "Expr", "Import", "ImportFrom", "alias", "FunctionDef", "ClassDef", "arguments", "arg", "keyword",
+    "Return", "Assign", "AugAssign", "AnnAssign", "For", "While", "If", "With", "withitem", "Raise", "Assert",
+    "Pass", "Break", "Continue", "Try", "ExceptHandler", "Delete", "NamedExpr",
+    "BoolOp", "BinOp", "UnaryOp", "Lambda", "IfExp", "Dict", "Set", "ListComp", "SetComp", "DictComp",
+    "GeneratorExp", "comprehension", "Compare", "Call", "Constant", "JoinedStr", "FormattedValue", "Attribute",
+    "Subscript", "Starred", "Name", "List", "Tuple", "Slice", "Load", "Store", "Del",
+    "And", "Or", "Add", "Sub", "Mult", "MatMult", "Div", "Mod", "Pow", "LShift", "RShift", "BitOr", "BitXor",
+    "BitAnd", "FloorDiv", "Invert", "Not", "UAdd", "USub", "Eq", "NotEq", "Lt", "LtE", "Gt", "GtE", "Is", "IsNot",
+    "In", "NotIn",
+})
+ALLOWED_BUILTINS = frozenset({
+    "abs", "all", "any", "bool", "dict", "divmod", "enumerate", "filter", "float", "int", "isinstance", "len",
+    "list", "map", "max", "min", "print", "range", "reversed", "round", "set", "slice", "sorted", "str", "sum",
+    "tuple", "zip", "super", "staticmethod", "classmethod", "property", "NotImplementedError", "ValueError",
+    "TypeError", "RuntimeError", "IndexError", "KeyError", "AssertionError", "ZeroDivisionError", "Exception",
+    "SystemExit",  # raising it ends the exercise's process, which the grader reports as such
+    "__name__", "__doc__",
+})
+# attribute (and from-import) names: tensor arithmetic, the modules' few names the labs use
+COMMON_ATTRIBUTES = frozenset({
+    # what the labs' solutions and stubs use
+    "abs", "amax", "arange", "bool", "cat", "detach", "dtype", "empty", "exp", "expand_as", "full", "isneginf",
+    "item", "log", "masked_fill", "max", "maximum", "ones", "ones_like", "repeat_interleave", "requires_grad_",
+    "reshape", "shape", "sqrt", "sum", "transpose", "tril", "view", "where", "zeros", "zeros_like",
+    "Tensor", "Optional", "Bool", "Float", "Int",
+    # tensor arithmetic an honest alternative writes
+    "T", "mT", "matmul", "mm", "bmm", "einsum", "permute", "unsqueeze", "squeeze", "contiguous", "size", "dim",
+    "numel", "expand", "repeat", "flatten", "unflatten", "swapaxes", "stack", "split", "chunk", "narrow",
+    "select", "index_select", "gather", "flip", "clone", "float", "double", "half", "to", "new_zeros", "new_ones",
+    "new_full", "full_like", "empty_like", "linspace", "tensor", "eye", "triu", "masked_fill_", "exp2", "log2",
+    "log1p", "expm1", "rsqrt", "neg", "min", "amin", "minimum", "clamp", "clamp_min", "clamp_max", "mean",
+    "prod", "pow", "square", "mul", "div", "add", "sub", "isnan", "isinf", "isposinf", "isfinite",
+    "nan_to_num", "logical_not", "logical_and", "logical_or", "any", "all", "eq", "ne", "lt", "le", "gt", "ge",
+    "allclose", "equal", "tolist", "device", "requires_grad", "grad", "backward", "float32", "float64",
+    "bfloat16", "float16", "long", "int", "int64", "finfo", "no_grad", "fill_", "zero_", "copy_", "add_", "mul_",
+    "div_", "sub_", "values", "indices", "keys", "items", "append", "extend", "pi", "inf", "nan", "ceil", "floor",
+    "Tuple", "List", "Union", "Callable", "Sequence", "Any",
+    "special",  # torch.special's arithmetic (its softmax is refused by name like every other)
+})
+FORBIDDEN_PATHS = ("serialization", "pickle", "ops", "classes", "utils", "hub", "multiprocessing", "distributed",
+                   "load", "save", "load_library", "tofile", "fromfile", "from_file", "numpy", "storage",
+                   "untyped_storage", "get_type_hints", "jit", "compile", "library", "backends", "fx", "package")
 
 
 @dataclass(frozen=True)
@@ -108,12 +160,25 @@ def _banned_fragment(name: str) -> Optional[str]:
 
 
 class _Visitor(ast.NodeVisitor):
-    def __init__(self, top_functions: set[str]) -> None:
+    def __init__(self, top_functions: set[str], allowed_attributes: frozenset = COMMON_ATTRIBUTES,
+                 bound: frozenset = frozenset()) -> None:
         self.top = top_functions
+        self.allowed = allowed_attributes
+        self.bound = bound  # every name the file binds (assignments, parameters, imports, defs, loop targets)
         self.function: Optional[str] = None
         self.violations: list[Violation] = []
         self.calls: dict[str, set[str]] = {}
         self.imports: set[str] = set()
+
+    def visit(self, node: ast.AST):
+        name = type(node).__name__
+        if name not in ALLOWED_NODES:
+            what = {"Match": "a match statement", "Global": "global", "Nonlocal": "nonlocal",
+                    "AsyncFunctionDef": "async def", "Await": "await", "Yield": "yield", "YieldFrom": "yield from",
+                    "TryStar": "except*"}.get(name, f"a {name} construct")
+            self.add(node, "unsafe", f"{what} is not among the constructs a lab submission may use")
+            return None  # what is inside a refused construct is not looked at: it is refused whole
+        return super().visit(node)
 
     def add(self, node: ast.AST, kind: str, message: str) -> None:
         self.violations.append(Violation(getattr(node, "lineno", 0), self.function, kind, message))
@@ -128,11 +193,35 @@ class _Visitor(ast.NodeVisitor):
         else:
             self.generic_visit(node)
 
-    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _function
+    def visit_FunctionDef(self, node) -> None:
+        for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs,
+                  *(x for x in (node.args.vararg, node.args.kwarg) if x is not None)]:
+            self._annotation(a.annotation)
+        self._annotation(node.returns)
+        self._function(node)
+
+    visit_AsyncFunctionDef = visit_ClassDef = _function
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        self._annotation(node.annotation)
+        self.generic_visit(node)
+
+    def _annotation(self, ann: Optional[ast.AST]) -> None:
+        """A whole annotation that is a string is code typing.get_type_hints would run; one with a
+        call in it runs at definition time. jaxtyping's shape strings inside [...] are data."""
+        if ann is None:
+            return
+        if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+            self.add(ann, "unsafe", "a string annotation (typing.get_type_hints would evaluate it as code): write "
+                                    "the type itself")
+        elif any(isinstance(n, (ast.Call, ast.Lambda, ast.NamedExpr)) for n in ast.walk(ann)):
+            self.add(ann, "unsafe", "a call inside an annotation: annotations name types, they compute nothing")
 
     # ----------------------------------------------------------- imports
     def _check_module(self, node: ast.AST, module: str) -> None:
         root = module.split(".")[0]
+        for part in module.split(".")[1:]:
+            self._allowed_name(node, part, f"import of {module}")
         if root in ALLOWED_IMPORTS and root != "__future__":
             self.imports.add(root)
         if root not in ALLOWED_IMPORTS:
@@ -154,6 +243,8 @@ class _Visitor(ast.NodeVisitor):
             return
         self._check_module(node, node.module or "")
         for alias in node.names:
+            if node.module != "__future__" and alias.name != "*":
+                self._allowed_name(node, alias.name, f"from {node.module} import {alias.name}")
             if alias.name == "*":
                 self.add(node, "unsafe", f"'from {node.module} import *': import names one by one")
             elif alias.name.startswith("_") and node.module != "__future__":
@@ -164,6 +255,10 @@ class _Visitor(ast.NodeVisitor):
 
     # ----------------------------------------------------------- names and attributes
     def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Load) and node.id not in self.bound and node.id in _BUILTIN_NAMES \
+                and node.id not in ALLOWED_BUILTINS and node.id not in BANNED_BUILTINS:
+            self.add(node, "unsafe", f"the builtin {node.id} is not among the builtins a lab submission may use "
+                                     f"(allowed: {', '.join(sorted(ALLOWED_BUILTINS - {'__name__', '__doc__'}))})")
         if node.id in BANNED_BUILTINS:
             self.add(node, "unsafe", f"{node.id} is not allowed in a submission")
         elif node.id.startswith("__") and node.id not in ("__name__", "__doc__"):
@@ -175,7 +270,17 @@ class _Visitor(ast.NodeVisitor):
         self._attribute(node, node.attr)
         self.generic_visit(node)
 
+    def _allowed_name(self, node: ast.AST, attr: str, what: str) -> None:
+        if attr.startswith("_") or attr in BANNED_ATTRIBUTES or _banned_fragment(attr):
+            return  # refused already, with its own reason
+        if attr in FORBIDDEN_PATHS:
+            self.add(node, "unsafe", f"{what}: .{attr} reaches serialization, files, compiled code or processes")
+        elif attr not in self.allowed:
+            self.add(node, "unsafe", f"{what}: .{attr} is not among the names this lab allows (tensor arithmetic "
+                                     f"and the names its stubs use); write it with those")
+
     def _attribute(self, node: ast.AST, attr: str) -> None:
+        self._allowed_name(node, attr, f"the attribute .{attr}")
         if attr.startswith("_"):
             self.add(node, "unsafe", f"the attribute .{attr}: private and dunder attributes are not allowed")
         elif attr in BANNED_ATTRIBUTES:
@@ -205,9 +310,32 @@ class _Visitor(ast.NodeVisitor):
             self.add(node, "unsafe", "a string naming attnlab or its solutions")
 
 
-def check_source(source: str | bytes, filename: str = "attention.py") -> StaticReport:
+_BUILTIN_NAMES = frozenset(dir(builtins))
+
+
+def _bound_names(tree: ast.AST) -> frozenset:
+    """Every name the file binds anywhere: what is not among them and is a builtin is a builtin."""
+    names = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            names.add(n.id)
+        elif isinstance(n, ast.arg):
+            names.add(n.arg)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, ast.alias):
+            names.add((n.asname or n.name).split(".")[0])
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            names.add(n.name)
+    return frozenset(names)
+
+
+def check_source(source: str | bytes, filename: str = "attention.py",
+                 allowed_attributes: Iterable[str] = ()) -> StaticReport:
     """Parse the submission and list what the from-scratch rule refuses (never raises
-    for the learner's sake: a syntax error comes back in ``syntax_error``)."""
+    for the learner's sake: a syntax error comes back in ``syntax_error``).
+    ``allowed_attributes``: the lab's own names beyond :data:`COMMON_ATTRIBUTES`
+    (:attr:`attnlab.labs.Lab.allowed_names`)."""
     try:
         with _PARSE_LOCK:  # CPython 3.11's AST builder is not thread-safe (class grading runs threads)
             tree = ast.parse(source, filename=filename)
@@ -217,7 +345,7 @@ def check_source(source: str | bytes, filename: str = "attention.py") -> StaticR
         return StaticReport([], {}, f"{type(exc).__name__}: {getattr(exc, 'msg', exc)}{where}")
     # top-level functions and classes (lab 04's autograd.Function) are the units a violation costs
     top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-    visitor = _Visitor(top)
+    visitor = _Visitor(top, COMMON_ATTRIBUTES | frozenset(allowed_attributes), _bound_names(tree))
     visitor.visit(tree)
     return StaticReport(visitor.violations, visitor.calls, imports=visitor.imports)
 
