@@ -100,7 +100,10 @@ COMMON_ATTRIBUTES = frozenset({
     "nan_to_num", "logical_not", "logical_and", "logical_or", "any", "all", "eq", "ne", "lt", "le", "gt", "ge",
     "allclose", "equal", "tolist", "device", "requires_grad", "grad", "backward", "float32", "float64",
     "bfloat16", "float16", "long", "int", "int64", "finfo", "no_grad", "fill_", "zero_", "copy_", "add_", "mul_",
-    "div_", "sub_", "values", "indices", "keys", "items", "append", "extend", "pi", "inf", "nan", "ceil", "floor",
+    "div_", "sub_", "values", "indices", "keys", "items", "pi", "inf", "nan", "ceil", "floor",
+    # Python's list and dict methods
+    "append", "extend", "pop", "insert", "index", "count", "get", "update", "copy", "sort", "reverse", "remove",
+    "clear",
     "Tuple", "List", "Union", "Callable", "Sequence", "Any",
     "special",  # torch.special's arithmetic (its softmax is refused by name like every other)
 })
