@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from attnlab import labs
-from attnlab.grading import Limits, grade, launch
+from attnlab.grading import Limits, grade
+from procs import needs_sandbox
 
 TRACK = Path(__file__).resolve().parents[1] / "labs" / "track1"
 TIGHTEST = Limits(timeout_s=1.5)  # tests/test_grading.py's FAST: the smallest per-exercise limit the tests use
@@ -43,8 +44,7 @@ def loaded_machine():
 
 
 def test_every_labs_solution_gets_full_marks_at_7x_oversubscription(loaded_machine, tmp_path):
-    if launch.bwrap_path() is None and not os.environ.get("CI"):
-        pytest.skip("bwrap is not installed (make test installs it)")
+    needs_sandbox()
     files = []
     for lab in labs.LABS:
         (tmp_path / lab.name).mkdir()
@@ -65,8 +65,7 @@ def test_slow_honest_work_passes_and_an_endless_loop_is_stopped_under_load(loade
       wall-clock time, using 0.3 s of CPU"); the CPU budget does not.
     * ``attention_scores`` spins forever: still stopped, by its CPU budget.
     """
-    if launch.bwrap_path() is None and not os.environ.get("CI"):
-        pytest.skip("bwrap is not installed (make test installs it)")
+    needs_sandbox()
     submission = tmp_path / "attention.py"
     submission.write_text((TRACK / "01-attention/solutions/attention.py").read_text() + '''
 

@@ -18,6 +18,7 @@ import pytest
 from attnlab import labs
 from attnlab.cli import main
 from attnlab.grading import batch, launch
+from procs import needs_sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACK = ROOT / "labs" / "track1"
@@ -26,18 +27,11 @@ SOLUTION_02 = TRACK / "02-masks" / "solutions" / "masks.py"
 STUB_02 = TRACK / "02-masks" / "masks.py"
 
 
-def _sandbox_or_skip() -> None:
-    if launch.bwrap_path() is None:
-        if os.environ.get("CI"):
-            pytest.fail("bwrap is missing: 'make test' installs bubblewrap", pytrace=False)
-        pytest.skip("bwrap is not installed (make test installs it)")
-
-
 # --------------------------------------------------------------------------- grade with no path
 def test_grade_with_no_path_grades_the_lab_file_of_this_folder(tmp_path, monkeypatch, capsys):
     """A lab 02 folder made by 'labs get', outside the clone, with the solution in it: 100/100 of
     lab 02 shows it graded this folder's masks.py (the old default graded the clone's lab 01 stub: 0)."""
-    _sandbox_or_skip()
+    needs_sandbox()
     folder = tmp_path / "my lab"
     assert main(["labs", "get", "02", str(folder)]) == 0
     shutil.copyfile(SOLUTION_02, folder / "masks.py")
@@ -53,7 +47,7 @@ def test_grade_with_no_path_grades_the_lab_file_of_this_folder(tmp_path, monkeyp
 
 
 def test_grade_with_no_path_in_a_stub_folder_says_where_to_start(tmp_path, monkeypatch, capsys):
-    _sandbox_or_skip()
+    needs_sandbox()
     assert main(["labs", "get", "01", str(tmp_path / "l1")]) == 0
     monkeypatch.chdir(tmp_path / "l1")
     capsys.readouterr()
@@ -153,7 +147,7 @@ def test_grades_csv_keeps_real_names_and_quotes_formulas(tmp_path):
 
 
 def test_a_unicode_class_is_graded_end_to_end(tmp_path, capsys):
-    _sandbox_or_skip()
+    needs_sandbox()
     cls = _make(tmp_path / "class", {"José": SOLUTION_02, "zoë.py": STUB_02, "Li Wei": SOLUTION_02})
     out = tmp_path / "graded"
     assert main(["grade", str(cls), "--out", str(out), "--seed", "5", "--jobs", "2"]) == 0
@@ -167,7 +161,7 @@ def test_a_unicode_class_is_graded_end_to_end(tmp_path, capsys):
 
 
 def test_one_learner_in_a_class_is_singular(tmp_path, capsys):
-    _sandbox_or_skip()
+    needs_sandbox()
     cls = _make(tmp_path / "class", {"ann.py": SOLUTION_02})
     assert main(["grade", str(cls), "--out", str(tmp_path / "o"), "--seed", "1"]) == 0
     out = capsys.readouterr().out
@@ -434,7 +428,7 @@ def test_a_walkthrough_without_jaxtyping_says_what_to_install(lab, monkeypatch):
 def test_a_lab_02_bundle_is_tried_before_upload(tmp_path, capsys):
     """attnlab autograder --lab 02 --test FILE: the bundle's own setup.sh and run_autograder,
     in a simulated Gradescope root, grade lab 02's solution 100 (a lab 01 bundle would give 0)."""
-    _sandbox_or_skip()
+    needs_sandbox()
     bundle = tmp_path / "autograder-02.zip"
     assert main(["autograder", "--lab", "02", "--out", str(bundle), "--test", str(SOLUTION_02)]) == 0
     out = capsys.readouterr().out
@@ -464,7 +458,7 @@ def test_the_sandbox_copy_keeps_the_learners_file_name():
 
 
 def test_a_lab_02_traceback_names_masks_py(tmp_path):
-    _sandbox_or_skip()
+    needs_sandbox()
     from attnlab.grading import grade
 
     target = tmp_path / "masks.py"
@@ -477,7 +471,7 @@ def test_a_lab_02_traceback_names_masks_py(tmp_path):
 def test_resume_trusts_only_rows_the_grader_signed(tmp_path):
     """A row.json planted in OUT (the stub recorded as 100, a =HYPERLINK cell), or the row of
     an earlier version of the submission, is graded anew; a signed row of the same file is kept."""
-    _sandbox_or_skip()
+    needs_sandbox()
     cls = _make(tmp_path / "class", {"ann.py": STUB_02, "bob.py": SOLUTION_02})
     out = tmp_path / "out"
     first = batch.grade_class(cls, out, seed=4, jobs=2)
@@ -509,7 +503,7 @@ def _crippled_bwrap(folder: Path) -> Path:
 
 
 def test_the_self_test_tries_the_exact_sandbox(tmp_path, monkeypatch, capsys):
-    _sandbox_or_skip()
+    needs_sandbox()
     from attnlab.grading.sandbox import self_test
 
     ok, why = self_test("bwrap")
@@ -528,7 +522,7 @@ def test_the_self_test_tries_the_exact_sandbox(tmp_path, monkeypatch, capsys):
 
 
 def test_a_sandbox_that_cannot_start_is_the_graders_problem_not_the_learners(tmp_path, monkeypatch):
-    _sandbox_or_skip()
+    needs_sandbox()
     from attnlab.grading import grade
 
     monkeypatch.setenv("ATTNLAB_BWRAP", str(_crippled_bwrap(tmp_path)))
@@ -548,7 +542,7 @@ def test_the_bundle_in_a_root_where_bwrap_cannot_run_the_full_sandbox(tmp_path):
     """Gradescope's third case: bwrap present, the old probe passes, the grader's sandbox cannot
     start. run_autograder's self-test sees it and grades in the container (the solution: 100),
     where the old probe chose the sandbox and every submission scored 0."""
-    _sandbox_or_skip()
+    needs_sandbox()
     from attnlab.grading import autograder
 
     bundle = tmp_path / "autograder.zip"

@@ -248,7 +248,7 @@ def _run_class(args: argparse.Namespace, mode: str, lab, folder: Path) -> int:
     try:
         result = batch.grade_class(folder, args.out, jobs=args.jobs, seed=args.seed, resume=args.resume,
                                    limits=limits, total_timeout_s=args.total_timeout, sandbox=mode,
-                                   progress=progress, lab=plan.lab.name)
+                                   progress=progress, plan=plan)
     except launch.SandboxUnavailable as exc:
         raise UsageError(str(exc)) from None
     if tty:

@@ -321,8 +321,9 @@ def _done_row(out: Path, sub: Submission, key: bytes) -> Optional[Row]:
 def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: Optional[int] = None,
                 resume: bool = False, limits: Limits = Limits(), total_timeout_s: float = 60.0,
                 sandbox: str = "auto", progress: Optional[Callable[[int, int, str], None]] = None,
-                lab: Optional[str] = None) -> ClassResult:
-    """Grade every submission in ``folder`` into ``out`` (see the module docstring).
+                lab: Optional[str] = None, plan: Optional[ClassPlan] = None) -> ClassResult:
+    """Grade every submission in ``folder`` into ``out`` (see the module docstring);
+    ``plan``: :func:`plan_class`'s answer when the caller has it already (not found again).
 
     Raises :class:`~attnlab.grading.launch.SandboxUnavailable` when ``sandbox='auto'`` and
     bwrap is missing: other people's code is never run without the OS sandbox unless
@@ -332,7 +333,7 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
     if sandbox == "auto" and launch.bwrap_path() is None:
         raise launch.SandboxUnavailable(f"refusing to grade a class without the OS sandbox: "
                                         f"{launch.HOW_TO_GET_BWRAP}; or pass --no-sandbox")
-    plan = plan_class(folder, out, lab=lab)
+    plan = plan if plan is not None else plan_class(folder, out, lab=lab)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     the_lab, submissions, skipped = plan.lab, plan.submissions, plan.skipped
