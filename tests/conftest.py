@@ -47,7 +47,7 @@ def _become_subreaper() -> None:
 def pytest_configure(config):
     _become_subreaper()
     # the suite grades hundreds of submissions in one process: keep the next sandbox
-    # server importing torch while the current one grades (attnlab.grading.launch.keep_spare)
-    from attnlab.grading import launch
+    # server importing torch while the current one grades (attnlab.grading.sandbox.pool.keep_spare)
+    from attnlab.grading.sandbox import pool
 
-    launch.keep_spare(True)
+    pool.keep_spare(True)

@@ -11,7 +11,8 @@ import nbformat
 import jupytext
 from nbclient import NotebookClient
 
-from attnlab.grading import grade, launch
+from attnlab.grading import grade
+from attnlab.grading.sandbox import pool
 
 LABS = Path(__file__).resolve().parents[1] / "labs" / "track1"
 
@@ -32,8 +33,8 @@ def grade_variants(lab: str, file: str, variants: dict, root: Path, seed: int) -
         (folder / file).write_text(text)
         paths[name] = folder / file
     # two sandboxes at once, forked from one class template, as class grading does
-    with launch.class_template("auto"), ThreadPoolExecutor(max_workers=2) as pool:
-        reports = pool.map(lambda path: grade(path, seed=seed), paths.values())
+    with pool.class_template("auto"), ThreadPoolExecutor(max_workers=2) as workers:
+        reports = workers.map(lambda path: grade(path, seed=seed), paths.values())
         return dict(zip(paths, reports))
 
 

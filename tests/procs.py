@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from attnlab.grading import launch
+from attnlab.grading.sandbox import pool
 
 
 def process_tree(root: int) -> set[int]:
@@ -50,20 +50,20 @@ def own_processes(*marks: str, ignore: frozenset = frozenset()) -> list[str]:
 
 def spare_tree() -> set[int]:
     """Pids of the spare server's process tree (bwrap, its init, the server)."""
-    spare = launch.spare()
+    spare = pool.spare()
     return process_tree(spare.proc.pid) if spare is not None else set()
 
 
 @contextmanager
 def made_by(how: str):
     """``how`` = 'bwrap': sandboxes as for one file (a bwrap each); 'template': inside
-    launch.class_template, as class grading makes them. Yields the template's own processes
+    pool.class_template, as class grading makes them. Yields the template's own processes
     (its bwrap, that bwrap's init, the template: all that may be left of it after a
     submission), empty for 'bwrap'. Where the template cannot run: a failure in CI, else a skip."""
-    if how == "bwrap" or launch.bwrap_path() is None:
+    if how == "bwrap" or pool.bwrap_path() is None:
         yield frozenset()
         return
-    with launch.class_template("bwrap") as template:
+    with pool.class_template("bwrap") as template:
         if not template.active:
             if os.environ.get("CI"):
                 pytest.fail(f"the class template cannot run in CI: {template.reason}")
@@ -76,7 +76,18 @@ def made_by(how: str):
 def needs_sandbox() -> None:
     """Skip where bwrap is missing, but fail under CI: 'make test' installs bubblewrap, and the
     grader's tests must run against the real sandbox there."""
-    if launch.bwrap_path() is None:
+    if pool.bwrap_path() is None:
         if os.environ.get("CI"):
             pytest.fail("bwrap is missing: 'make test' installs bubblewrap", pytrace=False)
         pytest.skip("bwrap is not installed (make test installs it)")
+
+
+def crippled_bwrap(folder: Path) -> Path:
+    """A bwrap that passes the old probe (`bwrap --ro-bind / / --unshare-all true`) but cannot
+    run the grader's full sandbox, as in a container that allows only part of it."""
+    real = pool.bwrap_path()
+    fake = folder / "bwrap"
+    fake.write_text(f'#!/bin/sh\nif [ "$*" = "--ro-bind / / --unshare-all true" ]; then exec {real} "$@"; fi\n'
+                    'echo "bwrap: setting up uid map: Permission denied" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    return fake

@@ -23,15 +23,16 @@ from pathlib import Path
 import pytest
 
 from attnlab.cli import main
-from attnlab.grading import Limits, launch
-from attnlab.grading import autograder, batch
+from attnlab.grading import Limits
+from attnlab.grading.sandbox import bwrap, pool
+from attnlab.grading.classroom import autograder, batch
 from make_class import SOLUTION, STUB, hostile  # the class generator of the throughput benchmark
 
 SCORES_LINE = "return Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])"
 LIMITS = Limits(timeout_s=2.0)
 TOTAL_S = 6.0  # the hanging member is stopped here
 
-if launch.bwrap_path() is None:
+if pool.bwrap_path() is None:
     if os.environ.get("CI"):
         pytest.fail("bwrap is missing: 'make test' installs bubblewrap; class grading must run sandboxed in CI",
                     pytrace=False)
@@ -138,16 +139,16 @@ def test_hostile_members_changed_nothing_of_anyone_else(graded):
 
 def test_same_seed_same_grades_from_a_bwrap_per_submission_too(graded, tmp_path, monkeypatch):
     """The same seed gives the same grades; and the fallback where the class template cannot
-    run grades alike: here every sandbox is made with bwrap's --disable-userns, as a container
+    run grades alike: here the template's bwrap too is made with --disable-userns, as a container
     that forbids nested user namespaces would, so the template's forks cannot make their own."""
     root, cls, before, result, seen = graded
     small = tmp_path / "again"
     small.mkdir()
     for name in ("dave.py", "erin.py"):
         (small / name).write_text((cls / name).read_text())
-    plain = launch.bwrap_command
-    monkeypatch.setattr(launch, "bwrap_command",
-                        lambda bwrap, argv: [bwrap, "--unshare-user", "--disable-userns"] + plain(bwrap, argv)[1:])
+    plain = bwrap.plan
+    monkeypatch.setattr(bwrap, "plan", lambda exe, inside, template=False, seccomp_fd=None:
+                        plain(exe, inside, template=False, seccomp_fd=seccomp_fd))
     again = batch.grade_class(small, tmp_path / "out", jobs=2, seed=7, limits=LIMITS, total_timeout_s=TOTAL_S)
     assert "one bwrap OS sandbox per submission" in again.sandboxes, again.sandboxes
     assert "cannot make a sandbox per submission here" in again.sandboxes and "unshare" in again.sandboxes

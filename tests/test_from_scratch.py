@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import attnlab
-from attnlab.grading.policy import FunctionRecorder, KernelRecorder, banned as banned_calls
+from attnlab.grading.sandbox.recorder import FunctionRecorder, KernelRecorder, banned as banned_calls
 from attnlab.functional import attention_weights, scaled_dot_product_attention as attnlab_sdpa
 
 def run_everything():

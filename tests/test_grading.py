@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from attnlab.cli import main
-from attnlab.grading import Limits, grade, launch
+from attnlab.grading import Limits, grade
+from attnlab.grading.sandbox import pool
 from attnlab.grading.checks import EXERCISES
 
 LAB = Path(__file__).resolve().parents[1] / "labs/track1/01-attention"
@@ -22,7 +23,7 @@ def class_template():
     """These tests are about what the grader concludes, not how the sandbox is made (the hostile
     suite and the fence tests run every case both ways): their submissions are forked from one
     class template, as class grading does, instead of importing torch once per grade()."""
-    with launch.class_template("auto"):
+    with pool.class_template("auto"):
         yield
 
 

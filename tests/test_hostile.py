@@ -26,7 +26,8 @@ import torch
 
 import attnlab
 from procs import made_by, own_processes
-from attnlab.grading import Limits, grade, launch
+from attnlab.grading import Limits, grade
+from attnlab.grading.sandbox import pool
 from attnlab.grading.checks import EXERCISES
 from attnlab.grading.sandbox import Sandbox
 
@@ -39,10 +40,10 @@ PACKAGE = Path(attnlab.__file__).resolve().parent
 LIMITS = Limits(timeout_s=2.0)
 TOTAL_S = 10.0
 WALL_BOUND_S = 45.0  # the total limit plus the sandbox's start and the judging, with room for a loaded machine
-SERVER_MARK = "attnlab.grading.sandbox import serve"
-TEMPLATE_MARK = "attnlab.grading.template import serve_template"
+SERVER_MARK = "/server.py"  # the runner: /runner/server.py in bwrap, the package file without it
+TEMPLATE_MARK = "/runner/template.py"
 
-if launch.bwrap_path() is None:
+if pool.bwrap_path() is None:
     if os.environ.get("CI"):
         pytest.fail("bwrap is missing: 'make test' installs bubblewrap; the hostile suite must run in CI",
                     pytrace=False)
@@ -82,9 +83,9 @@ def digest(folder: Path) -> dict[str, str]:
 def server_processes(ignore: frozenset = frozenset()) -> list[str]:
     """Sandbox servers, class templates (and their forks) and bwrap processes of this test
     process's own tree (tests/procs.own_processes), but the spare one started ahead (no
-    learner code has run in it: see launch.keep_spare) and ``ignore`` (a class template's own
+    learner code has run in it: see pool.keep_spare) and ``ignore`` (a class template's own
     processes, while it is in use)."""
-    return own_processes(SERVER_MARK, TEMPLATE_MARK, "bwrap ", launch.bwrap_path() or "/nonexistent", ignore=ignore)
+    return own_processes(SERVER_MARK, TEMPLATE_MARK, "bwrap ", pool.bwrap_path() or "/nonexistent", ignore=ignore)
 
 
 def free_port() -> int:

@@ -17,8 +17,9 @@ import pytest
 
 from attnlab import labs
 from attnlab.cli import main
-from attnlab.grading import batch, launch
-from procs import needs_sandbox
+from attnlab.grading.classroom import batch
+from attnlab.grading.sandbox import pool
+from procs import crippled_bwrap, needs_sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACK = ROOT / "labs" / "track1"
@@ -375,7 +376,7 @@ def _dom(browser: str, url: str, width: int) -> str:
 def test_the_class_report_lists_every_learner_sorts_and_fits_a_phone(tmp_path):
     import re
 
-    from attnlab.grading.report import write_report
+    from attnlab.grading.classroom.report import write_report
 
     def row(name, total, status="graded", mistakes=(), problem=""):
         return batch.Row(name, total, 100, {"ex1": total / 10}, list(mistakes), 1, 0.5, status, folder=name,
@@ -437,7 +438,7 @@ def test_a_lab_02_bundle_is_tried_before_upload(tmp_path, capsys):
     import zipfile
 
     run = zipfile.ZipFile(bundle).read("run_autograder").decode()
-    assert 'LAB="02-masks"' in run and 'SUBMISSION="$ROOT/submission/masks.py"' in run
+    assert '--gradescope "$ROOT" --lab "02-masks"' in run  # the lab's file (masks.py) comes from the lab
 
 
 def test_the_library_default_is_the_lab_file_here_too(tmp_path, monkeypatch):
@@ -491,70 +492,37 @@ def test_resume_trusts_only_rows_the_grader_signed(tmp_path):
 
 
 # --------------------------------------------------------------------------- a sandbox that cannot start
-def _crippled_bwrap(folder: Path) -> Path:
-    """A bwrap that passes the old probe (`bwrap --ro-bind / / --unshare-all true`) but cannot
-    run the grader's full sandbox, as in a container that allows only part of it."""
-    real = launch.bwrap_path()
-    fake = folder / "bwrap"
-    fake.write_text(f'#!/bin/sh\nif [ "$*" = "--ro-bind / / --unshare-all true" ]; then exec {real} "$@"; fi\n'
-                    'echo "bwrap: setting up uid map: Permission denied" >&2\nexit 1\n')
-    fake.chmod(0o755)
-    return fake
-
-
 def test_the_self_test_tries_the_exact_sandbox(tmp_path, monkeypatch, capsys):
     needs_sandbox()
     from attnlab.grading.sandbox import self_test
 
     ok, why = self_test("bwrap")
     assert ok and "the OS sandbox works here" in why
-    fake = _crippled_bwrap(tmp_path)
+    fake = crippled_bwrap(tmp_path)
     assert subprocess.run([str(fake), "--ro-bind", "/", "/", "--unshare-all", "true"]).returncode == 0  # old probe
     monkeypatch.setenv("ATTNLAB_BWRAP", str(fake))
-    launch.keep_spare(False)  # no spare server started with the real bwrap may answer for the fake one
+    pool.keep_spare(False)  # no spare server started with the real bwrap may answer for the fake one
     try:
         ok, why = self_test("bwrap")
         assert not ok and "failed to start" in why
         assert main(["grade", "--self-test"]) == 1
         assert "failed to start" in capsys.readouterr().err
     finally:
-        launch.keep_spare(True)
+        pool.keep_spare(True)
 
 
 def test_a_sandbox_that_cannot_start_is_the_graders_problem_not_the_learners(tmp_path, monkeypatch):
     needs_sandbox()
     from attnlab.grading import grade
 
-    monkeypatch.setenv("ATTNLAB_BWRAP", str(_crippled_bwrap(tmp_path)))
-    launch.keep_spare(False)
+    monkeypatch.setenv("ATTNLAB_BWRAP", str(crippled_bwrap(tmp_path)))
+    pool.keep_spare(False)
     try:
         report = grade(SOLUTION_01, sandbox="bwrap", seed=1)
     finally:
-        launch.keep_spare(True)
+        pool.keep_spare(True)
     assert report.score == 0 and report.environment_problem
     assert "not a mistake in your code" in report.problem and "--self-test" in report.problem
     assert "Fix the installation above" in report.to_text()
     row = batch._row("ann", report)  # noqa: SLF001  (the gradebook's status of this report)
     assert row.status == "grader environment"
-
-
-def test_the_bundle_in_a_root_where_bwrap_cannot_run_the_full_sandbox(tmp_path):
-    """Gradescope's third case: bwrap present, the old probe passes, the grader's sandbox cannot
-    start. run_autograder's self-test sees it and grades in the container (the solution: 100),
-    where the old probe chose the sandbox and every submission scored 0."""
-    needs_sandbox()
-    from attnlab.grading import autograder
-
-    bundle = tmp_path / "autograder.zip"
-    assert main(["autograder", "--out", str(bundle)]) == 0
-    root = autograder.SimulatedRoot(bundle, tmp_path / "gs")
-    assert root.setup().returncode == 0
-    fakes = tmp_path / "fakebin"
-    fakes.mkdir()
-    fake = _crippled_bwrap(fakes)
-    root.env = {**root.env, "PATH": f"{fakes}:{root.env['PATH']}", "ATTNLAB_BWRAP": str(fake)}
-    run = root.run(SOLUTION_01)
-    assert run.returncode == 0, run.stderr[-2000:]
-    data = json.loads(root.results.read_text())
-    assert data["score"] == 100, data.get("output")
-    assert data["extra_data"]["sandbox"]["os_sandbox"] is False  # graded in the container, and it says so

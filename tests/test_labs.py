@@ -42,7 +42,7 @@ def test_get_copies_brief_stubs_and_walkthrough_but_never_solutions(tmp_path, ca
 
 
 def test_the_wheel_carries_the_lab_materials_without_solutions(tmp_path):
-    from attnlab.grading import autograder
+    from attnlab.grading.classroom import autograder
 
     wheel = autograder.build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()

@@ -1,4 +1,4 @@
-"""What crosses from a sandboxed child to the grader (attnlab.grading.protocol): safetensors
+"""What crosses from a sandboxed child to the grader (attnlab.grading.sandbox.protocol): safetensors
 and bounded JSON. Every attack on the parser that issue 23 measured is refused before any
 allocation: shared nested references, a re-packed DEFLATE zip, a header of 4000 '[', a
 tensor that claims more than its bytes."""
@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from attnlab.grading.protocol import (MAX_ELEMENTS, BadPayload, bounded_json, decode_message, encode_message)
+from attnlab.grading.sandbox.protocol import (MAX_ELEMENTS, BadPayload, bounded_json, decode_message, encode_message)
 
 
 def raw(header: dict, data: bytes = b"") -> bytes:

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab.grading import launch
-from attnlab.grading.protocol import encode_message
+from attnlab.grading.sandbox import bwrap, pool
+from attnlab.grading.sandbox.protocol import encode_message
 from attnlab.grading.sandbox import (MAX_ELEMENTS, BadMessage, Call, Limits, Sandbox, clean_text,
                                      validate_message)
 from procs import made_by
@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 LIMITS = Limits(timeout_s=2.0)
 
-needs_bwrap = pytest.mark.skipif(launch.bwrap_path() is None and not os.environ.get("CI"),
+needs_bwrap = pytest.mark.skipif(pool.bwrap_path() is None and not os.environ.get("CI"),
                                  reason="bwrap is not installed (make test installs it; CI fails without it)")
 
 
@@ -76,7 +76,7 @@ def sandbox_for(tmp_path: Path, code: str, limits: Limits = LIMITS, name: str = 
 @pytest.fixture(params=["bwrap", "template"])
 def launcher(request):
     """The fence tests run on both ways of making a submission's sandbox: a bwrap of its own,
-    and a fork of the class template (launch.class_template, what class grading uses)."""
+    and a fork of the class template (pool.class_template, what class grading uses)."""
     with made_by(request.param):
         yield request.param
 
@@ -117,14 +117,14 @@ def test_the_host_is_not_there(tmp_path, monkeypatch, launcher):
         """) as box:
         seen = eval(error_of(box.run([Call("attack")], policy=False)).split(": ", 1)[1])
         assert box.launcher == launcher
-    assert seen["uid"] == launch.UID and seen["uid"] != 0
+    assert seen["uid"] == bwrap.UID and seen["uid"] != 0
     assert seen["caps"][0] == [(0, 0, 0), (0, 0, 0)] and seen["mount"] == -1, seen["caps"]  # no capability left
     assert "HOSTILE_TEST_SECRET" not in seen["env"] and seen["env"]["HOME"] == "/tmp"
     assert not any([seen["home"], seen["repo_labs"], seen["tests"], seen["shadow"], seen["passwd"],
                     seen["own_folder"]])
     assert "home" not in seen["root"] and "work" in seen["root"] if str(REPO).startswith("/work/") else True
     # of root's home only the Python installation can be there (pyenv), when Python lives in it
-    python_parts = {Path(p).relative_to("/root").parts[0] for p in launch.python_roots() if p.startswith("/root/")}
+    python_parts = {Path(p).relative_to("/root").parts[0] for p in bwrap.python_roots() if p.startswith("/root/")}
     assert set(seen["root_home"]) <= python_parts, seen["root_home"]
     assert max(seen["pids"]) < 10  # its own pid namespace: the init, the server, this child
     # under bwrap /proc shows that namespace; under the template /proc is an empty tmpfs (the
@@ -225,14 +225,20 @@ def test_a_stopped_server_costs_one_exercise_and_is_replaced(tmp_path, launcher)
 @needs_bwrap
 def test_two_submissions_at_once_cannot_reach_each_other(tmp_path, launcher):
     """Class grading runs submissions side by side (under the template, forks of one process).
-    While A holds files in its /tmp and /dev/shm, an abstract socket and a daemon, B sees none
-    of it, and B's kill(-1) reaches only its own namespace: A finishes with its answer."""
+    While A holds files in its /tmp and /dev/shm, a pty, an abstract socket and a daemon, B sees
+    none of it (and /dev itself is read-only), and B's kill(-1) reaches only its own namespace: A finishes with its answer."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     a = sandbox_for(tmp_path / "a", """
         def plant():
             open("/tmp/planted-by-a", "w").write("a")
             open("/dev/shm/planted-by-a", "w").write("a")
+            try:  # /dev is read-only: no file there for another submission to find
+                open("/dev/planted-by-a", "w").write("a")
+            except OSError:
+                pass
+            master, _ = os.openpty()  # a pty of A's own devpts instance
+            os.write(master, b"TOKEN-OF-A")
             s = socket.socket(socket.AF_UNIX)
             s.bind("\\0attnlab-planted-by-a")
             s.listen(1)
@@ -249,7 +255,9 @@ def test_two_submissions_at_once_cannot_reach_each_other(tmp_path, launcher):
                 reached = True
             except OSError:
                 reached = False
-            return repr((sorted(os.listdir("/tmp")), sorted(os.listdir("/dev/shm")), reached, visible_pids()))
+            ptys = sorted(n for n in os.listdir("/dev/pts") if n != "ptmx")
+            return repr((sorted(os.listdir("/tmp")), sorted(os.listdir("/dev/shm")), reached, visible_pids(),
+                         sorted(os.listdir("/dev")), ptys))
 
         def kill_all():
             os.kill(-1, signal.SIGKILL)  # everything it can reach: its own server included
@@ -267,8 +275,9 @@ def test_two_submissions_at_once_cannot_reach_each_other(tmp_path, launcher):
         assert b.run([Call("kill_all")], policy=False).status == "protocol"  # B's own server went
         thread.join()
         assert a.launcher == b.launcher == launcher
-    tmp_listing, shm_listing, reached, pids = seen
-    assert not [n for n in tmp_listing + shm_listing if "planted" in n] and not reached
+    tmp_listing, shm_listing, reached, pids, dev_listing, ptys = seen
+    assert not [n for n in tmp_listing + shm_listing + dev_listing if "planted" in n] and not reached
+    assert ptys == [], ptys  # A's pty is in A's devpts instance, not in B's
     assert max(pids) < 10, pids  # its own namespace only
     assert results["a"].status == "ok" and results["a"].results[0]["value"] == 4.0, results["a"]  # init, server, A, daemon
 
@@ -370,13 +379,13 @@ def test_a_forged_message_is_refused_not_trusted(tmp_path, message, words):
 
 def test_validation_checks_storage_not_the_view():
     ok = {"status": "ok", "results": [{"value": torch.zeros(3, 4)}], "violations": []}
-    validate_message(ok, 1, None)
+    validate_message(ok, 1)
     for bad in (torch.zeros(1).expand(10**9), torch.zeros(10)[2:], torch.zeros(4, 4).t(), torch.zeros(10)[:5]):
         with pytest.raises(BadMessage):
-            validate_message({"status": "ok", "results": [{"value": bad}]}, 1, None)
+            validate_message({"status": "ok", "results": [{"value": bad}]}, 1)
     with pytest.raises(BadMessage, match="elements"):
         validate_message({"status": "ok", "results": [{"value": torch.zeros(MAX_ELEMENTS + 1, dtype=torch.bool)}]},
-                         1, None)
+                         1)
 
 
 def test_learner_text_is_made_safe():
@@ -436,7 +445,7 @@ def test_the_filter_refuses_what_it_lists_and_nothing_a_lab_needs():
 
     code = textwrap.dedent("""
         import ctypes, os, threading, torch
-        from attnlab.grading import seccomp
+        from attnlab.grading.sandbox import seccomp
         libc = ctypes.CDLL(None, use_errno=True)
         pid = os.fork()
         if pid == 0:

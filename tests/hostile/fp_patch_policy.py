@@ -2,7 +2,7 @@
 # base: solution
 # expect: 0
 # switches the from-scratch recorders off by patching the policy module, then uses torch's softmax
-import attnlab.grading.policy as policy
+import attnlab.grading.sandbox.recorder as policy
 
 policy.banned = lambda names: []
 

@@ -42,7 +42,7 @@ def add(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from attnlab import labs
-    from attnlab.grading import autograder
+    from attnlab.grading.classroom import autograder
 
     try:
         lab = labs.find_lab(args.lab)

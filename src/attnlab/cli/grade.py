@@ -75,6 +75,7 @@ examples:
   attnlab grade student/attention.py --untrusted --json results.json --seed 7
   attnlab grade submissions/ --out graded/ --jobs 2
   attnlab grade --self-test                        # does the OS sandbox work here?
+  attnlab grade --gradescope /autograder --lab 01  # what the Gradescope bundle runs
 """
 
 
@@ -115,6 +116,10 @@ def add(sub) -> argparse.ArgumentParser:
     p.add_argument("--self-test", action="store_true",
                    help="only check that the exact OS sandbox the grader uses starts and answers here (exit 0), "
                         "or say why not (exit 1); Gradescope's run_autograder chooses its mode by it")
+    p.add_argument("--gradescope", metavar="ROOT", default=None,
+                   help="what the Gradescope bundle's run_autograder runs: grade ROOT/submission into "
+                        "ROOT/results/results.json in the strongest sandbox that passes its self-test here "
+                        "(bwrap, else a fresh unprivileged uid as root), or write why none can")
     p.set_defaults(func=run)
     return p
 
@@ -147,7 +152,7 @@ def _resolve(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnlab.grading import launch
+    from attnlab.grading.sandbox import pool
 
     if args.self_test:
         from attnlab.grading.sandbox import self_test
@@ -155,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
         ok, why = self_test("bwrap")
         print(f"attnlab grade --self-test: {why}", file=sys.stdout if ok else sys.stderr)
         return 0 if ok else 1
+    if args.gradescope is not None:
+        return _run_gradescope(args)
     mode = "none" if args.no_sandbox else "auto"
     lab, path = _resolve(args)
     if path.is_dir():
@@ -166,16 +173,16 @@ def run(args: argparse.Namespace) -> int:
             output_file()(args.json)  # the folder exists and is writable, before any grading
         except argparse.ArgumentTypeError as exc:
             raise UsageError(f"--json: {exc}") from None
-    if args.untrusted and not args.no_sandbox and launch.bwrap_path() is None:
-        raise UsageError(f"refusing to run untrusted code without the OS sandbox: {launch.HOW_TO_GET_BWRAP}. "
+    if args.untrusted and not args.no_sandbox and pool.bwrap_path() is None:
+        raise UsageError(f"refusing to run untrusted code without the OS sandbox: {pool.HOW_TO_GET_BWRAP}. "
                          "Or pass --no-sandbox to run it with process limits only.")
-    launch.prestart(mode, args.memory_mb * 2)  # the sandbox server imports torch while this process does the same
+    pool.prestart(mode, args.memory_mb * 2)  # the sandbox server imports torch while this process does the same
     from attnlab.grading import Limits, grade, supports_colour
     from attnlab.grading.grader import ResultsFile, write_atomically
 
-    if mode == "auto" and launch.bwrap_path() is None:
+    if mode == "auto" and pool.bwrap_path() is None:
         print(f"note: bwrap was not found, so this file runs with process limits only, NOT in an OS sandbox; "
-              f"fine for your own code. To grade other people's code safely, {launch.HOW_TO_GET_BWRAP}.",
+              f"fine for your own code. To grade other people's code safely, {pool.HOW_TO_GET_BWRAP}.",
               file=sys.stderr)
     to_stdout = args.json == "-"
     if not to_stdout:
@@ -199,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         print("\nattnlab grade: interrupted" + (f"; {results.path} holds the checks graded so far"
                                                 if results.path else ""), file=sys.stderr)
         return 130
-    except launch.SandboxUnavailable as exc:
+    except pool.SandboxUnavailable as exc:
         raise UsageError(str(exc)) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -221,7 +228,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_class(args: argparse.Namespace, mode: str, lab, folder: Path) -> int:
-    from attnlab.grading import Limits, batch, launch
+    from attnlab.grading import Limits
+    from attnlab.grading.classroom import batch
+    from attnlab.grading.sandbox import pool
 
     if args.out is None:
         raise UsageError(f"{folder} is a folder: pass --out OUTDIR for the gradebook, the report and each "
@@ -249,7 +258,7 @@ def _run_class(args: argparse.Namespace, mode: str, lab, folder: Path) -> int:
         result = batch.grade_class(folder, args.out, jobs=args.jobs, seed=args.seed, resume=args.resume,
                                    limits=limits, total_timeout_s=args.total_timeout, sandbox=mode,
                                    progress=progress, plan=plan)
-    except launch.SandboxUnavailable as exc:
+    except pool.SandboxUnavailable as exc:
         raise UsageError(str(exc)) from None
     if tty:
         print(file=sys.stderr)
@@ -265,4 +274,20 @@ def _run_class(args: argparse.Namespace, mode: str, lab, folder: Path) -> int:
         print("could not be read: " + ", ".join(r.learner for r in unread))
     print(f"sandboxes: {result.sandboxes}")
     print(f"gradebook: {out / 'grades.csv'}\nreport:    {out / 'report.html'}\nper learner: {out}/<folder>/results.json")
+    return 0
+
+
+def _run_gradescope(args: argparse.Namespace) -> int:
+    from attnlab.grading.classroom import autograder
+
+    root = Path(args.gradescope)
+    if not root.is_dir():
+        raise UsageError(f"--gradescope {args.gradescope!r}: no such folder (Gradescope's is /autograder)")
+    if args.lab is None:
+        raise UsageError("--gradescope needs --lab (the bundle's run_autograder passes it)")
+    try:
+        data = autograder.run_gradescope(root, args.lab)
+    except KeyError as exc:
+        raise UsageError(f"--lab: {exc.args[0]}") from None
+    print(f"{data['output']}\nwritten: {root / 'results' / 'results.json'} ({data['extra_data']['sandbox']['chosen']})")
     return 0

@@ -5,7 +5,7 @@
     json.dump(report.to_gradescope(), open("results.json", "w"))
 
 The file's text is checked first (:mod:`.static`); then the submission gets its own
-OS sandbox (:mod:`.launch`) in which every exercise runs in its own child process
+OS sandbox (:mod:`.sandbox`) in which every exercise runs in its own child process
 (:mod:`.sandbox`); the checks and the float64 reference live in :mod:`.checks`, here,
 in the grader's process, which trusts nothing the children send.
 """
@@ -27,11 +27,11 @@ import torch
 
 from attnlab.grading.checks import Exercise, Verdict, judge_outcome
 from attnlab import labs, mistakes
-from attnlab.grading import launch
+from attnlab.grading.sandbox import pool
 from attnlab.grading.sandbox import MAX_SOURCE_BYTES, Limits, Outcome, Sandbox, clean_text
 from attnlab.grading.static import check_source, describe
 
-__all__ = ["grade", "GradeReport", "TestResult", "default_lab_path", "Limits", "write_atomically", "ResultsFile"]
+__all__ = ["not_graded", "grade", "GradeReport", "TestResult", "default_lab_path", "Limits", "write_atomically", "ResultsFile"]
 
 PICTURE_MAX_ELEMENTS = 1 << 16
 # The whole file's wall-clock backstop, this many times its CPU budget (total_timeout_s): a
@@ -84,7 +84,7 @@ class GradeReport:
     seed: int = 0  # the inputs' seed: grade(seed=...) / --seed reproduces the run
     sandboxed: bool = False  # ran inside the bwrap OS sandbox
     memory_fence: str = ""  # how the submission's memory was capped
-    launcher: str = ""  # how its sandbox was made: 'bwrap', 'template' (class grading) or 'none'
+    launcher: str = ""  # how its sandbox was made: 'bwrap', 'template' (class grading), 'user' or 'none'
     restarts: int = 0  # times the sandbox server had to be replaced (it was stopped or killed)
     pending: list = field(default_factory=list)  # exercises not graded yet (an interrupted run)
     environment_problem: str = ""  # the grader's installation lacks a module the lab allows (not scored)
@@ -153,7 +153,8 @@ class GradeReport:
                 if r.image:
                     lines.append(f"      {dim}picture: {r.image}{reset}")
         total = f"{self.score:g}/{self.max_score:g}"
-        where = "in the OS sandbox" if self.sandboxed else "not in an OS sandbox"
+        where = ("in the OS sandbox" if self.sandboxed else "as an unprivileged user of its own, without an OS "
+                 "sandbox" if self.launcher == "user" else "not in an OS sandbox")
         lines += ["", f"{bold}Score: {total}{reset}   ({self.elapsed_s:.1f} s; seed {self.seed}; {where})"]
         nxt = self.first_unfinished()
         again = f"then run 'attnlab grade' again (graded: {self.path})"
@@ -224,9 +225,10 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         images_dir: save a yours / reference / |difference| picture there for each failed
             numeric check (when matplotlib is installed); None saves none.
         sandbox: 'auto' (the bwrap OS sandbox where installed, else process limits only),
-            'bwrap' (required) or 'none' (process limits only).
+            'bwrap' (required), 'user' (no bwrap: a fresh unprivileged uid, root only; what
+            Gradescope falls back to, :mod:`.sandbox.user`) or 'none' (process limits only).
         untrusted: the file is someone else's: without the OS sandbox, refuse
-            (:class:`~attnlab.grading.launch.SandboxUnavailable`) unless ``sandbox='none'``.
+            (:class:`~attnlab.grading.sandbox.pool.SandboxUnavailable`) unless ``sandbox='none'``.
         checkpoint: called with the report so far after each exercise (the CLI writes
             results.json there, so an interrupted run still leaves a valid one).
         lab: the lab's name or number (:data:`attnlab.labs.LABS`); default: from the file's
@@ -238,9 +240,9 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         attnlab.labs.NoLabFile: no ``path`` and no lab file in the current folder.
     """
     t0 = time.perf_counter()
-    if untrusted and sandbox == "auto" and launch.bwrap_path() is None:
-        raise launch.SandboxUnavailable(
-            f"refusing to grade someone else's code without the OS sandbox: {launch.HOW_TO_GET_BWRAP}; "
+    if untrusted and sandbox == "auto" and pool.bwrap_path() is None:
+        raise pool.SandboxUnavailable(
+            f"refusing to grade someone else's code without the OS sandbox: {pool.HOW_TO_GET_BWRAP}; "
             "or pass --no-sandbox (sandbox='none') to run it with process limits only")
     if images_dir is not None:  # every grader module is loaded before any learner code runs
         from attnlab import viz
@@ -251,7 +253,7 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
     path = Path(path) if path is not None else default_lab_path()
     the_lab = labs.find_lab(lab) if lab is not None else labs.lab_for_path(path)
     EXERCISES = the_lab.exercises()  # noqa: N806  (the lab's exercise list, in order)
-    report = GradeReport(path=path, seed=seed, sandboxed=launch.resolve_mode(sandbox) is not None,
+    report = GradeReport(path=path, seed=seed, sandboxed=pool.resolve_mode(sandbox) is not None,
                          lab=the_lab.name)
     if not path.is_file():
         report.problem = f"no file at {path}"
@@ -396,6 +398,16 @@ def _whole_file_problem(o: Outcome) -> str:
         return f"policy violation while importing the file: it reached {', '.join(o.violations)}"
     text = f"importing the file failed: {o.message}"
     return text + (f"\nit printed:\n{o.output}" if o.output else "")
+
+
+def not_graded(path: os.PathLike, why: str, *, lab: Optional[str] = None, seed: Optional[int] = None) -> GradeReport:
+    """The report of a file that was not graded because of the grader's environment (no
+    sandbox can run here): every check 0 points, and ``why`` for the instructor, never as the
+    learner's mistake. Runs none of the file's code."""
+    path = Path(path)
+    the_lab = labs.find_lab(lab) if lab is not None else labs.lab_for_path(path)
+    report = GradeReport(path=path, seed=secrets.randbelow(2**31) if seed is None else seed, lab=the_lab.name)
+    return _environment_problem(report, the_lab.exercises(), time.perf_counter(), why)
 
 
 def _environment_problem(report: GradeReport, exercises: list[Exercise], t0: float, why: str) -> GradeReport:

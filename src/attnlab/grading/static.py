@@ -26,7 +26,7 @@ that measures the learner against torch (``compare_with_sdpa``) may reach torch'
 attention, so only the unsafe kinds cost it.
 
 This is not the fence: torch alone can read and write files, start processes and
-open sockets. The OS sandbox (:mod:`.launch`) is the fence; this check keeps the
+open sockets. The OS sandbox (:mod:`.sandbox`) is the fence; this check keeps the
 *score* honest.
 """
 
@@ -38,7 +38,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from attnlab.grading.policy import BANNED_FRAGMENTS
+from attnlab.grading.sandbox.recorder import BANNED_FRAGMENTS
 
 __all__ = ["ALLOWED_IMPORTS", "BANNED_BUILTINS", "Violation", "StaticReport", "check_source"]
 

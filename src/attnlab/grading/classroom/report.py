@@ -101,7 +101,7 @@ def _anonymise(text: str, learner: str) -> str:
 
 
 def render_report(result) -> str:
-    """The page for a :class:`attnlab.grading.batch.ClassResult`, as a string."""
+    """The page for a :class:`attnlab.grading.classroom.batch.ClassResult`, as a string."""
     rows = result.rows
     n = len(rows)
     max_total = max((r.max_total for r in rows), default=0.0)

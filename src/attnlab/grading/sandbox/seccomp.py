@@ -29,7 +29,7 @@ import errno
 import platform
 import struct
 
-__all__ = ["install", "DENIED", "NAMESPACE_FLAGS"]
+__all__ = ["install", "program_bytes", "DENIED", "NAMESPACE_FLAGS"]
 
 # linux/audit.h
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
@@ -77,6 +77,15 @@ def _program(arch: str) -> list[tuple[int, int, int, int]]:
              (_RET_K, 0, 0, deny),
              (_RET_K, 0, 0, _RET_ALLOW)]
     return prog
+
+
+def program_bytes() -> bytes:
+    """The compiled filter (``struct sock_filter`` records), as bwrap's ``--seccomp FD`` reads
+    it; empty where the architecture is not one written here."""
+    arch = platform.machine()
+    if arch not in _NR:
+        return b""
+    return b"".join(struct.pack("=HBBI", *ins) for ins in _program(arch))
 
 
 def install() -> str:

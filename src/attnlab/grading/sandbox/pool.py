@@ -1,40 +1,27 @@
-"""Start a sandbox server (the zygote) for one submission, without importing torch.
+"""Sandbox servers for the grader: start one per submission, keep a spare, fork them from a class template.
 
 The server needs ~1.5 s to import torch. Started first thing (``attnlab grade`` calls
-:func:`prestart` before it imports torch itself), it does so on the other core.
+:func:`prestart` before it imports torch itself), it does so on the other core. Imports no
+torch itself, so the CLI can start a server before it imports anything heavy.
 
-Where ``bwrap`` (bubblewrap) is installed, the server runs inside an OS sandbox made
-for this one submission (:func:`bwrap_command`):
+Where ``bwrap`` (bubblewrap) is installed, the server runs in the OS sandbox of
+:mod:`.bwrap` (an identity that owns nothing, nothing of attnlab but the runner, a fresh
+read-only ``/dev``, no network, seccomp). Memory for the whole submission, all its
+processes together, is capped by a cgroup when one can be created here (v2 with the memory
+and pids controllers, or v1's ``memory`` and ``pids`` hierarchies, as root or where
+delegated); otherwise by each process's ``RLIMIT_AS`` and ``RLIMIT_NPROC`` plus the tmpfs
+caps. :attr:`Server.memory_fence` says which applied.
 
-* new user, pid, network, IPC, UTS and cgroup namespaces (``--unshare-all``), so no
-  network at all (not even loopback to the host), and every process the submission
-  starts lives in a pid namespace that dies with the server (``--die-with-parent``
-  plus the namespace's init: nothing outlives its grading);
-* an unprivileged uid/gid inside, all capabilities dropped, a new session (no
-  terminal to write into);
-* the system (``/usr``, the dynamic loader's cache), the Python installation, the
-  virtual environment's ``site-packages`` and attnlab's own package folder bound
-  **read-only**; nothing else of the host: not ``$HOME``, not the output folder, not
-  other submissions, not ``solutions/``, not ``/etc`` beyond the loader's files;
-* ``/tmp`` and ``/dev/shm`` are private, size-capped tmpfs, the only writable places:
-  whatever the submission writes is gone when its grading ends;
-* the environment is cleared (no secrets in environment variables).
-
-Memory for the whole submission, all its processes together, is capped by a cgroup
-when one can be created here (v2 with the memory and pids controllers, or v1's
-``memory`` and ``pids`` hierarchies, as root or where delegated); otherwise by each
-process's ``RLIMIT_AS`` and ``RLIMIT_NPROC`` plus the tmpfs caps.
-:attr:`Server.memory_fence` says which applied.
-
-Without ``bwrap`` the server runs as a plain child process (``sandboxed = False``):
-the process limits of :mod:`.sandbox` still apply, the OS fences do not.
+Without ``bwrap`` (mode ``none``) the server runs as a plain child process (``sandboxed =
+False``): the process limits of :mod:`.server` still apply, the OS fences do not. Mode
+``user`` (Gradescope without bwrap, root only) runs it as a fresh unprivileged uid in its
+own session, every process of which is killed after each task and when it stops.
 """
 
 from __future__ import annotations
 
 import os
 import select
-import shutil
 import signal
 import socket
 import struct
@@ -47,93 +34,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from attnlab.grading.frames import write_frame
+from attnlab.grading.sandbox import bwrap as _bwrap
+from attnlab.grading.sandbox import seccomp, user
+from attnlab.grading.sandbox.bwrap import HOW_TO_GET_BWRAP, bwrap_path
+from attnlab.grading.sandbox.frames import write_frame
 
-__all__ = ["Server", "SandboxUnavailable", "bwrap_path", "bwrap_command", "start", "prestart", "take",
-           "HOW_TO_GET_BWRAP", "SANDBOX_MODES", "resolve_mode", "python_roots",
-           "keep_spare", "spare", "class_template", "SpawnedServer"]
+__all__ = ["Server", "SandboxUnavailable", "start", "prestart", "take", "HOW_TO_GET_BWRAP", "SANDBOX_MODES",
+           "resolve_mode", "keep_spare", "spare", "class_template", "SpawnedServer", "bwrap_path"]
 
-SANDBOX_MODES = ("auto", "bwrap", "none")
-
-HOW_TO_GET_BWRAP = ("install bubblewrap (Debian/Ubuntu: 'sudo apt-get install bubblewrap'; Fedora: "
-                    "'sudo dnf install bubblewrap'); it needs user namespaces, which most Linux desktops allow. "
-                    "macOS has no bwrap: grade other people's code in a Linux VM or on Gradescope")
-
-TMP_MB = 64  # size of the private /tmp and /dev/shm: learner files, the submission copy
-UID = 65534  # "nobody" inside the sandbox
+SANDBOX_MODES = ("auto", "bwrap", "user", "none")
 
 
 class SandboxUnavailable(RuntimeError):
-    """``bwrap`` was asked for but cannot run here."""
-
-
-def bwrap_path() -> Optional[str]:
-    """The ``bwrap`` executable, or None. ``ATTNLAB_BWRAP`` overrides the lookup ('' = none)."""
-    if "ATTNLAB_BWRAP" in os.environ:
-        value = os.environ["ATTNLAB_BWRAP"]
-        return value if value and os.access(value, os.X_OK) else None
-    return shutil.which("bwrap")
-
-
-def python_roots() -> list[str]:
-    """Folders the server's Python needs, read-only: the installation, the venv's
-    site-packages, attnlab's own package folder. Never the current folder, never a
-    checkout's root (it holds ``labs/.../solutions``)."""
-    import sysconfig
-
-    roots = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        p = sysconfig.get_paths().get(key)
-        if p and os.path.isdir(p):
-            roots.add(os.path.realpath(p))
-    here = Path(__file__).resolve().parents[1]  # .../attnlab
-    roots.add(str(here))
-    # site-packages folders a .pth file added (an environment layered on another one)
-    for entry in sys.path:
-        if os.path.basename(entry.rstrip(os.sep)) in ("site-packages", "dist-packages") and os.path.isdir(entry):
-            roots.add(os.path.realpath(entry))
-    # drop a root that lies inside another one
-    ordered = sorted(roots, key=len)
-    kept: list[str] = []
-    for r in ordered:
-        if not any(r == k or r.startswith(k + os.sep) for k in kept):
-            kept.append(r)
-    return kept
-
-
-def bwrap_command(bwrap: str, argv: list[str]) -> list[str]:
-    """The ``bwrap`` command line that runs ``argv`` inside the sandbox described above."""
-    cmd = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-           "--uid", str(UID), "--gid", str(UID), "--hostname", "attnlab-sandbox"]
-    # the private, writable places first: a checkout or venv under /tmp is then bound on top
-    size = str(TMP_MB * 1024 * 1024)
-    cmd += ["--proc", "/proc", "--dev", "/dev",
-            "--perms", "1777", "--size", size, "--tmpfs", "/tmp",
-            "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm"]
-    cmd += ["--ro-bind", "/usr", "/usr"]
-    for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-        p = Path("/" + top)
-        if p.is_symlink():
-            cmd += ["--symlink", os.readlink(p), str(p)]
-        elif p.is_dir():
-            cmd += ["--ro-bind", str(p), str(p)]
-    for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime"):
-        if os.path.exists(f):
-            cmd += ["--ro-bind", f, f]
-    roots = python_roots()
-    for root in roots:
-        if not root.startswith("/usr/"):
-            cmd += ["--ro-bind", root, root]
-    for exe in {sys.executable, os.path.realpath(sys.executable)}:
-        if not any(exe.startswith(r + os.sep) for r in roots) and not exe.startswith("/usr/"):
-            cmd += ["--ro-bind", exe, exe]
-    cmd += ["--chdir", "/tmp", "--clearenv",
-            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
-            "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "OMP_NUM_THREADS", "1",
-            "--setenv", "ATTNLAB_NATIVE", "0",
-            "--remount-ro", "/",  # the skeleton bwrap built (mount points' parents) is read-only too
-            "--"]
-    return cmd + argv
+    """The sandbox asked for cannot run here."""
 
 
 # --------------------------------------------------------------------------- #
@@ -258,6 +171,8 @@ class Server:
     cgroup: Optional[_Cgroup]
     memory_mb: int
     ready: bool = False
+    plan: Optional[_bwrap.Plan] = None
+    uid: Optional[int] = None  # mode 'user': the server's own uid, every process of which dies with it
 
     @property
     def memory_fence(self) -> str:
@@ -296,15 +211,24 @@ class Server:
                 f.close()
             except OSError:
                 pass
+        if self.uid is not None:
+            user.kill_uid(self.uid)
         if self.cgroup is not None:
             self.cgroup.remove()
+        if self.plan is not None:
+            self.plan.cleanup()
 
 
 def resolve_mode(mode: str) -> Optional[str]:
-    """The bwrap to use (None: run unsandboxed); raises SandboxUnavailable for mode 'bwrap'."""
+    """The bwrap to use (None: run without it); raises SandboxUnavailable for mode 'bwrap'
+    without bwrap, and for mode 'user' when this process is not root."""
     if mode not in SANDBOX_MODES:
         raise ValueError(f"sandbox: expected one of {SANDBOX_MODES}, got {mode!r}")
     if mode == "none":
+        return None
+    if mode == "user":
+        if os.geteuid() != 0:
+            raise SandboxUnavailable("sandbox 'user' runs the learner as a fresh unprivileged uid, which needs root")
         return None
     bwrap = bwrap_path()
     if bwrap is None and mode == "bwrap":
@@ -312,23 +236,64 @@ def resolve_mode(mode: str) -> Optional[str]:
     return bwrap
 
 
+def _seccomp_pipe() -> Optional[int]:
+    """A pipe's read end holding the compiled filter, for bwrap's ``--seccomp`` (None: none here)."""
+    program = seccomp.program_bytes()
+    if not program:
+        return None
+    r, w = os.pipe()
+    os.write(w, program)  # a few hundred bytes: the pipe holds them
+    os.close(w)
+    return r
+
+
+def _server_argv(inside: bool) -> list[str]:
+    here = Path(__file__).resolve().parent
+    script = f"{_bwrap.RUNNER}/server.py" if inside else str(here / "server.py")
+    return [sys.executable, "-I", "-B", script]
+
+
 def start(mode: str = "auto", memory_mb: int = 2048, max_procs: int = 64) -> Server:
     """Start a new server for one submission. ``mode``: 'auto' (bwrap where installed),
-    'bwrap' (required) or 'none'. ``memory_mb``/``max_procs``: the submission's cgroup caps."""
+    'bwrap' (required), 'user' (no bwrap: a fresh unprivileged uid, root only) or 'none'.
+    ``memory_mb``/``max_procs``: the submission's cgroup caps."""
     bwrap = resolve_mode(mode)
-    argv = [sys.executable, "-I", "-c",
-            f"from attnlab.grading.sandbox import serve; serve(sandboxed={bwrap is not None})"]
-    cgroup = _make_cgroup(memory_mb, max_procs) if bwrap is not None else None
-    env = None
+    cgroup = _make_cgroup(memory_mb, max_procs) if bwrap is not None or mode == "user" else None
+    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
+                 start_new_session=True)
     if bwrap is not None:
-        argv = bwrap_command(bwrap, argv)
-    else:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNLAB_")}
-        env.update(OMP_NUM_THREADS="1", ATTNLAB_NATIVE="0", PYTHONDONTWRITEBYTECODE="1")
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            bufsize=0, start_new_session=True, env=env,
-                            preexec_fn=cgroup.enter if cgroup is not None else None)
-    return Server(proc, bwrap is not None, cgroup, memory_mb)
+        seccomp_fd = _seccomp_pipe()
+        plan = _bwrap.plan(bwrap, _server_argv(inside=True) + ["--sandboxed"], seccomp_fd=seccomp_fd)
+        plan.enter_cgroup = cgroup.enter if cgroup is not None else None
+        try:
+            proc = subprocess.Popen(plan.argv, pass_fds=plan.pass_fds, preexec_fn=plan.preexec, **pipes)
+        except BaseException:
+            plan.cleanup()
+            raise
+        finally:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
+        return Server(proc, True, cgroup, memory_mb, plan=plan)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNLAB_")}
+    env.update(OMP_NUM_THREADS="1", ATTNLAB_NATIVE="0", PYTHONDONTWRITEBYTECODE="1")
+    if mode == "user":  # :mod:`.user`
+        uid = _bwrap.unprivileged_uid()
+        enter = cgroup.enter if cgroup is not None else None
+        exposure = user.Exposure.for_python()
+
+        def become() -> None:  # a session of its own (start_new_session), the cgroup, the paths, then the uid
+            if enter is not None:
+                enter()
+            exposure.apply()  # where no mount namespace can be made the paths stay: the self-test says if that works
+            _bwrap.drop_to(uid)
+
+        env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
+               "PYTHONDONTWRITEBYTECODE": "1", "ATTNLAB_NATIVE": "0"}  # nothing of the grader's environment
+        argv = [sys.executable, "-I", "-B", os.path.join(user.runner_copy(), "server.py"), "--sandboxed"]
+        proc = subprocess.Popen(argv, env=env, cwd="/", preexec_fn=become, **pipes)
+        return Server(proc, False, cgroup, memory_mb, uid=uid)
+    proc = subprocess.Popen(_server_argv(inside=False), env=env, **pipes)
+    return Server(proc, False, cgroup, memory_mb)
 
 
 _pending: Optional[tuple[tuple, Server]] = None
@@ -465,17 +430,23 @@ class SpawnedServer:
 
 
 class _Template:
-    """The template process (in bwrap, as a server is) and the grader's end of its socket."""
+    """The template process (in bwrap, as a server is) and the grader's end of its socket.
+    (:mod:`.template` is its inside.)"""
 
     START_TIMEOUT_S = 90.0
 
     def __init__(self, bwrap: str) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        argv = [sys.executable, "-I", "-c",
-                f"from attnlab.grading.template import serve_template; serve_template({theirs.fileno()})"]
-        self.proc = subprocess.Popen(bwrap_command(bwrap, argv), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     pass_fds=(theirs.fileno(),), start_new_session=True)
+        argv = [sys.executable, "-I", "-B", f"{_bwrap.RUNNER}/template.py", str(theirs.fileno()),
+                _bwrap.tmp_roots_json()]
+        self.plan = _bwrap.plan(bwrap, argv, template=True)
+        try:
+            self.proc = subprocess.Popen(self.plan.argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+                                         start_new_session=True, preexec_fn=self.plan.preexec)
+        except BaseException:
+            self.plan.cleanup()
+            raise
         theirs.close()
         self.sock = ours
         self.lock = threading.Lock()
@@ -489,6 +460,7 @@ class _Template:
             self.problem = hello.decode(errors="replace").removeprefix("unsupported ") or "it exited"
             self.stop()
             return
+        self.plan.cleanup()
         ours.settimeout(10.0)
 
     def spawn(self, memory_mb: int, max_procs: int) -> Optional[SpawnedServer]:
@@ -544,6 +516,7 @@ class _Template:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+        self.plan.cleanup()
 
 
 _template: Optional[_Template] = None

@@ -6,11 +6,16 @@ submission, in its own container, with the learner's files in
 ``/autograder/results/results.json`` (the schema ``attnlab grade --json`` writes). The
 bundle holds:
 
-* ``setup.sh``: installs bubblewrap (the OS sandbox; where the container cannot run it, the
-  container itself is the per-submission isolation), creates ``/autograder/venv`` and
+* ``setup.sh``: installs bubblewrap (the OS sandbox), creates ``/autograder/venv`` and
   installs CPU-only torch and the pinned requirements, then this attnlab from its wheel;
-* ``run_autograder``: grades ``/autograder/submission/attention.py`` (or the submission's only
-  ``.py`` file) into ``/autograder/results/results.json``;
+* ``run_autograder``: :func:`run_gradescope` (``attnlab grade --gradescope /autograder``):
+  grades ``/autograder/submission/<the lab's file>`` (or the submission's only ``.py`` file)
+  into ``/autograder/results/results.json``, in the strongest sandbox that passes its
+  self-test here (:func:`choose_sandbox`): bwrap; else, where bwrap cannot run in the
+  container (the usual case), the learner as a fresh unprivileged uid
+  (:mod:`attnlab.grading.sandbox.user`), with the bundle, attnlab's package and the results
+  folder unreadable to it while it runs; else nothing runs, and results.json says why, for
+  the instructor, with 0 points (never as the learner's failed checks);
 * ``requirements.txt``: torch, numpy and jaxtyping pinned to the versions this bundle was
   made with; ``attnlab-<version>-py3-none-any.whl``; ``README.txt``.
 
@@ -32,12 +37,14 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import attnlab
 
-__all__ = ["build_bundle", "try_bundle", "SimulatedRoot", "SETUP_SH", "RUN_AUTOGRADER"]
+__all__ = ["build_bundle", "try_bundle", "SimulatedRoot", "SETUP_SH", "RUN_AUTOGRADER", "run_gradescope",
+           "choose_sandbox", "find_submission", "out_of_reach"]
 
 SETUP_SH = r"""#!/usr/bin/env bash
 # attnlab autograder: Gradescope runs this once, as root, when it builds the image.
@@ -59,22 +66,14 @@ echo "attnlab autograder installed into $VENV"
 """
 
 RUN_AUTOGRADER = r"""#!/usr/bin/env bash
-# attnlab autograder: Gradescope runs this once per submission, in its own container.
+# attnlab autograder: Gradescope runs this once per submission, in its own container, as root.
+# 'attnlab grade --gradescope' chooses the sandbox by a self-test of each exact one (bwrap, else
+# a fresh unprivileged uid, else it refuses and says why in results.json), grades the
+# submission, kills every process the learner left, and writes results.json last.
 ROOT="${AUTOGRADER_ROOT:-/autograder}"
 PY="${ATTNLAB_VENV:-$ROOT/venv}/bin/python"
-LAB="@LAB@"
-SUBMISSION="$ROOT/submission/@FILE@"
-if [ ! -f "$SUBMISSION" ]; then   # a differently named file: take the only .py there is
-  mapfile -t FILES < <(find "$ROOT/submission" -maxdepth 2 -name '*.py' -type f 2>/dev/null)
-  [ "${#FILES[@]}" = 1 ] && SUBMISSION="${FILES[0]}"
-fi
-mkdir -p "$ROOT/results"
-# The OS sandbox where the container allows it, decided by starting the grader's exact sandbox
-# (not a simpler bwrap probe); otherwise the container is the isolation.
-SANDBOX=--no-sandbox
-if command -v bwrap >/dev/null && "$PY" -m attnlab grade --self-test >/dev/null 2>&1; then SANDBOX=--untrusted; fi
-cd "$ROOT/results"
-"$PY" -m attnlab grade "$SUBMISSION" --lab "$LAB" --json "$ROOT/results/results.json" --no-images --no-colour $SANDBOX
+cd /
+"$PY" -m attnlab grade --gradescope "$ROOT" --lab "@LAB@" --no-colour
 exit 0   # the score is in results.json; a failing grade is not a failed autograder run
 """
 
@@ -85,6 +84,77 @@ submit {file} (lab track1/{lab}: {title}). Each submission is graded by `attnlab
 in its own container; results.json carries the score, one test per check with the named
 mistakes as tags, and the seed of the inputs (extra_data.seed).
 """
+
+
+def choose_sandbox() -> tuple[str, str]:
+    """The sandbox for this container, chosen by a self-test of each exact one the grader
+    would use: ``('bwrap', how)``, ``('user', how)`` (root only) or ``('', why neither runs)``."""
+    from attnlab.grading.sandbox import self_test
+
+    ok, how = self_test("bwrap")
+    if ok:
+        return "bwrap", how
+    if os.geteuid() != 0:
+        return "", (f"bwrap cannot run here ({how}), and the grader is not root, so it cannot run the learner as "
+                    f"a user of its own either")
+    ok_user, how_user = self_test("user")
+    if ok_user:
+        return "user", f"bwrap cannot run here ({how}), so {how_user}"
+    return "", f"bwrap cannot run here ({how}), and neither can an unprivileged user of its own ({how_user})"
+
+
+def find_submission(folder: Path, file: str) -> Path:
+    """``folder/file``, else the only ``.py`` file within two levels, else ``folder/file``
+    (which then does not exist, and is graded as 'no file')."""
+    wanted = folder / file
+    if wanted.is_file():
+        return wanted
+    found = [p for p in sorted(folder.glob("*.py")) + sorted(folder.glob("*/*.py")) if p.is_file()]
+    return found[0] if len(found) == 1 else wanted
+
+
+@contextmanager
+def out_of_reach(paths: list[Path]) -> Iterator[None]:
+    """Each path made 0700 (its owner, root, only) while the learner's uid runs; restored after."""
+    saved = []
+    try:
+        for p in paths:
+            if p.exists():
+                saved.append((p, p.stat().st_mode & 0o7777))
+                os.chmod(p, 0o700)
+        yield
+    finally:
+        for p, mode in saved:
+            os.chmod(p, mode)
+
+
+def run_gradescope(root: os.PathLike, lab: str) -> dict:
+    """What ``run_autograder`` does: grade ``root/submission`` for ``lab`` and write
+    ``root/results/results.json``. The sandbox is :func:`choose_sandbox`'s; in mode 'user'
+    the bundle (``root/source``), attnlab's own package and the results folder are out of
+    the learner's reach while it runs, and every process of its uid is killed before
+    results.json is written, last, by this process. Returns what was written."""
+    from attnlab import labs
+    from attnlab.grading.grader import grade, not_graded, write_atomically
+
+    root = Path(root)
+    the_lab = labs.find_lab(lab)
+    results = root / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    submission = find_submission(root / "submission", the_lab.file)
+    mode, how = choose_sandbox()
+    if not mode:
+        report = not_graded(submission, f"the grader cannot isolate learner code in this container: {how}. For the "
+                                        "instructor: use a base image where bubblewrap can run, or run "
+                                        "run_autograder as root", lab=the_lab.name)
+    else:
+        hidden = [results, root / "source", Path(attnlab.__file__).resolve().parent] if mode == "user" else []
+        with out_of_reach(hidden):
+            report = grade(submission, lab=the_lab.name, sandbox=mode, untrusted=True)  # its processes: all dead now
+    data = report.to_gradescope()
+    data["extra_data"]["sandbox"]["chosen"] = how
+    write_atomically(results / "results.json", json.dumps(data, indent=1))
+    return data
 
 
 def _pin(name: str) -> str:

@@ -3,7 +3,7 @@
 Each submission is graded by :func:`attnlab.grading.grade` in its own OS sandbox (a fresh
 sandbox server per submission: nothing one learner's code does survives into another's
 grading), ``jobs`` at a time. The servers are forked from one pre-imported template
-(:mod:`attnlab.grading.template`: torch is imported once per class, not once per learner,
+(:mod:`attnlab.grading.sandbox.template`: torch is imported once per class, not once per learner,
 each fork getting namespaces, a /tmp and a cgroup of its own); where nested user namespaces
 are not allowed, each gets a ``bwrap`` of its own instead (``ClassResult.sandboxes`` says which).
 
@@ -12,7 +12,7 @@ What comes out, in ``OUTDIR``:
 * ``grades.csv``: one row per learner, sorted: learner, total, max, points per exercise,
   named mistakes, seed, seconds, status (``graded`` / ``timed out`` / ``could not be read``);
 * ``<learner>/results.json``: Gradescope's schema, as ``attnlab grade FILE --json`` writes it;
-* ``report.html``: one self-contained page (:mod:`attnlab.grading.report`);
+* ``report.html``: one self-contained page (:mod:`attnlab.grading.classroom.report`);
 * ``skipped.txt``: what in ``DIR`` was not a submission, and why.
 
 Layouts recognised (:func:`find_submissions`): ``DIR/<learner>/attention.py`` (the lab's
@@ -45,10 +45,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from attnlab.grading import launch
 from attnlab import labs
 from attnlab.grading.grader import GradeReport, grade, write_atomically
-from attnlab.grading.sandbox import Limits
+from attnlab.grading.sandbox import Limits, pool
 
 __all__ = ["Submission", "Skipped", "Row", "ClassResult", "ClassPlan", "ClassRefused", "find_submissions",
            "grade_class", "plan_class", "infer_lab", "learner_seed", "name_problem", "folder_name", "SUBMISSION_FILE",
@@ -325,14 +324,14 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
     """Grade every submission in ``folder`` into ``out`` (see the module docstring);
     ``plan``: :func:`plan_class`'s answer when the caller has it already (not found again).
 
-    Raises :class:`~attnlab.grading.launch.SandboxUnavailable` when ``sandbox='auto'`` and
+    Raises :class:`~attnlab.grading.sandbox.pool.SandboxUnavailable` when ``sandbox='auto'`` and
     bwrap is missing: other people's code is never run without the OS sandbox unless
     ``sandbox='none'`` says so.
     """
     t0 = time.perf_counter()
-    if sandbox == "auto" and launch.bwrap_path() is None:
-        raise launch.SandboxUnavailable(f"refusing to grade a class without the OS sandbox: "
-                                        f"{launch.HOW_TO_GET_BWRAP}; or pass --no-sandbox")
+    if sandbox == "auto" and pool.bwrap_path() is None:
+        raise pool.SandboxUnavailable(f"refusing to grade a class without the OS sandbox: "
+                                        f"{pool.HOW_TO_GET_BWRAP}; or pass --no-sandbox")
     plan = plan if plan is not None else plan_class(folder, out, lab=lab)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -387,7 +386,7 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
     # one pre-imported template forks each submission's sandbox (its own namespaces, cgroup,
     # /tmp): torch is imported once, not once per learner; where it cannot work here, one
     # bwrap per submission, the next one importing torch while the current one grades
-    with launch.class_template(sandbox) as template:
+    with pool.class_template(sandbox) as template:
         if template.active:
             sandboxes = ("one OS sandbox per submission (own user, mount, pid, network and IPC namespaces, "
                          "private /tmp, its own cgroup), forked from a pre-imported template")
@@ -395,16 +394,16 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
             sandboxes = "no OS sandbox (--no-sandbox): process limits only"
         else:
             sandboxes = f"one bwrap OS sandbox per submission, each importing torch ({template.reason})"
-            launch.keep_spare(True)
+            pool.keep_spare(True)
         try:
-            with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-                for future in [pool.submit(one, sub) for sub in todo]:
+            with ThreadPoolExecutor(max_workers=max(1, jobs)) as workers:
+                for future in [workers.submit(one, sub) for sub in todo]:
                     future.result()
         finally:
-            launch.keep_spare(False)
+            pool.keep_spare(False)
     ordered = [rows[s.learner] for s in submissions if s.learner in rows]
     write_csv(ordered, out / "grades.csv", the_lab.exercises())
-    from attnlab.grading.report import write_report
+    from attnlab.grading.classroom.report import write_report
 
     result = ClassResult(ordered, skipped, out, time.perf_counter() - t0, the_lab.name, sandboxes)
     write_report(result, out / "report.html")

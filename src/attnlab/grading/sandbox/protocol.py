@@ -1,4 +1,4 @@
-"""What may cross from a sandboxed child to the grader: bounded JSON and safetensors, nothing else.
+"""What may cross between the grader and its sandbox, both ways: bounded JSON and safetensors, nothing else.
 
 The child runs the learner's code, which may run anything, so every byte it sends is
 hostile. The grader never unpickles it, never unzips it, and never lets it choose an
@@ -17,6 +17,11 @@ is then a copy of exactly its own bytes. Any failure is a :class:`BadPayload`.
 
 :func:`encode_message` is the child's side; the format is the safetensors library's own
 (``tests/test_protocol.py`` reads ours with it and its files with ours).
+
+The grader's requests to the sandbox's server travel the same way (:func:`encode_request`,
+:func:`decode_request`), so the server needs no class of attnlab's to read them and nothing
+is unpickled on either side. This module is one of the runner's files (:mod:`.server`): it
+imports only the standard library and torch.
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["BadPayload", "encode_message", "decode_message", "bounded_json", "MAX_HEADER_BYTES", "MAX_ELEMENTS",
-           "MAX_DEPTH", "MAX_NODES"]
+__all__ = ["BadPayload", "encode_message", "decode_message", "bounded_json", "encode_request", "decode_request",
+           "MAX_HEADER_BYTES", "MAX_ELEMENTS", "MAX_DEPTH", "MAX_NODES", "MAX_REQUEST_BYTES"]
 
 MAX_HEADER_BYTES = 1 << 20  # the JSON header, the message included (a result's text is capped at 4000 chars)
 MAX_ELEMENTS = 1 << 23  # tensor elements in one message, all tensors together (64 MB of float64)
 MAX_DEPTH = 12  # JSON nesting: the message's own is at most 9 (results > value > seq > dict > ...)
 MAX_NODES = 100_000  # JSON values in one message
+MAX_REQUEST_BYTES = 1 << 26  # one request from the grader: a 1 MB source, or a task's inputs
 
 # safetensors' dtype names; only those a lab's answer can be
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -202,3 +208,33 @@ def decode_message(payload: bytes, *, max_elements: int = MAX_ELEMENTS) -> Any:
         return v
 
     return restore(message)
+
+
+def _tag(value: Any) -> Any:
+    """Tuples kept as tuples across JSON: ``{"__seq__": [...], "__tuple__": true}``."""
+    if isinstance(value, tuple):
+        return {"__seq__": [_tag(v) for v in value], "__tuple__": True}
+    if isinstance(value, list):
+        return [_tag(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _tag(v) for k, v in value.items()}
+    return value
+
+
+def encode_request(op: str, **fields: Any) -> bytes:
+    """A request from the grader to the sandbox's server: ``load`` (``name``, ``source``
+    bytes) or ``run`` (``calls``: ``[{"function", "args", "kwargs"}]``, ``policy``,
+    ``limits``: a dict of numbers). Tensors in the calls' arguments go as safetensors."""
+    if "source" in fields:
+        fields["source"] = torch.frombuffer(bytearray(fields["source"]), dtype=torch.uint8) if fields["source"] \
+            else torch.empty(0, dtype=torch.uint8)
+    return encode_message(_tag({"op": op, **fields}))
+
+
+def decode_request(payload: bytes) -> dict:
+    """The server's side of :func:`encode_request` (tuples are still tagged: the server
+    restores them)."""
+    request = decode_message(payload, max_elements=MAX_REQUEST_BYTES)
+    if not isinstance(request, dict) or request.get("op") not in ("load", "run"):
+        raise BadPayload("not a request of the grader's")
+    return request

@@ -24,7 +24,7 @@ template (:func:`_enter_namespaces`), and checked by the hostile suite through t
   kernel); every capability dropped from the effective, permitted, inheritable and bounding
   sets, and ``no_new_privs``.
 * Inside, the layout is bwrap's: an init (pid 1, reaping, holding no learner code, which
-  processes in its namespace cannot signal) and the sandbox server (:func:`.sandbox.serve`)
+  processes in its namespace cannot signal) and the sandbox server (:func:`.server.serve`)
   that forks one child per exercise and ``kill(-1)``-s the namespace after each. The
   init dies with the fork the template made (``PR_SET_PDEATHSIG``), and the whole
   namespace with the init; the grader moves that fork into the submission's cgroup
@@ -32,18 +32,26 @@ template (:func:`_enter_namespaces`), and checked by the hostile suite through t
 
 Where a nested user namespace cannot be made (a kernel or container that forbids it), the
 template says so when it starts and the grader falls back to one ``bwrap`` per submission
-(:func:`attnlab.grading.launch.class_template`).
+(:class:`.pool.class_template`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import socket
 import struct
 import sys
 import traceback
+
+try:  # a runner file (bound into the sandbox beside server.py); in the grader, a package module
+    from . import frames, server
+except ImportError:  # python -I puts no script folder on sys.path: the runner's own folder, only
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import frames  # type: ignore[no-redef]
+    import server  # type: ignore[no-redef]
 
 __all__ = ["serve_template", "TMP_BYTES"]
 
@@ -58,7 +66,7 @@ MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 32, 4096, 8192, 16384, 1 << 1
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 CAP_LAST = 63  # dropping past the kernel's last capability fails harmlessly (EINVAL)
-TMP_BYTES = 64 * 1024 * 1024  # as launch.TMP_MB
+TMP_BYTES = 64 * 1024 * 1024  # as bwrap.TMP_MB
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -118,6 +126,8 @@ def _enter_namespaces() -> None:
         _mount_point(f"/dev/shm/.stage/{i}", is_dir)
         _mount(root, f"/dev/shm/.stage/{i}", None, MS_BIND | MS_REC)
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={TMP_BYTES},mode=1777")
+    # a pty of one submission is not another's: a devpts instance of its own (/dev/ptmx links to pts/ptmx)
+    _mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=620")
     for i, (root, is_dir) in enumerate(kept):
         _mount_point(root, is_dir)
         _mount(f"/dev/shm/.stage/{i}", root, None, MS_MOVE)
@@ -135,16 +145,12 @@ def _mount_point(path: str, is_dir: bool) -> None:
         open(path, "a").close()
 
 
-def _tmp_roots() -> list[str]:
-    """What the template's bwrap bound under /tmp (launch.bwrap_command): the Python roots
-    and the interpreter that live there."""
-    from attnlab.grading import launch
+_TMP_ROOTS: list[str] = []  # what the template's bwrap bound under /tmp (given on its command line)
 
-    roots = [r for r in launch.python_roots() if r.startswith("/tmp/")]
-    for exe in {sys.executable, os.path.realpath(sys.executable)}:
-        if exe.startswith("/tmp/") and not any(exe.startswith(r + os.sep) for r in roots):
-            roots.append(exe)
-    return [r for r in roots if os.path.exists(r)]
+
+def _tmp_roots() -> list[str]:
+    """The Python roots and the interpreter that the grader bound under /tmp (:func:`.bwrap.bwrap_command`)."""
+    return [r for r in _TMP_ROOTS if os.path.exists(r)]
 
 
 def _hide_proc() -> None:
@@ -170,8 +176,7 @@ def _submission(request_fd: int, reply_fd: int) -> None:
     """The fork the template made for one submission. Waits for the grader's ``go`` (it has
     moved this process into the submission's cgroup by then), enters the namespaces, and
     runs bwrap's layout inside: an init, and the sandbox server."""
-    from attnlab.grading import sandbox
-    from attnlab.grading.frames import read_frame, write_frame
+    read_frame, write_frame = frames.read_frame, frames.write_frame
 
     os.setsid()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -189,16 +194,20 @@ def _submission(request_fd: int, reply_fd: int) -> None:
         _, status = os.waitpid(init, 0)
         os._exit(0)
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # pid 1 dies with the template's fork
-    server = os.fork()
-    if server != 0:
+    server_pid = os.fork()
+    if server_pid != 0:
         os.close(request_fd)
         os.close(reply_fd)
         _drop_capabilities()
-        _init(server)
-    status_fd = os.open("/proc/self/status", os.O_RDONLY)  # the server's own, before /proc is hidden
-    _hide_proc()
-    _drop_capabilities()
-    sandbox.serve(request_fd, reply_fd, sandboxed=True, status_fd=status_fd)
+        _init(server_pid)
+    try:
+        status_fd = os.open("/proc/self/status", os.O_RDONLY)  # the server's own, before /proc is hidden
+        _hide_proc()
+        _drop_capabilities()
+    except OSError as exc:  # the grader reads this instead of "ready", and says why the sandbox did not start
+        write_frame(reply_fd, f"failed {exc}".encode()[:500])
+        os._exit(3)
+    server.serve(request_fd, reply_fd, sandboxed=True, status_fd=status_fd)
     os._exit(0)
 
 
@@ -222,23 +231,17 @@ def _probe() -> str:
     return "" if answer == "ok" else answer or "the probe died"
 
 
-def serve_template(control_fd: int) -> None:
+def serve_template(control_fd: int, tmp_roots: list[str] = ()) -> None:
     """The template's loop, on a SOCK_SEQPACKET socket from the grader: each ``spawn``
     message carries two pipe ends (the new server's request and reply channels) and is
     answered with the fork's pid in this namespace; the grader then sends ``go`` down the
-    request pipe."""
+    request pipe. ``tmp_roots``: what the grader bound under /tmp, to carry across each
+    submission's new /tmp."""
     import torch
 
-    import attnlab.doctor  # noqa: F401
-    import attnlab.grading.policy  # noqa: F401
-    from attnlab.grading import sandbox  # noqa: F401
-
-    try:
-        import jaxtyping  # noqa: F401
-    except ImportError:
-        pass
+    _TMP_ROOTS[:] = list(tmp_roots)
+    server.prepare()
     # the lazy parts of torch's CPU start (thread pools, the GEMM dispatch), once for all
-    torch.set_num_threads(1)
     a = torch.randn(64, 64)
     (a @ a).exp().sum().item()
 
@@ -277,8 +280,11 @@ def serve_template(control_fd: int) -> None:
                             pass
                 os.closerange(max(fds) + 1, 1 << 16)
                 _submission(*fds)
-            except BaseException:  # noqa: BLE001
-                traceback.print_exc()
+            except BaseException as exc:  # noqa: BLE001 (the grader reads it instead of "ready")
+                try:
+                    frames.write_frame(fds[1], f"failed {type(exc).__name__}: {exc}".encode()[:500])
+                except OSError:
+                    pass
             finally:
                 os._exit(70)
         for fd in fds:
@@ -286,5 +292,5 @@ def serve_template(control_fd: int) -> None:
         control.send(struct.pack("<q", pid))
 
 
-if __name__ == "__main__":  # pragma: no cover (started by launch.class_template)
-    serve_template(int(sys.argv[1]))
+if __name__ == "__main__":  # pragma: no cover (python -I -B template.py FD ROOTS-JSON, from pool.class_template)
+    serve_template(int(sys.argv[1]), json.loads(sys.argv[2]) if len(sys.argv) > 2 else [])

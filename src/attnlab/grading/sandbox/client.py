@@ -1,0 +1,477 @@
+"""The grader's side of the sandbox: run tasks on one submission, bring back only validated data.
+
+A :class:`Sandbox` holds one submission's sandbox server (:mod:`.pool`, in the OS sandbox of
+:mod:`.bwrap`) and sends it tasks: a list of :class:`Call` s, run in a fresh child of the
+server with the limits of :class:`Limits` (CPU time, memory, output, files, processes).
+The learner's process can run anything, so this side trusts nothing it gets back:
+
+* every read from the server has a deadline; on a deadline or a broken frame the whole
+  sandbox is killed (and a new one serves the next exercise);
+* the server's header is bounded JSON; the child's message is one safetensors file with
+  the message as bounded JSON in its metadata (:mod:`.protocol`: no pickle, no zip; every
+  size is checked against the bytes received before anything is allocated), then validated
+  field by field (:func:`validate_message`): known keys and types only, capped in elements
+  and bytes. Learner text is stripped of control characters and lone surrogates and capped
+  (:func:`clean_text`);
+* references and diagnoses are computed here: for a ``doctor=True`` call the doctor's probe
+  inputs are sent as plain calls, and the answers are put together and analysed here
+  (:func:`attnlab.doctor.self_attention_calls`).
+
+Without ``bwrap`` the OS fences are missing (``Sandbox.sandboxed`` is False): the grader
+says so, and refuses other people's code unless told otherwise (:mod:`..grader`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from attnlab.grading.sandbox import pool
+from attnlab.grading.sandbox.frames import Deadline, read_frame, write_frame
+from attnlab.grading.sandbox.protocol import BadPayload, bounded_json, decode_message, encode_request
+from attnlab.grading.sandbox.server import MAX_RESULT_BYTES, MAX_TEXT, SUBMISSION_NAME, submission_name
+
+__all__ = ["Limits", "Call", "Outcome", "Sandbox", "Unsupported", "validate_message", "clean_text", "self_test",
+           "MAX_RESULT_BYTES", "MAX_ELEMENTS", "MAX_SOURCE_BYTES", "SUBMISSION_NAME", "submission_name", "BadMessage"]
+
+MAX_ELEMENTS = 1 << 23  # tensor elements in one message, all tensors together
+MAX_SOURCE_BYTES = 1 << 20  # a submission file
+START_TIMEOUT_S = 90.0  # the server imports torch; on a loaded 2-core machine that took up to ~10 s
+GRACE_S = 3.0  # parent's deadline beyond the zygote's own
+
+
+@dataclass(frozen=True)
+class Limits:
+    timeout_s: float = 5.0  # CPU time of the task's process, per task (a budget that load does not shrink)
+    # the wall-clock backstop, this many times timeout_s: it stops what uses no CPU (a sleep, a
+    # blocked read) and leaves a task its whole CPU budget up to 10x oversubscription
+    wall_factor: float = 10.0
+    memory_mb: int = 1024  # per process, on top of what the child has mapped at start
+    output_kb: int = 256  # stdout + stderr
+    show_output_chars: int = 1500  # how much of the output a report quotes
+    submission_memory_mb: int = 2048  # all processes of the submission together (cgroup, where available)
+    max_procs: int = 64  # processes of the submission together (cgroup or RLIMIT_NPROC)
+    file_mb: int = 16  # largest file a child may write (in its private /tmp)
+
+
+@dataclass(frozen=True)
+class Call:
+    """``module.function(*args, **kwargs)`` in the child; ``doctor=True`` also runs the
+    doctor's self-attention probes on that function."""
+
+    function: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    doctor: bool = False
+
+
+@dataclass
+class Outcome:
+    """What one task did. ``status``: ok | error | import_error | exit | crash | timeout | memory |
+    output_flood | protocol."""
+
+    status: str
+    results: list[dict] = field(default_factory=list)  # one per call: {"value"} or {"error", "traceback"}
+    message: str = ""
+    traceback: str = ""
+    violations: list[str] = field(default_factory=list)
+    output: str = ""
+    elapsed_s: float = 0.0
+    probes: Optional[list[dict]] = None
+    cpu_s: float = 0.0  # CPU time of the task's process (what the time budget counts)
+    environment: str = ""  # set when the sandbox itself could not start here: the grader's problem, not the learner's
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def clean_text(text: Any, limit: int = MAX_TEXT) -> str:
+    """Learner text made safe to print and to store: no control characters (escape
+    sequences, carriage returns, bidi overrides), no lone surrogates, at most ``limit``
+    characters (the middle is cut)."""
+    if not isinstance(text, str):
+        text = str(text)
+    text = _SURROGATE.sub("\ufffd", text)
+    text = _CONTROL.sub(lambda m: "" if m.group() == "\r" else "\ufffd", text.replace("\r\n", "\n"))
+    if len(text) > limit:
+        text = text[: limit // 2] + "\n[... trimmed ...]\n" + text[-limit // 2:]
+    return text
+
+
+# --------------------------------------------------------------------------- #
+# Child side (runs in the forked process)
+# --------------------------------------------------------------------------- #
+
+
+# --------------------------------------------------------------------------- #
+# Parent side: validation of what comes back
+# --------------------------------------------------------------------------- #
+
+_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.uint8, torch.int8,
+           torch.int16, torch.int32, torch.int64}
+_STATUSES = {"ok", "import_error", "exit", "protocol"}
+
+
+class BadMessage(ValueError):
+    """The child's message is not what a child of this grader sends."""
+
+
+def _check_tensor(t: torch.Tensor, budget: list[int]) -> None:
+    if t.layout != torch.strided or t.is_sparse or t.device.type != "cpu":
+        raise BadMessage("a tensor that is not a dense CPU tensor")
+    if t.dtype not in _DTYPES:
+        raise BadMessage(f"a tensor of dtype {t.dtype}")
+    if t.dim() > 8:
+        raise BadMessage(f"a tensor with {t.dim()} dims")
+    # numel of the storage, not of the view: a stride-0 view can claim any size
+    need = t.numel() * t.element_size()
+    if not t.is_contiguous() or t.storage_offset() != 0 or t.untyped_storage().nbytes() != need:
+        raise BadMessage(f"a tensor of shape {list(t.shape)} whose storage does not back it "
+                         f"({t.untyped_storage().nbytes()} bytes for {need}); the grader sends only dense copies")
+    budget[0] -= t.numel()
+    if budget[0] < 0:
+        raise BadMessage(f"more than {MAX_ELEMENTS} tensor elements")
+
+
+def _check_value(v: Any, budget: list[int], depth: int = 0) -> None:
+    if depth > 6:
+        raise BadMessage("a value nested too deeply")
+    if v is None or isinstance(v, (bool, int, float)):
+        return
+    if isinstance(v, str):
+        if len(v) > MAX_TEXT * 2:
+            raise BadMessage("a string that is too long")
+        return
+    if isinstance(v, torch.Tensor):
+        return _check_tensor(v, budget)
+    if isinstance(v, dict) and set(v) == {"__seq__", "__tuple__"} and isinstance(v["__seq__"], list) \
+            and isinstance(v["__tuple__"], bool) and len(v["__seq__"]) <= 64:
+        for item in v["__seq__"]:
+            _check_value(item, budget, depth + 1)
+        return
+    if isinstance(v, dict) and set(v) == {"__dict__"} and isinstance(v["__dict__"], dict) and len(v["__dict__"]) <= 64:
+        for k, item in v["__dict__"].items():
+            if not isinstance(k, str) or len(k) > 200:
+                raise BadMessage("a dict key that is not a short string")
+            _check_value(item, budget, depth + 1)
+        return
+    if isinstance(v, dict) and set(v) == {"__unsupported__"} and isinstance(v["__unsupported__"], str):
+        return
+    raise BadMessage(f"a value of type {type(v).__name__} in an unknown shape")
+
+
+def _check_str(v: Any, what: str) -> None:
+    if not isinstance(v, str) or len(v) > MAX_TEXT * 4:
+        raise BadMessage(f"{what} is not a string of reasonable length")
+
+
+def validate_message(msg: Any, n_calls: int) -> None:
+    """Raise :class:`BadMessage` unless ``msg`` is exactly what the runner's child
+    (:mod:`.server`) sends for ``n_calls`` calls."""
+    if not isinstance(msg, dict) or not set(msg) <= {"status", "results", "violations", "message", "traceback"}:
+        raise BadMessage("the message is not a dict of the known fields")
+    if msg.get("status") not in _STATUSES:
+        raise BadMessage(f"unknown status {str(msg.get('status'))[:40]!r}")
+    for key in ("message", "traceback"):
+        if key in msg:
+            _check_str(msg[key], key)
+    violations = msg.get("violations", [])
+    if not isinstance(violations, list) or len(violations) > 64:
+        raise BadMessage("violations is not a short list")
+    for v in violations:
+        _check_str(v, "a violation")
+    results = msg.get("results", [])
+    if not isinstance(results, list) or len(results) > n_calls or (msg["status"] == "ok" and len(results) != n_calls):
+        raise BadMessage(f"expected {n_calls} results")
+    budget = [MAX_ELEMENTS]
+    for r in results:
+        if not isinstance(r, dict):
+            raise BadMessage("a result that is not a dict")
+        if set(r) == {"value"}:
+            _check_value(r["value"], budget)
+        elif "error" in r and set(r) <= {"error", "traceback", "memory"}:
+            _check_str(r["error"], "an error")
+            _check_str(r.get("traceback", ""), "a traceback")
+            if not isinstance(r.get("memory", False), bool):
+                raise BadMessage("a memory flag that is not a bool")
+        else:
+            raise BadMessage("a result with unknown fields")
+
+
+# --------------------------------------------------------------------------- #
+# Parent side: the sandbox of one submission
+# --------------------------------------------------------------------------- #
+
+
+class Sandbox:
+    """Runs tasks on one submission in children of its own sandbox server.
+
+    ``mode``: 'auto' (bwrap where installed), 'bwrap' (required: raises
+    :class:`~attnlab.grading.sandbox.pool.SandboxUnavailable` without it), 'user' or 'none'. Use it as
+    a context manager, or call :meth:`close`: the server and everything the submission
+    started die then.
+    """
+
+    def __init__(self, path: os.PathLike, limits: Limits = Limits(), mode: str = "auto") -> None:
+        self.path = Path(path)
+        self.limits = limits
+        self.mode = mode
+        with open(self.path, "rb") as f:
+            self.source = f.read(MAX_SOURCE_BYTES + 1)
+        if len(self.source) > MAX_SOURCE_BYTES:
+            raise ValueError(f"{self.path} is larger than {MAX_SOURCE_BYTES // 1024} KB")
+        self._server: Optional[pool.Server] = None
+        self.restarts = 0  # servers started after the first (the learner stopped or killed one)
+        self._starts = 0
+        self.sandboxed = pool.resolve_mode(mode) is not None
+        self.memory_fence = ""
+        self.launcher = ""  # 'template' (forked from the class template), 'bwrap', 'user' or 'none'
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def processes(self) -> Optional[list[int]]:
+        """Host pids of every process of this submission (the server included), from its
+        cgroup; None where no cgroup could be made."""
+        if self._server is None or self._server.cgroup is None:
+            return None
+        return self._server.cgroup.procs()
+
+    def _server_ready(self) -> pool.Server:
+        if self._server is not None and self._server.alive():
+            return self._server
+        if self._server is not None:
+            self._server.stop()
+        if self._starts:
+            self.restarts += 1
+        self._starts += 1
+        server = pool.take(self.mode, self.limits.submission_memory_mb, self.limits.max_procs)
+        self._server = server
+        deadline = time.monotonic() + START_TIMEOUT_S
+        hello = read_frame(server.reply_fd, 4096, deadline)
+        if not hello.startswith(b"ready"):
+            raise EOFError(f"the sandbox server did not start ({clean_text(hello.decode(errors='replace'), 300)})")
+        if getattr(server, "plan", None) is not None:
+            server.plan.cleanup()  # bwrap has set the sandbox up: the empty stage folder can go
+        write_frame(server.request_fd, encode_request("load", source=self.source, name=submission_name(self.path)))
+        if read_frame(server.reply_fd, 64, deadline) != b"loaded":
+            raise EOFError("the sandbox server did not take the submission")
+        self.sandboxed = server.sandboxed
+        self.memory_fence = server.memory_fence
+        self.launcher = ("template" if isinstance(server, pool.SpawnedServer)
+                         else "bwrap" if server.sandboxed else "user" if getattr(server, "uid", None) else "none")
+        return server
+
+    def run(self, calls: list[Call], *, policy: bool = True, timeout_s: Optional[float] = None,
+            limits: Optional[Limits] = None) -> Outcome:
+        """Run ``calls`` on the learner's module in a fresh child; never raises for the learner's sake.
+        ``limits``: this task's own (an exercise with a tighter memory cap); default the sandbox's."""
+        limits = self.limits if limits is None else limits
+        timeout = limits.timeout_s if timeout_s is None else timeout_s
+        t0 = time.perf_counter()
+        try:
+            server = self._server_ready()
+        except (EOFError, OSError, ValueError, Deadline, subprocess.SubprocessError) as exc:
+            first_start = self._starts <= 1  # no learner code has run yet: this machine cannot make the sandbox
+            self.close()
+            what = "did not start in time" if isinstance(exc, Deadline) else f"failed to start: {exc}"
+            return Outcome("protocol", message=f"the sandbox {what}", elapsed_s=time.perf_counter() - t0,
+                           environment=f"the sandbox {what}" if first_start else "")
+        sent, probes = _with_probe_calls(calls)
+        try:
+            task_limits = {**dataclasses.asdict(limits), "timeout_s": float(timeout)}
+            wire = [{"function": c.function, "args": tuple(c.args), "kwargs": dict(c.kwargs)} for c in sent]
+            write_frame(server.request_fd, encode_request("run", calls=wire, policy=policy, limits=task_limits))
+            deadline = time.monotonic() + timeout * limits.wall_factor + GRACE_S
+            fd = server.reply_fd
+            header_bytes = read_frame(fd, 4096, deadline)
+            payload = read_frame(fd, MAX_RESULT_BYTES, deadline)
+            raw_output = read_frame(fd, self.limits.output_kb * 1024, deadline)
+        except Deadline:
+            self.close()  # a stopped or stuck server: the whole sandbox goes, a new one serves what follows
+            return Outcome("timeout", message=f"did not finish within {timeout * limits.wall_factor:g} s of wall-clock "
+                                              "time, and the sandbox stopped "
+                                              "answering (was the grader's server stopped or killed?)",
+                           elapsed_s=time.perf_counter() - t0)
+        except (EOFError, OSError, ValueError) as exc:
+            self.close()
+            return Outcome("protocol", message=f"the sandbox server stopped: {clean_text(exc, 300)} "
+                                               "(did your code kill it?)", elapsed_s=time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        output = self._show(raw_output)
+        try:  # the server is in the sandbox: its header is as untrusted as the child's bytes
+            header = bounded_json(header_bytes, max_bytes=4096, max_depth=1, max_nodes=16)
+        except BadPayload:
+            header = None
+        if not isinstance(header, dict) or header.get("status") not in {"ok", "timeout", "too_big", "output_flood"} \
+                or not isinstance(header.get("code"), int) or isinstance(header.get("code"), bool):
+            self.close()
+            return Outcome("protocol", message="the sandbox server sent a malformed header", elapsed_s=elapsed)
+        status = header["status"]
+        cpu_s = header.get("cpu") if isinstance(header.get("cpu"), float) and header["cpu"] >= 0 else 0.0
+        if status == "timeout":  # the wall-clock backstop: it waited without using its CPU budget
+            return Outcome("timeout", message=f"did not finish within {timeout * limits.wall_factor:g} s of "
+                                              f"wall-clock time, using {cpu_s:.1f} s of CPU (waiting on something "
+                                              "that never comes? a sleep?)", output=output, elapsed_s=elapsed,
+                           cpu_s=cpu_s)
+        if status == "too_big":
+            return Outcome("protocol", message=f"returned more than {MAX_RESULT_BYTES // 2**20} MB of data",
+                           output=output, elapsed_s=elapsed)
+        if status == "output_flood":
+            return Outcome("output_flood", message=f"printed more than {self.limits.output_kb} KB; "
+                                                   "remove the print() calls in loops", output=output,
+                           elapsed_s=elapsed)
+        if payload and header["code"] == 0:
+            outcome = self._decode(payload, output, elapsed, len(sent))
+            if probes is not None:
+                _split_probe_answers(outcome, len(calls), probes)
+        else:
+            outcome = self._failure(header["code"], output, elapsed, timeout, cpu_s)
+        outcome.cpu_s = cpu_s
+        return outcome
+
+    def _show(self, data: bytes) -> str:
+        text = data.decode("utf-8", errors="replace")
+        return clean_text(text, self.limits.show_output_chars)
+
+    def _decode(self, payload: bytes, output: str, elapsed: float, n_calls: int) -> Outcome:
+        try:
+            msg = decode_message(payload)  # bounded JSON + safetensors: no pickle, no zip
+            validate_message(msg, n_calls)
+        except Exception as exc:
+            return Outcome("protocol", message=f"the child's answer was refused: {clean_text(exc, 300)}",
+                           output=output, elapsed_s=elapsed)
+        results = []
+        for r in msg.get("results", []):
+            if "value" in r:
+                results.append({"value": _restore(r["value"])})
+            else:
+                results.append({"error": clean_text(r["error"]), "traceback": clean_text(r.get("traceback", "")),
+                                "memory": r.get("memory", False)})
+        return Outcome(msg["status"], results=results, message=clean_text(msg.get("message", "")),
+                       traceback=clean_text(msg.get("traceback", "")),
+                       violations=[clean_text(v, 200) for v in msg.get("violations", [])],
+                       output=output, elapsed_s=elapsed)
+
+    def _failure(self, exitcode: int, output: str, elapsed: float, timeout: float = 0.0,
+                 cpu_s: float = 0.0) -> Outcome:
+        if exitcode < 0:
+            sig = -exitcode
+            if sig in (signal.SIGPROF, signal.SIGXCPU) or (sig == signal.SIGKILL and timeout and cpu_s >= timeout):
+                return Outcome("timeout", message=f"did not finish within {timeout:g} s of CPU time (an endless "
+                                                  f"loop?)", output=output, elapsed_s=elapsed)
+            if sig == signal.SIGXFSZ:
+                return Outcome("crash", message=f"wrote a file larger than {self.limits.file_mb} MB",
+                               output=output, elapsed_s=elapsed)
+            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+            if sig == signal.SIGKILL:
+                return Outcome("crash", message="was killed (SIGKILL): the submission's memory or process limit, "
+                                                "or your code killed itself", output=output, elapsed_s=elapsed)
+            return Outcome("crash", message=f"crashed with {name}", output=output, elapsed_s=elapsed)
+        return Outcome("exit", message=f"the process exited (code {exitcode}) before returning a result: "
+                                       "sys.exit/os._exit/exit() in your code?", output=output, elapsed_s=elapsed)
+
+
+def _with_probe_calls(calls: list[Call]) -> tuple[list[Call], Optional[list]]:
+    """``calls`` plus, for a ``doctor=True`` call, the plain calls that answer the doctor's
+    probes (:func:`attnlab.doctor.self_attention_calls`): the doctor runs here, in the grader,
+    and the sandbox only makes the calls. Returns the calls to send and ``[(probe, n)]``."""
+    target = next((c for c in calls if c.doctor), None)
+    if target is None:
+        return list(calls), None
+    from attnlab import doctor
+
+    sent, probes = list(calls), []
+    for probe in doctor.build_probes(doctor.SELF_ATTENTION_CAPABILITIES):
+        args = doctor.self_attention_calls(probe)
+        sent += [Call(target.function, a) for a in args]
+        probes.append((probe, len(args)))
+    return sent, probes
+
+
+def _split_probe_answers(outcome: Outcome, n_calls: int, probes: list) -> None:
+    """The task's own results stay in ``outcome.results``; the probe calls' answers become
+    ``outcome.probes`` (``{"output", "error", "varied"}`` each), made by the doctor here."""
+    from attnlab import doctor
+
+    answers = outcome.results[n_calls:]
+    outcome.results = outcome.results[:n_calls]
+    if outcome.status != "ok" or not answers:
+        return
+    made, at = [], 0
+    for probe, n in probes:
+        mine = [r["value"] if "value" in r else doctor.FailedCall(r.get("error", "")) for r in answers[at:at + n]]
+        at += n
+        result = doctor.self_attention_result(probe, mine)
+        made.append({"output": result.output, "error": result.error, "varied": result.varied})
+    outcome.probes = made
+
+
+def _restore(value: Any) -> Any:
+    """Undo the runner's container encoding (:func:`.server._portable`)."""
+    if isinstance(value, dict):
+        if "__seq__" in value:
+            items = [_restore(v) for v in value["__seq__"]]
+            return tuple(items) if value.get("__tuple__") else items
+        if "__dict__" in value:
+            return {k: _restore(v) for k, v in value["__dict__"].items()}
+        if "__unsupported__" in value:
+            return Unsupported(clean_text(value["__unsupported__"], 100))
+    if isinstance(value, str):
+        return clean_text(value)
+    return value
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A return value the child could not send (an object of this type name)."""
+
+    type_name: str
+
+
+def self_test(mode: str = "bwrap", limits: Limits = Limits()) -> tuple[bool, str]:
+    """Start the exact sandbox the grader uses (``mode``: 'bwrap', 'user' or 'auto'), run one trivial
+    task in it and check its answer: ``(True, how it is fenced)`` or ``(False, why not)``.
+    This, not a simpler ``bwrap ... true``, is what decides whether grading here is sandboxed."""
+    folder = tempfile.mkdtemp(prefix="attnlab-self-test-")
+    try:
+        path = Path(folder) / "self_test.py"
+        path.write_text("def answer():\n    return 42\n")
+        try:
+            with Sandbox(path, limits, mode=mode) as box:
+                outcome = box.run([Call("answer")], policy=False)
+                fence, sandboxed, launcher = box.memory_fence, box.sandboxed, box.launcher
+        except pool.SandboxUnavailable as exc:
+            return False, str(exc)
+        if outcome.status != "ok" or not outcome.results or outcome.results[0].get("value") != 42:
+            return False, outcome.environment or outcome.message or f"the test task ended with {outcome.status}"
+        if mode == "user":
+            if launcher != "user":
+                return False, "the task ran, but not as a user of its own"
+            return True, f"the learner runs as a fresh unprivileged uid here ({fence or 'no memory fence'})"
+        if mode != "none" and not sandboxed:
+            return False, "the task ran, but not in the OS sandbox"
+        return True, f"the OS sandbox works here ({fence or 'no memory fence'})"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,444 @@
+"""The only code that runs inside the sandbox: load the submission, call its functions, send the results.
+
+It is bound into the sandbox with its five siblings (:data:`.bwrap.RUNNER_FILES`) and nothing else
+of attnlab: no reference, no doctor, no solutions, no grader. It imports only the standard
+library, torch (and jaxtyping, which the labs' files import). Every reference value and
+every diagnosis is computed in the grader's process, from the raw values sent back.
+
+**The learner's code can run anything here.** The static allow-list (:mod:`..static`)
+and the call recorder (:mod:`.recorder`) are evidence for the report, not fences: a
+submission that gets past both still finds nothing worth having in this process, cannot
+write anything the grader trusts (the grader parses only the bounded formats of
+:mod:`.protocol`), and is held by the OS fences (:mod:`.bwrap`), the per-child limits set
+below and the seccomp filter (:mod:`.seccomp`).
+
+The zygote (:func:`serve`) imports torch once, then forks one child per task:
+
+* the child sets its limits (memory, CPU time, file size, processes, no core dumps), installs
+  the seccomp filter, imports the learner's file, makes the calls, and writes exactly one
+  message (:func:`protocol.encode_message`) on a pipe, then ``_exit``-s;
+* the zygote enforces the wall-clock backstop on the child's exit, caps its pipes, and kills
+  every other process of the sandbox (``kill(-1)`` in its pid namespace) afterwards.
+
+Run as ``python -I -B server.py [--sandboxed]``; requests come on fd 0, replies go to fd 1
+(:mod:`.frames`). Requests are the grader's own (trusted), in the same safetensors + JSON
+format as the answers (:func:`protocol.encode_request`), so no attnlab class is needed here.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import re
+import resource
+import select
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from types import SimpleNamespace
+from typing import Any, Optional
+
+try:  # inside the sandbox these are plain modules beside this file; in the grader, a package
+    from . import frames, protocol, seccomp
+except ImportError:  # python -I puts no script folder on sys.path: the runner's own folder, only
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import frames  # type: ignore[no-redef]
+    import protocol  # type: ignore[no-redef]
+    import seccomp  # type: ignore[no-redef]
+
+__all__ = ["serve", "submission_name", "MAX_RESULT_BYTES", "MAX_TEXT", "SUBMISSION_NAME"]
+
+MAX_RESULT_BYTES = 64 * 1024 * 1024  # one child's message
+MAX_TEXT = 4000  # characters of learner text kept per message field
+SUBMISSION_NAME = "submission.py"  # the copy's name inside the sandbox when the learner's own is not plain
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,60}\.py$")
+
+
+def submission_name(path: "os.PathLike | str") -> str:
+    """The name the submission's copy gets inside the sandbox: the learner's own file name
+    (so tracebacks say masks.py in lab 02), or :data:`SUBMISSION_NAME` when it is not plain."""
+    name = os.path.basename(os.fspath(path))
+    return name if _PLAIN_NAME.match(name) else SUBMISSION_NAME
+
+
+def _trim_traceback(exc: BaseException, learner_file: str, limit: int = 4) -> str:
+    """The last few frames, learner frames only when there are any, no runner internals."""
+    frames_ = traceback.extract_tb(exc.__traceback__)
+    mine = [f for f in frames_ if f.filename == learner_file]
+    shown = (mine or frames_)[-limit:]
+    lines = [f'  File "{os.path.basename(f.filename)}", line {f.lineno}, in {f.name}\n    {f.line}' for f in shown]
+    head = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return "\n".join(["Traceback (most recent call last):", *lines, head]) if lines else head
+
+
+def _portable(value: Any, depth: int = 0) -> Any:
+    """Learner return values -> what :func:`protocol.encode_message` sends (JSON and dense tensors)."""
+    import torch
+
+    if depth > 5:
+        return {"__unsupported__": "nested too deeply"}
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone().contiguous()
+    if isinstance(value, (bool, int, float)) or value is None:
+        return value
+    if isinstance(value, str):
+        return value[:MAX_TEXT]
+    if isinstance(value, (tuple, list)):
+        return {"__seq__": [_portable(v, depth + 1) for v in value[:64]], "__tuple__": isinstance(value, tuple)}
+    if isinstance(value, dict):
+        return {"__dict__": {str(k)[:200]: _portable(v, depth + 1) for k, v in list(value.items())[:64]}}
+    return {"__unsupported__": type(value).__name__[:100]}
+
+
+def _vm_kb(status_fd: Optional[int] = None) -> int:
+    """VmSize of this process (or of the server whose /proc status ``status_fd`` holds open:
+    under the class template /proc is hidden, and a child's VmSize at fork is its server's)."""
+    if status_fd is None:
+        with open("/proc/self/status", "rb") as f:
+            text = f.read()
+    else:
+        text = os.pread(status_fd, 1 << 16, 0)
+    for line in text.splitlines():
+        if line.startswith(b"VmSize:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _set_limits(limits: SimpleNamespace, sandboxed: bool, vm_kb: Optional[int] = None) -> None:
+    vm_kb = _vm_kb() if vm_kb is None else vm_kb
+    cap = vm_kb * 1024 + limits.memory_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    file_cap = limits.file_mb * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_cap, file_cap))
+    # The budget is CPU time, so a loaded machine does not shrink it: SIGPROF after exactly
+    # timeout_s of this process's CPU (all its threads), and RLIMIT_CPU a second later as the
+    # fence a learner cannot lift (SIGPROF can be ignored; the hard limit is SIGKILL).
+    signal.setitimer(signal.ITIMER_PROF, limits.timeout_s)
+    cpu = math.ceil(limits.timeout_s) + 1
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if sandboxed:  # outside a sandbox of its own uid the count would include the user's other processes
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_procs, limits.max_procs))
+
+
+class _RefuseAttnlab:
+    """A meta-path finder, for ``--no-sandbox`` runs only (inside the sandbox attnlab is not
+    there at all): the learner's process cannot import attnlab by name. Evidence, not a fence."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "attnlab" or name.startswith("attnlab."):
+            raise ImportError("attnlab cannot be imported by a lab submission")
+        return None
+
+
+class _Done(Exception):
+    pass
+
+
+def _call_one(module: Any, call: dict, path: str, message: dict) -> None:
+    """One call's result (a value or an error) appended to ``message``; raises _Done on sys.exit."""
+    fn = getattr(module, call["function"], None)
+    if fn is None:
+        message["results"].append({"error": f"{os.path.basename(path)} has no {call['function']!r}",
+                                   "traceback": ""})
+        return
+    if not callable(fn):  # a constant such as EXERCISE_2_ANSWER
+        message["results"].append({"value": _portable(fn)})
+        return
+    try:
+        value = fn(*call["args"], **call["kwargs"])
+        message["results"].append({"value": _portable(value)})
+    except SystemExit as exc:
+        message.clear()
+        message.update({"status": "exit", "message": f"called sys.exit({exc.code!r})"[:200], "results": [],
+                        "violations": []})
+        raise _Done() from None
+    except MemoryError as exc:
+        message["results"].append({"error": f"MemoryError: {exc}", "traceback": _trim_traceback(exc, path),
+                                   "memory": True})
+    except Exception as exc:
+        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        message["results"].append({"error": text, "traceback": _trim_traceback(exc, path),
+                                   "memory": "can't allocate memory" in text or "alloc" in text.lower()
+                                   and "memory" in text.lower()})
+
+
+def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir: str,
+                vm_kb: Optional[int] = None) -> None:
+    """Entry point of the forked child. Sends exactly one message (bytes), then exits."""
+    import importlib.util
+
+    import torch
+
+    os.chdir(workdir)
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", buffering=0), write_through=True, errors="replace")
+    sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", buffering=0), write_through=True, errors="replace")
+    torch.set_num_threads(1)
+    # Python ignores SIGXFSZ (writes past RLIMIT_FSIZE would just fail): restore the default,
+    # so writing a huge file ends the child and is reported as such.
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    _set_limits(task["limits"], sandboxed, vm_kb)
+    try:  # before any learner code: no ptrace, pidfd_getfd, process_vm_*, namespaces or mounts
+        seccomp.install()
+    except OSError:  # a kernel without seccomp: the OS sandbox and the limits still hold
+        pass
+    if not sandboxed:
+        sys.meta_path.insert(0, _RefuseAttnlab)
+    recorder = None
+    if task["policy"]:
+        try:
+            from . import recorder as _recorder
+        except ImportError:
+            import recorder as _recorder  # type: ignore[no-redef]
+        recorder = _recorder.Policy()
+
+    message: dict = {"status": "ok", "results": [], "violations": []}
+    try:
+        if recorder is not None:
+            recorder.__enter__()  # before the import: module-level code is watched too
+        spec = importlib.util.spec_from_file_location("learner_submission", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException as exc:  # SyntaxError, ImportError, SystemExit at import...
+            message = {"status": "import_error", "message": "".join(
+                traceback.format_exception_only(type(exc), exc)).strip(),
+                "traceback": _trim_traceback(exc, path), "results": [], "violations": []}
+            raise _Done() from None
+        for call in task["calls"]:
+            _call_one(module, call, path, message)
+    except _Done:
+        pass
+    finally:
+        if recorder is not None:
+            try:
+                recorder.__exit__(None, None, None)
+                message["violations"] = recorder.violations()
+            except Exception:  # the learner popped the recorders off the stack
+                message["violations"] = ["the grader's call recorder (it was removed or tampered with)"]
+    try:
+        payload = protocol.encode_message(message)  # safetensors + JSON: the grader parses nothing else
+    except Exception as exc:
+        payload = protocol.encode_message({"status": "protocol", "message": f"could not send the result back: "
+                                                                            f"{exc}"[:500],
+                                           "results": [], "violations": []})
+    sys.stdout.flush()
+    data = memoryview(payload)
+    while data:
+        data = data[os.write(result_fd, data):]
+    os.close(result_fd)
+    os._exit(0)  # skip atexit handlers the learner may have registered
+
+
+# --------------------------------------------------------------------------- #
+# The zygote: a server process that has imported torch and forks one child per task
+# --------------------------------------------------------------------------- #
+
+
+def _kill_leftovers(child: int, sandboxed: bool) -> None:
+    """Everything the child started dies. In the sandbox's pid namespace ``kill(-1)``
+    reaches every process but this server and the namespace's init; in a sandbox of its own
+    uid (Gradescope without bwrap) every process of that uid but this one; else only the
+    child's session (a daemon that made its own session survives: no sandbox)."""
+    if sandboxed:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError:
+            pass
+    else:
+        try:
+            os.killpg(child, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _drain(fds: dict[int, bytearray], caps: dict[int, int], until: float) -> None:
+    """Read what is left in the pipes, up to their caps, until EOF or ``until``."""
+    for fd in list(fds):
+        os.set_blocking(fd, False)
+    while fds and time.monotonic() < until:
+        ready, _, _ = select.select(list(fds), [], [], max(0.0, until - time.monotonic()))
+        if not ready:
+            break
+        for fd in ready:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk or len(fds[fd]) >= caps[fd]:
+                fds.pop(fd)
+                continue
+            fds[fd] += chunk[: caps[fd] - len(fds[fd])]
+
+
+def _run_task(task: dict, path: str, private_fds: tuple[int, ...], sandboxed: bool, root: str,
+              status_fd: Optional[int] = None) -> tuple[dict, bytes, bytes]:
+    """Fork a child for one task and watch it: its exit, its time, its pipes' sizes."""
+    limits = task["limits"]
+    vm_kb = _vm_kb(status_fd) if status_fd is not None else None  # the child's at fork: /proc is hidden
+    timeout = float(limits.timeout_s)
+    backstop = timeout * limits.wall_factor  # wall clock: only for what burns no CPU (sleeping, blocked)
+    workdir = tempfile.mkdtemp(prefix="task-", dir=root)
+    r, w = os.pipe()
+    out_r, out_w = os.pipe()
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            os.close(r)
+            os.close(out_r)
+            for fd in private_fds:
+                os.close(fd)
+            os.setsid()
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(out_w, 1)
+            os.dup2(out_w, 2)
+            _child_main(w, path, task, sandboxed, workdir, vm_kb)
+        finally:
+            os._exit(70)
+    os.close(w)
+    os.close(out_w)
+    pidfd = os.pidfd_open(pid)
+    bufs = {r: bytearray(), out_r: bytearray()}
+    caps = {r: MAX_RESULT_BYTES, out_r: limits.output_kb * 1024}
+    open_fds = dict(bufs)
+    status, exited = "ok", False
+    while True:
+        left = t0 + backstop - time.monotonic()
+        if left <= 0:
+            status = "timeout"
+            break
+        watch = list(open_fds) + ([] if exited else [pidfd])
+        if not watch:
+            break
+        ready, _, _ = select.select(watch, [], [], left)
+        for fd in ready:
+            if fd == pidfd:
+                exited = True
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                open_fds.pop(fd)
+                continue
+            bufs[fd] += chunk
+            if len(bufs[fd]) > caps[fd]:
+                status = "too_big" if fd == r else "output_flood"
+        if status != "ok" or exited:
+            break
+    if not exited:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    _kill_leftovers(pid, sandboxed)  # a grandchild holding the pipes, a daemon: gone now
+    if status == "ok":
+        _drain({fd: bufs[fd] for fd in open_fds}, caps, time.monotonic() + 1.0)
+    for fd in (r, out_r, pidfd):
+        os.close(fd)
+    _, wstatus, usage = os.wait4(pid, 0)
+    code = os.WEXITSTATUS(wstatus) if os.WIFEXITED(wstatus) else -os.WTERMSIG(wstatus)
+    cpu_s = usage.ru_utime + usage.ru_stime
+    shutil.rmtree(workdir, ignore_errors=True)
+    payload = bytes(bufs[r]) if status == "ok" else b""
+    output = bytes(bufs[out_r][: caps[out_r]])
+    return {"status": status, "code": code, "elapsed": time.monotonic() - t0, "cpu": cpu_s}, payload, output
+
+
+def _restore(value: Any) -> Any:
+    """Undo :func:`protocol.encode_request`'s tuple tags."""
+    if isinstance(value, dict):
+        if "__seq__" in value:
+            items = [_restore(v) for v in value["__seq__"]]
+            return tuple(items) if value.get("__tuple__") else items
+        return {k: _restore(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_restore(v) for v in value]
+    return value
+
+
+def _task(request: dict) -> dict:
+    """A ``run`` request as the child uses it: calls with real tuples, limits as attributes."""
+    calls = [{"function": c["function"], "args": tuple(_restore(c["args"])), "kwargs": _restore(c["kwargs"])}
+             for c in request["calls"]]
+    return {"calls": calls, "policy": bool(request["policy"]), "limits": SimpleNamespace(**request["limits"])}
+
+
+def prepare() -> None:
+    """What every child would otherwise import or warm up itself: done once, in the zygote."""
+    import torch
+
+    try:  # the labs' files import it
+        import jaxtyping  # noqa: F401
+    except ImportError:
+        pass
+    try:
+        from . import recorder  # noqa: F401
+    except ImportError:
+        import recorder  # type: ignore[no-redef] # noqa: F401
+    torch.set_num_threads(1)
+
+
+def serve(request_fd: int = 0, reply_fd: int = 1, sandboxed: bool = False, status_fd: Optional[int] = None) -> None:
+    """The zygote's loop. Requests (:func:`protocol.decode_request`, from the grader) are
+    ``load`` (the submission's source) and ``run`` (fork a child for a task); each ``run`` is
+    answered with three frames: a JSON header, the child's message bytes, its captured output.
+    ``status_fd``: this server's /proc status, opened before /proc was hidden (the class
+    template, :mod:`.template`); the children close it before the learner's code runs."""
+    try:  # not dumpable: a learner's process of the same uid cannot ptrace this server or take its fds
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        pass
+    try:
+        prepare()
+    except BaseException as exc:  # noqa: BLE001 (the grader reads this instead of "ready")
+        frames.write_frame(reply_fd, f"failed {type(exc).__name__}: {exc}".encode()[:500])
+        raise
+    # the protocol gets private fds; 0/1/2 point to /dev/null so nothing stray lands on it
+    request_fd, reply_fd = os.dup(request_fd), os.dup(reply_fd)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+    private = (request_fd, reply_fd) + ((status_fd,) if status_fd is not None else ())
+    # close every descriptor it was started with but its own: a learner finds none to use
+    for fd in range(3, 1024):
+        if fd not in private:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    root = tempfile.mkdtemp(prefix="attnlab-sandbox-", dir="/tmp" if sandboxed else None)
+    path = os.path.join(root, "submission", SUBMISSION_NAME)  # renamed by each 'load' to the learner's file name
+    frames.write_frame(reply_fd, b"ready " + root.encode())
+    try:
+        while True:
+            try:
+                req = protocol.decode_request(frames.read_frame(request_fd, protocol.MAX_REQUEST_BYTES))
+            except EOFError:
+                return
+            if req["op"] == "load":
+                path = os.path.join(root, "submission", submission_name(req["name"]))
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(req["source"].numpy().tobytes())
+                frames.write_frame(reply_fd, b"loaded")
+                continue
+            header, payload, output = _run_task(_task(req), path, private, sandboxed, root, status_fd)
+            frames.write_frame(reply_fd, json.dumps(header).encode())
+            frames.write_frame(reply_fd, payload)
+            frames.write_frame(reply_fd, output)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":  # python -I -B server.py [--sandboxed]
+    serve(sandboxed="--sandboxed" in sys.argv[1:])

@@ -1,0 +1,168 @@
+"""Gradescope with and without bwrap: the bundle in three simulated roots, and mode 'user'.
+
+Mode 'user' (no bwrap: the learner as a fresh unprivileged uid) needs root; so do the
+Gradescope containers it is for, and CI. Where the tests do not run as root they check
+the refusal instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from attnlab.cli import main
+from attnlab.grading.classroom import autograder
+from attnlab.grading.sandbox import Call, Limits, Sandbox, pool
+from procs import crippled_bwrap, needs_sandbox
+
+REPO = Path(__file__).resolve().parents[1]
+SOLUTION_01 = REPO / "labs/track1/01-attention/solutions/attention.py"
+STUB_01 = REPO / "labs/track1/01-attention/attention.py"
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mode 'user' needs root (as on Gradescope and in CI)")
+
+
+def uid_processes(uid: int) -> list[str]:
+    """Every live process of ``uid`` on the machine (a fresh random uid's are this test's only),
+    as 'pid state'; a zombie (killed, not yet reaped by this test's subreaper) runs nothing."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines() if ":" in line)
+            if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith("Z"):
+                found.append(f"{proc.name} {fields['State'].strip()}")
+        except (OSError, ValueError, KeyError):
+            continue
+    return found
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory):
+    """One bundle, set up once in a simulated Gradescope root (offline, from its wheel)."""
+    work = tmp_path_factory.mktemp("gradescope-modes")
+    bundle = work / "autograder.zip"
+    assert main(["autograder", "--out", str(bundle)]) == 0
+    root = autograder.SimulatedRoot(bundle, work)
+    setup = root.setup()
+    assert setup.returncode == 0, setup.stderr[-2000:]
+    fakes = work / "fakebin"
+    fakes.mkdir()
+    return root, root.env, crippled_bwrap(fakes)
+
+
+@pytest.mark.parametrize("where", ["bwrap works", "bwrap absent", "bwrap cannot run the full sandbox"])
+def test_the_bundle_gives_the_solution_100_in_each_root(simulated, where):
+    """The three Gradescope roots: the solution scores 100 in each, and results.json says which
+    sandbox graded it. Without bwrap the learner runs as a fresh unprivileged uid; the old
+    bundle ran it as root beside results.json (--no-sandbox), or scored everyone 0 where its
+    simple probe passed and the full sandbox could not start."""
+    needs_sandbox()
+    if where != "bwrap works" and os.geteuid() != 0:
+        pytest.skip("without bwrap the bundle needs root (Gradescope runs run_autograder as root)")
+    root, env, fake = simulated
+    root.env = dict(env)
+    if where == "bwrap absent":
+        root.env["ATTNLAB_BWRAP"] = ""
+    elif where == "bwrap cannot run the full sandbox":
+        root.env["ATTNLAB_BWRAP"] = str(fake)
+    run = root.run(SOLUTION_01)
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(root.results.read_text())
+    assert data["score"] == 100, data.get("output")
+    sandbox = data["extra_data"]["sandbox"]
+    if where == "bwrap works":
+        assert sandbox["os_sandbox"] is True and sandbox["made_by"] == "bwrap"
+    else:
+        assert sandbox["os_sandbox"] is False and sandbox["made_by"] == "user", sandbox
+        assert "bwrap cannot run here" in sandbox["chosen"] and "fresh unprivileged uid" in sandbox["chosen"]
+    run = root.run(STUB_01)  # and the stub still scores 0 there
+    assert json.loads(root.results.read_text())["score"] == 0
+
+
+def test_no_sandbox_at_all_is_the_instructors_problem_with_a_reason(monkeypatch, tmp_path):
+    """Where neither bwrap nor a user of its own can run (not root), nothing of the learner's runs:
+    results.json has 0 points and says why, for the instructor, not as failed checks."""
+    monkeypatch.setenv("ATTNLAB_BWRAP", "")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    (tmp_path / "submission").mkdir()
+    (tmp_path / "submission" / "attention.py").write_text(SOLUTION_01.read_text())
+    data = autograder.run_gradescope(tmp_path, "01")
+    assert data["score"] == 0 and "not a mistake in your code" in data["output"]
+    assert "cannot isolate learner code" in data["output"] and "not root" in data["extra_data"]["sandbox"]["chosen"]
+    assert json.loads((tmp_path / "results" / "results.json").read_text())["score"] == 0
+
+
+LEFT_BEHIND = '''
+import os, time
+
+def leave_a_daemon(results, secret):
+    """A daemon in a session of its own that keeps trying to write results.json; and a read of
+    attnlab's package."""
+    try:
+        open(secret).read()
+        read = "read"
+    except OSError as exc:
+        read = exc.strerror
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            while True:
+                try:
+                    with open(results, "w") as f:
+                        f.write('{"score": 100}')
+                except OSError:
+                    pass
+                time.sleep(0.01)
+        os._exit(0)
+    time.sleep(0.3)
+    try:
+        with open(results, "w") as f:
+            f.write('{"score": 100}')
+        wrote = "wrote"
+    except OSError as exc:
+        wrote = exc.strerror
+    return repr((os.getuid(), read, wrote))
+'''
+
+
+@root_only
+def test_without_bwrap_the_learner_is_a_fresh_uid_that_leaves_nothing(tmp_path):
+    """Mode 'user' with its folders out of reach, as run_gradescope sets it up: the learner's
+    uid is fresh and not root, cannot read attnlab's package or write the results folder, and
+    every process of that uid (a setsid daemon included) is dead once the sandbox closes."""
+    import attnlab
+
+    results = tmp_path / "results"
+    results.mkdir()
+    package = Path(attnlab.__file__).resolve().parent
+    path = tmp_path / "attention.py"
+    path.write_text(textwrap.dedent(LEFT_BEHIND))
+    pool.keep_spare(False)
+    try:
+        with autograder.out_of_reach([results, package]):
+            assert os.stat(package).st_mode & 0o777 == 0o700
+            with Sandbox(path, Limits(timeout_s=10.0), mode="user") as box:
+                outcome = box.run([Call("leave_a_daemon", (str(results / "results.json"),
+                                                          str(package / "__init__.py")))], policy=False)
+                uid = box._server.uid  # noqa: SLF001 (the test looks at its own sandbox's uid)
+                assert box.launcher == "user"
+            assert outcome.status == "ok", (outcome.message, outcome.results)
+            inside_uid, read, wrote = eval(outcome.results[0]["value"])  # noqa: S307
+            time.sleep(0.2)
+            assert uid_processes(uid) == []  # the daemon is gone: nothing can write after the grader
+    finally:
+        pool.keep_spare(True)
+    assert inside_uid == uid and uid >= 1 << 30
+    assert read == "Permission denied" and wrote == "Permission denied"
+    assert not (results / "results.json").exists()
+    assert os.stat(package).st_mode & 0o777 != 0o700  # restored
+
+
+def test_mode_user_is_refused_without_root(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(pool.SandboxUnavailable, match="needs root"):
+        pool.resolve_mode("user")

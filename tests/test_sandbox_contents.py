@@ -1,0 +1,173 @@
+"""Nothing worth having inside the sandbox, and an identity that owns nothing on the host.
+
+These tests run learner code through :class:`Sandbox` directly, with no static check and no
+call recorder: the code runs anything it likes, as a submission that got past both would.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from attnlab.grading.sandbox import Call, Limits, Sandbox, bwrap
+from procs import made_by, needs_sandbox, process_tree
+
+LIMITS = Limits(timeout_s=20.0)
+
+SEARCH = '''
+import os, sys
+
+def search():
+    """Every path under / whose name says attnlab, its labs, solutions or doctor; what import finds."""
+    hits, seen = [], 0
+    for top, dirs, files in os.walk("/", onerror=lambda e: None):
+        if top.startswith(("/proc", "/sys")):
+            dirs[:] = []
+            continue
+        if top == "/tmp":  # the runner's own working folder (attnlab-sandbox-*: the submission's copy)
+            dirs[:] = []
+            continue
+        for name in dirs + files:
+            seen += 1
+            if "attnlab" in name.lower() or name in ("track1", "solutions", "doctor.py", "mistakes.py"):
+                hits.append(os.path.join(top, name))
+    try:
+        import attnlab  # noqa: F401
+        imported = "imported"
+    except ImportError as exc:
+        imported = type(exc).__name__
+    return repr({"hits": sorted(hits)[:20], "seen": seen, "import": imported, "runner": sorted(os.listdir("/runner")),
+                 "path": [p for p in sys.path if "attnlab" in p]})
+'''
+
+
+def run(tmp_path: Path, code: str, function: str) -> object:
+    path = tmp_path / "attention.py"
+    path.write_text(textwrap.dedent(code))
+    with Sandbox(path, LIMITS, mode="bwrap") as box:
+        outcome = box.run([Call(function)], policy=False)
+    assert outcome.status == "ok" and "value" in outcome.results[0], (outcome.status, outcome.message,
+                                                                      outcome.results)
+    return eval(outcome.results[0]["value"])  # noqa: S307 (the repr of a dict of lists, from our own code)
+
+
+@pytest.mark.parametrize("how", ["bwrap", "template"])
+def test_nothing_of_attnlab_is_inside_the_sandbox(tmp_path, how):
+    """Arbitrary code walks the whole file tree: it finds the runner's six files and nothing else
+    of attnlab (no reference, doctor, solutions, lab materials), and cannot import attnlab. The
+    walk is shown to work: it finds the runner (named ``/runner/*.py``) and thousands of files."""
+    needs_sandbox()
+    with made_by(how):
+        found = run(tmp_path, SEARCH, "search")
+    assert found["runner"] == sorted(bwrap.RUNNER_FILES)
+    assert found["seen"] > 1000, found["seen"]  # the walk saw the system and the Python installation
+    assert found["import"] == "ModuleNotFoundError"
+    # the install's metadata may be there (no code of attnlab's: the dist-info's file list, the
+    # editable install's .pth naming a folder that is not bound, the console script's three
+    # lines, make's stamp); nothing else may
+    metadata = (".dist-info", ".pth", "/bin/attnlab", "/.attnlab-installed")
+    assert [h for h in found["hits"] if not h.endswith(metadata)] == [], found["hits"]
+    assert found["path"] == []
+
+
+def test_a_wheel_installed_attnlab_is_covered(monkeypatch, tmp_path):
+    """Where attnlab sits inside a folder the sandbox binds (a wheel in site-packages), the
+    command line covers its folder with an empty read-only tmpfs."""
+    site = tmp_path / "site-packages"
+    (site / "attnlab").mkdir(parents=True)
+    monkeypatch.setattr(bwrap, "python_roots", lambda: [str(site)])
+    import importlib.util
+
+    class Spec:
+        submodule_search_locations = [str(site / "attnlab")]
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: Spec() if name == "attnlab" else None)
+    argv = bwrap.plan("/usr/bin/bwrap", ["true"]).argv
+    i = argv.index(str(site / "attnlab"))
+    assert argv[i - 1] == "--tmpfs" and argv[i + 1:i + 3] == ["--remount-ro", str(site / "attnlab")]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert str(site / "attnlab") not in bwrap.plan("/usr/bin/bwrap", ["true"]).argv
+
+
+DEVICES = '''
+import os
+
+def devices():
+    out = {}
+    for what, act in [("chmod_null", lambda: os.chmod("/dev/null", 0)),
+                      ("chown_zero", lambda: os.chown("/dev/zero", os.getuid(), os.getgid())),
+                      ("new_file", lambda: open("/dev/planted", "w").close()),
+                      ("mknod", lambda: os.mknod("/tmp/null2", 0o666 | 0o020000, os.makedev(1, 3)))]:
+        try:
+            act()
+            out[what] = "done"
+        except OSError as exc:
+            out[what] = exc.strerror
+    with open("/dev/null", "w") as f:  # the devices a lab's process needs still work
+        out["write_null"] = f.write("x")
+    with open("/dev/urandom", "rb") as f:
+        out["urandom"] = len(f.read(8))
+    return repr(out)
+'''
+
+
+@pytest.mark.parametrize("how", ["bwrap", "template"])
+def test_host_devices_cannot_be_changed(tmp_path, how):
+    """The learner cannot chmod, chown or add to /dev (the host's inodes stay as they were),
+    nor make a device node; /dev/null and /dev/urandom still work."""
+    needs_sandbox()
+    before = {name: os.stat(f"/dev/{name}") for name in ("null", "zero")}
+    with made_by(how):
+        got = run(tmp_path, DEVICES, "devices")
+    assert got["chmod_null"] == got["chown_zero"] == got["mknod"] == "Operation not permitted", got
+    assert got["new_file"] == "Read-only file system", got
+    assert got["write_null"] == 1 and got["urandom"] == 8
+    for name, st in before.items():
+        now = os.stat(f"/dev/{name}")
+        assert (stat.S_IMODE(now.st_mode), now.st_uid, now.st_gid) == (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
+    assert not os.path.exists("/dev/planted")
+
+
+IDENTITY = '''
+import os, time
+
+def who():
+    return repr((os.getuid(), os.getgid(), os.getgroups()))
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the grader is not root here: the sandbox is its own user's")
+@pytest.mark.parametrize("how", ["bwrap", "template"])
+def test_under_root_the_sandbox_is_a_fresh_unprivileged_uid(tmp_path, how):
+    """A root grader (Gradescope, CI, a container) runs every sandbox process as a fresh uid
+    that owns nothing: seen from the host, no process of the submission is uid 0, and each
+    sandbox has a uid of its own."""
+    needs_sandbox()
+    path = tmp_path / "attention.py"
+    path.write_text(textwrap.dedent(IDENTITY))
+    uids = []
+    with made_by(how):
+        for _ in range(2):
+            with Sandbox(path, LIMITS, mode="bwrap") as box:
+                outcome = box.run([Call("who")], policy=False)
+                assert outcome.status == "ok", outcome.message
+                inside = eval(outcome.results[0]["value"])  # noqa: S307
+                assert inside[:2] == (bwrap.UID, bwrap.UID)
+                host = set()
+                for pid in process_tree(os.getpid()):
+                    try:
+                        text = Path(f"/proc/{pid}/status").read_text()
+                        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    except OSError:
+                        continue
+                    if b"/runner/" in cmd:  # bwrap, its init, the server (the template: its forks)
+                        host.add(int(next(l for l in text.splitlines() if l.startswith("Uid:")).split()[1]))
+                assert host, "no process of the sandbox was found"
+                assert all(u >= 1 << 30 for u in host), host
+                uids.append(host)
+    if how == "bwrap":
+        assert uids[0] != uids[1]  # one uid per sandbox
