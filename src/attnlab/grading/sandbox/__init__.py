@@ -16,7 +16,8 @@ Module              Concept
                     checked before anything is allocated. No pickle, no zip.
 :mod:`.frames`      Length-prefixed frames on a pipe, reads with deadlines.
 :mod:`.seccomp`     The filter on every process that runs learner code (no ptrace,
-                    pidfd_getfd, process_vm_*, namespaces, mounts).
+                    pidfd_getfd, process_vm_*, namespaces, mounts): libseccomp, or a
+                    classic BPF program written out where libseccomp is missing.
 :mod:`.recorder`    Torch call recorders in the child: advisory evidence for the report
                     (a removed recorder is itself reported), never a fence.
 :mod:`.template`    The class template's inside: one interpreter that imports torch once
@@ -25,6 +26,8 @@ Module              Concept
                     host, the read-only binds, a fresh read-only ``/dev``, seccomp.
 :mod:`.pool`        Starting servers (per submission, spare, from the template, or as a
                     fresh uid without bwrap: mode ``user``), cgroups, stopping them all.
+:mod:`.user`        Mode ``user`` (Gradescope without bwrap, root only): a fresh uid in a
+                    session of its own, the runner's copy, every process of the uid killed.
 :mod:`.client`      The grader's side: :class:`Sandbox`, :class:`Limits`, :class:`Call`,
                     :class:`Outcome`, validation of every answer, :func:`self_test`.
 ==================  ==================================================================

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 __all__ = ["bwrap_path", "python_roots", "hidden_package", "runner_files", "plan", "Plan", "HOW_TO_GET_BWRAP",
-           "TMP_MB", "UID", "RUNNER", "RUNNER_FILES", "tmp_roots", "unprivileged_uid", "drop_to"]
+           "TMP_MB", "UID", "RUNNER", "RUNNER_FILES", "tmp_roots", "unprivileged_uid", "drop_to", "mount"]
 
 HOW_TO_GET_BWRAP = ("install bubblewrap (Debian/Ubuntu: 'sudo apt-get install bubblewrap'; Fedora: "
                     "'sudo dnf install bubblewrap'); it needs user namespaces, which most Linux desktops allow. "
@@ -141,7 +141,8 @@ def drop_to(uid: int) -> None:
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _mount(source: Optional[str], target: str, fstype: Optional[str], flags: int, data: Optional[str] = None) -> None:
+def mount(source: Optional[str], target: str, fstype: Optional[str], flags: int, data: Optional[str] = None) -> None:
+    """mount(2), raising OSError; package-internal (the staging here, :mod:`.user`'s exposure)."""
     if _libc.mount(source.encode() if source else None, target.encode(), fstype.encode() if fstype else None,
                    flags, data.encode() if data else None) != 0:
         err = ctypes.get_errno()
@@ -166,12 +167,12 @@ class Plan:
         if self.stage is not None:
             if _libc.unshare(_CLONE_NEWNS) != 0:
                 raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
-            _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing below propagates to the host
+            mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing below propagates to the host
             # each source held by an O_PATH descriptor (of this namespace's copy of its mount)
             # before anything is mounted over /tmp
             held = [os.open(source, os.O_PATH | os.O_CLOEXEC) for source, _ in self.staged]
             # a private tmpfs over /tmp, in this namespace only: the host's /tmp gets no stage folder
-            _mount("tmpfs", "/tmp", "tmpfs", 0, "size=65536,mode=755")
+            mount("tmpfs", "/tmp", "tmpfs", 0, "size=65536,mode=755")
             os.mkdir(self.stage)
             for fd, (source, name) in zip(held, self.staged):
                 target = os.path.join(self.stage, name)
@@ -179,7 +180,7 @@ class Plan:
                     os.mkdir(target)
                 else:
                     open(target, "w").close()
-                _mount(f"/proc/self/fd/{fd}", target, None, _MS_BIND | _MS_REC)
+                mount(f"/proc/self/fd/{fd}", target, None, _MS_BIND | _MS_REC)
                 os.close(fd)
         if self.uid is not None:
             drop_to(self.uid)

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import torch
 
-from attnlab.grading.sandbox import pool
+from attnlab.grading.sandbox import pool, seccomp
 from attnlab.grading.sandbox.frames import Deadline, read_frame, write_frame
 from attnlab.grading.sandbox.protocol import BadPayload, bounded_json, decode_message, encode_request
 from attnlab.grading.sandbox.server import MAX_RESULT_BYTES, MAX_TEXT, SUBMISSION_NAME, submission_name
@@ -302,7 +302,8 @@ class Sandbox:
         try:
             task_limits = {**dataclasses.asdict(limits), "timeout_s": float(timeout)}
             wire = [{"function": c.function, "args": tuple(c.args), "kwargs": dict(c.kwargs)} for c in sent]
-            write_frame(server.request_fd, encode_request("run", calls=wire, policy=policy, limits=task_limits))
+            write_frame(server.request_fd, encode_request("run", calls=wire, policy=policy, limits=task_limits,
+                                                          seccomp=seccomp.route()))  # its environment is cleared
             deadline = time.monotonic() + timeout * limits.wall_factor + GRACE_S
             fd = server.reply_fd
             header_bytes = read_frame(fd, 4096, deadline)

@@ -185,7 +185,7 @@ def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir:
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
     _set_limits(task["limits"], sandboxed, vm_kb)
     try:  # before any learner code: no ptrace, pidfd_getfd, process_vm_*, namespaces or mounts
-        seccomp.install()
+        seccomp.install(task["seccomp"])
     except OSError:  # a kernel without seccomp: the OS sandbox and the limits still hold
         pass
     if not sandboxed:
@@ -367,7 +367,8 @@ def _task(request: dict) -> dict:
     """A ``run`` request as the child uses it: calls with real tuples, limits as attributes."""
     calls = [{"function": c["function"], "args": tuple(_restore(c["args"])), "kwargs": _restore(c["kwargs"])}
              for c in request["calls"]]
-    return {"calls": calls, "policy": bool(request["policy"]), "limits": SimpleNamespace(**request["limits"])}
+    return {"calls": calls, "policy": bool(request["policy"]), "limits": SimpleNamespace(**request["limits"]),
+            "seccomp": str(request.get("seccomp", ""))}
 
 
 def prepare() -> None:

@@ -96,13 +96,6 @@ def _blocker(path: str) -> Optional[str]:
     return None
 
 
-def _mount(source: Optional[str], target: str, fstype: Optional[str], flags: int, data: Optional[str] = None) -> None:
-    if _libc.mount(source.encode() if source else None, target.encode(), fstype.encode() if fstype else None,
-                   flags, data.encode() if data else None) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {target}: {os.strerror(err)}")
-
-
 class Exposure:
     """The Python installation made reachable for the unprivileged uid, without changing the
     host: each folder above it that others cannot enter is covered, in a private mount
@@ -134,16 +127,16 @@ class Exposure:
             return ""
         if _libc.unshare(_CLONE_NEWNS) != 0:
             return f"unshare(CLONE_NEWNS): {os.strerror(ctypes.get_errno())}"
-        _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+        _bwrap.mount(None, "/", None, _MS_REC | _MS_PRIVATE)
         for blocker, paths in sorted(self.by_blocker.items()):
             held = [(p, os.open(p, os.O_PATH | os.O_CLOEXEC)) for p in paths if os.path.exists(p)]
-            _mount("tmpfs", blocker, "tmpfs", 0, "size=65536,mode=755")
+            _bwrap.mount("tmpfs", blocker, "tmpfs", 0, "size=65536,mode=755")
             for p, fd in held:
                 if os.path.isdir(f"/proc/self/fd/{fd}"):
                     os.makedirs(p, mode=0o755, exist_ok=True)
                 else:
                     os.makedirs(os.path.dirname(p), mode=0o755, exist_ok=True)
                     open(p, "a").close()
-                _mount(f"/proc/self/fd/{fd}", p, None, _MS_BIND | _MS_REC)
+                _bwrap.mount(f"/proc/self/fd/{fd}", p, None, _MS_BIND | _MS_REC)
                 os.close(fd)
         return ""
