@@ -21,27 +21,34 @@ LIMITS = Limits(timeout_s=20.0)
 SEARCH = '''
 import os, sys
 
+CODE = ("doctor.py", "mistakes.py", "lab02_masks.py", "lab03_multihead.py", "lab04_flash.py",
+        "self-attention-lesson.txt")  # attnlab's own file names (a generic one, static.py, is everywhere)
+
 def search():
-    """Every path under / whose name says attnlab, its labs, solutions or doctor; what import finds."""
+    """Every place under / that holds attnlab's code, labs or solutions; what import finds."""
     hits, seen = [], 0
     for top, dirs, files in os.walk("/", onerror=lambda e: None):
-        if top.startswith(("/proc", "/sys")):
-            dirs[:] = []
+        if top.startswith(("/proc", "/sys")) or os.path.basename(top).startswith("attnlab-sandbox-"):
+            dirs[:] = []  # the runner's own working folder holds the submission's copy
             continue
-        if top == "/tmp":  # the runner's own working folder (attnlab-sandbox-*: the submission's copy)
-            dirs[:] = []
-            continue
-        for name in dirs + files:
+        for name in dirs:
             seen += 1
-            if "attnlab" in name.lower() or name in ("track1", "solutions", "doctor.py", "mistakes.py"):
+            path = os.path.join(top, name)
+            if name in ("track1", "solutions") or (name.lower() == "attnlab" and any(
+                    f.endswith(".py") for f in os.listdir(path) if os.path.isfile(os.path.join(path, f)))):
+                hits.append(path)  # a package folder named attnlab, or the labs' folders
+        for name in files:
+            seen += 1
+            if name in CODE or name.lower().startswith("attnlab"):
                 hits.append(os.path.join(top, name))
     try:
         import attnlab  # noqa: F401
         imported = "imported"
     except ImportError as exc:
         imported = type(exc).__name__
+    packages = [p for p in sys.path if os.path.isfile(os.path.join(p, "attnlab", "__init__.py"))]
     return repr({"hits": sorted(hits)[:20], "seen": seen, "import": imported, "runner": sorted(os.listdir("/runner")),
-                 "path": [p for p in sys.path if "attnlab" in p]})
+                 "path": packages})
 '''
 
 
@@ -70,6 +77,7 @@ def test_nothing_of_attnlab_is_inside_the_sandbox(tmp_path, how):
     # editable install's .pth naming a folder that is not bound, the console script's three
     # lines, make's stamp); nothing else may
     metadata = (".dist-info", ".pth", "/bin/attnlab", "/.attnlab-installed")
+    assert [h for h in found["hits"] if h.startswith("/runner/")] == []  # the runner's names are not attnlab's
     assert [h for h in found["hits"] if not h.endswith(metadata)] == [], found["hits"]
     assert found["path"] == []
 
