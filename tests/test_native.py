@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import parity_stats
-from attnlab import _native, tiled
+from attnlab import _native, kernels, tiled
 from attnlab.testing import assert_close, assert_close_to_sdpa
 
 
@@ -83,7 +83,7 @@ def test_native_reads_views_without_copying(gen, native_ops):
     """The ring passes slices of (Nb, r, L, E) along L and of (Nb, S, E) along S."""
     q_full, k_full, v_full = _inputs(gen, 2, 2, 96, 80, 16, 16)
     q4, k3, v3 = q_full[:, :, 32:64], k_full[:, 16:48], v_full[:, 16:48]
-    assert not q4.is_contiguous() and tiled._dense_rows(q4) is q4
+    assert not q4.is_contiguous() and kernels.dense_rows(q4) is q4
     scale2 = 0.25 * tiled.LOG2E
     out_n, lse_n = tiled._forward(q4, k3, v3, None, None, True, scale2, 8, 8)
     out_e, lse_e = tiled._forward_eager(q4.contiguous(), k3.contiguous(), v3.contiguous(), None, None, True, scale2, 8, 8)

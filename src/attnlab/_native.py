@@ -1,8 +1,8 @@
 """attnlab's native kernels for the tiled path: built once with this machine's C++ compiler.
 
 The kernels (``csrc/flash.cpp``) run the same online softmax as
-:func:`attnlab.tiled._forward_eager` and the same FlashAttention-2 backward as
-:func:`attnlab.tiled._backward_eager`, one cache-sized tile at a time so that the row passes
+:func:`attnlab.tiled`'s eager forward and the same FlashAttention-2 backward as
+its eager backward, one cache-sized tile at a time so that the row passes
 read scores still in cache; see the comment at the top of that file for why.
 ``csrc/block_sparse.cpp`` runs them over the blocks an :class:`attnlab.flex.BlockMask`
 keeps (used through :mod:`attnlab.flex.kernels`); ``csrc/kernels.h`` holds what both share.

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from attnlab import tiled
+from attnlab import kernels, tiled
 from attnlab._validation import compute_dtype, validate
 
 __all__ = ["ring_attention", "shard_sequence", "gather_sequence", "positions", "LAYOUTS"]
@@ -207,7 +207,7 @@ class _Ring(torch.autograd.Function):
     def forward(ctx, query, key, value, group, is_causal, scale, layout_name, enable_gqa, bq, bk, batch):
         rank, world, send_to, recv_from = _ranks(group)
         dtype = compute_dtype(query.dtype)
-        layout = tiled._Layout(batch, query, key, enable_gqa)
+        layout = kernels.Layout(batch, query, key, enable_gqa)
         q4 = layout.queries(query.to(dtype))  # (Nb, r, Lr, E)
         k3 = layout.keys(key.to(dtype)).contiguous()  # (Nb, Sr, E)
         v3 = layout.keys(value.to(dtype)).contiguous()  # (Nb, Sr, Ev)
@@ -230,7 +230,7 @@ class _Ring(torch.autograd.Function):
                                         kv_bufs.take(step, g.stop - g.start))
                 for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
                     tiled.forward_into(q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs], lse_g[:, :, qs],
-                                        diag, scale_f * tiled.LOG2E, bq, bk)
+                                        diag, scale_f * kernels.LOG2E, bq, bk)
                 if pending is not None:
                     _wait(pending[0], rank, recv_from)
                     k_cur, v_cur = pending[1]
@@ -326,8 +326,8 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optional
                          f"query {tuple(query.shape)} and key {tuple(key.shape)}")
     if layout == "zigzag" and query.shape[-2] % 2:
         raise ValueError(f"ring_attention: the zigzag layout needs an even local length, got {query.shape[-2]}")
-    bq = tiled.block_size(block_q, tiled.DEFAULT_BLOCK_Q, "block_q")
-    bk = tiled.block_size(block_k, tiled.DEFAULT_BLOCK_K, "block_k")
+    bq = kernels.block_size(block_q, tiled.DEFAULT_BLOCK_Q, "block_q")
+    bk = kernels.block_size(block_k, tiled.DEFAULT_BLOCK_K, "block_k")
     return _Ring.apply(query, key, value, group, is_causal, scale, layout, enable_gqa, bq, bk, batch)
 
 

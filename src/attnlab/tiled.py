@@ -46,10 +46,11 @@ from torch import Tensor
 
 from attnlab import _native
 from attnlab._validation import compute_dtype, validate
+from attnlab.kernels import (LOG2E, Layout, block_size, dense_rows, finite_inputs, lse_absorbed, merge_,
+                             needs_natural_units, online)
 
 __all__ = ["flash_attention", "native_status", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
 
-LOG2E = math.log2(math.e)
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
 
@@ -121,49 +122,9 @@ def native_status() -> _native.NativeStatus:
     return _native.status()
 
 
-def block_size(value: Optional[int], default: int, name: str) -> int:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"flash_attention: {name} must be a positive int, got {value!r}")
-    return value
-
-
 # --------------------------------------------------------------------------- #
 # Layout: (..., L, E) <-> (Nb, r, L, E)
 # --------------------------------------------------------------------------- #
-
-
-class _Layout:
-    """How the user's broadcast leading dims map onto ``Nb`` key/value heads x ``r`` query heads."""
-
-    def __init__(self, batch: torch.Size, query: Tensor, key: Tensor, enable_gqa: bool) -> None:
-        self.batch = tuple(batch)  # output's leading dims (with H when grouped)
-        grouped = enable_gqa and len(batch) >= 1 and query.shape[-3] != key.shape[-3]
-        if grouped:
-            self.H, self.Hkv = batch[-1], key.shape[-3]
-            self.kv_batch = (*batch[:-1], self.Hkv)
-        else:
-            self.H = self.Hkv = 1
-            self.kv_batch = self.batch
-        self.r = self.H // self.Hkv
-        self.Nb = math.prod(self.kv_batch)
-
-    def queries(self, t: Tensor) -> Tensor:
-        """``(..., L, E) -> (Nb, r, L, E)`` (a copy only where broadcasting expanded it)."""
-        L, E = t.shape[-2:]
-        return t.expand(*self.batch, L, E).reshape(self.Nb, self.r, L, E)
-
-    def keys(self, t: Tensor) -> Tensor:
-        """``(..., S, E) -> (Nb, S, E)``."""
-        S, E = t.shape[-2:]
-        return t.expand(*self.kv_batch, S, E).reshape(self.Nb, S, E)
-
-    def mask_tile(self, mask: Tensor, i0: int, i1: int, j0: int, j1: int, L: int, S: int) -> Tensor:
-        """The ``[i0:i1, j0:j1]`` tile of the broadcast mask as ``(Nb, r * bq, bk)``."""
-        full = mask.expand(*self.batch, L, S)  # a view: nothing is allocated
-        tile = full[..., i0:i1, j0:j1]
-        return tile.reshape(self.Nb, self.r * (i1 - i0), j1 - j0)
 
 
 def _causal_tile(i0: int, i1: int, j0: int, j1: int, r: int, device) -> Optional[Tensor]:
@@ -204,7 +165,7 @@ def _masked_scores(q_tile: Tensor, kT: Tensor, j0: int, j1: int, mask_tile: Opti
     return s
 
 
-def _forward(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Optional[Tensor], is_causal: bool,
+def _forward(q4: Tensor, k3: Tensor, v3: Tensor, layout: Layout, mask: Optional[Tensor], is_causal: bool,
              scale2: float, bq: int, bk: int) -> tuple[Tensor, Tensor]:
     """``(out (Nb, r, L, Ev), lse2 (Nb, r, L))``; lse2 is the base-2 log-sum-exp (-inf on empty rows).
 
@@ -215,7 +176,7 @@ def _forward(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Optional
     ops = _native_ops(mask, q4, k3, v3)
     if ops is not None:
         m, offsets = _native_mask(mask, layout, q4.shape[2], k3.shape[1])
-        return ops.flash_forward(_dense_rows(q4), _dense_rows(k3), _dense_rows(v3), m, offsets, scale2, is_causal,
+        return ops.flash_forward(dense_rows(q4), dense_rows(k3), dense_rows(v3), m, offsets, scale2, is_causal,
                                  bq, bk)
     return _forward_eager(q4, k3, v3, layout, mask, is_causal, scale2, bq, bk)
 
@@ -231,19 +192,11 @@ def forward_into(q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, 
     """
     ops = _native_ops(None, q4, k3, v3)
     if ops is not None and out.dtype == lse2.dtype == torch.float32 and (out.stride(-1) == 1 or out.shape[-1] == 1):
-        ops.flash_forward_(_dense_rows(q4), _dense_rows(k3), _dense_rows(v3), out, lse2, None, None, scale2,
+        ops.flash_forward_(dense_rows(q4), dense_rows(k3), dense_rows(v3), out, lse2, None, None, scale2,
                            is_causal, bq, bk)
         return
     o, l = _forward_eager(q4, k3, v3, None, None, is_causal, scale2, bq, bk)  # no mask: the layout is unused
-    _merge_(out, lse2, o, l)
-
-
-def _merge_(out: Tensor, lse2: Tensor, o: Tensor, l: Tensor) -> None:
-    """Merge a partial attention ``(o, l)`` into ``(out, lse2)``, in place (disjoint keys, base-2 lse)."""
-    new = torch.logaddexp2(lse2, l)  # (Nb, r, L); -inf where neither saw a key
-    safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-    out.mul_(torch.exp2(lse2 - safe).unsqueeze(-1)).add_(o.mul_(torch.exp2(l - safe).unsqueeze(-1)))
-    lse2.copy_(new)
+    merge_(out, lse2, o, l)
 
 
 def _native_ops(mask: Optional[Tensor], q4: Tensor, k3: Tensor, v3: Tensor):
@@ -258,55 +211,9 @@ def _native_ops(mask: Optional[Tensor], q4: Tensor, k3: Tensor, v3: Tensor):
     return _native.ops()
 
 
-def finite_inputs(q4: Tensor, k3: Tensor, v3: Tensor, mask: Optional[Tensor]) -> bool:
-    """No NaN or inf in the inputs (-inf allowed in a float mask: it masks).
-
-    The native row pass treats a NaN row as fully masked (its vector max drops NaNs), so
-    non-finite inputs run the pure code. One sum per input: O(L·E), ~1% of the attention at
-    L = 4096, E = 64; a sum that overflows only sends a finite call to the pure code too.
-    """
-    if not all(bool(torch.isfinite(t.sum())) for t in (q4, k3, v3) if t.numel()):
-        return False
-    if mask is not None and mask.is_floating_point() and mask.numel():
-        top = mask.max()  # NaN if any is NaN; +inf if any is +inf
-        return bool(top < float("inf"))  # False for NaN and +inf
-    return True
-
-
-def lse_absorbed(lse2: Tensor) -> bool:
-    """Some row's log-sum-exp is so large that ``m_i + log2(l_i)`` lost ``log2(l_i)``.
-
-    That happens when a row's every visible score is huge, e.g. a row masked with -1e4 or
-    -1e9 instead of -inf: its max is ~-1.4e9, whose float32 spacing (128) swallows
-    ``log2(l_i) <= log2(S)``, so the backward's ``P = 2^(s - lse)`` would be 1 instead of
-    ``1/l_i``. Past ``|lse| > 2^-10 / eps`` (8192 in float32), the call is redone in natural
-    units with ``m_i`` and ``l_i`` kept apart (:func:`_forward_eager`, ``natural=True``).
-    Ordinary attention scores stay far below that.
-    """
-    if lse2.numel() == 0:
-        return False
-    limit = 2.0 ** -10 / torch.finfo(lse2.dtype).eps
-    return bool(((lse2.abs() > limit) & torch.isfinite(lse2)).any())
-
-
-def _needs_natural_units(mask: Optional[Tensor]) -> bool:
-    """A float mask so large that ``mask * log2(e)`` overflows (beyond +-2.36e38 in float32,
-    e.g. Hugging Face's ``finfo.min`` masks).
-
-    In base 2 such a row would come out as fully masked (0). torch adds the mask in natural
-    units, where ``score + finfo.min`` rounds to ``finfo.min`` for every key, so a row that is
-    all ``finfo.min`` gets uniform weights; such calls run the pure code in natural units,
-    which rounds exactly as torch does (``natural=True`` below).
-    """
-    if mask is None or not mask.is_floating_point() or mask.numel() == 0:
-        return False
-    limit = torch.finfo(mask.dtype).max / LOG2E  # also above: finfo.max would become +inf, then NaN
-    return bool(mask.min() < -limit) or bool(mask.max() > limit)
-
-
-def _native_mask(mask: Optional[Tensor], layout: _Layout, L: int, S: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
+def _native_mask(mask: Optional[Tensor], layout: Layout, L: int, S: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """The mask as the native kernels read it, without copying it: the broadcast view
-    ``(*batch, L, S)`` and, per query head ``p = nb * r + h`` (the order of ``_Layout.queries``),
+    ``(*batch, L, S)`` and, per query head ``p = nb * r + h`` (the order of ``Layout.queries``),
     the element offset of its ``(L, S)`` plane, ``(Nb * r,)`` int64."""
     if mask is None:
         return None, None
@@ -318,20 +225,12 @@ def _native_mask(mask: Optional[Tensor], layout: _Layout, L: int, S: int) -> tup
     return view, offsets.expand(layout.batch).reshape(-1).contiguous()
 
 
-def _dense_rows(t: Tensor) -> Tensor:
-    """``t`` itself when its rows are dense and do not overlap (views from the ring qualify), else a copy."""
-    rows, width = t.shape[-2], t.shape[-1]
-    if (t.stride(-1) == 1 or width == 1) and (rows == 1 or t.stride(-2) >= width):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-def _forward_eager(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Optional[Tensor], is_causal: bool,
+def _forward_eager(q4: Tensor, k3: Tensor, v3: Tensor, layout: Layout, mask: Optional[Tensor], is_causal: bool,
                    scale2: float, bq: int, bk: int, natural: bool = False) -> tuple[Tensor, Tensor]:
     """The forward in pure PyTorch, batched over heads: the readable version, and the fallback.
 
     ``natural=True``: scores, state and lse in natural-log units (``scale2`` is then the plain
-    scale, ``exp`` replaces ``exp2``), for masks that overflow in base 2 (:func:`_needs_natural_units`).
+    scale, ``exp`` replaces ``exp2``), for masks that overflow in base 2 (:func:`attnlab.kernels.needs_natural_units`).
     """
     exp, log, mask_scale = (torch.exp, torch.log, 1.0) if natural else (torch.exp2, torch.log2, LOG2E)
     Nb, r, L, _ = q4.shape
@@ -344,32 +243,23 @@ def _forward_eager(q4: Tensor, k3: Tensor, v3: Tensor, layout: _Layout, mask: Op
         i1 = min(L, i0 + bq)
         n = r * (i1 - i0)
         q_tile = (q4[:, :, i0:i1] * scale2).reshape(Nb, n, -1)  # (Nb, r*bq, E), scale folded in once
-        m_i = q4.new_full((Nb, n, 1), float("-inf"))  # running row max (base 2)
-        l_i = q4.new_zeros(Nb, n, 1)  # running sum of 2^(s - m_i)
-        acc = q4.new_zeros(Nb, n, Ev)  # running sum of 2^(s - m_i) * v
+        m_i, l_i, acc = online.start((Nb, n), Ev, q4)  # (Nb, n, 1), (Nb, n, 1), (Nb, n, Ev)
         for j0 in _key_blocks(i0, i1, S, bk, is_causal):
             j1 = min(S, j0 + bk)
             mt = layout.mask_tile(mask, i0, i1, j0, j1, L, S) if mask is not None else None
             ct = _causal_tile(i0, i1, j0, j1, r, q4.device) if is_causal else None
-            s = _masked_scores(q_tile, kT, j0, j1, mt, ct, mask_scale)  # (Nb, n, bk)
-            # m_new = max(m_i, rowmax(s)); a row still all -inf keeps shift 0 (no -inf - -inf)
-            m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
-            shift = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
-            p = exp(s.sub_(shift), out=s)  # P~ = 2^(s - m_new), in place over the scores
-            alpha = exp(m_i.sub_(shift))  # rescales the old state: 2^(m_old - m_new)
-            l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))  # l_i = alpha * l_i + rowsum(P~)
-            acc.mul_(alpha).baddbmm_(p, v3[:, j0:j1])  # acc = alpha * acc + P~ V_j
-            m_i = m_new
-        # O_i = acc / l_i; rows that saw no key (l_i = 0) output 0, as SDPA does
-        out[:, :, i0:i1] = (acc / torch.where(l_i == 0, torch.ones_like(l_i), l_i)).reshape(Nb, r, i1 - i0, Ev)
+            s = _masked_scores(q_tile, kT, j0, j1, mt, ct, mask_scale)  # (Nb, n, bk), ours to overwrite
+            m_i, l_i, acc = online.update(m_i, l_i, acc, s, v3[:, j0:j1], exp)
+        o, lse = online.finish(m_i, l_i, acc, log)  # (Nb, n, Ev), (Nb, n): 0 and -inf for rows with no key
+        out[:, :, i0:i1] = o.reshape(Nb, r, i1 - i0, Ev)
         if natural:
             lse2[:, :, i0:i1] = torch.cat([m_i, l_i], dim=-1).reshape(Nb, r, i1 - i0, 2)
         else:
-            lse2[:, :, i0:i1] = (m_i + log(l_i)).reshape(Nb, r, i1 - i0)  # -inf where l_i = 0
+            lse2[:, :, i0:i1] = lse.reshape(Nb, r, i1 - i0)
     return out, lse2
 
 
-def backward_blocks(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, layout: _Layout,
+def backward_blocks(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, layout: Layout,
               mask: Optional[Tensor], is_causal: bool, scale: float, bq: int, bk: int,
               accumulate_into: Optional[tuple[Tensor, Tensor, Tensor]] = None,
               delta: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -395,7 +285,7 @@ def backward_blocks(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tenso
             if delta is None:
                 delta = (dout * out).sum(dim=-1)  # D_i = rowsum(dO_i * O_i), (Nb, r, L)
             m, offsets = _native_mask(mask, layout, q4.shape[2], k3.shape[1])
-            ops.flash_backward_(_dense_rows(dout), _dense_rows(q4), _dense_rows(k3), _dense_rows(v3), lse2, delta,
+            ops.flash_backward_(dense_rows(dout), dense_rows(q4), dense_rows(k3), dense_rows(v3), lse2, delta,
                                 dq, dk, dv, m, offsets, scale, is_causal, bq, bk)
             return dq, dk, dv
         accumulate_into = (dq, dk, dv)
@@ -403,7 +293,7 @@ def backward_blocks(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tenso
                            delta)
 
 
-def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, layout: _Layout,
+def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, layout: Layout,
                     mask: Optional[Tensor], is_causal: bool, scale: float, bq: int, bk: int,
                     accumulate_into: Optional[tuple[Tensor, Tensor, Tensor]] = None,
                     delta: Optional[Tensor] = None, natural: bool = False) -> tuple[Tensor, Tensor, Tensor]:
@@ -448,11 +338,8 @@ def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tenso
             p = exp(_masked_scores(q_scaled, kT, j0, j1, mt, ct, mask_scale).sub_(lse_tile))  # P_ij (Nb, n, bk)
             if natural:
                 p.mul_(inv_l_tile)  # P_ij = exp(s - m_i) / l_i
-            dv[:, j0:j1].baddbmm_(p.transpose(1, 2), do_tile)  # dV_j += P^T dO_i
-            dp = torch.bmm(do_tile, v3[:, j0:j1].transpose(1, 2))  # dP = dO_i V_j^T
-            ds = p.mul_(dp.sub_(d_tile))  # dS = P * (dP - D_i), in place over P
-            dq_tile.baddbmm_(ds, k3[:, j0:j1], alpha=scale)  # dQ_i += scale * dS K_j
-            dk[:, j0:j1].baddbmm_(ds.transpose(1, 2), q_tile, alpha=scale)  # dK_j += scale * dS^T Q_i
+            online.backward_tile(p, q_tile, k3[:, j0:j1], v3[:, j0:j1], do_tile, d_tile, scale,
+                                 dq_tile, dk[:, j0:j1], dv[:, j0:j1])
         dq[:, :, i0:i1] += dq_tile.reshape(Nb, r, i1 - i0, E)
     return dq, dk, dv
 
@@ -461,14 +348,14 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk, batch):
         dtype = compute_dtype(query.dtype)
-        layout = _Layout(batch, query, key, enable_gqa)
+        layout = Layout(batch, query, key, enable_gqa)
         L, E, S = query.shape[-2], query.shape[-1], key.shape[-2]
         scale_f = float(scale) if scale is not None else 1.0 / math.sqrt(E) if E else 1.0
         q4 = layout.queries(query.to(dtype))  # (Nb, r, L, E)
         k3 = layout.keys(key.to(dtype))  # (Nb, S, E)
         v3 = layout.keys(value.to(dtype))  # (Nb, S, Ev)
         mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.to(dtype)
-        ctx.natural = _needs_natural_units(mask)
+        ctx.natural = needs_natural_units(mask)
         ctx.no_features = E == 0
         if E == 0:  # every score is 0 (an empty dot product), whatever the scale: softmax is uniform
             q4, k3, scale_f = q4.new_zeros(*q4.shape[:-1], 1), k3.new_zeros(*k3.shape[:-1], 1), 1.0

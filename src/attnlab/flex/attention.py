@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from attnlab.flex import kernels
+from attnlab.kernels import online
 from attnlab.flex.block_mask import EMPTY, FULL, BlockMask, _unpack
 
 __all__ = ["flex_attention", "ScoreMod"]
@@ -139,14 +140,9 @@ class _MaskedFlex(torch.autograd.Function):
                 s = (qi @ k[:, :, j0:j1].transpose(-2, -1)) * scale  # (B, H, n, bk)
                 if tile is not None:
                     s = s.masked_fill(~tile, float("-inf"))
-                p = torch.exp(s - si)  # P_ij
-                dv[:, :, j0:j1] += p.transpose(-2, -1) @ doi  # dV_j += P^T dO_i
-                dp = doi @ v[:, :, j0:j1].transpose(-2, -1)  # dP = dO_i V_j^T
-                ds = p * (dp - di)  # dS = P * (dP - D_i)
-                if dli is not None:
-                    ds = ds + p * dli  # d lse / d s = P
-                dqi += (ds @ k[:, :, j0:j1]) * scale
-                dk[:, :, j0:j1] += (ds.transpose(-2, -1) @ qi) * scale
+                p = torch.exp(s - si)  # P_ij; with dlse (the lse is an output too): d lse / d s = P
+                online.backward_tile(p, qi, k[:, :, j0:j1], v[:, :, j0:j1], doi, di, scale, dqi,
+                                     dk[:, :, j0:j1], dv[:, :, j0:j1], dli)
             dq[:, :, i0:i1] = dqi
         return dq, dk, dv, None, None, None, None
 
@@ -201,10 +197,7 @@ class _QueryBlock:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         B, H, n, _ = q.shape
-        Ev = v.shape[-1]
-        m_i = q.new_full((B, H, n, 1), float("-inf"))  # running row max
-        l_i = q.new_zeros(B, H, n, 1)  # running sum of exp(s - m_i)
-        acc = q.new_zeros(B, H, n, Ev)  # running sum of exp(s - m_i) v
+        m_i, l_i, acc = online.start((B, H, n), v.shape[-1], q)  # (B, H, n, 1), (B, H, n, 1), (B, H, n, Ev)
         b_idx = torch.arange(B).view(B, 1, 1, 1)
         h_idx = torch.arange(H).view(1, H, 1, 1)
         q_idx = torch.arange(self.i0, self.i0 + n).view(1, 1, n, 1)
@@ -212,18 +205,11 @@ class _QueryBlock:
             s = (q @ k[:, :, j0:j1].transpose(-2, -1)) * self.scale  # (B, H, n, bk)
             if self.score_mod is not None:
                 s = self.score_mod(s, b_idx, h_idx, q_idx, torch.arange(j0, j1).view(1, 1, 1, j1 - j0))
+            owned = tile is not None or self.score_mod is None  # else s is the score_mod's own tensor
             if tile is not None:
                 s = s.masked_fill(~tile, float("-inf"))
-            m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
-            shift = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)  # no -inf - -inf
-            p = torch.exp(s - shift)
-            alpha = torch.exp(m_i - shift)  # rescales the old state
-            l_i = alpha * l_i + p.sum(dim=-1, keepdim=True)
-            acc = alpha * acc + p @ v[:, :, j0:j1]
-            m_i = m_new
-        out = acc / torch.where(l_i == 0, torch.ones_like(l_i), l_i)  # rows with no key: 0
-        lse = (m_i + torch.log(l_i)).squeeze(-1)  # -inf where l_i = 0
-        return out, lse
+            m_i, l_i, acc = online.update(m_i, l_i, acc, s, v[:, :, j0:j1], torch.exp, inplace=owned)
+        return online.finish(m_i, l_i, acc, torch.log)  # natural units; rows with no key: 0 and -inf
 
 
 def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa) -> None:

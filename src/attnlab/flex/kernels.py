@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from attnlab import _native, tiled
+from attnlab import _native
+from attnlab import kernels as contract
 from attnlab.flex.block_mask import BlockMask
 from attnlab.flex.mods import NativeForm
 
@@ -36,13 +37,13 @@ def covers(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """The native kernels can run this call: float32 on the CPU, no NaN or inf, kernels built.
 
     Non-finite inputs go to the pure path, which propagates them as torch does (the native row
-    pass would treat a NaN row as masked; see :func:`attnlab.tiled.finite_inputs`).
+    pass would treat a NaN row as masked; see :func:`attnlab.kernels.finite_inputs`).
     """
     if q.device.type != "cpu" or not (q.dtype == k.dtype == v.dtype == torch.float32):
         return False
     if 0 in (q.shape[-1], v.shape[-1]):  # E = 0 or Ev = 0: nothing for BLAS to do; the pure path's answer
         return False
-    if not tiled.finite_inputs(q, k, v, None):
+    if not contract.finite_inputs(q, k, v, None):
         return False
     return _native.ops() is not None
 
@@ -119,7 +120,7 @@ class _BlockSparse(torch.autograd.Function):
         v3 = _last_dim_dense(v.reshape(B * Hkv, S, Ev))  # (Nb, S, Ev)
         row_of_head, cap = mod
         out4, lse2 = _native.ops().block_sparse_forward(q4, k3, v3, *plan, table, row_of_head, cap,
-                                                        scale * tiled.LOG2E, bq, bk)
+                                                        scale * contract.LOG2E, bq, bk)
         ctx.save_for_backward(q4, k3, v3, out4, lse2, table, row_of_head, *plan)
         ctx.shapes, ctx.blocks, ctx.scale, ctx.cap = (q.shape, k.shape, v.shape), (bq, bk), scale, cap
         return out4.view(B, H, L, Ev), lse2.view(B, H, L)
@@ -131,7 +132,7 @@ class _BlockSparse(torch.autograd.Function):
         dout4 = torch.zeros_like(out4) if dout is None else dout.reshape(out4.shape).contiguous()
         delta = (dout4 * out4).sum(dim=-1)  # D_i = rowsum(dO_i * O_i), (Nb, r, L)
         if dlse2 is not None:  # lse2 = lse / ln 2 and d lse / d s = P: fold it into D_i
-            delta = delta - dlse2.reshape(delta.shape) * tiled.LOG2E
+            delta = delta - dlse2.reshape(delta.shape) * contract.LOG2E
         dq, dk, dv = torch.zeros_like(q4), torch.zeros_like(k3), torch.zeros_like(v3)
         dtable = torch.zeros_like(table) if table is not None and ctx.needs_input_grad[3] else None
         _native.ops().block_sparse_backward_(dout4, q4, k3, v3, lse2, delta.contiguous(), dq, dk, dv, *plan,
@@ -143,7 +144,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Optional[BlockMask], 
               block: int, form: NativeForm = NativeForm()) -> Optional[tuple[Tensor, Tensor]]:
     """``(out (B, H, L, Ev), lse (B, H, L))`` (natural-log lse) from the native kernels, or None
     when a row's log-sum-exp is too large for their base-2 arithmetic
-    (:func:`attnlab.tiled.lse_absorbed`): the caller then runs the pure path.
+    (:func:`attnlab.kernels.lse_absorbed`): the caller then runs the pure path.
 
     ``q (B, H, L, E)``, ``k (B, Hkv, S, E)``, ``v (B, Hkv, S, Ev)``, float32; ``block`` is the
     tile size used when ``block_mask`` is None (every block full); ``form`` the score mod
@@ -161,6 +162,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Optional[BlockMask], 
         heads = torch.arange(H, dtype=torch.int64) * (table.shape[0] > 1)
         row_of_head = heads.repeat(B).contiguous()  # (B * H,)
     out, lse2 = _BlockSparse.apply(q, k, v, table, plan, (row_of_head, form.cap), bq, bk, scale)
-    if tiled.lse_absorbed(lse2.detach()):
+    if contract.lse_absorbed(lse2.detach()):
         return None
     return out, lse2 * LN2

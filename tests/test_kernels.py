@@ -1,0 +1,104 @@
+"""The kernel layer's online softmax and tile backward (attnlab.kernels.online), on their own.
+
+Both pure paths (tiled, base 2; flex, natural units) run through these; the parity suites
+check the paths end to end. Here: the state after any split of the keys equals one softmax,
+in both units and both in-place and out-of-place; empty rows give 0 and -inf; the tile
+backward equals autograd's gradients of one tile; the merge of two halves equals the whole.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attnlab import kernels
+from attnlab.kernels import online
+from attnlab.testing import assert_close
+
+
+def reference(s: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(s) @ v and logsumexp(s), natural units, float64."""
+    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+
+
+@pytest.mark.parametrize("units", ["natural", "base2"])
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("split", [1, 3, 7, 16])
+def test_the_state_after_any_split_is_one_softmax(units, inplace, split):
+    g = torch.Generator().manual_seed(split)
+    s = torch.randn(2, 3, 5, 16, generator=g, dtype=torch.float64) * 4  # (B, H, n, S) scores, natural units
+    s[0, 0, 1] = float("-inf")  # a row that sees no key
+    s[1, 2, 3, :9] = float("-inf")  # a row that sees only the last keys
+    v = torch.randn(2, 3, 16, 4, generator=g, dtype=torch.float64)
+    exp, log, k = (torch.exp, torch.log, 1.0) if units == "natural" else (torch.exp2, torch.log2, math.log2(math.e))
+    state = online.start((2, 3, 5), 4, s)
+    for j0 in range(0, 16, split):
+        tile = (s[..., j0:j0 + split] * k).clone()  # the caller's own scores, in the state's units
+        state = online.update(*state, tile, v[..., j0:j0 + split, :], exp, inplace=inplace)
+    out, lse = online.finish(*state, log)
+    want_out, want_lse = reference(s[..., :], v)
+    want_out[0, 0, 1] = 0.0  # SDPA: a row with no key gives 0
+    assert_close(out, want_out, msg="output")
+    assert torch.isneginf(lse[0, 0, 1]) and lse.isfinite().sum() == lse.numel() - 1
+    finite = torch.isfinite(want_lse)
+    assert_close(lse[finite] / k, want_lse[finite], msg="lse")
+
+
+def test_a_broken_rescale_is_caught():
+    """The check above is not vacuous: dropping the rescale of the old state (alpha) is wrong
+    as soon as a later key block raises a row's max."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(1, 1, 4, 8, generator=g, dtype=torch.float64)
+    s[..., 4:] += 5  # the second block raises every row's max
+    v = torch.randn(1, 1, 8, 3, generator=g, dtype=torch.float64)
+    m_i, l_i, acc = online.start((1, 1, 4), 3, s)
+    m_i, l_i, acc = online.update(m_i, l_i, acc, s[..., :4].clone(), v[..., :4, :], torch.exp)
+    stale = (m_i.clone(), l_i.clone(), acc.clone())
+    m_i, l_i, acc = online.update(m_i, l_i, acc, s[..., 4:].clone(), v[..., 4:, :], torch.exp)
+    good, _ = online.finish(m_i, l_i, acc, torch.log)
+    m_new = torch.maximum(stale[0], s[..., 4:].amax(-1, keepdim=True))
+    p = torch.exp(s[..., 4:] - m_new)
+    bad = (stale[2] + p @ v[..., 4:, :]) / (stale[1] + p.sum(-1, keepdim=True))  # alpha forgotten
+    want, _ = reference(s, v)
+    assert_close(good, want)
+    assert (bad - want).abs().max() > 1e-3
+
+
+def test_the_tile_backward_is_autograds():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 6, 5, generator=g, dtype=torch.float64, requires_grad=True)  # (Nb, n, E)
+    k = torch.randn(2, 4, 5, generator=g, dtype=torch.float64, requires_grad=True)  # (Nb, bk, E)
+    v = torch.randn(2, 4, 3, generator=g, dtype=torch.float64, requires_grad=True)  # (Nb, bk, Ev)
+    scale = 0.37
+    s = (q @ k.transpose(1, 2)) * scale
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    out = torch.exp(s - lse) @ v
+    do = torch.randn_like(out)
+    dlse = torch.randn_like(lse)
+    want = torch.autograd.grad((out * do).sum() + (lse * dlse).sum(), (q, k, v))
+    with torch.no_grad():
+        p = torch.exp(s - lse)
+        delta = (do * out).sum(-1, keepdim=True)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        online.backward_tile(p, q, k, v, do, delta, scale, dq, dk, dv, dlse)
+    for got, exp, name in zip((dq, dk, dv), want, ("dq", "dk", "dv")):
+        assert_close(got, exp, msg=name)
+
+
+def test_two_halves_merge_into_the_whole():
+    g = torch.Generator().manual_seed(2)
+    s = torch.randn(3, 2, 7, 10, generator=g, dtype=torch.float64) * 3  # base-2 scores
+    v = torch.randn(3, 2, 10, 4, generator=g, dtype=torch.float64)
+
+    def attend(lo: int, hi: int):
+        state = online.start((3, 2, 7), 4, s)
+        return online.finish(*online.update(*state, s[..., lo:hi].clone(), v[..., lo:hi, :]))
+
+    out, lse2 = attend(0, 4)
+    o2, l2 = attend(4, 10)
+    kernels.merge_(out, lse2, o2, l2)
+    whole, whole_lse = attend(0, 10)
+    assert_close(out, whole)
+    assert_close(lse2, whole_lse)
