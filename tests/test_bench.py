@@ -141,3 +141,22 @@ def test_density_sweep_reports_time_against_density(capsys):
                      "--modes", "fwd"]) == 0
     out = capsys.readouterr().out
     assert "| band | 0.500 | 2 | 0 | fwd |" in out and "ratio = time / (density x time of full attention)" in out
+
+
+def test_decode_benchmark_times_each_implementation_against_torch(capsys):
+    """--decode: one row per implementation, torch's SDPA at 1.00x, GB/s from the cache's bytes;
+    a causal chunk (L > 1) runs too."""
+    from attnlab import bench
+
+    rows = bench.decode_benchmark([64], dtypes=("float32",), H=4, Hkv=2, E=8, repeats=2)
+    by = {r["impl"]: r for r in rows}
+    assert set(by) == {"attnlab (auto)", "attnlab tiled", "attnlab reference", "torch SDPA"}
+    assert by["torch SDPA"]["ratio"] == 1.0
+    assert all(r["ms"] > 0 and r["gb_s"] == 2 * 2 * 64 * 8 * 4 / (r["ms"] / 1e3) / 1e9 for r in rows)
+    chunk = bench.decode_benchmark([300], dtypes=("bfloat16",), H=4, Hkv=2, E=8, L=3, repeats=1)
+    assert len(chunk) == 4 and "| 300 | bfloat16 | attnlab tiled |" in bench.decode_table(chunk)
+    from attnlab.cli import main
+
+    assert main(["bench", "--decode", "--seq-lens", "128", "--dtypes", "float32", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "machine:" in out and "| 128 | float32 | torch SDPA |" in out and "GB/s" in out

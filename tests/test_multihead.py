@@ -124,6 +124,25 @@ def test_decoding_token_by_token_equals_the_full_causal_forward(num_kv_heads, ma
     assert cache.length == 7 and cache._k.shape[1] == num_kv_heads  # only the key/value heads are kept
 
 
+def test_a_growing_cache_copies_log_t_times_and_returns_views():
+    """Without max_len the cache doubles when full: 1000 one-token appends reallocate 7 times
+    (16, 32, ..., 1024), not 1000 (a torch.cat of the whole cache per token); what append
+    returns is a view of the cache's storage and equals the tokens appended, in order."""
+    g = torch.Generator().manual_seed(3)
+    cache = KVCache(2, 3, 4)
+    tokens = torch.randn(2, 3, 1000, 4, generator=g)
+    storages = set()
+    for t in range(1000):
+        k, v = cache.append(tokens[:, :, t:t + 1], -tokens[:, :, t:t + 1])
+        storages.add(cache._k.data_ptr())  # noqa: SLF001 (the test looks at the storage)
+    assert len(storages) == 7 and cache.capacity == 1024
+    assert k.data_ptr() == cache._k.data_ptr()  # noqa: SLF001  (a view, not a copy)
+    assert torch.equal(k, tokens) and torch.equal(v, -tokens)
+    cache.append(torch.zeros(2, 3, 100, 4), torch.zeros(2, 3, 100, 4))  # a long chunk past the capacity
+    assert cache.capacity == 2048 and cache.length == 1100
+    assert torch.equal(cache.append(tokens[:, :, :1], tokens[:, :, :1])[0][:, :, :1000], tokens)
+
+
 def test_cache_errors():
     cache = KVCache(1, 2, 4, max_len=2)
     cache.append(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4))

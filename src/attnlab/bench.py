@@ -598,6 +598,65 @@ def transformers_benchmark(cases=HF_CASES, *, B: int = 1, layers: int = 4, repea
     return rows
 
 
+DECODE_HEADER = ("Decoding: one step, q (B, H, L, E) against a cache k, v (B, Hkv, S, E); GB/s counts the "
+                 "cache's unique K and V bytes once (what a step must read)")
+
+
+def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: int = 1, H: int = 32, Hkv: int = 8,
+                     E: int = 128, L: int = 1, repeats: int = 10,
+                     progress: Optional[Callable[[int, int, str], None]] = None) -> list[dict]:
+    """Median time of one decode step per implementation (attnlab's ``dispatch.attention``,
+    its tiled and reference paths, torch's SDPA), interleaved run by run, with the achieved
+    bandwidth in unique K/V bytes. ``L > 1`` is a causal chunk (speculative decoding, chunked
+    prefill), bottom-right aligned as SDPA aligns ``L != S``."""
+    import torch.nn.functional as F
+
+    from attnlab import dispatch, masks
+
+    rows, done, total = [], 0, len(seq_lens) * len(dtypes)
+    for S in seq_lens:
+        for dtype_name in dtypes:
+            dtype = getattr(torch, dtype_name)
+            g = torch.Generator().manual_seed(S)
+            q = torch.randn(B, H, L, E, generator=g).to(dtype)
+            k = torch.randn(B, Hkv, S, E, generator=g).to(dtype)
+            v = torch.randn(B, Hkv, S, E, generator=g).to(dtype)
+            mask = masks.causal(L, S, align="bottom_right") if L > 1 else None
+            fns = {"attnlab (auto)": lambda: dispatch.attention(q, k, v, mask, enable_gqa=True),
+                   "attnlab tiled": lambda: dispatch.attention(q, k, v, mask, enable_gqa=True, impl="tiled"),
+                   "torch SDPA": lambda: F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)}
+            if S <= 32768:  # the reference materialises repeated K and V: minutes past that
+                fns["attnlab reference"] = lambda: dispatch.attention(q, k, v, mask, enable_gqa=True,
+                                                                      impl="reference")
+            times: dict[str, list[float]] = {name: [] for name in fns}
+            with torch.no_grad():
+                for fn in fns.values():
+                    fn()  # warm-up: the native kernels, torch's thread pool
+                for _ in range(repeats):
+                    for name, fn in fns.items():
+                        t0 = time.perf_counter()
+                        fn()
+                        times[name].append(time.perf_counter() - t0)
+            kv_bytes = 2 * B * Hkv * S * E * torch.finfo(dtype).bits // 8
+            torch_ms = statistics.median(times["torch SDPA"]) * 1e3
+            for name, ts in times.items():
+                ms = statistics.median(ts) * 1e3
+                rows.append({"S": S, "dtype": dtype_name, "impl": name, "ms": ms, "ratio": ms / torch_ms,
+                             "gb_s": kv_bytes / (ms / 1e3) / 1e9})
+            done += 1
+            if progress:
+                progress(done, total, f"S={S} {dtype_name}")
+    return rows
+
+
+def decode_table(rows: list[dict]) -> str:
+    lines = ["| S | dtype | implementation | ms | x torch | GB/s (unique K/V) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['S']} | {r['dtype']} | {r['impl']} | {r['ms']:.2f} | {r['ratio']:.2f}x | "
+                     f"{r['gb_s']:.1f} |")
+    return "\n".join(lines)
+
+
 def machine_line() -> str:
     cpu = "unknown CPU"
     try:

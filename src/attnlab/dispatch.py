@@ -16,8 +16,10 @@
   falls back silently. (Under GQA with different key and value head counts it repeats
   them to the query heads: correct, but without GQA's memory saving.)
 * ``"auto"``: the tiled path when it supports the call and the score matrix is large
-  (``L * S >= AUTO_TILED_MIN_SCORES``), where it is faster and far leaner; otherwise
-  the reference. Both meet the same parity tolerances against torch's SDPA.
+  (``L * S >= AUTO_TILED_MIN_SCORES``), or the call is a decode step (``L <=
+  DECODE_MAX_L`` queries against ``S >= DECODE_MIN_S`` keys: a KV cache), where it is
+  faster and far leaner; otherwise the reference. Both meet the same parity tolerances
+  against torch's SDPA.
 
 The reference module does not import the tiled one, nor the other way round: they
 are independent implementations, checked against each other and against torch.
@@ -33,11 +35,18 @@ from torch import Tensor
 
 from attnlab import functional, tiled
 
-__all__ = ["attention", "use_impl", "IMPLS", "AUTO_TILED_MIN_SCORES", "choose_impl"]
+__all__ = ["attention", "use_impl", "IMPLS", "AUTO_TILED_MIN_SCORES", "DECODE_MAX_L", "DECODE_MIN_S", "choose_impl"]
 
 Impl = Literal["auto", "reference", "tiled"]
 IMPLS = ("auto", "reference", "tiled")
 AUTO_TILED_MIN_SCORES = 512 * 512
+# Decode steps: q (1, 32, 1, 128) against k, v (1, 8, S, 128) with GQA on the 2-core Zen 4 EPYC
+# (2026-12-01, BENCHMARKS.md "Decoding"): the reference took 1.3 / 8.2 / 22 / 152 / 938 ms at
+# S = 64 / 256 / 1024 / 4096 / 32768 (it repeats K and V to the query heads, then materialises
+# the scores), the tiled path 0.34 / 0.32 / 1.3 / 32 / 200 ms; without GQA (32 key/value heads)
+# the two were even at S = 256 (0.87 against 0.75 ms).
+DECODE_MAX_L = 16
+DECODE_MIN_S = 256
 
 _default: contextvars.ContextVar[str] = contextvars.ContextVar("attnlab_impl", default="auto")
 
@@ -81,7 +90,10 @@ def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[T
             raise ValueError(f"attention: impl='tiled' was requested but it cannot run {why_not}; "
                              f"use impl='reference' or impl='auto'")
         return "tiled"
-    large = query.dim() >= 2 and key.dim() >= 2 and query.shape[-2] * key.shape[-2] >= AUTO_TILED_MIN_SCORES
+    if query.dim() < 2 or key.dim() < 2:
+        return "reference"
+    L, S = query.shape[-2], key.shape[-2]
+    large = L * S >= AUTO_TILED_MIN_SCORES or (L <= DECODE_MAX_L and S >= DECODE_MIN_S)
     return "tiled" if (why_not is None and large) else "reference"
 
 

@@ -172,7 +172,9 @@ class KVCache:
 
     Holds ``(B, Hkv, T, head_dim)`` keys and values: with grouped-query attention only
     the key/value heads are stored. ``max_len`` preallocates (and caps) the cache;
-    without it the cache grows as tokens arrive.
+    without it the cache grows as tokens arrive, doubling its capacity when full (so a
+    token's append copies only itself, amortised, instead of the whole cache each step).
+    :meth:`append` returns views of the cache's storage, no copies.
 
     Args:
         batch: B.
@@ -181,6 +183,8 @@ class KVCache:
         max_len: capacity in tokens, or None to grow without a cap.
         dtype, device: of the stored tensors.
     """
+
+    MIN_CAPACITY = 16  # the first allocation without max_len, in tokens
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, max_len: Optional[int] = None,
                  dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> None:
@@ -201,14 +205,26 @@ class KVCache:
         if self.max_len is not None and self.length + new > self.max_len:
             raise ValueError(f"KVCache.append: the cache is full: {self.length} + {new} tokens > max_len="
                              f"{self.max_len}; make a larger cache or start a new one")
-        if self.max_len is None:
-            self._k = torch.cat([self._k[:, :, : self.length], k.detach()], dim=2)
-            self._v = torch.cat([self._v[:, :, : self.length], v.detach()], dim=2)
-        else:
-            self._k[:, :, self.length:self.length + new] = k.detach()
-            self._v[:, :, self.length:self.length + new] = v.detach()
+        if self.length + new > self._k.shape[2]:  # only without max_len: grow geometrically
+            self._grow(self.length + new)
+        self._k[:, :, self.length:self.length + new] = k.detach()
+        self._v[:, :, self.length:self.length + new] = v.detach()
         self.length += new
         return self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+    def _grow(self, needed: int) -> None:
+        """Capacity ``max(needed, 2 x capacity, 16)``: ``log2(T)`` copies for ``T`` tokens."""
+        capacity = max(needed, 2 * self._k.shape[2], self.MIN_CAPACITY)
+        k = self._k.new_zeros(self.batch, self.num_kv_heads, capacity, self.head_dim)
+        v = torch.zeros_like(k)
+        k[:, :, : self.length] = self._k[:, :, : self.length]
+        v[:, :, : self.length] = self._v[:, :, : self.length]
+        self._k, self._v = k, v
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the cache can hold before it grows (``max_len`` when given)."""
+        return self._k.shape[2]
 
     def reset(self) -> None:
         self.length = 0

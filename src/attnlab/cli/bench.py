@@ -28,6 +28,7 @@ examples:
   attnlab bench --seq-lens 1024,2048 --csv bench.csv --plot bench.png
   attnlab bench --seq-lens 4096 --impls tiled,flash --causal no --mask padding
   attnlab bench --ring --seq-lens 8192
+  attnlab bench --decode --seq-lens 4096,32768 --dtypes float32,bfloat16
 """
 
 DEFAULT_LENS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -83,6 +84,10 @@ def add(sub) -> argparse.ArgumentParser:
                    help="instead: forward+backward of small Hugging Face models, attn_implementation 'sdpa' "
                         "against 'attnlab': Llama-style (GQA) at L=1024 and Mistral-style (sliding window 1024) "
                         "at L=4096 (needs pip install 'attnlab[hf]')")
+    p.add_argument("--decode", action="store_true",
+                   help="instead: one decode step, q (1, 32, 1, 128) against a GQA cache (1, 8, S, 128), "
+                        "attnlab against torch's SDPA, with GB/s of the cache's K/V (default S: 4096,32768; "
+                        "--seq-lens sets them, --dtypes the dtypes)")
     p.add_argument("--density", action="store_true",
                    help="instead: attnlab.flex's time against its block mask's density d (0.5, 0.25, 0.1, 0.05), "
                         "relative to d x its time on full attention, at the first --seq-lens L (default 8192), "
@@ -139,6 +144,15 @@ def run(args: argparse.Namespace) -> int:
         _end_progress()
         print(f"machine: {bench.machine_line()}\n")
         print(bench.transformers_table(rows))
+        return 0
+    if args.decode:
+        lens = args.seq_lens if args.seq_lens != DEFAULT_LENS else [4096, 32768]
+        rows = bench.decode_benchmark(lens, dtypes=args.dtypes, B=args.batch, repeats=args.repeats,
+                                      progress=_progress())
+        _end_progress()
+        print(f"machine: {bench.machine_line()}\n")
+        print(bench.DECODE_HEADER + "\n")
+        print(bench.decode_table(rows))
         return 0
     if args.density:
         L = args.seq_lens[0] if args.seq_lens != DEFAULT_LENS else 8192
