@@ -724,17 +724,23 @@ def self_attention_result(probe: Probe, answers: list) -> ProbeResult:
         if isinstance(a, FailedCall):
             first = a.error.strip().splitlines()[0] if a.error.strip() else "the call failed"
             return ProbeResult(error=first[:400])
-    lead, T, Ev = probe.query.shape[:-2], probe.query.shape[-2], probe.value.shape[-1]
-    per_call = len(answers) // probe.repeats
     try:
-        runs = [torch.stack([_as_tensor(a)[0] for a in answers[r * per_call:(r + 1) * per_call]])
-                .reshape(*lead, T, Ev).double() for r in range(probe.repeats)]  # (B, H, T, Ev) each
+        runs = _joined(probe, answers)
     except Exception as exc:  # the learner's values: any shape, any type
         return ProbeResult(error=_short_error(exc))
     if probe.repeats == 1:
         return ProbeResult(output=runs[0])
     varied = any(not torch.equal(r, runs[0]) for r in runs[1:])
     return ProbeResult(output=torch.stack(runs).mean(0), varied=varied)
+
+
+def _joined(probe: Probe, answers: list) -> list[Tensor]:
+    """Each repeat's ``(b, h)`` slices put back as ``(..., T, Ev)`` float64; raises as torch
+    does for answers of the wrong shape or type."""
+    lead, T, Ev = probe.query.shape[:-2], probe.query.shape[-2], probe.value.shape[-1]
+    per_call = len(answers) // probe.repeats
+    return [torch.stack([_as_tensor(a)[0] for a in answers[r * per_call:(r + 1) * per_call]])
+            .reshape(*lead, T, Ev).double() for r in range(probe.repeats)]  # (B, H, T, Ev) each
 
 
 def adapt_self_attention(self_attention: Callable) -> Callable:
@@ -752,8 +758,7 @@ def adapt_self_attention(self_attention: Callable) -> Callable:
         kwargs = {"attn_mask": attn_mask, "is_causal": is_causal}
         probe = Probe("adapted", "", query, key, value, kwargs)
         answers = [self_attention(*args) for args in self_attention_calls(probe)]  # raises as the function does
-        result = self_attention_result(probe, answers)
-        return result.output.to(query.dtype)
+        return _joined(probe, answers)[0].to(query.dtype)  # raises for answers of the wrong shape
 
     sdpa_like.capabilities = SELF_ATTENTION_CAPABILITIES  # type: ignore[attr-defined]
     return sdpa_like
