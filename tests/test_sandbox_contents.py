@@ -179,3 +179,21 @@ def test_under_root_the_sandbox_is_a_fresh_unprivileged_uid(tmp_path, how):
                 uids.append(host)
     if how == "bwrap":
         assert uids[0] != uids[1]  # one uid per sandbox
+
+
+def test_without_a_mount_namespace_the_identity_says_what_it_is(monkeypatch):
+    """A root grader that cannot make a mount namespace (a container without CAP_SYS_ADMIN):
+    with every bind source open to others, bwrap still runs as a fresh uid, unstaged; with
+    one under a 0700 folder, it runs as the grader's uid, and the plan says so."""
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(bwrap, "can_stage", lambda: False)
+    monkeypatch.setattr(bwrap, "blocker", lambda p: None)
+    plan = bwrap.plan("/usr/bin/bwrap", ["true"])
+    assert plan.uid is not None and plan.uid >= 1 << 30 and plan.stage is None and "fresh" in plan.identity
+    assert bwrap.STAGE not in " ".join(plan.argv)
+    monkeypatch.setattr(bwrap, "blocker", lambda p: "/root" if p.startswith("/") else None)
+    plan = bwrap.plan("/usr/bin/bwrap", ["true"])
+    assert plan.uid is None and plan.stage is None and "the grader's own uid" in plan.identity
+    monkeypatch.setattr(bwrap, "can_stage", lambda: True)
+    plan = bwrap.plan("/usr/bin/bwrap", ["true"])
+    assert plan.uid is not None and plan.stage == bwrap.STAGE and bwrap.STAGE in " ".join(plan.argv)

@@ -84,6 +84,7 @@ class GradeReport:
     seed: int = 0  # the inputs' seed: grade(seed=...) / --seed reproduces the run
     sandboxed: bool = False  # ran inside the bwrap OS sandbox
     memory_fence: str = ""  # how the submission's memory was capped
+    identity: str = ""  # whom its processes ran as on the host
     launcher: str = ""  # how its sandbox was made: 'bwrap', 'template' (class grading), 'user' or 'none'
     restarts: int = 0  # times the sandbox server had to be replaced (it was stopped or killed)
     pending: list = field(default_factory=list)  # exercises not graded yet (an interrupted run)
@@ -198,7 +199,7 @@ class GradeReport:
                 "file": str(self.path),
                 "lab": self.lab,
                 "seed": self.seed,
-                "sandbox": {"os_sandbox": self.sandboxed, "memory": self.memory_fence,
+                "sandbox": {"os_sandbox": self.sandboxed, "memory": self.memory_fence, "identity": self.identity,
                             "made_by": self.launcher, "server_restarts": self.restarts},
                 "exercises": {k: {"score": s, "max_score": m} for k, (s, m) in self.exercise_scores().items()},
                 "diagnostics": [{"test": r.name, **f} for r in self.results for f in r.verdict.findings],
@@ -295,6 +296,7 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         # First: does the file import at all? One child, so a broken file fails fast and once.
         first = box.run([], policy=True)
         report.sandboxed, report.memory_fence, report.launcher = box.sandboxed, box.memory_fence, box.launcher
+        report.identity = box.identity
         if first.environment:  # the sandbox could not start here: nothing of the learner's ran
             return _environment_problem(report, EXERCISES, t0,
                                         f"the grader's OS sandbox could not start on this machine "

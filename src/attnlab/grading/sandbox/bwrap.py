@@ -43,6 +43,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 __all__ = ["bwrap_path", "python_roots", "hidden_package", "runner_files", "plan", "Plan", "HOW_TO_GET_BWRAP",
-           "TMP_MB", "UID", "RUNNER", "RUNNER_FILES", "tmp_roots", "unprivileged_uid", "drop_to", "mount"]
+           "TMP_MB", "UID", "RUNNER", "RUNNER_FILES", "tmp_roots", "unprivileged_uid", "drop_to", "mount", "blocker", "can_stage"]
 
 HOW_TO_GET_BWRAP = ("install bubblewrap (Debian/Ubuntu: 'sudo apt-get install bubblewrap'; Fedora: "
                     "'sudo dnf install bubblewrap'); it needs user namespaces, which most Linux desktops allow. "
@@ -160,6 +161,7 @@ class Plan:
     staged: list[tuple[str, str]] = field(default_factory=list)  # (host path, name under stage)
     pass_fds: tuple[int, ...] = ()
     enter_cgroup: Optional[Callable[[], None]] = None
+    identity: str = "the grader's own user (a user namespace maps to nobody else)"
 
     def preexec(self) -> None:  # in the forked child, before exec: no learner code is anywhere near
         if self.enter_cgroup is not None:
@@ -189,15 +191,53 @@ class Plan:
         """Nothing is left on the host: the stage lived in bwrap's own mount namespace."""
 
 
+def blocker(path: str) -> Optional[str]:
+    """The topmost folder above ``path`` that other users cannot enter, or None (package-internal)."""
+    parts = Path(path).parts
+    for i in range(1, len(parts)):
+        folder = str(Path(*parts[:i]))
+        try:
+            if not os.stat(folder).st_mode & stat.S_IXOTH:
+                return folder
+        except OSError:
+            return None
+    return None
+
+
+@lru_cache(maxsize=1)
+def can_stage() -> bool:
+    """Whether this (root) process may make a mount namespace of its own: a container without
+    CAP_SYS_ADMIN may not, while bwrap still runs there through a user namespace."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if _libc.unshare(_CLONE_NEWNS) == 0 else 1)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def _root_identity() -> tuple[Optional[int], Optional[str], str]:
+    """For a root grader: ``(uid bwrap runs as, stage, in words)``. A fresh uid, its bind sources
+    staged where a mount namespace can be made; unstaged where every source is open to other
+    users anyway; else (a source under a 0700 folder, no mount namespace) the grader's own uid,
+    as before this design, and it says so."""
+    uid = unprivileged_uid()
+    fresh = f"a fresh unprivileged uid ({uid}) that owns nothing on the host"
+    if can_stage():
+        return uid, STAGE, fresh
+    sources = python_roots() + [sys.executable, os.path.realpath(sys.executable)] + list(runner_files().values())
+    if all(blocker(p) is None for p in sources):
+        return uid, None, fresh
+    return None, None, ("the grader's own uid, root: no mount namespace can be made here to stage the Python "
+                        "installation, which lies under a folder other users cannot enter")
+
+
 def plan(bwrap: str, inside: list[str], *, template: bool = False, seccomp_fd: Optional[int] = None) -> Plan:
     """The sandbox described above, running ``inside`` (paths as the sandbox sees them: the
     runner is at :data:`RUNNER`). ``template``: the class template's (nested user namespaces
     stay possible for its forks, no seccomp at this level)."""
-    as_root = os.geteuid() == 0
     result = Plan(argv=[])
-    if as_root:
-        result.uid = unprivileged_uid()
-        result.stage = STAGE
+    if os.geteuid() == 0:
+        result.uid, result.stage, result.identity = _root_identity()
 
     def source(host: str) -> str:
         """Where bwrap finds ``host``: itself, or its staged copy when bwrap runs unprivileged."""

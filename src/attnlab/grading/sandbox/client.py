@@ -238,6 +238,7 @@ class Sandbox:
         self._starts = 0
         self.sandboxed = pool.resolve_mode(mode) is not None
         self.memory_fence = ""
+        self.identity = ""  # whom its processes run as on the host, in words
         self.launcher = ""  # 'template' (forked from the class template), 'bwrap', 'user' or 'none'
 
     def __enter__(self) -> "Sandbox":
@@ -279,6 +280,7 @@ class Sandbox:
             raise EOFError("the sandbox server did not take the submission")
         self.sandboxed = server.sandboxed
         self.memory_fence = server.memory_fence
+        self.identity = server.identity
         self.launcher = ("template" if isinstance(server, pool.SpawnedServer)
                          else "bwrap" if server.sandboxed else "user" if getattr(server, "uid", None) else "none")
         return server
@@ -462,7 +464,7 @@ def self_test(mode: str = "bwrap", limits: Limits = Limits()) -> tuple[bool, str
         try:
             with Sandbox(path, limits, mode=mode) as box:
                 outcome = box.run([Call("answer")], policy=False)
-                fence, sandboxed, launcher = box.memory_fence, box.sandboxed, box.launcher
+                fence, sandboxed, launcher, identity = box.memory_fence, box.sandboxed, box.launcher, box.identity
         except pool.SandboxUnavailable as exc:
             return False, str(exc)
         if outcome.status != "ok" or not outcome.results or outcome.results[0].get("value") != 42:
@@ -473,6 +475,6 @@ def self_test(mode: str = "bwrap", limits: Limits = Limits()) -> tuple[bool, str
             return True, f"the learner runs as a fresh unprivileged uid here ({fence or 'no memory fence'})"
         if mode != "none" and not sandboxed:
             return False, "the task ran, but not in the OS sandbox"
-        return True, f"the OS sandbox works here ({fence or 'no memory fence'})"
+        return True, f"the OS sandbox works here ({fence or 'no memory fence'}; as {identity})"
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -180,6 +180,13 @@ class Server:
         return _fence(self.cgroup, self.memory_mb, self.sandboxed)
 
     @property
+    def identity(self) -> str:
+        """Whom the submission's processes run as on the host, in words."""
+        if self.uid is not None:
+            return f"a fresh unprivileged uid ({self.uid}) in a session of its own, without an OS sandbox"
+        return self.plan.identity if self.plan is not None else "the grader's own user, without an OS sandbox"
+
+    @property
     def request_fd(self) -> int:
         """Where the grader writes requests (:mod:`.frames`)."""
         return self.proc.stdin.fileno()
@@ -401,6 +408,7 @@ class SpawnedServer:
     cgroup: Optional[_Cgroup]
     memory_mb: int
     sandboxed: bool = True
+    identity: str = ""  # the template's (each fork maps its uid to itself)
 
     @property
     def memory_fence(self) -> str:
@@ -490,7 +498,7 @@ class _Template:
             if cgroup is not None:
                 cgroup.add(host)  # before it enters anything: all it starts is counted
             write_frame(req_w, b"go")
-            return SpawnedServer(host, pidfd, req_w, rep_r, cgroup, memory_mb)
+            return SpawnedServer(host, pidfd, req_w, rep_r, cgroup, memory_mb, identity=self.plan.identity)
         except OSError:
             for fd in (req_r, req_w, rep_r, rep_w, pidfd):
                 if fd >= 0:

@@ -32,7 +32,6 @@ import ctypes
 import os
 import shutil
 import signal
-import stat
 import sys
 import tempfile
 import time
@@ -83,19 +82,6 @@ def runner_copy() -> str:
     return _copy
 
 
-def _blocker(path: str) -> Optional[str]:
-    """The topmost folder above ``path`` that other users cannot enter, or None."""
-    parts = Path(path).parts
-    for i in range(1, len(parts)):
-        folder = str(Path(*parts[:i]))
-        try:
-            if not os.stat(folder).st_mode & stat.S_IXOTH:
-                return folder
-        except OSError:
-            return None
-    return None
-
-
 class Exposure:
     """The Python installation made reachable for the unprivileged uid, without changing the
     host: each folder above it that others cannot enter is covered, in a private mount
@@ -106,7 +92,7 @@ class Exposure:
         paths = [os.path.realpath(p) for p in paths]
         paths = [p for p in dict.fromkeys(paths) if not any(p != q and p.startswith(q + os.sep) for q in paths)]
         for p in paths:
-            b = _blocker(p)
+            b = _bwrap.blocker(p)
             if b is not None:
                 self.by_blocker.setdefault(b, []).append(p)
         # a blocker inside another one is covered by the outer one's skeleton
