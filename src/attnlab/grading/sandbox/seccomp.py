@@ -38,6 +38,7 @@ import errno
 import os
 import platform
 import struct
+from typing import Any, Callable
 
 __all__ = ["install", "program_bytes", "route", "ROUTES", "DENIED", "NAMESPACE_FLAGS"]
 
@@ -193,50 +194,54 @@ def route() -> str:
     return "libseccomp" if _libseccomp() is not None else "bpf"
 
 
+def _via_libseccomp(how: str, use: Callable) -> Any:
+    """``use(lib, ctx)`` on a libseccomp context holding the rules (released after), or None
+    where the route is ``bpf`` or libseccomp does not load."""
+    lib = _libseccomp() if (how or route()) == "libseccomp" else None
+    if lib is None:
+        return None
+    ctx = _context(lib)
+    try:
+        return use(lib, ctx)
+    finally:
+        lib.seccomp_release(ctx)
+
+
+def _export(lib: ctypes.CDLL, ctx: int) -> bytes:
+    r, w = os.pipe()  # the program is a few hundred bytes: the pipe holds it before it is read
+    try:
+        rc = lib.seccomp_export_bpf(ctx, w)
+        os.close(w)
+        w = -1
+        if rc != 0:
+            raise OSError(-rc, "seccomp_export_bpf")
+        chunks = []
+        while chunk := os.read(r, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+def _load(lib: ctypes.CDLL, ctx: int) -> str:
+    rc = lib.seccomp_load(ctx)  # sets no_new_privs first (libseccomp's default)
+    if rc != 0:
+        raise OSError(-rc, "seccomp_load")
+    return "seccomp filter (libseccomp): no ptrace, process_vm_*, pidfd_getfd, namespaces or mounts"
+
+
 def program_bytes(how: str = "") -> bytes:
     """The compiled filter (``struct sock_filter`` records), as bwrap's ``--seccomp FD`` reads
     it; empty where it cannot be built here. ``how``: a route of :data:`ROUTES` (default: :func:`route`)."""
-    how = how or route()
-    lib = _libseccomp() if how == "libseccomp" else None
-    if lib is None:
-        return _bpf_bytes()
-    ctx = _context(lib)
-    try:
-        r, w = os.pipe()
-        try:
-            rc = lib.seccomp_export_bpf(ctx, w)
-            os.close(w)
-            w = -1
-            if rc != 0:
-                raise OSError(-rc, "seccomp_export_bpf")
-            chunks = []
-            while True:
-                chunk = os.read(r, 1 << 16)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(r)
-            if w >= 0:
-                os.close(w)
-    finally:
-        lib.seccomp_release(ctx)
+    exported = _via_libseccomp(how, _export)
+    return _bpf_bytes() if exported is None else exported
 
 
 def install(how: str = "") -> str:
     """Install the filter on this process (and so on everything it starts); returns what was done,
     in words. ``how``: a route of :data:`ROUTES` (default: :func:`route`); libseccomp falls back
     to the written-out program where it does not load."""
-    how = how or route()
-    lib = _libseccomp() if how == "libseccomp" else None
-    if lib is None:
-        return _bpf_install()
-    ctx = _context(lib)
-    try:
-        rc = lib.seccomp_load(ctx)  # sets no_new_privs first (libseccomp's default)
-        if rc != 0:
-            raise OSError(-rc, "seccomp_load")
-    finally:
-        lib.seccomp_release(ctx)
-    return "seccomp filter (libseccomp): no ptrace, process_vm_*, pidfd_getfd, namespaces or mounts"
+    done = _via_libseccomp(how, _load)
+    return _bpf_install() if done is None else done
