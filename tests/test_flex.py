@@ -255,3 +255,28 @@ def test_masked_backward_passes_gradcheck_through_output_and_lse():
         return out, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
 
     assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_the_front_door_runs_flex_for_a_block_mask_or_a_score_mod():
+    """dispatch.attention knows flex: a BlockMask or a score_mod runs it (auto or impl='flex'),
+    with flex's answer; the other implementations refuse them, and flex refuses what it
+    cannot take (a tensor mask, is_causal, dropout), each naming the argument."""
+    from attnlab import dispatch, flex as fx
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g) for _ in range(3))
+    bm = fx.create_block_mask(fx.causal_mask, None, None, 40, 40, BLOCK_SIZE=16)
+    assert dispatch.choose_impl(q, k, v, bm) == "flex"
+    assert torch.equal(dispatch.attention(q, k, v, bm), fx.flex_attention(q, k, v, block_mask=bm))
+    mod = fx.softcap(5.0)
+    assert torch.equal(dispatch.attention(q, k, v, score_mod=mod), fx.flex_attention(q, k, v, score_mod=mod))
+    assert dispatch.choose_impl(q, k, v, impl="flex") == "flex"
+    with pytest.raises(ValueError, match="impl='tiled' cannot take a BlockMask"):
+        dispatch.attention(q, k, v, bm, impl="tiled")
+    with pytest.raises(ValueError, match="flex cannot run is_causal=True"):
+        dispatch.attention(q, k, v, bm, is_causal=True)
+    with pytest.raises(ValueError, match="flex cannot run a tensor attn_mask"):
+        dispatch.attention(q, k, v, torch.ones(40, 40, dtype=torch.bool), impl="flex")
+    with pytest.raises(ValueError, match="flex cannot run dropout_p=0.1"):
+        dispatch.attention(q, k, v, bm, dropout_p=0.1)
+    assert dispatch.choose_impl(q, k, v) == "reference"  # a small plain call: unchanged

@@ -15,7 +15,11 @@
   no gradient for a float mask: asking for it with those raises ``ValueError``; it never
   falls back silently. (Under GQA with different key and value head counts it repeats
   them to the query heads: correct, but without GQA's memory saving.)
-* ``"auto"``: the tiled path when it supports the call and the score matrix is large
+* ``"flex"``: :func:`attnlab.flex.flex_attention`, block-sparse: what runs when ``attn_mask``
+  is an :class:`attnlab.flex.BlockMask` or a ``score_mod`` is given (FlexAttention's meaning:
+  ``score_mod(score, b, h, q_idx, kv_idx)``), under ``auto`` too. It takes no tensor mask,
+  no ``is_causal`` (causality is a mask_mod), no dropout, 4-D inputs only.
+* ``"auto"``: flex for a BlockMask or a score_mod; else the tiled path when it supports the call and the score matrix is large
   (``L * S >= AUTO_TILED_MIN_SCORES``), or the call is a decode step (``L <=
   DECODE_MAX_L`` queries against ``S >= DECODE_MIN_S`` keys: a KV cache), where it is
   faster and far leaner; otherwise the reference. Both meet the same parity tolerances
@@ -37,8 +41,8 @@ from attnlab import functional, tiled
 
 __all__ = ["attention", "use_impl", "IMPLS", "AUTO_TILED_MIN_SCORES", "DECODE_MAX_L", "DECODE_MIN_S", "choose_impl"]
 
-Impl = Literal["auto", "reference", "tiled"]
-IMPLS = ("auto", "reference", "tiled")
+Impl = Literal["auto", "reference", "tiled", "flex"]
+IMPLS = ("auto", "reference", "tiled", "flex")
 AUTO_TILED_MIN_SCORES = 512 * 512
 # Decode steps: q (1, 32, 1, 128) against k, v (1, 8, S, 128) with GQA on the 2-core Zen 4 EPYC
 # (2026-12-01, BENCHMARKS.md "Decoding"): the reference took 1.3 / 8.2 / 22 / 152 / 938 ms at
@@ -77,11 +81,39 @@ def _tiled_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask: Opt
     return None
 
 
-def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
-                dropout_p: float = 0.0, *, enable_gqa: bool = False, impl: Optional[Impl] = None) -> str:
-    """The implementation :func:`attention` will run for these arguments ("reference" or "tiled")."""
+def _flex_unsupported(query: Tensor, attn_mask, dropout_p: float, is_causal: bool) -> Optional[str]:
+    """Why flex cannot run this call, or None."""
+    from attnlab import flex
+
+    if attn_mask is not None and not isinstance(attn_mask, flex.BlockMask):
+        return "a tensor attn_mask (flex takes a BlockMask: attnlab.flex.create_block_mask)"
+    if is_causal:
+        return "is_causal=True (with flex, causality is a mask_mod: create_block_mask(flex.causal_mask, ...))"
+    if dropout_p > 0:
+        return f"dropout_p={dropout_p} (flex has no dropout)"
+    if query.dim() != 4:
+        return f"{query.dim()}-D inputs (flex takes (B, H, L, E))"
+    return None
+
+
+def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask=None, dropout_p: float = 0.0, *,
+                enable_gqa: bool = False, impl: Optional[Impl] = None, is_causal: bool = False,
+                score_mod=None) -> str:
+    """The implementation :func:`attention` will run for these arguments: "reference", "tiled"
+    or "flex". Raises ``ValueError`` when ``impl`` names one that cannot run them."""
+    from attnlab import flex
+
     chosen = impl if impl is not None else _default.get()
     _check_impl(chosen)
+    flex_call = isinstance(attn_mask, flex.BlockMask) or score_mod is not None
+    if flex_call or chosen == "flex":
+        if flex_call and chosen not in ("auto", "flex"):
+            raise ValueError(f"attention: impl={chosen!r} cannot take a BlockMask or a score_mod; "
+                             f"use impl='flex' or impl='auto'")
+        why_not = _flex_unsupported(query, attn_mask, dropout_p, is_causal)
+        if why_not:
+            raise ValueError(f"attention: flex cannot run {why_not}")
+        return "flex"
     if chosen == "reference":
         return "reference"
     why_not = _tiled_unsupported(query, key, value, attn_mask, dropout_p, enable_gqa)
@@ -108,20 +140,29 @@ def attention(
     *,
     enable_gqa: bool = False,
     impl: Optional[Impl] = None,
+    score_mod=None,
 ) -> Tensor:
     """SDPA's signature and semantics, run by the implementation ``impl`` picks (see the module doc).
 
     Args:
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as in
             :func:`attnlab.functional.scaled_dot_product_attention`; shapes
-            ``(..., L, E)``, ``(..., S, E)``, ``(..., S, Ev)``.
-        impl: ``"auto"``, ``"reference"`` or ``"tiled"``; default: the innermost
+            ``(..., L, E)``, ``(..., S, E)``, ``(..., S, Ev)``. ``attn_mask`` may also be an
+            :class:`attnlab.flex.BlockMask` (then flex runs it).
+        impl: ``"auto"``, ``"reference"``, ``"tiled"`` or ``"flex"``; default: the innermost
             :func:`use_impl`, else ``"auto"``.
+        score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (flex runs it).
 
     Returns:
         ``(..., L, Ev)`` in the query's dtype.
     """
-    which = choose_impl(query, key, value, attn_mask, dropout_p, enable_gqa=enable_gqa, impl=impl)
+    which = choose_impl(query, key, value, attn_mask, dropout_p, enable_gqa=enable_gqa, impl=impl,
+                        is_causal=is_causal, score_mod=score_mod)
+    if which == "flex":
+        from attnlab import flex
+
+        return flex.flex_attention(query, key, value, score_mod=score_mod, block_mask=attn_mask, scale=scale,
+                                   enable_gqa=enable_gqa)
     if which == "tiled":
         return tiled.flash_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa=enable_gqa)
     return functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,

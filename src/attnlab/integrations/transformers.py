@@ -18,13 +18,17 @@ Importing this module registers two functions under the name ``"attnlab"``:
   ====================================  =============================================
   the call                              runs on
   ====================================  =============================================
-  no mask (causal or not)               :func:`attnlab.tiled.flash_attention`
-  a BlockMask from the mask function    :func:`attnlab.flex.flex_attention` (native
+  no mask (causal or not)               :func:`attnlab.dispatch.attention` (the tiled
+                                        path, or the reference for small calls)
+  a BlockMask from the mask function    :func:`attnlab.dispatch.attention`, which runs
+                                        :func:`attnlab.flex.flex_attention` (native
                                         block-sparse kernels; ``softcap`` natively)
-  a mask tensor given by the caller     :func:`attnlab.tiled.flash_attention`
+  a mask tensor given by the caller     :func:`attnlab.dispatch.attention`, as above
   dropout > 0 (training) or             attnlab's reference
   ``output_attentions=True``            (:mod:`attnlab.functional`), mask made dense
   ====================================  =============================================
+
+  The front door's rules are the modules' too (:mod:`attnlab.dispatch`).
 
 Shapes, as transformers passes them: ``query (B, H, L, E)``, ``key``/``value (B, Hkv, S, E)``;
 the function returns ``(B, L, H, Ev)`` and the attention weights ``(B, H, L, S)`` or None.
@@ -40,7 +44,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from attnlab import flex, functional, tiled
+from attnlab import dispatch, flex, functional
 
 __all__ = ["SUPPORTED", "attnlab_attention_forward", "attnlab_mask", "register", "check_version"]
 
@@ -164,13 +168,12 @@ def attnlab_attention_forward(module: torch.nn.Module, query: Tensor, key: Tenso
                 raise NotImplementedError("attn_implementation='attnlab': softcap with dropout or "
                                           "output_attentions is not supported; use 'eager'")
             return out.transpose(1, 2).contiguous(), weights
-    if block_mask is not None:
-        score_mod = flex.softcap(softcap) if softcap is not None else None
-        out = flex.flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling,
-                                  enable_gqa=gqa)
-    else:
-        out = tiled.flash_attention(query, key, value, dense_mask, is_causal=top_left_causal, scale=scaling,
-                                    enable_gqa=gqa)
+    # the one front door: flex for a BlockMask (and the soft cap), else the tiled path or, for
+    # small calls, the reference, by dispatch's own rule
+    score_mod = flex.softcap(softcap) if softcap is not None else None
+    out = dispatch.attention(query, key, value, block_mask if block_mask is not None else dense_mask,
+                             is_causal=top_left_causal and block_mask is None,  # else it is in the BlockMask
+                             scale=scaling, enable_gqa=gqa, score_mod=score_mod)
     return out.transpose(1, 2).contiguous(), weights  # (B, L, H, Ev)
 
 

@@ -25,7 +25,9 @@ The contract, which :mod:`attnlab.tiled`, :mod:`attnlab.flex` and the ring
 Still to come here (issue 24): the tile loops themselves (which tiles a query block visits
 and how they are masked stay in :mod:`attnlab.tiled` and :mod:`attnlab.flex.attention`), the
 native loader with one shared C++ tile backward (``csrc/flash.cpp`` and
-``csrc/block_sparse.cpp`` still each set up their own), and ``dispatch`` as the one front door.
+``csrc/block_sparse.cpp`` still each set up their own). The one front door is
+:func:`attnlab.dispatch.attention` (reference, tiled, flex), which the modules and the
+transformers integration use.
 """
 
 from attnlab.kernels import online
