@@ -314,18 +314,9 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
                             const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& row_of_head,
                             double cap, const std::optional<at::Tensor>& dtable, double scale_d, int64_t block_q,
                             int64_t block_k) {
-  check_inputs(q4, k3, v3, "attnlab block-sparse backward");
-  const int64_t Nb = q4.size(0), r = q4.size(1), L = q4.size(2), E = q4.size(3);
-  const int64_t S = k3.size(1), Ev = v3.size(2);
-  for (const at::Tensor* t : {&dout, &lse2, &delta, &dq, &dk, &dv}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && (t->stride(-1) == 1 || t->size(-1) == 1),
-                "attnlab block-sparse backward: float32 with a dense last dim");
-  }
-  TORCH_CHECK(dq.sizes() == q4.sizes() && dk.sizes() == k3.sizes() && dv.sizes() == v3.sizes() &&
-                  dout.sizes() == at::IntArrayRef({Nb, r, L, Ev}) && lse2.sizes() == at::IntArrayRef({Nb, r, L}) &&
-                  delta.sizes() == lse2.sizes(),
-              "attnlab block-sparse backward: shapes");
-  if (Nb == 0 || r == 0 || L == 0 || S == 0 || E == 0 || Ev == 0) return;
+  const BackwardSetup setup(dout, q4, k3, v3, lse2, delta, dq, dk, dv, "attnlab block-sparse backward");
+  if (setup.empty()) return;
+  const int64_t Nb = setup.Nb, r = setup.r, L = setup.L, E = setup.E, S = setup.S, Ev = setup.Ev;
   const BlockPlan plan = make_plan(row_ptr, cols, bit_idx, bits, plane_of_head, Nb * r, L, block_q, block_k);
   const ScoreMod mod = make_mod(table, row_of_head, cap, Nb * r);
   const bool table_grad = dtable.has_value() && dtable->defined();
@@ -337,25 +328,12 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
   const float scale = static_cast<float>(scale_d);
   const float scale2 = scale * 1.4426950408889634f;  // log2(e): the forward's base-2 scores
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t q_ld = lead(q4, E), do_ld = lead(dout, Ev), dq_ld = lead(dq, E);
-  const int64_t k_ld = lead(k3, E), v_ld = lead(v3, Ev), dk_ld = lead(dk, E), dv_ld = lead(dv, Ev);
-  TORCH_CHECK(q_ld >= E && do_ld >= Ev && dq_ld >= E && k_ld >= E && v_ld >= Ev && dk_ld >= E && dv_ld >= Ev,
-              "attnlab block-sparse backward: rows must not overlap");
-  const float* q = q4.data_ptr<float>();
-  const float* k = k3.data_ptr<float>();
-  const float* v = v3.data_ptr<float>();
-  const float* gout = dout.data_ptr<float>();
-  const float* lse = lse2.data_ptr<float>();
-  const float* dlt = delta.data_ptr<float>();
-  float* gq = dq.data_ptr<float>();
+  const int64_t q_ld = setup.q_ld, do_ld = setup.do_ld, dq_ld = setup.dq_ld, k_ld = setup.k_ld, v_ld = setup.v_ld;
+  const float *q = setup.q, *k = setup.k, *v = setup.v, *gout = setup.gout, *lse = setup.lse, *dlt = setup.dlt;
+  float* gq = setup.gq;
 
   const int n_threads = at::get_num_threads();
-  const bool split = Nb < n_threads && r > 1;
-  at::Tensor dk_parts, dv_parts;
-  if (split) {
-    dk_parts = at::zeros({Nb, r, S, E}, dk.options());
-    dv_parts = at::zeros({Nb, r, S, Ev}, dv.options());
-  }
+  const bool split = setup.split;
   const int64_t n_tasks = split ? Nb * r : Nb;
   std::vector<int64_t> costs(static_cast<size_t>(n_tasks), 0);
   for (int64_t t = 0; t < n_tasks; ++t) {
@@ -376,14 +354,11 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
     float* dp = p + tile;
     float* deriv = dp + tile;  // d s_mod / d s, with softcap
     float* dtable_task = table_grad ? dtable_parts.data_ptr<float>() + task * dtable->numel() : nullptr;
-    const int64_t nb = split ? task / r : task;
-    const int64_t h_begin = split ? task % r : 0, h_end = split ? h_begin + 1 : r;
-    const float* k_head = k + nb * k3.stride(0);
-    const float* v_head = v + nb * v3.stride(0);
-    float* dk_head = split ? dk_parts.data_ptr<float>() + task * S * E : dk.data_ptr<float>() + nb * dk.stride(0);
-    float* dv_head = split ? dv_parts.data_ptr<float>() + task * S * Ev : dv.data_ptr<float>() + nb * dv.stride(0);
-    const int64_t dk_row = split ? E : dk_ld, dv_row = split ? Ev : dv_ld;
-    for (int64_t h = h_begin; h < h_end; ++h) {
+    const BackwardSetup::Task w = setup.task(task, dk, dv);
+    const int64_t nb = w.nb, dk_row = w.dk_row, dv_row = w.dv_row;
+    const float *k_head = w.k_head, *v_head = w.v_head;
+    float *dk_head = w.dk_head, *dv_head = w.dv_head;
+    for (int64_t h = w.h_begin; h < w.h_end; ++h) {
       const int64_t head = nb * r + h;
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t i0 = i * bq;
@@ -424,10 +399,7 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
       }
     }
   });
-  if (split) {
-    dk.add_(dk_parts.sum(1));
-    dv.add_(dv_parts.sum(1));
-  }
+  setup.finish(dk, dv);
   if (table_grad) dtable->add_(dtable_parts.sum(0));
 }
 

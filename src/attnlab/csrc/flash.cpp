@@ -247,67 +247,32 @@ void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Ten
                      const at::Tensor& dv, const std::optional<at::Tensor>& mask,
                      const std::optional<at::Tensor>& mask_offsets, double scale_d, bool is_causal, int64_t block_q,
                      int64_t block_k) {
-  for (const at::Tensor* t : {&dout, &q4, &k3, &v3, &lse2, &delta, &dq, &dk, &dv}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), "attnlab native backward: float32 CPU only");
-    TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) == 1, "attnlab native backward: the last dim must be dense");
-  }
-  TORCH_CHECK(q4.dim() == 4 && dout.dim() == 4 && dq.dim() == 4 && k3.dim() == 3 && v3.dim() == 3 && dk.dim() == 3 &&
-                  dv.dim() == 3 && lse2.dim() == 3 && delta.dim() == 3,
-              "attnlab native backward: bad ranks");
-  const int64_t Nb = q4.size(0), r = q4.size(1), L = q4.size(2), E = q4.size(3);
-  const int64_t S = k3.size(1), Ev = v3.size(2);
-  TORCH_CHECK(dq.sizes() == q4.sizes() && dk.sizes() == k3.sizes() && dv.sizes() == v3.sizes() &&
-                  dout.sizes() == at::IntArrayRef({Nb, r, L, Ev}) && lse2.sizes() == at::IntArrayRef({Nb, r, L}) &&
-                  delta.sizes() == lse2.sizes() && k3.size(0) == Nb && v3.size(0) == Nb && v3.size(1) == S,
-              "attnlab native backward: shapes");
-  if (Nb == 0 || r == 0 || L == 0 || S == 0 || E == 0 || Ev == 0) return;
+  const BackwardSetup setup(dout, q4, k3, v3, lse2, delta, dq, dk, dv, "attnlab native backward");
+  if (setup.empty()) return;
+  const int64_t Nb = setup.Nb, r = setup.r, L = setup.L, E = setup.E, S = setup.S, Ev = setup.Ev;
   const MaskView mv = make_mask(mask, mask_offsets, Nb * r, L, S);
   const int bq = static_cast<int>(std::min<int64_t>(block_q, L));
   const int bk = static_cast<int>(std::min<int64_t>(block_k, S));
   const float scale = static_cast<float>(scale_d);
   const float scale2 = scale * 1.4426950408889634f;  // log2(e): the forward's base-2 scores
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  auto ld = [](const at::Tensor& t, int64_t width) { return t.size(-2) > 1 ? t.stride(-2) : width; };
-  const int64_t q_ld = ld(q4, E), do_ld = ld(dout, Ev), dq_ld = ld(dq, E);
-  const int64_t k_ld = ld(k3, E), v_ld = ld(v3, Ev), dk_ld = ld(dk, E), dv_ld = ld(dv, Ev);
-  TORCH_CHECK(q_ld >= E && do_ld >= Ev && dq_ld >= E && k_ld >= E && v_ld >= Ev && dk_ld >= E && dv_ld >= Ev,
-              "attnlab native backward: rows must not overlap");
-  const float* q = q4.data_ptr<float>();
-  const float* k = k3.data_ptr<float>();
-  const float* v = v3.data_ptr<float>();
-  const float* gout = dout.data_ptr<float>();
-  const float* lse = lse2.data_ptr<float>();
-  const float* dlt = delta.data_ptr<float>();
-  float* gq = dq.data_ptr<float>();
-  float* gk = dk.data_ptr<float>();
-  float* gv = dv.data_ptr<float>();
+  const int64_t q_ld = setup.q_ld, do_ld = setup.do_ld, dq_ld = setup.dq_ld, k_ld = setup.k_ld, v_ld = setup.v_ld;
+  const float *q = setup.q, *k = setup.k, *v = setup.v, *gout = setup.gout, *lse = setup.lse, *dlt = setup.dlt;
+  float* gq = setup.gq;
 
   const int64_t tile = static_cast<int64_t>(bq) * bk;
   const int n_threads = at::get_num_threads();
   std::vector<float> scratch(static_cast<size_t>(2 * tile * n_threads));
-
-  // One task per key/value head keeps one writer per dK/dV row. With fewer key/value heads than
-  // threads (MQA/GQA at small batch) the r query heads of a group become separate tasks, each
-  // adding into its own (S, E) slice of dk_parts/dv_parts, summed into dk/dv at the end.
-  const bool split = Nb < n_threads && r > 1;
-  at::Tensor dk_parts, dv_parts;
-  if (split) {
-    dk_parts = at::zeros({Nb, r, S, E}, dk.options());
-    dv_parts = at::zeros({Nb, r, S, Ev}, dv.options());
-  }
-  const int64_t n_tasks = split ? Nb * r : Nb;
+  const int64_t n_tasks = setup.n_tasks;
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     float* p = scratch.data() + 2 * tile * at::get_thread_num();
     float* dp = p + tile;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t nb = split ? task / r : task;
-      const int64_t h_begin = split ? task % r : 0, h_end = split ? h_begin + 1 : r;
-      const float* k_head = k + nb * k3.stride(0);
-      const float* v_head = v + nb * v3.stride(0);
-      float* dk_head = split ? dk_parts.data_ptr<float>() + task * S * E : gk + nb * dk.stride(0);
-      float* dv_head = split ? dv_parts.data_ptr<float>() + task * S * Ev : gv + nb * dv.stride(0);
-      const int64_t dk_row = split ? E : dk_ld, dv_row = split ? Ev : dv_ld;
-      for (int64_t h = h_begin; h < h_end; ++h) {
+      const BackwardSetup::Task w = setup.task(task, dk, dv);
+      const int64_t nb = w.nb, dk_row = w.dk_row, dv_row = w.dv_row;
+      const float *k_head = w.k_head, *v_head = w.v_head;
+      float *dk_head = w.dk_head, *dv_head = w.dv_head;
+      for (int64_t h = w.h_begin; h < w.h_end; ++h) {
         for (int64_t i0 = 0; i0 < L; i0 += bq) {
           const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
           const float* q_tile = q + nb * q4.stride(0) + h * q4.stride(1) + i0 * q_ld;
@@ -341,10 +306,7 @@ void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Ten
       }
     }
   });
-  if (split) {
-    dk.add_(dk_parts.sum(1));
-    dv.add_(dv_parts.sum(1));
-  }
+  setup.finish(dk, dv);
 }
 
 }  // namespace

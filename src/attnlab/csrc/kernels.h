@@ -4,6 +4,9 @@
 // here is inline, in an unnamed namespace, so each translation unit has its own copy.
 #pragma once
 
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -274,5 +277,90 @@ inline void tile_dq_dk(const float* ds, int n, int nk, int E, float scale, const
   gemm_rm(false, false, n, E, nk, scale, ds, nk, k_rows, k_ld, 1.0f, dq_tile, dq_ld);  // dQ_i += scale dS K_j
   gemm_rm(true, false, nk, E, n, scale, ds, nk, q_tile, q_ld, 1.0f, dk_rows, dk_ld);   // dK_j += scale dS^T Q_i
 }
+
+// The backward's set-up, shared by flash.cpp and block_sparse.cpp: the checks, the shapes
+// (q4 (Nb, r, L, E), k3 (Nb, S, E), v3 (Nb, S, Ev), lse2 and delta (Nb, r, L)), the row strides,
+// and the tasks. One task per key/value head keeps one writer per dK/dV row; with fewer key/value
+// heads than threads (MQA/GQA at small batch) the r query heads of a group become separate tasks,
+// each adding into its own (S, E) slice of dk_parts/dv_parts, summed into dk/dv by finish().
+struct BackwardSetup {
+  int64_t Nb, r, L, E, S, Ev;
+  int64_t q_ld, do_ld, dq_ld, k_ld, v_ld, dk_ld, dv_ld;
+  bool split;
+  int64_t n_tasks;
+  at::Tensor dk_parts, dv_parts;
+  const float *q, *k, *v, *gout, *lse, *dlt;  // q4, k3, v3, dout, lse2, delta
+  float* gq;                                   // dq
+  int64_t k_head_stride, v_head_stride;
+
+  static int64_t lead(const at::Tensor& t, int64_t width) { return t.size(-2) > 1 ? t.stride(-2) : width; }
+
+  BackwardSetup(const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
+                const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
+                const at::Tensor& dv, const char* what) {
+    for (const at::Tensor* t : {&dout, &q4, &k3, &v3, &lse2, &delta, &dq, &dk, &dv}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), what, ": float32 CPU only");
+      TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) == 1, what, ": the last dim must be dense");
+    }
+    TORCH_CHECK(q4.dim() == 4 && dout.dim() == 4 && dq.dim() == 4 && k3.dim() == 3 && v3.dim() == 3 &&
+                    dk.dim() == 3 && dv.dim() == 3 && lse2.dim() == 3 && delta.dim() == 3,
+                what, ": bad ranks");
+    Nb = q4.size(0), r = q4.size(1), L = q4.size(2), E = q4.size(3);
+    S = k3.size(1), Ev = v3.size(2);
+    TORCH_CHECK(dq.sizes() == q4.sizes() && dk.sizes() == k3.sizes() && dv.sizes() == v3.sizes() &&
+                    dout.sizes() == at::IntArrayRef({Nb, r, L, Ev}) && lse2.sizes() == at::IntArrayRef({Nb, r, L}) &&
+                    delta.sizes() == lse2.sizes() && k3.size(0) == Nb && v3.size(0) == Nb && v3.size(1) == S &&
+                    k3.size(2) == E,
+                what, ": shapes");
+    q_ld = lead(q4, E), do_ld = lead(dout, Ev), dq_ld = lead(dq, E);
+    k_ld = lead(k3, E), v_ld = lead(v3, Ev), dk_ld = lead(dk, E), dv_ld = lead(dv, Ev);
+    TORCH_CHECK(q_ld >= E && do_ld >= Ev && dq_ld >= E && k_ld >= E && v_ld >= Ev && dk_ld >= E && dv_ld >= Ev,
+                what, ": rows must not overlap");
+    split = Nb < at::get_num_threads() && r > 1;
+    if (split && !empty()) {
+      dk_parts = at::zeros({Nb, r, S, E}, dk.options());
+      dv_parts = at::zeros({Nb, r, S, Ev}, dv.options());
+    }
+    n_tasks = split ? Nb * r : Nb;
+    q = q4.data_ptr<float>(), k = k3.data_ptr<float>(), v = v3.data_ptr<float>();
+    gout = dout.data_ptr<float>(), lse = lse2.data_ptr<float>(), dlt = delta.data_ptr<float>();
+    gq = dq.data_ptr<float>();
+    k_head_stride = k3.stride(0), v_head_stride = v3.stride(0);
+  }
+
+  bool empty() const { return Nb == 0 || r == 0 || L == 0 || S == 0 || E == 0 || Ev == 0; }
+
+  // Task t: its key/value head (and its K, V rows), its query heads [h_begin, h_end), where its
+  // dK/dV rows go.
+  struct Task {
+    int64_t nb, h_begin, h_end;
+    const float* k_head;
+    const float* v_head;
+    float* dk_head;
+    float* dv_head;
+    int64_t dk_row, dv_row;
+  };
+
+  Task task(int64_t t, const at::Tensor& dk, const at::Tensor& dv) const {
+    Task w;
+    w.nb = split ? t / r : t;
+    w.h_begin = split ? t % r : 0;
+    w.h_end = split ? w.h_begin + 1 : r;
+    w.k_head = k + w.nb * k_head_stride;
+    w.v_head = v + w.nb * v_head_stride;
+    w.dk_head = split ? dk_parts.data_ptr<float>() + t * S * E : dk.data_ptr<float>() + w.nb * dk.stride(0);
+    w.dv_head = split ? dv_parts.data_ptr<float>() + t * S * Ev : dv.data_ptr<float>() + w.nb * dv.stride(0);
+    w.dk_row = split ? E : dk_ld;
+    w.dv_row = split ? Ev : dv_ld;
+    return w;
+  }
+
+  void finish(const at::Tensor& dk, const at::Tensor& dv) const {
+    if (split && !empty()) {
+      dk.add_(dk_parts.sum(1));
+      dv.add_(dv_parts.sum(1));
+    }
+  }
+};
 
 }  // namespace

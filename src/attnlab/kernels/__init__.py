@@ -22,12 +22,14 @@ The contract, which :mod:`attnlab.tiled`, :mod:`attnlab.flex` and the ring
   written in PyTorch; the tiled path (base 2) and flex's pure path (natural units, with a
   ``score_mod``) both run their tiles through them.
 
-Still to come here (issue 24): the tile loops themselves (which tiles a query block visits
-and how they are masked stay in :mod:`attnlab.tiled` and :mod:`attnlab.flex.attention`), the
-native loader with one shared C++ tile backward (``csrc/flash.cpp`` and
-``csrc/block_sparse.cpp`` still each set up their own). The one front door is
-:func:`attnlab.dispatch.attention` (reference, tiled, flex), which the modules and the
-transformers integration use.
+In C++, ``csrc/kernels.h`` is the same layer: the row pass, the tile backward's two halves
+and (``BackwardSetup``) the backward's checks, strides and tasks, shared by ``csrc/flash.cpp``
+and ``csrc/block_sparse.cpp``. The one front door is :func:`attnlab.dispatch.attention`
+(reference, tiled, flex), which the modules and the transformers integration use.
+
+Still to come here (issue 24): the tile loops themselves (which tiles a query block visits and
+how they are masked stay in :mod:`attnlab.tiled` and :mod:`attnlab.flex.attention`, and in the
+two C++ files), the native loader moved under this package, a decode kernel and bf16 GEMMs.
 """
 
 from attnlab.kernels import online
