@@ -102,3 +102,11 @@ def test_two_halves_merge_into_the_whole():
     whole, whole_lse = attend(0, 10)
     assert_close(out, whole)
     assert_close(lse2, whole_lse)
+
+
+def test_a_bad_tile_size_names_its_caller():
+    assert kernels.block_size(None, 256, "block_q") == 256 and kernels.block_size(8, 256, "block_q") == 8
+    with pytest.raises(ValueError, match="ring_attention: block_k must be a positive int, got 0"):
+        kernels.block_size(0, 256, "block_k", "ring_attention")
+    with pytest.raises(ValueError, match="flash_attention: block_q must be a positive int, got True"):
+        kernels.block_size(True, 256, "block_q")

@@ -326,8 +326,8 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optional
                          f"query {tuple(query.shape)} and key {tuple(key.shape)}")
     if layout == "zigzag" and query.shape[-2] % 2:
         raise ValueError(f"ring_attention: the zigzag layout needs an even local length, got {query.shape[-2]}")
-    bq = kernels.block_size(block_q, tiled.DEFAULT_BLOCK_Q, "block_q")
-    bk = kernels.block_size(block_k, tiled.DEFAULT_BLOCK_K, "block_k")
+    bq = kernels.block_size(block_q, tiled.DEFAULT_BLOCK_Q, "block_q", "ring_attention")
+    bk = kernels.block_size(block_k, tiled.DEFAULT_BLOCK_K, "block_k", "ring_attention")
     return _Ring.apply(query, key, value, group, is_causal, scale, layout, enable_gqa, bq, bk, batch)
 
 

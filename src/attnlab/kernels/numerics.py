@@ -71,10 +71,10 @@ def needs_natural_units(mask: Optional[Tensor]) -> bool:
     limit = torch.finfo(mask.dtype).max / LOG2E  # also above: finfo.max would become +inf, then NaN
     return bool(mask.min() < -limit) or bool(mask.max() > limit)
 
-def block_size(value: Optional[int], default: int, name: str) -> int:
-    """A tile size: ``default`` for None, else a positive int (ValueError names ``name``)."""
+def block_size(value: Optional[int], default: int, name: str, fn: str = "flash_attention") -> int:
+    """A tile size: ``default`` for None, else a positive int (ValueError names ``fn`` and ``name``)."""
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"flash_attention: {name} must be a positive int, got {value!r}")
+        raise ValueError(f"{fn}: {name} must be a positive int, got {value!r}")
     return value
