@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from attnlab.grading.sandbox import Call, Limits, Sandbox, bwrap
+from attnlab.grading.sandbox import Call, Limits, Sandbox, bwrap, pool
 from procs import made_by, needs_sandbox, process_tree
 
 LIMITS = Limits(timeout_s=20.0)
@@ -148,13 +148,16 @@ def who():
 '''
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the grader is not root here: the sandbox is its own user's")
 @pytest.mark.parametrize("how", ["bwrap", "template"])
 def test_under_root_the_sandbox_is_a_fresh_unprivileged_uid(tmp_path, how):
     """A root grader (Gradescope, CI, a container) runs every sandbox process as a fresh uid
     that owns nothing: seen from the host, no process of the submission is uid 0, and each
     sandbox has a uid of its own."""
     needs_sandbox()
+    if os.geteuid() != 0:  # a user namespace maps to nobody but the grader's own user
+        plan = bwrap.plan(pool.bwrap_path(), ["true"])
+        assert plan.uid is None and plan.stage is None and "own user" in plan.identity
+        return
     path = tmp_path / "attention.py"
     path.write_text(textwrap.dedent(IDENTITY))
     uids = []
