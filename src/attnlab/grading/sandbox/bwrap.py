@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import json
 import os
 import secrets
 import shutil
@@ -187,9 +186,6 @@ class Plan:
         if self.uid is not None:
             drop_to(self.uid)
 
-    def cleanup(self) -> None:
-        """Nothing is left on the host: the stage lived in bwrap's own mount namespace."""
-
 
 def blocker(path: str) -> Optional[str]:
     """The topmost folder above ``path`` that other users cannot enter, or None (package-internal)."""
@@ -302,6 +298,3 @@ def tmp_roots() -> list[str]:
             roots.append(exe)
     return roots
 
-
-def tmp_roots_json() -> str:
-    return json.dumps(tmp_roots())

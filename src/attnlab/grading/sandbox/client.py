@@ -273,8 +273,6 @@ class Sandbox:
         hello = read_frame(server.reply_fd, 4096, deadline)
         if not hello.startswith(b"ready"):
             raise EOFError(f"the sandbox server did not start ({clean_text(hello.decode(errors='replace'), 300)})")
-        if getattr(server, "plan", None) is not None:
-            server.plan.cleanup()  # bwrap has set the sandbox up: the empty stage folder can go
         write_frame(server.request_fd, encode_request("load", source=self.source, name=submission_name(self.path)))
         if read_frame(server.reply_fd, 64, deadline) != b"loaded":
             raise EOFError("the sandbox server did not take the submission")

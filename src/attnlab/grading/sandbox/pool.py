@@ -20,6 +20,7 @@ own session, every process of which is killed after each task and when it stops.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -222,8 +223,6 @@ class Server:
             user.kill_uid(self.uid)
         if self.cgroup is not None:
             self.cgroup.remove()
-        if self.plan is not None:
-            self.plan.cleanup()
 
 
 def resolve_mode(mode: str) -> Optional[str]:
@@ -274,9 +273,6 @@ def start(mode: str = "auto", memory_mb: int = 2048, max_procs: int = 64) -> Ser
         plan.enter_cgroup = cgroup.enter if cgroup is not None else None
         try:
             proc = subprocess.Popen(plan.argv, pass_fds=plan.pass_fds, preexec_fn=plan.preexec, **pipes)
-        except BaseException:
-            plan.cleanup()
-            raise
         finally:
             if seccomp_fd is not None:
                 os.close(seccomp_fd)
@@ -446,15 +442,11 @@ class _Template:
     def __init__(self, bwrap: str) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [sys.executable, "-I", "-B", f"{_bwrap.RUNNER}/template.py", str(theirs.fileno()),
-                _bwrap.tmp_roots_json()]
+                json.dumps(_bwrap.tmp_roots())]
         self.plan = _bwrap.plan(bwrap, argv, template=True)
-        try:
-            self.proc = subprocess.Popen(self.plan.argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
-                                         start_new_session=True, preexec_fn=self.plan.preexec)
-        except BaseException:
-            self.plan.cleanup()
-            raise
+        self.proc = subprocess.Popen(self.plan.argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+                                     start_new_session=True, preexec_fn=self.plan.preexec)
         theirs.close()
         self.sock = ours
         self.lock = threading.Lock()
@@ -468,7 +460,6 @@ class _Template:
             self.problem = hello.decode(errors="replace").removeprefix("unsupported ") or "it exited"
             self.stop()
             return
-        self.plan.cleanup()
         ours.settimeout(10.0)
 
     def spawn(self, memory_mb: int, max_procs: int) -> Optional[SpawnedServer]:
@@ -524,7 +515,6 @@ class _Template:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-        self.plan.cleanup()
 
 
 _template: Optional[_Template] = None

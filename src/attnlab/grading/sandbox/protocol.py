@@ -231,10 +231,20 @@ def encode_request(op: str, **fields: Any) -> bytes:
     return encode_message(_tag({"op": op, **fields}))
 
 
+def _untag(value: Any) -> Any:
+    """Undo :func:`_tag`: tagged sequences become tuples again."""
+    if isinstance(value, dict):
+        if set(value) == {"__seq__", "__tuple__"}:
+            return tuple(_untag(v) for v in value["__seq__"])
+        return {k: _untag(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_untag(v) for v in value]
+    return value
+
+
 def decode_request(payload: bytes) -> dict:
-    """The server's side of :func:`encode_request` (tuples are still tagged: the server
-    restores them)."""
-    request = decode_message(payload, max_elements=MAX_REQUEST_BYTES)
+    """The server's side of :func:`encode_request`: the request, its tuples tuples again."""
+    request = _untag(decode_message(payload, max_elements=MAX_REQUEST_BYTES))
     if not isinstance(request, dict) or request.get("op") not in ("load", "run"):
         raise BadPayload("not a request of the grader's")
     return request

@@ -351,22 +351,9 @@ def _run_task(task: dict, path: str, private_fds: tuple[int, ...], sandboxed: bo
     return {"status": status, "code": code, "elapsed": time.monotonic() - t0, "cpu": cpu_s}, payload, output
 
 
-def _restore(value: Any) -> Any:
-    """Undo :func:`protocol.encode_request`'s tuple tags."""
-    if isinstance(value, dict):
-        if "__seq__" in value:
-            items = [_restore(v) for v in value["__seq__"]]
-            return tuple(items) if value.get("__tuple__") else items
-        return {k: _restore(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_restore(v) for v in value]
-    return value
-
-
 def _task(request: dict) -> dict:
-    """A ``run`` request as the child uses it: calls with real tuples, limits as attributes."""
-    calls = [{"function": c["function"], "args": tuple(_restore(c["args"])), "kwargs": _restore(c["kwargs"])}
-             for c in request["calls"]]
+    """A ``run`` request as the child uses it: the calls, limits as attributes."""
+    calls = [{"function": c["function"], "args": tuple(c["args"]), "kwargs": c["kwargs"]} for c in request["calls"]]
     return {"calls": calls, "policy": bool(request["policy"]), "limits": SimpleNamespace(**request["limits"]),
             "seccomp": str(request.get("seccomp", ""))}
 
