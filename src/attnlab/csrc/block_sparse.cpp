@@ -269,35 +269,14 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_forward(const at::Tensor& q4, co
               static_cast<int>(k_ld), 0.0f, s, nk);
       if (mod.present()) mod.apply(s, nullptr, head, i0, j0, n, nk);
       plan.apply(s, e, n, nk);
-      for (int a = 0; a < n; ++a) {
-        float* row = s + static_cast<int64_t>(a) * nk;
-        float row_sum;
-        const float m_old = m_i[a];
-        const float m_new = row_pass(row, nk, nk, m_old, &row_sum);
-        // alpha = 2^(m_old - m_new) rescales the old state; 0 while the row has seen nothing
-        const float alpha = m_old == neg_inf ? 0.0f : exp2_nonpos(m_old - m_new);
-        l_i[a] = alpha * l_i[a] + row_sum;
-        m_i[a] = m_new;
-        if (alpha != 1.0f) {
-          float* acc_row = acc + static_cast<int64_t>(a) * Ev;
-#pragma omp simd
-          for (int64_t c = 0; c < Ev; ++c) acc_row[c] *= alpha;
-        }
-      }
+      online_update(s, n, nk, [nk](int64_t, float*) { return nk; }, m_i, l_i, acc, Ev);  // hidden: -inf
       // acc += P~ V_j   (n, Ev)
       gemm_rm(false, false, n, static_cast<int>(Ev), nk, 1.0f, s, nk, v_head + j0 * v_ld, static_cast<int>(v_ld), 1.0f,
               acc, static_cast<int>(Ev));
     }
     float* o_tile = o + (head * L + i0) * Ev;
     float* lse_tile = lse + head * L + i0;
-    for (int a = 0; a < n; ++a) {
-      const float* acc_row = acc + static_cast<int64_t>(a) * Ev;
-      float* o_row = o_tile + static_cast<int64_t>(a) * Ev;
-      const float inv = l_i[a] == 0.0f ? 0.0f : 1.0f / l_i[a];
-#pragma omp simd
-      for (int64_t c = 0; c < Ev; ++c) o_row[c] = acc_row[c] * inv;
-      lse_tile[a] = l_i[a] == 0.0f ? neg_inf : m_i[a] + std::log2(l_i[a]);
-    }
+    finish_rows(acc, m_i, l_i, n, Ev, o_tile, Ev, lse_tile, 1);  // O_i = acc / l_i, lse2_i
   });
   return {out, lse2};
 }

@@ -177,42 +177,18 @@ void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor
         // S_ij = scale2 * Q_i K_j^T   (n, nk)
         gemm_rm(false, true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_s2), k_head + j0 * k_s1,
                       static_cast<int>(k_s1), 0.0f, s, nk);
-        for (int a = 0; a < n; ++a) {
-          // keys j0 + c with c < valid are visible to this row
+        // keys j0 + c with c < valid are visible to row a (causal), minus the masked ones
+        online_update(s, n, nk, [&](int64_t a, float* row) {
           const int64_t visible = is_causal ? (i0 + a) - j0 + 1 : nk;
           const int valid = static_cast<int>(std::clamp<int64_t>(visible, 0, nk));
-          float* row = s + static_cast<int64_t>(a) * nk;
-          if (valid == 0) {  // nothing to add for this row in this block
-            std::fill(row, row + nk, 0.0f);
-            continue;
-          }
-          if (mv.present()) mv.apply(row, head, i0 + a, j0, valid);
-          float row_sum;
-          const float m_old = m_i[a];
-          const float m_new = row_pass(row, valid, nk, m_old, &row_sum);
-          // alpha = 2^(m_old - m_new) rescales the old state; the first visit (m_old = -inf) gives 0
-          const float alpha = m_old == neg_inf ? 0.0f : exp2_nonpos(m_old - m_new);
-          l_i[a] = alpha * l_i[a] + row_sum;  // l_i = alpha * l_i + rowsum(P~)
-          m_i[a] = m_new;
-          if (alpha != 1.0f) {
-            float* acc_row = acc + static_cast<int64_t>(a) * Ev;
-#pragma omp simd
-            for (int64_t c = 0; c < Ev; ++c) acc_row[c] *= alpha;  // acc = alpha * acc (then + P~ V_j)
-          }
-        }
+          if (mv.present() && valid > 0) mv.apply(row, head, i0 + a, j0, valid);
+          return valid;
+        }, m_i, l_i, acc, Ev);
         // acc += P~ V_j   (n, Ev)
         gemm_rm(false, false, n, static_cast<int>(Ev), nk, 1.0f, s, nk, v_head + j0 * v_s1, static_cast<int>(v_s1), 1.0f,
                       acc, static_cast<int>(Ev));
       }
-      // O_i = acc / l_i; rows that saw no key (l_i = 0) give 0 and lse = -inf
-      for (int a = 0; a < n; ++a) {
-        float* o_row = o_tile + a * o_s2;
-        const float* acc_row = acc + static_cast<int64_t>(a) * Ev;
-        const float inv = l_i[a] == 0.0f ? 0.0f : 1.0f / l_i[a];
-#pragma omp simd
-        for (int64_t c = 0; c < Ev; ++c) o_row[c] = acc_row[c] * inv;
-        lse_tile[a * l_s2] = l_i[a] == 0.0f ? neg_inf : m_i[a] + std::log2(l_i[a]);
-      }
+      finish_rows(acc, m_i, l_i, n, Ev, o_tile, o_s2, lse_tile, l_s2);  // O_i = acc / l_i, lse2_i
     }
   });
 }

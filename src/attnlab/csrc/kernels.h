@@ -1,6 +1,7 @@
 // Shared pieces of attnlab's native kernels (flash.cpp: dense and masked tiles;
-// block_sparse.cpp: the block masks of attnlab.flex): the row-major GEMM through BLAS, the
-// vectorised 2^x, and the online-softmax row pass. Each kernel file includes it; everything
+// block_sparse.cpp: the block masks of attnlab.flex; decode.cpp: a few rows against a KV cache):
+// the row-major GEMM through BLAS, the vectorised 2^x, the online-softmax row pass, its end
+// (finish_rows), the log-sum-exp merge (merge_rows) and the tile backward. Each kernel file includes it; everything
 // here is inline, in an unnamed namespace, so each translation unit has its own copy.
 #pragma once
 
@@ -251,6 +252,85 @@ inline float row_pass(float* row, int valid, int nk, float m_old, float* row_sum
   return m_new;
 }
 #endif
+
+// One key block into the online-softmax state of n rows (FlashAttention-2's inner step, the
+// one place it is written in C++). s (n, nk) holds the block's base-2 scores; visible(a, row)
+// returns how many leading keys row a sees (0..nk), after hiding any masked ones in row as
+// -inf. Afterwards s holds P~ = 2^(s - m_new) (0 where hidden), and
+//     m_new = max(m_i, rowmax),  l_i = 2^(m_i - m_new) l_i + rowsum(P~),  acc = 2^(m_i - m_new) acc;
+// the caller adds P~ V_j into acc with one GEMM.
+template <class Visible>
+inline void online_update(float* s, int64_t n, int nk, Visible visible, float* m_i, float* l_i, float* acc, int64_t Ev) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t a = 0; a < n; ++a) {
+    float* row = s + a * nk;
+    const int valid = visible(a, row);
+    if (valid == 0) {  // nothing to add for this row in this block
+      std::fill(row, row + nk, 0.0f);
+      continue;
+    }
+    float row_sum;
+    const float m_old = m_i[a];
+    const float m_new = row_pass(row, valid, nk, m_old, &row_sum);
+    // alpha = 2^(m_old - m_new) rescales the old state; the first visit (m_old = -inf) gives 0
+    const float alpha = m_old == neg_inf ? 0.0f : exp2_nonpos(m_old - m_new);
+    l_i[a] = alpha * l_i[a] + row_sum;
+    m_i[a] = m_new;
+    if (alpha != 1.0f) {
+      float* acc_row = acc + a * Ev;
+#pragma omp simd
+      for (int64_t c = 0; c < Ev; ++c) acc_row[c] *= alpha;
+    }
+  }
+}
+
+// The end of the online softmax for n rows: O = acc / l_i (0 where a row saw no key, as SDPA
+// gives) and lse2 = m_i + log2(l_i) (-inf there). o rows are o_ld apart, lse entries lse_stride.
+inline void finish_rows(const float* acc, const float* m_i, const float* l_i, int64_t n, int64_t Ev, float* o,
+                        int64_t o_ld, float* lse, int64_t lse_stride) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t a = 0; a < n; ++a) {
+    const float* acc_row = acc + a * Ev;
+    float* o_row = o + a * o_ld;
+    const float inv = l_i[a] == 0.0f ? 0.0f : 1.0f / l_i[a];
+#pragma omp simd
+    for (int64_t c = 0; c < Ev; ++c) o_row[c] = acc_row[c] * inv;
+    lse[a * lse_stride] = l_i[a] == 0.0f ? neg_inf : m_i[a] + std::log2(l_i[a]);
+  }
+}
+
+// The log-sum-exp merge (attnlab.kernels.merge_ in Python): parts partial results over disjoint
+// keys, part c of row a at o_parts[(c * n + a) * Ev] and lse_parts[c * n + a] (base 2, -inf =
+// no key), joined into o (n, Ev) and lse (n,):  M = max_c lse_c,  w_c = 2^(lse_c - M),
+// o = sum_c w_c o_c / sum_c w_c,  lse = M + log2(sum_c w_c).
+inline void merge_rows(const float* o_parts, const float* lse_parts, int64_t parts, int64_t n, int64_t Ev, float* o,
+                       float* lse) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t a = 0; a < n; ++a) {
+    float M = neg_inf;
+    for (int64_t c = 0; c < parts; ++c) M = std::max(M, lse_parts[c * n + a]);
+    float* o_row = o + a * Ev;
+    std::fill(o_row, o_row + Ev, 0.0f);
+    if (M == neg_inf) {  // no part saw a key
+      lse[a] = neg_inf;
+      continue;
+    }
+    float total = 0.0f;
+    for (int64_t c = 0; c < parts; ++c) {
+      const float l_c = lse_parts[c * n + a];
+      if (l_c == neg_inf) continue;
+      const float w = exp2_nonpos(l_c - M);
+      total += w;
+      const float* part = o_parts + (c * n + a) * Ev;
+#pragma omp simd
+      for (int64_t e = 0; e < Ev; ++e) o_row[e] += w * part[e];
+    }
+    const float inv = 1.0f / total;  // total >= 1: the largest part has w = 1
+#pragma omp simd
+    for (int64_t e = 0; e < Ev; ++e) o_row[e] *= inv;
+    lse[a] = M + std::log2(total);
+  }
+}
 
 // FlashAttention-2's backward on one (query block i, key block j) tile, in two halves so a
 // caller can work on dS in between (block_sparse.cpp adds a bias gradient and the soft-cap's
