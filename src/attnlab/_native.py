@@ -35,7 +35,7 @@ import torch
 __all__ = ["NativeStatus", "status", "ops"]
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (_CSRC / "flash.cpp", _CSRC / "block_sparse.cpp")
+_SOURCES = (_CSRC / "flash.cpp", _CSRC / "block_sparse.cpp", _CSRC / "decode.cpp")
 _HEADERS = (_CSRC / "kernels.h",)
 _NAME = "attnlab_native"
 # -march=native: the build runs on the machine that uses it; -fopenmp: at::parallel_for's
@@ -125,7 +125,7 @@ def _load() -> tuple[Optional[Any], NativeStatus]:
             (build_dir / _FEATURES_FILE).write_text(" ".join(sorted(cpu_features())) + "\n")
         namespace = torch.ops.attnlab_native
         for op in ("flash_forward", "flash_forward_", "flash_backward_", "block_sparse_forward",
-                   "block_sparse_backward_"):
+                   "block_sparse_backward_", "decode_forward"):
             getattr(namespace, op)  # all registered
     except Exception as exc:  # no compiler, no ninja, a failed build: the pure path still works
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"

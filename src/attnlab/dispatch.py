@@ -19,11 +19,18 @@
   is an :class:`attnlab.flex.BlockMask` or a ``score_mod`` is given (FlexAttention's meaning:
   ``score_mod(score, b, h, q_idx, kv_idx)``), under ``auto`` too. It takes no tensor mask,
   no ``is_causal`` (causality is a mask_mod), no dropout, 4-D inputs only.
-* ``"auto"``: flex for a BlockMask or a score_mod; else the tiled path when it supports the call and the score matrix is large
-  (``L * S >= AUTO_TILED_MIN_SCORES``), or the call is a decode step (``L <=
-  DECODE_MAX_L`` queries against ``S >= DECODE_MIN_S`` keys: a KV cache), where it is
-  faster and far leaner; otherwise the reference. Both meet the same parity tolerances
-  against torch's SDPA.
+* ``"decode"``: :func:`attnlab.decoding.decode_attention`, a few queries against a long KV
+  cache (GQA groups read K/V once, keys split across threads); no tensor mask, no dropout,
+  no backward (inputs that require grad are refused).
+* ``"auto"``: flex for a BlockMask or a score_mod; the decode path for a decode step
+  (``L <= DECODE_MAX_L`` queries against ``S >= DECODE_MIN_S`` keys) it can run (no tensor
+  mask, no dropout, no gradient needed); else the tiled path when it supports the call and
+  the score matrix is large (``L * S >= AUTO_TILED_MIN_SCORES``) or it is a decode step;
+  otherwise the reference. All meet the same parity tolerances against torch's SDPA.
+
+``causal_align="bottom_right"`` (with ``is_causal=True``) lines the last query up with the
+last key, as a decoder with a cache needs; every implementation honours it (the decode path
+natively, the others through :func:`attnlab.masks.causal`'s bool mask).
 
 The reference module does not import the tiled one, nor the other way round: they
 are independent implementations, checked against each other and against torch.
@@ -35,20 +42,24 @@ import contextlib
 import contextvars
 from typing import Iterator, Literal, Optional
 
+import torch
 from torch import Tensor
 
-from attnlab import functional, tiled
+from attnlab import functional, masks, tiled
 
 __all__ = ["attention", "use_impl", "IMPLS", "AUTO_TILED_MIN_SCORES", "DECODE_MAX_L", "DECODE_MIN_S", "choose_impl"]
 
-Impl = Literal["auto", "reference", "tiled", "flex"]
-IMPLS = ("auto", "reference", "tiled", "flex")
+Align = Literal["top_left", "bottom_right"]
+
+Impl = Literal["auto", "reference", "tiled", "flex", "decode"]
+IMPLS = ("auto", "reference", "tiled", "flex", "decode")
 AUTO_TILED_MIN_SCORES = 512 * 512
 # Decode steps: q (1, 32, 1, 128) against k, v (1, 8, S, 128) with GQA on the 2-core Zen 4 EPYC
 # (2026-12-01, BENCHMARKS.md "Decoding"): the reference took 1.3 / 8.2 / 22 / 152 / 938 ms at
 # S = 64 / 256 / 1024 / 4096 / 32768 (it repeats K and V to the query heads, then materialises
 # the scores), the tiled path 0.34 / 0.32 / 1.3 / 32 / 200 ms; without GQA (32 key/value heads)
-# the two were even at S = 256 (0.87 against 0.75 ms).
+# the two were even at S = 256 (0.87 against 0.75 ms). The decode path (issue 24) then took
+# 2.8 / 21 ms at S = 4096 / 32768 in float32, against the tiled path's 7.1 / 82.
 DECODE_MAX_L = 16
 DECODE_MIN_S = 256
 
@@ -96,11 +107,22 @@ def _flex_unsupported(query: Tensor, attn_mask, dropout_p: float, is_causal: boo
     return None
 
 
+def _decode_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask, dropout_p: float) -> Optional[str]:
+    """Why the decode path cannot run this call, or None."""
+    if attn_mask is not None:
+        return "an attn_mask (the decode path takes is_causal, with causal_align)"
+    if dropout_p > 0:
+        return f"dropout_p={dropout_p} (the decode path has no dropout)"
+    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (query, key, value)):
+        return "inputs that require grad (decoding has no backward; use impl='tiled' to train)"
+    return None
+
+
 def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask=None, dropout_p: float = 0.0, *,
                 enable_gqa: bool = False, impl: Optional[Impl] = None, is_causal: bool = False,
                 score_mod=None) -> str:
-    """The implementation :func:`attention` will run for these arguments: "reference", "tiled"
-    or "flex". Raises ``ValueError`` when ``impl`` names one that cannot run them."""
+    """The implementation :func:`attention` will run for these arguments: "reference", "tiled",
+    "flex" or "decode". Raises ``ValueError`` when ``impl`` names one that cannot run them."""
     from attnlab import flex
 
     chosen = impl if impl is not None else _default.get()
@@ -116,6 +138,12 @@ def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask=None, dropo
         return "flex"
     if chosen == "reference":
         return "reference"
+    decode_why_not = _decode_unsupported(query, key, value, attn_mask, dropout_p)
+    if chosen == "decode":
+        if decode_why_not:
+            raise ValueError(f"attention: impl='decode' was requested but it cannot run {decode_why_not}; "
+                             f"use impl='tiled' or impl='auto'")
+        return "decode"
     why_not = _tiled_unsupported(query, key, value, attn_mask, dropout_p, enable_gqa)
     if chosen == "tiled":
         if why_not:
@@ -125,7 +153,10 @@ def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask=None, dropo
     if query.dim() < 2 or key.dim() < 2:
         return "reference"
     L, S = query.shape[-2], key.shape[-2]
-    large = L * S >= AUTO_TILED_MIN_SCORES or (L <= DECODE_MAX_L and S >= DECODE_MIN_S)
+    decode_step = L <= DECODE_MAX_L and S >= DECODE_MIN_S
+    if decode_step and decode_why_not is None:
+        return "decode"
+    large = L * S >= AUTO_TILED_MIN_SCORES or decode_step
     return "tiled" if (why_not is None and large) else "reference"
 
 
@@ -141,6 +172,7 @@ def attention(
     enable_gqa: bool = False,
     impl: Optional[Impl] = None,
     score_mod=None,
+    causal_align: Align = "top_left",
 ) -> Tensor:
     """SDPA's signature and semantics, run by the implementation ``impl`` picks (see the module doc).
 
@@ -149,15 +181,33 @@ def attention(
             :func:`attnlab.functional.scaled_dot_product_attention`; shapes
             ``(..., L, E)``, ``(..., S, E)``, ``(..., S, Ev)``. ``attn_mask`` may also be an
             :class:`attnlab.flex.BlockMask` (then flex runs it).
-        impl: ``"auto"``, ``"reference"``, ``"tiled"`` or ``"flex"``; default: the innermost
+        impl: ``"auto"``, ``"reference"``, ``"tiled"``, ``"flex"`` or ``"decode"``; default: the innermost
             :func:`use_impl`, else ``"auto"``.
         score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (flex runs it).
+        causal_align: with ``is_causal``: ``"top_left"`` (SDPA's meaning) or ``"bottom_right"``
+            (query ``i`` sees keys ``0..S - L + i``: new tokens after a KV cache).
 
     Returns:
         ``(..., L, Ev)`` in the query's dtype.
     """
+    if causal_align not in ("top_left", "bottom_right"):
+        raise ValueError(f"attention: causal_align must be 'top_left' or 'bottom_right', got {causal_align!r}")
+    if (causal_align == "bottom_right" and isinstance(query, Tensor) and isinstance(key, Tensor)
+            and query.dim() >= 2 and key.dim() >= 2 and query.shape[-2] == key.shape[-2]):
+        causal_align = "top_left"  # L == S: the two alignments are one mask
     which = choose_impl(query, key, value, attn_mask, dropout_p, enable_gqa=enable_gqa, impl=impl,
                         is_causal=is_causal, score_mod=score_mod)
+    if which == "decode":
+        from attnlab import decoding
+
+        return decoding.decode_attention(query, key, value, is_causal, scale, enable_gqa=enable_gqa,
+                                         causal_align=causal_align)
+    if is_causal and causal_align == "bottom_right" and which != "flex":
+        if attn_mask is not None:
+            raise ValueError("attention: pass either attn_mask or is_causal=True, not both")
+        if isinstance(query, Tensor) and isinstance(key, Tensor) and query.dim() >= 2 and key.dim() >= 2:
+            attn_mask = masks.causal(query.shape[-2], key.shape[-2], align="bottom_right", device=query.device)
+            is_causal = False
     if which == "flex":
         from attnlab import flex
 

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from attnlab import dispatch, masks
+from attnlab import decoding, dispatch, masks
 from attnlab import functional as F_
 from attnlab._validation import validate
 from attnlab.trace import AttentionTrace
@@ -306,8 +306,10 @@ class MultiHeadAttention(nn.Module):
             need_weights: also return the attention weights (computed with the reference).
             average_attn_weights: average the weights over heads: ``(B, L, S)``, else
                 ``(B, H, L, S)``.
-            kv_cache: a :class:`KVCache`; the new keys/values are appended and attention
-                runs over everything cached (self-attention decoding).
+            kv_cache: a :class:`KVCache` or an :class:`attnlab.decoding.PagedKVCache`; the
+                new keys/values are appended and attention runs over everything cached
+                (self-attention decoding). Without gradients, masks or weights, a decode step
+                runs :mod:`attnlab.decoding`'s kernel on the cache in place.
 
         Returns:
             ``(output (B, L, d_model), weights or None)``.
@@ -322,13 +324,28 @@ class MultiHeadAttention(nn.Module):
         q = self.q_proj(query).view(B, L, H, hd).transpose(1, 2)  # (B, H, L, hd)
         k = self.k_proj(key).view(B, key.shape[1], Hkv, hd).transpose(1, 2)  # (B, Hkv, S, hd)
         v = self.v_proj(value).view(B, value.shape[1], Hkv, hd).transpose(1, 2)  # (B, Hkv, S, hd)
-        if kv_cache is not None:
-            k, v = kv_cache.append(k, v)  # (B, Hkv, cached + S, hd)
-        S = k.shape[2]
-
-        mask = self._combined_mask(attn_mask, key_padding_mask, is_causal, B, L, S, kv_cache is not None, q)
+        paged = None
+        if isinstance(kv_cache, decoding.PagedKVCache):
+            kv_cache.append(k, v)
+            paged = kv_cache
+            k, v = kv_cache.k_pages, kv_cache.v_pages  # read in place by the decode kernel, or made dense below
+        elif kv_cache is not None:
+            k, v = kv_cache.append(k, v)  # (B, Hkv, cached + S, hd): views of the cache's storage
+        S = paged.length if paged is not None else k.shape[2]
         gqa = Hkv != H
         dropout_p = self.dropout if self.training else 0.0
+        # a decoder's causal step with nothing else to mask: bottom-right causality as a flag, so
+        # the decode path runs without a mask tensor
+        flag_causal = kv_cache is not None and is_causal and attn_mask is None and key_padding_mask is None
+        if paged is not None:
+            unmasked = attn_mask is None and key_padding_mask is None
+            if (unmasked and L <= dispatch.DECODE_MAX_L and not need_weights and dropout_p == 0
+                    and not torch.is_grad_enabled()):  # a decode step: the kernel reads the pages in place
+                out = decoding.paged_decode_attention(q, paged, is_causal=is_causal, causal_align="bottom_right")
+                return self._finish(out, B, L), None
+            k, v = paged.dense()  # masks, weights or gradients: the dense path below, on a copy
+        mask = None if flag_causal else self._combined_mask(attn_mask, key_padding_mask, is_causal, B, L, S,
+                                                            kv_cache is not None, q)
         if need_weights:
             w = F_.attention_weights(q, k, attn_mask=mask, enable_gqa=gqa)  # (B, H, L, S)
             if dropout_p > 0:
@@ -337,12 +354,15 @@ class MultiHeadAttention(nn.Module):
             out = w @ v_full  # (B, H, L, hd)
             weights = w.mean(dim=1) if average_attn_weights else w
         else:
-            out = dispatch.attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+            out = dispatch.attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa,
+                                     is_causal=flag_causal, causal_align="bottom_right")
             weights = None
+        return self._finish(out, B, L), weights
+
+    def _finish(self, out: Tensor, B: int, L: int) -> Tensor:
+        """``(B, H, L, hd)`` heads -> merged -> ``out_proj`` -> ``(B, L, d_model)`` (or ``(L, B, d_model)``)."""
         out = self.out_proj(out.transpose(1, 2).reshape(B, L, self.d_model))  # (B, L, d_model)
-        if not self.batch_first:
-            out = out.transpose(0, 1)
-        return out, weights
+        return out.transpose(0, 1) if not self.batch_first else out
 
     def _check(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         layout = "(B, L, E)" if self.batch_first else "(L, B, E)"

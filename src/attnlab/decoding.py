@@ -1,0 +1,304 @@
+"""Decoding: a few new query tokens against a long KV cache, at the memory bandwidth's pace.
+
+    from attnlab.decoding import decode_attention, PagedKVCache, paged_decode_attention
+
+    out = decode_attention(q, k_cache, v_cache, enable_gqa=True)   # q (B, H, 1, E), k (B, Hkv, S, E)
+
+    cache = PagedKVCache(batch=1, num_kv_heads=8, head_dim=128, page_size=16)
+    cache.append(k_new, v_new)                                     # (B, Hkv, T, E)
+    out = paged_decode_attention(q, cache, is_causal=True, causal_align="bottom_right")
+
+:func:`decode_attention` has SDPA's meaning (``is_causal`` is top-left, as SDPA's) without a
+tensor mask or dropout; ``causal_align="bottom_right"`` lines the last query up with the last
+key, what a decoder with a cache needs (speculative decoding, chunked prefill)::
+
+    L = 2, S = 5       top_left      bottom_right
+                       # . . . .     # # # # .
+                       # # . . .     # # # # #
+
+How it is fast (``csrc/decode.cpp``; :mod:`attnlab.kernels.decode`): the query heads of a GQA
+group are the rows of one task, so each K/V row is read once; the keys are split into chunks
+across threads and the chunks' partial results joined by the log-sum-exp merge; bfloat16 and
+float16 caches are read as stored, never copied to float32; NaN and inf are caught from the
+small output instead of re-reading the cache each step (such a call is redone on the pure path,
+which propagates them as torch's MATH backend does).
+
+There is **no backward**: decoding needs no gradients, and a call whose inputs require grad
+is refused (train with :func:`attnlab.flash_attention`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor
+
+from attnlab._validation import compute_dtype, validate
+from attnlab.kernels import LOG2E, Layout
+from attnlab.kernels import decode as kernel
+
+__all__ = ["decode_attention", "paged_decode_attention", "PagedKVCache"]
+
+Align = Literal["top_left", "bottom_right"]
+
+
+def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool = False, scale: Optional[float] = None,
+                     *, enable_gqa: bool = False, causal_align: Align = "top_left",
+                     cache_seqlens: Optional[Tensor] = None) -> Tensor:
+    """Attention of a few queries over a KV cache; SDPA's semantics, no mask, no dropout, no backward.
+
+    Args:
+        query: ``(..., L, E)``, e.g. ``(B, H, L, E)`` with ``L`` small (1 per generated token).
+        key: ``(..., S, E)``, e.g. ``(B, Hkv, S, E)``: may be a view of a larger cache.
+        value: ``(..., S, Ev)``.
+        is_causal: hide keys after each query's position (aligned by ``causal_align``).
+        scale: default ``1 / sqrt(E)``.
+        enable_gqa: query head ``h`` uses key/value head ``h // (H // Hkv)``; nothing is repeated.
+        causal_align: ``"top_left"`` (SDPA's ``is_causal``: query ``i`` sees keys ``0..i``) or
+            ``"bottom_right"`` (query ``i`` sees keys ``0..S_b - L + i``).
+        cache_seqlens: ``(B,)`` ints, FlashAttention's ``flash_attn_with_kvcache`` meaning: batch
+            ``b`` has ``cache_seqlens[b]`` keys, later rows of its K/V are not read (4-D inputs).
+
+    Returns:
+        ``(..., L, Ev)`` in the query's dtype; a row that sees no key is 0, as in SDPA.
+    """
+    fn = "decode_attention"
+    batch = validate(query, key, value, None, 0.0, is_causal, scale, enable_gqa, fn=fn)
+    _check_align(causal_align, fn)
+    _refuse_grad(fn, query, key, value)
+    L, E, S = query.shape[-2], query.shape[-1], key.shape[-2]
+    if enable_gqa and key.shape[-3] != value.shape[-3]:
+        H = query.shape[-3]  # K and V grouped differently: each is repeated up to the query heads
+        key = key.repeat_interleave(H // key.shape[-3], dim=-3)  # (..., H, S, E)
+        value = value.repeat_interleave(H // value.shape[-3], dim=-3)  # (..., H, S, Ev)
+    layout = Layout(batch, query, key, enable_gqa)
+    seqlens = _seqlens(cache_seqlens, query, key, layout, fn)
+    dtype = compute_dtype(query.dtype)
+    q4 = layout.queries(query.to(dtype))  # (Nb, r, L, E)
+    k3, v3 = layout.keys(key), layout.keys(value)  # (Nb, S, E), (Nb, S, Ev): views where they can be
+    out4 = _run(q4, k3, v3, None, Hkv=_kv_heads(layout, seqlens), S=S, scale=_scale(scale, E), is_causal=is_causal,
+                align=causal_align, seqlens=seqlens)
+    return out4.reshape(*layout.batch, L, value.shape[-1]).to(query.dtype)
+
+
+def paged_decode_attention(query: Tensor, cache: "PagedKVCache", is_causal: bool = False,
+                           scale: Optional[float] = None, *, causal_align: Align = "top_left") -> Tensor:
+    """:func:`decode_attention` over a :class:`PagedKVCache`, read page by page in place.
+
+    Args:
+        query: ``(B, H, L, E)``, ``H`` a multiple of the cache's ``num_kv_heads`` (GQA).
+        cache: the keys and values, ``cache.length`` of them per sequence.
+        is_causal, scale, causal_align: as in :func:`decode_attention`; a decoder whose new
+            tokens are the cache's last ``L`` wants ``is_causal=True, causal_align="bottom_right"``.
+
+    Returns:
+        ``(B, H, L, head_dim)`` in the query's dtype.
+    """
+    fn = "paged_decode_attention"
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"{fn}: cache must be an attnlab.decoding.PagedKVCache, got {type(cache).__name__}")
+    if not isinstance(query, Tensor) or query.dim() != 4:
+        raise ValueError(f"{fn}: query must be (B, H, L, E), got "
+                         f"{tuple(query.shape) if isinstance(query, Tensor) else type(query).__name__}")
+    B, H, L, E = query.shape
+    Hkv = cache.num_kv_heads
+    if B != cache.batch or E != cache.head_dim or H % Hkv:
+        raise ValueError(f"{fn}: query must be (B={cache.batch}, H (a multiple of {Hkv}), L, E={cache.head_dim}), "
+                         f"got {tuple(query.shape)}")
+    if query.dtype != cache.dtype or query.device != cache.device:
+        raise TypeError(f"{fn}: query must be {cache.dtype} on {cache.device} like the cache, got {query.dtype} "
+                        f"on {query.device}")
+    validate(query, query, None, None, 0.0, is_causal, scale, False, fn=fn)  # is_causal and scale
+    _check_align(causal_align, fn)
+    _refuse_grad(fn, query)
+    q4 = query.to(compute_dtype(query.dtype)).reshape(B * Hkv, H // Hkv, L, E)  # (Nb, r, L, E)
+    out4 = _run(q4, cache.k_pages, cache.v_pages, cache.block_table, Hkv=Hkv, S=cache.length,
+                scale=_scale(scale, E), is_causal=is_causal, align=causal_align, seqlens=None)
+    return out4.reshape(B, H, L, E).to(query.dtype)
+
+
+class PagedKVCache:
+    """A KV cache in fixed-size pages with a block table, as vLLM keeps them.
+
+    The pages of every sequence live in one pool, ``k_pages`` and ``v_pages``
+    ``(num_pages, page_size, Hkv, head_dim)``; ``block_table[b, p]`` is the pool page that holds
+    tokens ``p * page_size .. (p + 1) * page_size - 1`` of sequence ``b``. Pages are handed out as
+    tokens arrive, so sequences' pages interleave in the pool and nothing is ever moved; the
+    decode kernel follows the table (:func:`paged_decode_attention`).
+
+    Args:
+        batch: B, the sequences (they grow together: :meth:`append` takes all of them).
+        num_kv_heads: Hkv.
+        head_dim: the size of one head.
+        page_size: tokens per page (default 16, vLLM's).
+        num_pages: the pool's size; None grows it by doubling when it is full (new pages only:
+            the table's page numbers stay valid).
+        dtype, device: of the stored keys and values.
+    """
+
+    def __init__(self, batch: int, num_kv_heads: int, head_dim: int, *, page_size: int = 16,
+                 num_pages: Optional[int] = None, dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None) -> None:
+        for name, n in (("batch", batch), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                        ("page_size", page_size)) + ((("num_pages", num_pages),) if num_pages is not None else ()):
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise ValueError(f"PagedKVCache: {name} must be a positive int, got {n!r}")
+        self.batch, self.num_kv_heads, self.head_dim, self.page_size = batch, num_kv_heads, head_dim, page_size
+        self.max_pages = num_pages
+        self.dtype = dtype
+        pool = num_pages if num_pages is not None else batch
+        self.k_pages = torch.zeros(pool, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v_pages = torch.zeros_like(self.k_pages)
+        self.device = self.k_pages.device
+        self.block_table = torch.zeros(batch, 0, dtype=torch.int64, device=self.device)
+        self.pages_used = 0
+        self.length = 0
+
+    def append(self, k: Tensor, v: Tensor) -> None:
+        """Add ``(B, Hkv, T, head_dim)`` keys and values for every sequence."""
+        expected = (self.batch, self.num_kv_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != expected:
+                raise ValueError(f"PagedKVCache.append: {name} must be (B={self.batch}, Hkv={self.num_kv_heads}, T, "
+                                 f"head_dim={self.head_dim}), got "
+                                 f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+        if k.shape[2] != v.shape[2]:
+            raise ValueError(f"PagedKVCache.append: k and v must have the same T, got {k.shape[2]} and {v.shape[2]}")
+        T = k.shape[2]
+        self._reserve(self.length + T)
+        pos = torch.arange(self.length, self.length + T, device=self.device)  # (T,)
+        pages = self.block_table[:, pos // self.page_size]  # (B, T)
+        offsets = (pos % self.page_size).expand(self.batch, T)  # (B, T)
+        self.k_pages[pages, offsets] = k.detach().transpose(1, 2).to(self.dtype)  # (B, T, Hkv, E)
+        self.v_pages[pages, offsets] = v.detach().transpose(1, 2).to(self.dtype)
+        self.length += T
+
+    def _reserve(self, tokens: int) -> None:
+        """Pages for ``tokens`` per sequence: new ones are taken in turn, sequence by sequence."""
+        need = math.ceil(tokens / self.page_size)
+        have = self.block_table.shape[1]
+        if need <= have:
+            return
+        new = (need - have) * self.batch
+        if self.pages_used + new > self.k_pages.shape[0]:
+            if self.max_pages is not None:
+                raise ValueError(f"PagedKVCache.append: the pool is full: {tokens} tokens per sequence need "
+                                 f"{need * self.batch} pages of {self.page_size}, num_pages={self.max_pages}; "
+                                 f"make a larger pool")
+            grown = max(self.pages_used + new, 2 * self.k_pages.shape[0])
+            extra = grown - self.k_pages.shape[0]
+            self.k_pages = torch.cat([self.k_pages, self.k_pages.new_zeros(extra, *self.k_pages.shape[1:])])
+            self.v_pages = torch.cat([self.v_pages, self.v_pages.new_zeros(extra, *self.v_pages.shape[1:])])
+        ids = torch.arange(self.pages_used, self.pages_used + new, device=self.device)
+        # page t of the new ones goes to sequence t % B: sequences' pages interleave in the pool
+        self.block_table = torch.cat([self.block_table, ids.view(need - have, self.batch).T], dim=1)
+        self.pages_used += new
+
+    def dense(self) -> tuple[Tensor, Tensor]:
+        """The cached keys and values as dense ``(B, Hkv, length, head_dim)`` tensors (copies)."""
+        shape = (self.batch, self.num_kv_heads, self.length, self.head_dim)
+        return (kernel.gather(self.k_pages, self.block_table, self.length).view(shape),
+                kernel.gather(self.v_pages, self.block_table, self.length).view(shape))
+
+    def reset(self) -> None:
+        """Forget every token and page (the pool's memory is kept)."""
+        self.block_table = self.block_table[:, :0]
+        self.pages_used = 0
+        self.length = 0
+
+
+# --------------------------------------------------------------------------- #
+
+
+def _check_align(align: str, fn: str) -> None:
+    if align not in ("top_left", "bottom_right"):
+        raise ValueError(f"{fn}: causal_align must be 'top_left' or 'bottom_right', got {align!r}")
+
+
+def _refuse_grad(fn: str, *tensors: Tensor) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise ValueError(f"{fn}: decoding has no backward, and an input requires grad; call it under "
+                         f"torch.no_grad() (or detach), or train with attnlab.flash_attention")
+
+
+def _scale(scale: Optional[float], E: int) -> float:
+    return float(scale) if scale is not None else 1.0 / math.sqrt(E) if E else 1.0
+
+
+def _kv_heads(layout: Layout, seqlens: Optional[Tensor]) -> int:
+    """Key/value heads per batch entry, so that head ``nb`` belongs to batch ``nb // Hkv``."""
+    return layout.Nb // seqlens.numel() if seqlens is not None else 1
+
+
+def _seqlens(cache_seqlens, query: Tensor, key: Tensor, layout: Layout, fn: str) -> Optional[Tensor]:
+    if cache_seqlens is None:
+        return None
+    if query.dim() != 4 or key.dim() != 4:
+        raise ValueError(f"{fn}: cache_seqlens needs 4-D (B, H, L, E) inputs, got query {tuple(query.shape)}")
+    B = layout.batch[0]
+    if (not isinstance(cache_seqlens, Tensor) or cache_seqlens.shape != (B,) or cache_seqlens.is_floating_point()
+            or cache_seqlens.dtype == torch.bool):
+        raise ValueError(f"{fn}: cache_seqlens must be a (B={B},) integer tensor, got "
+                         f"{tuple(cache_seqlens.shape) if isinstance(cache_seqlens, Tensor) else type(cache_seqlens).__name__}")
+    if bool((cache_seqlens < 0).any()) or bool((cache_seqlens > key.shape[-2]).any()):
+        raise ValueError(f"{fn}: cache_seqlens must be in [0, S={key.shape[-2]}], got {cache_seqlens.tolist()}")
+    return cache_seqlens.to(device="cpu", dtype=torch.int64).contiguous()
+
+
+def _run(q4: Tensor, k: Tensor, v: Tensor, table: Optional[Tensor], *, Hkv: int, S: int, scale: float,
+         is_causal: bool, align: Align, seqlens: Optional[Tensor]) -> Tensor:
+    """``out (Nb, r, L, Ev)``: the kernel, and the pure path when its result is not finite."""
+    causal = align if is_causal else "none"
+    Nb, r, L, _ = q4.shape
+    if Nb * r * L == 0 or S == 0 or v.shape[-1] == 0 or q4.shape[-1] == 0:
+        return _degenerate(q4, k, v, table, Hkv, S, scale, causal, seqlens)
+    out, lse2, nonfinite = kernel.forward(q4, k, v, Hkv=Hkv, S=S, scale2=scale * LOG2E, causal=causal,
+                                          table=table, seqlens=seqlens)
+    if not nonfinite and _finite(out, lse2) and not _hidden_values_infinite(v, table, S, L, causal, seqlens):
+        return out
+    # NaN or inf somewhere: the pure path visits every key, so they propagate as torch's MATH does
+    k3, v3 = _dense(k, v, table, S)
+    dtype = compute_dtype(k3.dtype)
+    out, _ = kernel.forward_eager(q4.to(dtype), k3.to(dtype), v3.to(dtype), Hkv=Hkv, scale2=scale * LOG2E,
+                                  causal=causal, seqlens=seqlens)
+    return out
+
+
+def _dense(k: Tensor, v: Tensor, table: Optional[Tensor], S: int) -> tuple[Tensor, Tensor]:
+    if table is None:
+        return k[:, :S], v[:, :S]
+    return kernel.gather(k, table, S), kernel.gather(v, table, S)
+
+
+def _degenerate(q4, k, v, table, Hkv, S, scale, causal, seqlens) -> Tensor:
+    """Empty shapes; ``E == 0`` (every score 0: the mean of the visible values, as torch gives)."""
+    Nb, r, L, E = q4.shape
+    Ev = v.shape[-1]
+    if Nb * r * L == 0 or S == 0 or Ev == 0:
+        return q4.new_zeros(Nb, r, L, Ev)
+    k3, v3 = _dense(k, v, table, S)
+    dtype = compute_dtype(v3.dtype)
+    zeros_q, zeros_k = q4.new_zeros(Nb, r, L, 1, dtype=dtype), k3.new_zeros(Nb, S, 1, dtype=dtype)
+    out, _ = kernel.forward_eager(zeros_q, zeros_k, v3.to(dtype), Hkv=Hkv, scale2=LOG2E, causal=causal,
+                                  seqlens=seqlens)
+    return out
+
+
+def _finite(out: Tensor, lse2: Tensor) -> bool:
+    """No NaN or inf in the output, no NaN or +inf in lse2 (-inf: a row that saw no key)."""
+    return bool(torch.isfinite(out).all()) and not bool((torch.isnan(lse2) | (lse2 == float("inf"))).any())
+
+
+def _hidden_values_infinite(v: Tensor, table: Optional[Tensor], S: int, L: int, causal: str,
+                            seqlens: Optional[Tensor]) -> bool:
+    """With top-left causality the kernel never reads values after key ``L - 1``; torch multiplies
+    their zero weights, so an inf or NaN there makes its output NaN: look at those rows only then."""
+    if causal != "top_left" or L >= S:
+        return False
+    _, v3 = _dense(v, v, table, S)
+    if seqlens is None:
+        return not bool(torch.isfinite(v3[:, L:].sum()))
+    Hkv = v3.shape[0] // seqlens.numel()
+    return any(not bool(torch.isfinite(v3[b * Hkv:(b + 1) * Hkv, L:int(n)].sum())) for b, n in enumerate(seqlens))

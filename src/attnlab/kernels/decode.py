@@ -1,0 +1,140 @@
+"""The decode kernel: a few query rows against a long KV cache, split across threads (flash-decoding).
+
+Package-internal: :mod:`attnlab.decoding` is the public door. On the kernel layer's layout
+(:mod:`.layout`), with the cache given either as dense views or as pages::
+
+    q4 (Nb, r, L, E)      the r query heads of each key/value head's group, L <= a few rows
+    dense:  k (Nb, S, E)        v (Nb, S, Ev)         views of a cache's storage work
+    paged:  k (P, page, Hkv, E) v (P, page, Hkv, Ev)  with table (B, max_pages): vLLM's layout
+
+:func:`forward` returns ``(out (Nb, r, L, Ev), lse2 (Nb, r, L))`` in float32. The keys are
+cut into chunks; each chunk's partial result is computed with the online softmax
+(:mod:`.online`) and the chunks are joined with the log-sum-exp merge (:func:`.merge_`), in
+C++ (``csrc/decode.cpp``) or, without the native library, in PyTorch here
+(:func:`forward_eager`, the readable version). Which keys a row sees::
+
+    causal "none":          keys 0 .. S_b - 1
+    causal "top_left":      keys 0 .. i            (SDPA's is_causal)
+    causal "bottom_right":  keys 0 .. S_b - L + i  (new tokens after a cache of S_b - L)
+
+``S_b`` is ``seqlens[b]`` (FlashAttention's ``cache_seqlens``) or ``S``. There is no backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor
+
+from attnlab import _native
+from attnlab._validation import compute_dtype
+from attnlab.kernels import online
+from attnlab.kernels.numerics import merge_
+
+__all__ = ["forward", "forward_eager", "choose_chunk", "CAUSAL", "BLOCK_K", "MIN_CHUNK"]
+
+Causal = Literal["none", "top_left", "bottom_right"]
+CAUSAL = {"none": 0, "top_left": 1, "bottom_right": 2}
+BLOCK_K = 256  # keys per GEMM inside a chunk: flash.cpp's default tile (BENCHMARKS.md, "Tile size")
+# The smallest chunk: below ~256 keys a chunk's fixed cost (its state, its share of the merge)
+# outweighs its GEMMs. With 8 key/value heads on 2 threads, S = 32768 measured 21.5 ms at
+# 4 chunks per thread (chunks of 2048) (2026-12-01, the 2-core Zen 4 EPYC, BENCHMARKS.md "Decoding").
+MIN_CHUNK = 256
+TASKS_PER_THREAD = 4  # enough tasks that the threads finish together when chunks differ (causal, seqlens)
+
+
+def choose_chunk(S: int, Nb: int, threads: int, page: int = 1) -> int:
+    """Keys per chunk: about ``TASKS_PER_THREAD`` tasks per thread over the ``Nb`` heads, at least
+    ``MIN_CHUNK``, a whole number of pages."""
+    splits = max(1, math.ceil(TASKS_PER_THREAD * threads / max(Nb, 1)))
+    chunk = max(MIN_CHUNK, math.ceil(S / splits))
+    return math.ceil(chunk / page) * page
+
+
+def forward(q4: Tensor, k: Tensor, v: Tensor, *, Hkv: int, S: int, scale2: float, causal: Causal = "none",
+            table: Optional[Tensor] = None, seqlens: Optional[Tensor] = None,
+            chunk: Optional[int] = None) -> tuple[Tensor, Tensor, bool]:
+    """``(out, lse2, nonfinite)`` for ``q4`` against the cache (see the module doc);
+    ``scale2 = scale * log2(e)``.
+
+    Runs ``csrc/decode.cpp`` when the native library is loaded (K/V in float32, bfloat16 or
+    float16, read as stored), else :func:`forward_eager`. The native kernel flags NaN or inf
+    scores as it computes them (``nonfinite``) instead of re-reading the cache first; values'
+    show in the output. The caller (:mod:`attnlab.decoding`) then reruns the call on the pure
+    path, which propagates them as torch's MATH backend does.
+    """
+    page = k.shape[1] if table is not None else 1
+    chunk = chunk or choose_chunk(S, q4.shape[0], torch.get_num_threads(), page)
+    ops = _native.ops() if _native_dtypes(q4, k, v) else None
+    if ops is not None:
+        out, lse2, nonfinite = ops.decode_forward(q4.contiguous(), k, v, table, seqlens, Hkv, S, scale2,
+                                                  CAUSAL[causal], chunk, BLOCK_K)
+        return out, lse2, bool(nonfinite)
+    k3, v3 = (gather(k, table, S), gather(v, table, S)) if table is not None else (k[:, :S], v[:, :S])
+    dtype = compute_dtype(k.dtype)  # float16/bfloat16 in float32, float64 as it is
+    out, lse2 = forward_eager(q4.to(dtype), k3.to(dtype), v3.to(dtype), Hkv=Hkv, scale2=scale2, causal=causal,
+                              seqlens=seqlens, chunk=chunk)
+    return out, lse2, False  # the pure path propagates NaN and inf itself
+
+
+def _native_dtypes(q4: Tensor, k: Tensor, v: Tensor) -> bool:
+    return (q4.device.type == "cpu" and q4.dtype == torch.float32 and k.dtype == v.dtype
+            and k.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def gather(pages: Tensor, table: Tensor, S: int) -> Tensor:
+    """A paged cache's first ``S`` rows per head as a dense ``(B * Hkv, S, E)`` tensor (a copy:
+    the pure path's readable version; the native kernel reads the pages in place)."""
+    P, page, Hkv, E = pages.shape
+    B = table.shape[0]
+    n_pages = math.ceil(S / page) if S else 0
+    rows = pages[table[:, :n_pages].reshape(-1)]  # (B * n_pages, page, Hkv, E)
+    rows = rows.view(B, n_pages * page, Hkv, E)[:, :S]  # (B, S, Hkv, E)
+    return rows.permute(0, 2, 1, 3).reshape(B * Hkv, S, E)  # (B * Hkv, S, E)
+
+
+def visible_keys(Nb: int, r: int, L: int, S: int, Hkv: int, causal: Causal, seqlens: Optional[Tensor],
+                 device) -> Tensor:
+    """``(Nb, r * L)`` int64: row ``a = h * L + i`` of head ``nb`` sees keys ``0 .. limit - 1``."""
+    S_b = (seqlens.clamp(max=S).repeat_interleave(Hkv) if seqlens is not None
+           else torch.full((Nb,), S, dtype=torch.int64, device=device))  # (Nb,)
+    i = torch.arange(L, device=device).repeat(r)  # (r * L,) query position of each row
+    if causal == "none":
+        return S_b[:, None].expand(Nb, r * L)
+    shift = S_b[:, None] - L if causal == "bottom_right" else torch.zeros_like(S_b)[:, None]
+    return torch.minimum(S_b[:, None], shift + i[None, :] + 1).clamp(min=0)
+
+
+def forward_eager(q4: Tensor, k3: Tensor, v3: Tensor, *, Hkv: int, scale2: float, causal: Causal = "none",
+                  seqlens: Optional[Tensor] = None, chunk: Optional[int] = None,
+                  block_k: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """The decode forward in PyTorch: chunks of keys, each through the online softmax, joined by
+    the log-sum-exp merge; every key block is visited (hidden keys as -inf), so NaN and inf
+    propagate as in torch's MATH backend. ``k3 (Nb, S, E)``, ``v3 (Nb, S, Ev)``, any float dtype."""
+    Nb, r, L, E = q4.shape
+    S, Ev = k3.shape[1], v3.shape[2]
+    n = r * L
+    chunk = chunk or choose_chunk(S, Nb, torch.get_num_threads())
+    block_k = block_k or BLOCK_K
+    q = (q4.to(k3.dtype) * scale2).reshape(Nb, n, E)  # (Nb, r*L, E): the group's rows, scale folded in
+    limit = visible_keys(Nb, r, L, S, Hkv, causal, seqlens, q.device)  # (Nb, n)
+    # keys past a sequence's length do not exist (FlashAttention's cache_seqlens): their rows
+    # may hold anything, so their values are zeroed, not only their weights
+    exists = (torch.arange(S, device=q.device)[None, :] < seqlens.clamp(max=S).repeat_interleave(Hkv)[:, None]
+              if seqlens is not None else None)  # (Nb, S)
+    out = q.new_zeros(Nb, n, Ev)
+    lse2 = q.new_full((Nb, n), float("-inf"))
+    for c0 in range(0, S, chunk):
+        m_i, l_i, acc = online.start((Nb, n), Ev, q)
+        for j0 in range(c0, min(S, c0 + chunk), block_k):
+            j1 = min(S, c0 + chunk, j0 + block_k)
+            s = torch.bmm(q, k3[:, j0:j1].transpose(1, 2))  # (Nb, n, bk)
+            cols = torch.arange(j0, j1, device=q.device)
+            s.masked_fill_(cols[None, None, :] >= limit[:, :, None], float("-inf"))
+            v = v3[:, j0:j1] if exists is None else v3[:, j0:j1].masked_fill(~exists[:, j0:j1, None], 0.0)
+            m_i, l_i, acc = online.update(m_i, l_i, acc, s, v)
+        o, l = online.finish(m_i, l_i, acc)  # (Nb, n, Ev), (Nb, n): this chunk's partial result
+        merge_(out, lse2, o, l)
+    return out.reshape(Nb, r, L, Ev), lse2.reshape(Nb, r, L)

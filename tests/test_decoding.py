@@ -1,0 +1,227 @@
+"""The decode path (attnlab.decoding, csrc/decode.cpp): exact against torch's SDPA for every
+input it takes, special values included, on its three routes: the native kernel, the pure
+PyTorch code, and the native kernel cut into tiny chunks and blocks (so every chunk boundary
+and the log-sum-exp merge of many parts are exercised). Then the caches: a paged cache read
+through its block table, KVCache and PagedKVCache decoding through MultiHeadAttention, and the
+front door's choice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab import KVCache, MultiHeadAttention, _native, dispatch, masks
+from attnlab.decoding import PagedKVCache, decode_attention, paged_decode_attention
+from attnlab.kernels import decode as kernel
+from attnlab.testing import assert_close, assert_close_to_sdpa
+from test_sdpa_semantics import SPECIAL, close_with_nans, randn, torch_math
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@pytest.fixture(params=["native", "pure", "tiny_chunks"])
+def route(request, monkeypatch):
+    if request.param == "native":
+        assert _native.ops() is not None, _native.status()  # make demo / make test build it
+    elif request.param == "pure":
+        monkeypatch.setattr(kernel._native, "ops", lambda: None)
+    else:  # chunks of 4 keys in blocks of 3: many parts, partial blocks, a merge per row
+        monkeypatch.setattr(kernel, "MIN_CHUNK", 4)
+        monkeypatch.setattr(kernel, "TASKS_PER_THREAD", 1000)
+        monkeypatch.setattr(kernel, "BLOCK_K", 3)
+    return request.param
+
+
+def bottom_right(L: int, S: int):
+    return masks.causal(L, S, align="bottom_right")
+
+
+def decode_as_sdpa(align: str):
+    """decode_attention in SDPA's signature; bottom-right causality arrives as the oracle's mask."""
+    def impl(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+        causal = is_causal or attn_mask is not None
+        return decode_attention(query, key, value, causal, scale, enable_gqa=enable_gqa, causal_align=align)
+    return impl
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("L,S", [(1, 1), (1, 7), (1, 300), (4, 1000), (16, 513), (3, 2)])
+@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+def test_decode_matches_sdpa(route, dtype, L, S, causal):
+    q = randn(2, 8, L, 32).to(dtype)
+    k, v = randn(2, 2, S, 32, seed=1).to(dtype), randn(2, 2, S, 24, seed=2).to(dtype)
+    mask = bottom_right(L, S) if causal == "bottom_right" else None
+    assert_close_to_sdpa(decode_as_sdpa("bottom_right" if mask is not None else "top_left"), q, k, v,
+                         attn_mask=mask, is_causal=causal == "top_left", enable_gqa=True, check_grads=False)
+
+
+@pytest.mark.parametrize("shapes", [((5, 9, 16), (5, 300, 16)), ((3, 1, 2, 8), (1, 4, 300, 8))],
+                         ids=["3d", "broadcast_batch"])
+def test_decode_takes_sdpa_layouts(route, shapes):
+    qs, ks = shapes
+    q, k, v = randn(*qs), randn(*ks, seed=1), randn(*ks, seed=2)
+    assert_close_to_sdpa(decode_as_sdpa("top_left"), q, k, v, scale=0.3, check_grads=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("case", list(SPECIAL))
+def test_nan_and_inf_propagate_as_in_torch(route, dtype, case):
+    q, k, v = SPECIAL[case](randn(2, 3, 5, 8), randn(2, 3, 300, 8, seed=1), randn(2, 3, 300, 6, seed=2))
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    close_with_nans(decode_attention(q, k, v), torch_math(q, k, v), dtype, "output")
+
+
+def test_an_inf_value_the_causal_rows_never_read_still_gives_torchs_nan(route):
+    """Top-left causality with L << S leaves most keys unread; torch multiplies their zero weights,
+    so an inf value there makes every row NaN, and the decode path must say so too."""
+    q, k, v = randn(1, 2, 2, 8), randn(1, 2, 400, 8, seed=1), randn(1, 2, 400, 8, seed=2)
+    v[0, 1, 350, 3] = float("inf")
+    want = torch_math(q, k, v, is_causal=True)
+    assert bool(want[0, 1].isnan().any())
+    close_with_nans(decode_attention(q, k, v, is_causal=True), want, torch.float32, "output")
+
+
+@pytest.mark.parametrize("empty", ["B", "L", "S", "E", "Ev"])
+def test_zero_size_dimensions(route, empty):
+    dims = dict(B=2, L=3, S=300, E=8, Ev=6)
+    dims[empty] = 0
+    q = randn(dims["B"], 4, dims["L"], dims["E"])
+    k, v = randn(dims["B"], 4, dims["S"], dims["E"], seed=1), randn(dims["B"], 4, dims["S"], dims["Ev"], seed=2)
+    close_with_nans(decode_attention(q, k, v), torch_math(q, k, v), torch.float32, "output")
+
+
+def test_cache_seqlens_reads_only_each_sequences_keys(route):
+    """FlashAttention's cache_seqlens: batch b has its first seqlens[b] keys; rows after them
+    are garbage (here NaN) and never read."""
+    q, k, v = randn(3, 4, 2, 16), randn(3, 2, 600, 16, seed=1), randn(3, 2, 600, 16, seed=2)
+    lengths = torch.tensor([600, 5, 0])
+    for b, n in enumerate(lengths.tolist()):
+        k[b, :, n:], v[b, :, n:] = float("nan"), float("nan")
+    out = decode_attention(q, k, v, True, enable_gqa=True, causal_align="bottom_right", cache_seqlens=lengths)
+    for b, n in enumerate(lengths.tolist()):
+        want = torch_math(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], attn_mask=bottom_right(2, n),
+                          enable_gqa=True) if n else torch.zeros(1, 4, 2, 16)
+        close_with_nans(out[b:b + 1], want, torch.float32, f"batch {b}")
+
+
+def test_a_merge_that_drops_a_part_is_caught(monkeypatch):
+    """The parity check is not vacuous: a merge that keeps only the newest part fails it."""
+    monkeypatch.setattr(kernel._native, "ops", lambda: None)
+    monkeypatch.setattr(kernel, "MIN_CHUNK", 4)
+    monkeypatch.setattr(kernel, "TASKS_PER_THREAD", 1000)
+    monkeypatch.setattr(kernel, "merge_", lambda out, lse2, o, l: (out.copy_(o), lse2.copy_(l)))
+    q, k, v = randn(1, 4, 1, 8), randn(1, 2, 64, 8, seed=1), randn(1, 2, 64, 8, seed=2)
+    with pytest.raises(AssertionError, match="differs from torch SDPA"):
+        assert_close_to_sdpa(decode_as_sdpa("top_left"), q, k, v, enable_gqa=True, check_grads=False)
+
+
+def test_decoding_refuses_gradients():
+    q = randn(1, 2, 1, 8).requires_grad_()
+    k, v = randn(1, 2, 300, 8, seed=1), randn(1, 2, 300, 8, seed=2)
+    with pytest.raises(ValueError, match="decoding has no backward.*torch.no_grad"):
+        decode_attention(q, k, v)
+    with torch.no_grad():
+        assert decode_attention(q, k, v).shape == (1, 2, 1, 8)
+    with pytest.raises(ValueError, match="impl='decode'.*require grad"):
+        dispatch.attention(q, k, v, impl="decode")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(causal_align="left"), "causal_align must be 'top_left' or 'bottom_right'"),
+    (dict(cache_seqlens=torch.tensor([1.0])), r"cache_seqlens must be a \(B=1,\) integer tensor"),
+    (dict(cache_seqlens=torch.tensor([301])), r"cache_seqlens must be in \[0, S=300\]"),
+])
+def test_bad_arguments_are_named(bad, match):
+    with pytest.raises(ValueError, match=match):
+        decode_attention(randn(1, 2, 1, 8), randn(1, 2, 300, 8), randn(1, 2, 300, 8), **bad)
+
+
+def test_auto_takes_the_decode_path_for_a_decode_step_it_can_run():
+    q, k, v = randn(1, 8, 1, 16), randn(1, 2, 512, 16), randn(1, 2, 512, 16)
+    with torch.no_grad():
+        assert dispatch.choose_impl(q, k, v, enable_gqa=True) == "decode"
+        assert dispatch.choose_impl(q, k, v, attn_mask=torch.ones(1, 512, dtype=torch.bool)) == "tiled"
+        assert dispatch.choose_impl(q, k[:, :, :100], v[:, :, :100], enable_gqa=True) == "reference"
+    assert dispatch.choose_impl(q.requires_grad_(), k, v, enable_gqa=True) == "tiled"  # training: a backward
+
+
+@pytest.mark.parametrize("impl", ["reference", "tiled", "decode"])
+def test_bottom_right_causality_through_the_front_door(impl):
+    q, k, v = randn(1, 4, 3, 8), randn(1, 4, 300, 8, seed=1), randn(1, 4, 300, 8, seed=2)
+    with torch.no_grad():
+        out = dispatch.attention(q, k, v, is_causal=True, causal_align="bottom_right", impl=impl)
+    assert_close(out, torch_math(q, k, v, attn_mask=bottom_right(3, 300)), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------- the paged cache
+def filled_cache(dtype=torch.float32, page_size=16, steps=(5, 40, 1, 1, 30), **kw):
+    cache = PagedKVCache(2, 2, 8, page_size=page_size, dtype=dtype, **kw)
+    ks, vs = [], []
+    for i, T in enumerate(steps):
+        k, v = randn(2, 2, T, 8, seed=10 + i).to(dtype), randn(2, 2, T, 8, seed=50 + i).to(dtype)
+        cache.append(k, v)
+        ks.append(k)
+        vs.append(v)
+    return cache, torch.cat(ks, 2), torch.cat(vs, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_paged_cache_is_read_through_its_block_table(route, dtype):
+    cache, k, v = filled_cache(dtype)
+    assert cache.length == 77 and cache.block_table.shape == (2, 5)
+    assert cache.block_table[0].tolist() == [0, 2, 4, 6, 8]  # sequences' pages interleave in the pool
+    dense_k, dense_v = cache.dense()
+    assert torch.equal(dense_k, k) and torch.equal(dense_v, v)
+    q = randn(2, 4, 3, 8).to(dtype)
+    out = paged_decode_attention(q, cache, is_causal=True, causal_align="bottom_right")
+    close_with_nans(out, torch_math(q, k, v, attn_mask=bottom_right(3, 77), enable_gqa=True), dtype, "output")
+
+
+def test_the_pool_grows_without_moving_pages_and_a_fixed_pool_refuses_to_overflow():
+    cache, k, v = filled_cache(page_size=4, steps=(3, 30, 10))
+    assert cache.k_pages.shape[0] >= cache.pages_used == 2 * 11
+    q = randn(2, 2, 1, 8)
+    assert_close(paged_decode_attention(q, cache), torch_math(q, k, v, enable_gqa=True), dtype=torch.float32)
+    small = PagedKVCache(1, 1, 8, page_size=4, num_pages=2)
+    small.append(randn(1, 1, 8, 8), randn(1, 1, 8, 8))
+    with pytest.raises(ValueError, match="the pool is full.*num_pages=2"):
+        small.append(randn(1, 1, 1, 8), randn(1, 1, 1, 8))
+
+
+def test_paged_arguments_are_checked():
+    cache, _, _ = filled_cache()
+    with pytest.raises(ValueError, match=r"query must be \(B=2, H \(a multiple of 2\), L, E=8\)"):
+        paged_decode_attention(randn(2, 3, 1, 8), cache)
+    with pytest.raises(TypeError, match="cache must be an attnlab.decoding.PagedKVCache"):
+        paged_decode_attention(randn(2, 2, 1, 8), object())
+    with pytest.raises(ValueError, match=r"PagedKVCache.append: k must be \(B=2, Hkv=2, T, head_dim=8\)"):
+        cache.append(randn(2, 3, 1, 8), randn(2, 3, 1, 8))
+
+
+# --------------------------------------------------------------------------- through the module
+@pytest.mark.parametrize("make_cache", [lambda dt: KVCache(2, 2, 4, dtype=dt),
+                                        lambda dt: KVCache(2, 2, 4, max_len=400, dtype=dt),
+                                        lambda dt: PagedKVCache(2, 2, 4, page_size=16, dtype=dt)],
+                         ids=["kv_cache_growing", "kv_cache_preallocated", "paged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_module_decoding_equals_one_causal_pass_and_runs_the_decode_kernel(monkeypatch, make_cache, dtype):
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 8, num_kv_heads=2).to(dtype).eval()
+    x = torch.randn(2, 300, 32).to(dtype)
+    seen = []
+    real = kernel.forward
+
+    def spy(q4, k, *a, **kw):
+        seen.append(k.dtype)
+        return real(q4, k, *a, **kw)
+
+    monkeypatch.setattr(kernel, "forward", spy)
+    cache = make_cache(dtype)
+    with torch.no_grad():
+        full, _ = m(x, is_causal=True)
+        steps = [m(x[:, :280], is_causal=True, kv_cache=cache)[0]]
+        steps += [m(x[:, t:t + 4], is_causal=True, kv_cache=cache)[0] for t in range(280, 300, 4)]
+    assert_close(torch.cat(steps, 1), full, dtype=dtype)
+    assert seen == [dtype] * 5  # the five decode steps, each on the cache as stored (no float32 copy)
