@@ -32,11 +32,11 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["NativeStatus", "status", "ops"]
+__all__ = ["NativeStatus", "Bf16Route", "status", "ops", "bf16_route", "BF16_CHOICES"]
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "flash.cpp", _CSRC / "block_sparse.cpp", _CSRC / "decode.cpp")
-_HEADERS = (_CSRC / "kernels.h",)
+_HEADERS = (_CSRC / "kernels.h", _CSRC / "bf16_gemm.h")
 _NAME = "attnlab_native"
 # -march=native: the build runs on the machine that uses it; -fopenmp: at::parallel_for's
 # pragmas (the library resolves to the libgomp torch has already loaded, so one thread pool)
@@ -45,15 +45,38 @@ _LDFLAGS = ["-fopenmp"]
 
 
 @dataclass(frozen=True)
+class Bf16Route:
+    """How the native kernels compute bfloat16 inputs, and why.
+
+    ``"bf16"``: the GEMMs take bf16 operands on the CPU's bf16 instructions (``csrc/bf16_gemm.h``),
+    float32 results; P and dS are rounded to bf16 for their GEMMs, as torch's kernel does.
+    ``"bf16-emulated"``: the same operands and roundings, the GEMMs widened to float32 (the route
+    of a build without AVX512_BF16, forced to test it anywhere). ``"fp32"``: the inputs are
+    converted to float32 and run as float32 (faster where the CPU has no bf16 instructions).
+    """
+
+    name: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"bfloat16 route: {self.name} ({self.reason})"
+
+
+BF16_CHOICES = ("auto", "bf16", "bf16-emulated", "fp32")
+
+
+@dataclass(frozen=True)
 class NativeStatus:
-    """Whether the native kernel is in use, and why not when it is not."""
+    """Whether the native kernel is in use, and why not when it is not; which bf16 route runs."""
 
     available: bool
     detail: str  # where it was loaded from, or the reason it is not used
+    bf16: Optional[Bf16Route] = None
 
     def __str__(self) -> str:
         state = "native C++ forward and backward" if self.available else "pure-PyTorch forward and backward"
-        return f"tiled path: {state} ({self.detail})"
+        route = f"; {self.bf16}" if self.bf16 is not None else ""
+        return f"tiled path: {state} ({self.detail}){route}"
 
 
 _lock = threading.Lock()
@@ -125,7 +148,7 @@ def _load() -> tuple[Optional[Any], NativeStatus]:
             (build_dir / _FEATURES_FILE).write_text(" ".join(sorted(cpu_features())) + "\n")
         namespace = torch.ops.attnlab_native
         for op in ("flash_forward", "flash_forward_", "flash_backward_", "block_sparse_forward",
-                   "block_sparse_backward_", "decode_forward"):
+                   "block_sparse_backward_", "decode_forward", "bf16_units"):
             getattr(namespace, op)  # all registered
     except Exception as exc:  # no compiler, no ninja, a failed build: the pure path still works
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
@@ -156,8 +179,39 @@ def ops() -> Optional[Any]:
 
 
 def status() -> NativeStatus:
-    """Loads (building if needed) the native kernel and says whether the tiled path uses it."""
-    return _get()[1]
+    """Loads (building if needed) the native kernel and says whether the tiled path uses it,
+    and which bfloat16 route (:func:`bf16_route`) it takes now."""
+    loaded = _get()[1]
+    return NativeStatus(loaded.available, loaded.detail, bf16_route())
+
+
+def bf16_route() -> Bf16Route:
+    """The bfloat16 route the native kernels take now: ``$ATTNLAB_BF16`` (``auto``, the default;
+    ``bf16``, ``bf16-emulated`` or ``fp32`` force one) and this CPU's flags.
+
+    ``auto`` takes ``bf16`` where the CPU has ``avx512_bf16`` (Zen 4, Sapphire Rapids and later)
+    and the build uses it: 0.48-0.53x torch's bf16 kernel time forward there (BENCHMARKS.md,
+    "bfloat16"); elsewhere ``fp32``, today's float32 compute, which a widened bf16 GEMM cannot beat.
+    """
+    choice = os.environ.get("ATTNLAB_BF16", "auto").strip().lower() or "auto"
+    if choice not in BF16_CHOICES:
+        raise ValueError(f"ATTNLAB_BF16 must be one of {', '.join(BF16_CHOICES)}, got {choice!r}")
+    if choice == "fp32":
+        return Bf16Route("fp32", "forced by ATTNLAB_BF16=fp32")
+    native = ops()
+    if native is None:
+        return Bf16Route("fp32", "the native kernels are not in use")
+    units = bool(native.bf16_units())
+    if choice == "bf16-emulated":
+        return Bf16Route("bf16-emulated", "forced by ATTNLAB_BF16=bf16-emulated: bf16 operands, GEMMs widened to float32")
+    if choice == "bf16":
+        if units:
+            return Bf16Route("bf16", "forced by ATTNLAB_BF16=bf16")
+        return Bf16Route("bf16-emulated", "forced by ATTNLAB_BF16=bf16, but this build has no AVX512_BF16: "
+                                          "its GEMMs widen to float32")
+    if units and "avx512_bf16" in cpu_features():
+        return Bf16Route("bf16", "this CPU has avx512_bf16")
+    return Bf16Route("fp32", "this CPU has no avx512_bf16, so float32 GEMMs are the faster route")
 
 
 if __name__ == "__main__":

@@ -676,6 +676,77 @@ def decode_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# issue 24's bf16 shapes: (B, H, Hkv, L, E); the last one grouped (GQA)
+BF16_SHAPES = ((1, 8, 8, 4096, 64), (2, 16, 16, 2048, 128), (1, 32, 8, 4096, 128))
+BF16_HEADER = ("bfloat16: attnlab's tiled path on its bf16 route (bf16 GEMMs, csrc/bf16_gemm.h) and on its fp32 "
+               "route (inputs converted to float32), against torch's SDPA in bfloat16, causal, same run")
+
+
+def bf16_benchmark(shapes=BF16_SHAPES, *, modes=("fwd", "fwd+bwd"), repeats: int = 3,
+                   progress: Optional[Callable[[int, int, str], None]] = None) -> list[dict]:
+    """Median time per (shape, mode) of ``attnlab.flash_attention`` on bfloat16 inputs with
+    ``ATTNLAB_BF16=bf16`` and ``=fp32``, and of torch's SDPA, interleaved run by run."""
+    import torch.nn.functional as F
+
+    from attnlab import tiled
+
+    def with_route(route: str, fn: Callable) -> Callable:
+        def run():
+            before = os.environ.get("ATTNLAB_BF16")
+            os.environ["ATTNLAB_BF16"] = route
+            try:
+                return fn()
+            finally:
+                if before is None:
+                    del os.environ["ATTNLAB_BF16"]
+                else:
+                    os.environ["ATTNLAB_BF16"] = before
+        return run
+
+    rows, done, total = [], 0, len(shapes) * len(modes)
+    for B, H, Hkv, L, E in shapes:
+        g = torch.Generator().manual_seed(L)
+        q = torch.randn(B, H, L, E, generator=g).to(torch.bfloat16)
+        k, v = (torch.randn(B, Hkv, L, E, generator=g).to(torch.bfloat16) for _ in range(2))
+        grad = torch.randn(B, H, L, E, generator=g).to(torch.bfloat16)
+        for mode in modes:
+            backward = mode == "fwd+bwd"
+            ins = [t.clone().requires_grad_(backward) for t in (q, k, v)]
+
+            def step(attn):
+                out = attn(*ins, is_causal=True, enable_gqa=Hkv != H)
+                if backward:
+                    out.backward(grad)
+
+            fns = {"attnlab bf16 route": with_route("bf16", lambda: step(tiled.flash_attention)),
+                   "attnlab fp32 route": with_route("fp32", lambda: step(tiled.flash_attention)),
+                   "torch SDPA": lambda: step(F.scaled_dot_product_attention)}
+            times: dict[str, list[float]] = {name: [] for name in fns}
+            with torch.set_grad_enabled(backward):
+                for fn in fns.values():
+                    fn()  # warm-up
+                for _ in range(repeats):
+                    for name, fn in fns.items():
+                        t0 = time.perf_counter()
+                        fn()
+                        times[name].append(time.perf_counter() - t0)
+            torch_ms = statistics.median(times["torch SDPA"]) * 1e3
+            for name, ts in times.items():
+                ms = statistics.median(ts) * 1e3
+                rows.append({"shape": (B, H, Hkv, L, E), "mode": mode, "impl": name, "ms": ms, "ratio": ms / torch_ms})
+            done += 1
+            if progress:
+                progress(done, total, f"{(B, H, Hkv, L, E)} {mode}")
+    return rows
+
+
+def bf16_table(rows: list[dict]) -> str:
+    lines = ["| (B, H, Hkv, L, E) | mode | implementation | ms | x torch bf16 |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['mode']} | {r['impl']} | {r['ms']:.1f} | {r['ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
 def machine_line() -> str:
     cpu = "unknown CPU"
     try:

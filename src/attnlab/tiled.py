@@ -177,8 +177,13 @@ def _forward(q4: Tensor, k3: Tensor, v3: Tensor, layout: Layout, mask: Optional[
     if ops is not None:
         m, offsets = _native_mask(mask, layout, q4.shape[2], k3.shape[1])
         return ops.flash_forward(dense_rows(q4), dense_rows(k3), dense_rows(v3), m, offsets, scale2, is_causal,
-                                 bq, bk)
-    return _forward_eager(q4, k3, v3, layout, mask, is_causal, scale2, bq, bk)
+                                 bq, bk, q4.dtype == torch.bfloat16 and _emulated())
+    return _forward_eager(*_widened(q4, k3, v3), layout, mask, is_causal, scale2, bq, bk)
+
+
+def _widened(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """bf16 operands (the bf16 route) as float32, for the pure code; others as they are."""
+    return tuple(t.float() if t.dtype == torch.bfloat16 else t for t in tensors)
 
 
 def forward_into(q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, is_causal: bool, scale2: float,
@@ -200,15 +205,28 @@ def forward_into(q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, 
 
 
 def _native_ops(mask: Optional[Tensor], q4: Tensor, k3: Tensor, v3: Tensor):
-    """The native ops when they cover this call (float32 on the CPU; no mask, or a bool or
-    float32 one), else None."""
-    if q4.device.type != "cpu" or not (q4.dtype == k3.dtype == v3.dtype == torch.float32):
+    """The native ops when they cover this call (float32 on the CPU, or bfloat16 kept by
+    :func:`_operand_dtype` for the bf16 route; no mask, or a bool or float32 one), else None."""
+    if q4.device.type != "cpu" or not (q4.dtype == k3.dtype == v3.dtype and q4.dtype in (torch.float32, torch.bfloat16)):
         return None
     if mask is not None and (mask.device.type != "cpu" or mask.dtype not in (torch.bool, torch.float32)):
         return None
     if not finite_inputs(q4, k3, v3, mask):
         return None  # NaN/inf: the pure code propagates them as torch's MATH backend does
     return _native.ops()
+
+
+def _operand_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels get the inputs in: bfloat16 itself on the bf16 route
+    (:func:`attnlab._native.bf16_route`), else the compute dtype (float32 for half types)."""
+    if dtype == torch.bfloat16 and _native.bf16_route().name != "fp32":
+        return dtype
+    return compute_dtype(dtype)
+
+
+def _emulated() -> bool:
+    """The bf16 route with its GEMMs widened to float32 (``ATTNLAB_BF16=bf16-emulated``)."""
+    return _native.bf16_route().name == "bf16-emulated"
 
 
 def _native_mask(mask: Optional[Tensor], layout: Layout, L: int, S: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -276,21 +294,23 @@ def backward_blocks(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tenso
     """
     ops = _native_ops(mask, q4, k3, v3)
     busy = q4.shape[0] >= torch.get_num_threads() or q4.shape[1] > 1  # enough tasks for the threads
-    if ops is not None and dout.dtype == out.dtype == torch.float32 and busy:
-        if accumulate_into is None:
-            dq, dk, dv = torch.zeros_like(q4), torch.zeros_like(k3), torch.zeros_like(v3)
+    f32 = torch.float32
+    if ops is not None and dout.dtype == q4.dtype and out.dtype == f32 and busy:
+        if accumulate_into is None:  # float32 gradients, on the bf16 route too
+            dq, dk, dv = (torch.zeros_like(t, dtype=f32) for t in (q4, k3, v3))
         else:
             dq, dk, dv = accumulate_into
         if all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in (dq, dk, dv)):
             if delta is None:
-                delta = (dout * out).sum(dim=-1)  # D_i = rowsum(dO_i * O_i), (Nb, r, L)
+                delta = (dout * out).sum(dim=-1, dtype=f32)  # D_i = rowsum(dO_i * O_i), (Nb, r, L)
             m, offsets = _native_mask(mask, layout, q4.shape[2], k3.shape[1])
             ops.flash_backward_(dense_rows(dout), dense_rows(q4), dense_rows(k3), dense_rows(v3), lse2, delta,
-                                dq, dk, dv, m, offsets, scale, is_causal, bq, bk)
+                                dq, dk, dv, m, offsets, scale, is_causal, bq, bk,
+                                q4.dtype == torch.bfloat16 and _emulated())
             return dq, dk, dv
         accumulate_into = (dq, dk, dv)
-    return _backward_eager(dout, q4, k3, v3, out, lse2, layout, mask, is_causal, scale, bq, bk, accumulate_into,
-                           delta)
+    return _backward_eager(*_widened(dout, q4, k3, v3), out, lse2, layout, mask, is_causal, scale, bq, bk,
+                           accumulate_into, delta)
 
 
 def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, layout: Layout,
@@ -347,18 +367,20 @@ def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tenso
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk, batch):
-        dtype = compute_dtype(query.dtype)
+        dtype = _operand_dtype(query.dtype)  # bfloat16 stays bfloat16 on the bf16 route
         layout = Layout(batch, query, key, enable_gqa)
         L, E, S = query.shape[-2], query.shape[-1], key.shape[-2]
         scale_f = float(scale) if scale is not None else 1.0 / math.sqrt(E) if E else 1.0
         q4 = layout.queries(query.to(dtype))  # (Nb, r, L, E)
         k3 = layout.keys(key.to(dtype))  # (Nb, S, E)
         v3 = layout.keys(value.to(dtype))  # (Nb, S, Ev)
-        mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.to(dtype)
+        mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.to(compute_dtype(dtype))
         ctx.natural = needs_natural_units(mask)
         ctx.no_features = E == 0
         if E == 0:  # every score is 0 (an empty dot product), whatever the scale: softmax is uniform
             q4, k3, scale_f = q4.new_zeros(*q4.shape[:-1], 1), k3.new_zeros(*k3.shape[:-1], 1), 1.0
+        if q4.dtype == torch.bfloat16 and (ctx.natural or not finite_inputs(q4, k3, v3, mask)):
+            q4, k3, v3 = _widened(q4, k3, v3)  # the pure code runs these: in float32, as before
         if q4.shape[0] * q4.shape[1] * L == 0 or S == 0 or v3.shape[-1] == 0:
             out4 = q4.new_zeros(layout.Nb, layout.r, L, v3.shape[-1])
             lse2 = q4.new_full((layout.Nb, layout.r, L), float("-inf"))
@@ -368,6 +390,7 @@ class _FlashAttention(torch.autograd.Function):
             out4, lse2 = _forward(q4, k3, v3, layout, mask, is_causal, scale_f * LOG2E, bq, bk)
             if lse_absorbed(lse2):
                 ctx.natural = True
+                q4, k3, v3 = _widened(q4, k3, v3)
                 out4, lse2 = _forward_eager(q4, k3, v3, layout, mask, is_causal, scale_f, bq, bk, natural=True)
         ctx.save_for_backward(q4, k3, v3, out4, lse2, mask if mask is not None else torch.empty(0))
         ctx.has_mask = mask is not None
@@ -382,10 +405,10 @@ class _FlashAttention(torch.autograd.Function):
         q_shape, k_shape, v_shape = ctx.shapes
         dout4 = grad_out.to(q4.dtype).reshape(out4.shape)
         if q4.shape[0] * q4.shape[1] * q4.shape[2] == 0 or k3.shape[1] == 0 or v3.shape[-1] == 0:
-            dq4, dk3, dv3 = torch.zeros_like(q4), torch.zeros_like(k3), torch.zeros_like(v3)
+            dq4, dk3, dv3 = (torch.zeros_like(t, dtype=out4.dtype) for t in (q4, k3, v3))
         elif ctx.natural:
-            dq4, dk3, dv3 = _backward_eager(dout4, q4, k3, v3, out4, lse2, layout, mask, ctx.is_causal, ctx.scale,
-                                            ctx.bq, ctx.bk, natural=True)
+            dq4, dk3, dv3 = _backward_eager(*_widened(dout4, q4, k3, v3), out4, lse2, layout, mask, ctx.is_causal,
+                                            ctx.scale, ctx.bq, ctx.bk, natural=True)
         else:
             dq4, dk3, dv3 = backward_blocks(dout4, q4, k3, v3, out4, lse2, layout, mask if ctx.has_mask else None,
                                       ctx.is_causal, ctx.scale, ctx.bq, ctx.bk)

@@ -29,6 +29,7 @@ examples:
   attnlab bench --seq-lens 4096 --impls tiled,flash --causal no --mask padding
   attnlab bench --ring --seq-lens 8192
   attnlab bench --decode --seq-lens 4096,32768 --dtypes float32,bfloat16
+  attnlab bench --bf16 --repeats 3
 """
 
 DEFAULT_LENS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -88,6 +89,10 @@ def add(sub) -> argparse.ArgumentParser:
                    help="instead: one decode step, q (1, 32, 1, 128) against a GQA cache (1, 8, S, 128), "
                         "attnlab against torch's SDPA, with GB/s of the cache's K/V (default S: 4096,32768; "
                         "--seq-lens sets them, --dtypes the dtypes)")
+    p.add_argument("--bf16", action="store_true",
+                   help="instead: bfloat16 causal attention at (1,8,4096,64), (2,16,2048,128) and (1,32,4096,128) "
+                        "with 8 key/value heads, attnlab's bf16 route and fp32 route against torch's SDPA, fwd and "
+                        "fwd+bwd (--modes narrows them)")
     p.add_argument("--density", action="store_true",
                    help="instead: attnlab.flex's time against its block mask's density d (0.5, 0.25, 0.1, 0.05), "
                         "relative to d x its time on full attention, at the first --seq-lens L (default 8192), "
@@ -153,6 +158,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"machine: {bench.machine_line()}\n")
         print(bench.DECODE_HEADER + "\n")
         print(bench.decode_table(rows))
+        return 0
+    if args.bf16:
+        rows = bench.bf16_benchmark(modes=args.modes, repeats=args.repeats, progress=_progress())
+        _end_progress()
+        print(f"machine: {bench.machine_line()}\n")
+        print(bench.BF16_HEADER + "\n")
+        print(bench.bf16_table(rows))
         return 0
     if args.density:
         L = args.seq_lens[0] if args.seq_lens != DEFAULT_LENS else 8192

@@ -293,7 +293,7 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
                             const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& row_of_head,
                             double cap, const std::optional<at::Tensor>& dtable, double scale_d, int64_t block_q,
                             int64_t block_k) {
-  const BackwardSetup setup(dout, q4, k3, v3, lse2, delta, dq, dk, dv, "attnlab block-sparse backward");
+  const BackwardSetup<> setup(dout, q4, k3, v3, lse2, delta, dq, dk, dv, "attnlab block-sparse backward");
   if (setup.empty()) return;
   const int64_t Nb = setup.Nb, r = setup.r, L = setup.L, E = setup.E, S = setup.S, Ev = setup.Ev;
   const BlockPlan plan = make_plan(row_ptr, cols, bit_idx, bits, plane_of_head, Nb * r, L, block_q, block_k);
@@ -333,7 +333,7 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
     float* dp = p + tile;
     float* deriv = dp + tile;  // d s_mod / d s, with softcap
     float* dtable_task = table_grad ? dtable_parts.data_ptr<float>() + task * dtable->numel() : nullptr;
-    const BackwardSetup::Task w = setup.task(task, dk, dv);
+    const BackwardSetup<>::Task w = setup.task(task, dk, dv);
     const int64_t nb = w.nb, dk_row = w.dk_row, dv_row = w.dv_row;
     const float *k_head = w.k_head, *v_head = w.v_head;
     float *dk_head = w.dk_head, *dv_head = w.dv_head;
@@ -364,14 +364,14 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
               exp2_shifted(row, nk, m);
             }
           }
-          tile_dv_ds(p, dp, n, nk, static_cast<int>(Ev), do_tile, static_cast<int>(do_ld), v_head + j0 * v_ld,
+          tile_dv_ds(Gemm32{}, p, nullptr, dp, n, nk, static_cast<int>(Ev), do_tile, static_cast<int>(do_ld), v_head + j0 * v_ld,
                      static_cast<int>(v_ld), dv_head + j0 * dv_row, static_cast<int>(dv_row), d_rows,
                      delta.stride(2));
           if (dtable_task != nullptr) mod.add_grad(dtable_task, dp, head, i0, j0, n, nk);  // d bias = dS
           if (mod.cap > 0.0f) {  // through the soft-cap: dS_raw = dS * (1 - tanh^2)
             for (int64_t c = 0; c < static_cast<int64_t>(n) * nk; ++c) dp[c] *= deriv[c];
           }
-          tile_dq_dk(dp, n, nk, static_cast<int>(E), scale, k_head + j0 * k_ld, static_cast<int>(k_ld), dq_tile,
+          tile_dq_dk(Gemm32{}, dp, nullptr, n, nk, static_cast<int>(E), scale, k_head + j0 * k_ld, static_cast<int>(k_ld), dq_tile,
                      static_cast<int>(dq_ld), q_tile, static_cast<int>(q_ld), dk_head + j0 * dk_row,
                      static_cast<int>(dk_row));
         }

@@ -33,6 +33,7 @@
 #include "kernels.h"
 
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -97,15 +98,17 @@ MaskView make_mask(const std::optional<at::Tensor>& mask, const std::optional<at
 // then ignored), on exit the result over those keys and k3/v3's. The state maps onto the
 // running quantities as m_i = lse2, l_i = 1, acc = out: the ring merges blocks this way with
 // no partial output tensor. A fresh forward starts from lse2 = -inf.
-void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3, const at::Tensor& out,
-                    const at::Tensor& lse2, const std::optional<at::Tensor>& mask,
-                    const std::optional<at::Tensor>& mask_offsets, double scale2_d, bool is_causal, int64_t block_q,
-                    int64_t block_k) {
-  TORCH_CHECK(q4.dim() == 4 && k3.dim() == 3 && v3.dim() == 3 && out.dim() == 4 && lse2.dim() == 3,
-              "attnlab native forward: bad ranks");
-  for (const at::Tensor* t : {&q4, &k3, &v3, &out, &lse2}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), "attnlab native forward: float32 CPU only");
-  }
+//
+// The bf16 route: q4, k3, v3 in bfloat16, the GEMMs on bf16 operands with float32 results
+// (GemmBf16, bf16_gemm.h), P rounded to bf16 for P V; scores, the row pass, m_i, l_i, acc and
+// lse2 stay float32, and out is float32. bf16_emulated widens the GEMMs' operands instead of
+// using the CPU's bf16 instructions.
+template <class G>
+void forward_tiles(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
+                   const at::Tensor& out, const at::Tensor& lse2, const std::optional<at::Tensor>& mask,
+                   const std::optional<at::Tensor>& mask_offsets, double scale2_d, bool is_causal, int64_t block_q,
+                   int64_t block_k) {
+  using T = typename G::T;
   TORCH_CHECK((q4.stride(3) == 1 || q4.size(3) == 1) && (k3.stride(2) == 1 || k3.size(2) == 1) &&
                   (v3.stride(2) == 1 || v3.size(2) == 1) && (out.stride(3) == 1 || out.size(3) == 1),
               "attnlab native forward: the last dim must be dense");
@@ -121,9 +124,9 @@ void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor
   const float scale2 = static_cast<float>(scale2_d);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  const float* q = q4.data_ptr<float>();
-  const float* k = k3.data_ptr<float>();
-  const float* v = v3.data_ptr<float>();
+  const T* q = static_cast<const T*>(q4.data_ptr());
+  const T* k = static_cast<const T*>(k3.data_ptr());
+  const T* v = static_cast<const T*>(v3.data_ptr());
   float* o = out.data_ptr<float>();
   float* lse = lse2.data_ptr<float>();
 
@@ -138,24 +141,28 @@ void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor
   const int64_t n_qblocks = (L + bq - 1) / bq;
   const int64_t n_tasks = Nb * r * n_qblocks;
   // per-thread scratch: the score tile, the accumulator and the row state, reused by every task
+  // (and P as a GEMM operand on the bf16 route)
   const int64_t per_thread = static_cast<int64_t>(bq) * bk + static_cast<int64_t>(bq) * Ev + 2 * bq;
   const int n_threads = at::get_num_threads();
   std::vector<float> scratch(static_cast<size_t>(per_thread * n_threads));
+  const bool rounds = !std::is_same<T, float>::value;
+  std::vector<T> p_ops(rounds ? static_cast<size_t>(bq) * bk * n_threads : 0);
 
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     float* s = scratch.data() + per_thread * at::get_thread_num();
     float* acc = s + static_cast<int64_t>(bq) * bk;
     float* m_i = acc + static_cast<int64_t>(bq) * Ev;
     float* l_i = m_i + bq;
+    T* p_buf = rounds ? p_ops.data() + static_cast<int64_t>(bq) * bk * at::get_thread_num() : nullptr;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qblock = task % n_qblocks;
       const int64_t head = task / n_qblocks;  // nb * r + h
       const int64_t nb = head / r, h = head % r;
       const int64_t i0 = qblock * bq;
       const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
-      const float* q_tile = q + nb * q_s0 + h * q_s1 + i0 * q_s2;
-      const float* k_head = k + nb * k_s0;
-      const float* v_head = v + nb * v_s0;
+      const T* q_tile = q + nb * q_s0 + h * q_s1 + i0 * q_s2;
+      const T* k_head = k + nb * k_s0;
+      const T* v_head = v + nb * v_s0;
       float* o_tile = o + nb * o_s0 + h * o_s1 + i0 * o_s2;
       float* lse_tile = lse + nb * l_s0 + h * l_s1 + i0 * l_s2;
       // the saved state: m_i = lse, l_i = 1, acc = out; a row with lse = -inf has seen no key yet
@@ -175,8 +182,8 @@ void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor
       for (int64_t j0 = 0; j0 < j_end; j0 += bk) {
         const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
         // S_ij = scale2 * Q_i K_j^T   (n, nk)
-        gemm_rm(false, true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_s2), k_head + j0 * k_s1,
-                      static_cast<int>(k_s1), 0.0f, s, nk);
+        gemm(false, true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_s2), k_head + j0 * k_s1,
+             static_cast<int>(k_s1), 0.0f, s, nk);
         // keys j0 + c with c < valid are visible to row a (causal), minus the masked ones
         online_update(s, n, nk, [&](int64_t a, float* row) {
           const int64_t visible = is_causal ? (i0 + a) - j0 + 1 : nk;
@@ -185,23 +192,47 @@ void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor
           return valid;
         }, m_i, l_i, acc, Ev);
         // acc += P~ V_j   (n, Ev)
-        gemm_rm(false, false, n, static_cast<int>(Ev), nk, 1.0f, s, nk, v_head + j0 * v_s1, static_cast<int>(v_s1), 1.0f,
-                      acc, static_cast<int>(Ev));
+        gemm(false, false, n, static_cast<int>(Ev), nk, 1.0f, gemm.operand(s, static_cast<int64_t>(n) * nk, p_buf), nk,
+             v_head + j0 * v_s1, static_cast<int>(v_s1), 1.0f, acc, static_cast<int>(Ev));
       }
       finish_rows(acc, m_i, l_i, n, Ev, o_tile, o_s2, lse_tile, l_s2);  // O_i = acc / l_i, lse2_i
     }
   });
 }
 
+void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3, const at::Tensor& out,
+                    const at::Tensor& lse2, const std::optional<at::Tensor>& mask,
+                    const std::optional<at::Tensor>& mask_offsets, double scale2, bool is_causal, int64_t block_q,
+                    int64_t block_k, bool bf16_emulated) {
+  TORCH_CHECK(q4.dim() == 4 && k3.dim() == 3 && v3.dim() == 3 && out.dim() == 4 && lse2.dim() == 3,
+              "attnlab native forward: bad ranks");
+  const at::ScalarType operands = q4.scalar_type();
+  TORCH_CHECK(operands == at::kFloat || operands == at::kBFloat16,
+              "attnlab native forward: q4, k3, v3 must be float32 or bfloat16");
+  for (const at::Tensor* t : {&q4, &k3, &v3, &out, &lse2}) {
+    const bool operand = t == &q4 || t == &k3 || t == &v3;
+    TORCH_CHECK(t->scalar_type() == (operand ? operands : at::kFloat) && t->device().is_cpu(),
+                "attnlab native forward: q4, k3, v3 of one dtype, out and lse2 float32, on the CPU");
+  }
+  if (operands == at::kBFloat16) {
+    forward_tiles(GemmBf16{!bf16_emulated}, q4, k3, v3, out, lse2, mask, mask_offsets, scale2, is_causal, block_q,
+                  block_k);
+  } else {
+    forward_tiles(Gemm32{}, q4, k3, v3, out, lse2, mask, mask_offsets, scale2, is_causal, block_q, block_k);
+  }
+}
+
 // A fresh forward: out (Nb, r, L, Ev) and lse2 (Nb, r, L) from an empty state.
 std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
                                                  const std::optional<at::Tensor>& mask,
                                                  const std::optional<at::Tensor>& mask_offsets, double scale2,
-                                                 bool is_causal, int64_t block_q, int64_t block_k) {
+                                                 bool is_causal, int64_t block_q, int64_t block_k,
+                                                 bool bf16_emulated) {
   TORCH_CHECK(q4.dim() == 4 && v3.dim() == 3, "attnlab native forward: bad ranks");
-  at::Tensor out = at::empty({q4.size(0), q4.size(1), q4.size(2), v3.size(2)}, q4.options());
-  at::Tensor lse2 = at::full({q4.size(0), q4.size(1), q4.size(2)}, -std::numeric_limits<float>::infinity(), q4.options());
-  flash_forward_(q4, k3, v3, out, lse2, mask, mask_offsets, scale2, is_causal, block_q, block_k);
+  const at::TensorOptions f32 = q4.options().dtype(at::kFloat);
+  at::Tensor out = at::empty({q4.size(0), q4.size(1), q4.size(2), v3.size(2)}, f32);
+  at::Tensor lse2 = at::full({q4.size(0), q4.size(1), q4.size(2)}, -std::numeric_limits<float>::infinity(), f32);
+  flash_forward_(q4, k3, v3, out, lse2, mask, mask_offsets, scale2, is_causal, block_q, block_k, bf16_emulated);
   // rows that never saw a key (S = 0) still hold uninitialised memory: SDPA gives 0 there
   if (k3.size(1) == 0) out.zero_();
   return {out, lse2};
@@ -218,12 +249,16 @@ std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q4, const at:
 //     dK_j += scale * dS^T Q_i
 //
 // The gradients are added into dq (Nb, r, L, E), dk (Nb, S, E), dv (Nb, S, Ev) (views work).
-void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
-                     const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
-                     const at::Tensor& dv, const std::optional<at::Tensor>& mask,
-                     const std::optional<at::Tensor>& mask_offsets, double scale_d, bool is_causal, int64_t block_q,
-                     int64_t block_k) {
-  const BackwardSetup setup(dout, q4, k3, v3, lse2, delta, dq, dk, dv, "attnlab native backward");
+// On the bf16 route dout, q4, k3, v3 are bfloat16 and P, dS are rounded to bf16 for their GEMMs;
+// lse2, delta and the gradients dq, dk, dv are float32.
+template <class G>
+void backward_tiles(const G& gemm, const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3,
+                    const at::Tensor& v3, const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq,
+                    const at::Tensor& dk, const at::Tensor& dv, const std::optional<at::Tensor>& mask,
+                    const std::optional<at::Tensor>& mask_offsets, double scale_d, bool is_causal, int64_t block_q,
+                    int64_t block_k) {
+  using T = typename G::T;
+  const BackwardSetup<T> setup(dout, q4, k3, v3, lse2, delta, dq, dk, dv, "attnlab native backward");
   if (setup.empty()) return;
   const int64_t Nb = setup.Nb, r = setup.r, L = setup.L, E = setup.E, S = setup.S, Ev = setup.Ev;
   const MaskView mv = make_mask(mask, mask_offsets, Nb * r, L, S);
@@ -233,26 +268,30 @@ void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Ten
   const float scale2 = scale * 1.4426950408889634f;  // log2(e): the forward's base-2 scores
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t q_ld = setup.q_ld, do_ld = setup.do_ld, dq_ld = setup.dq_ld, k_ld = setup.k_ld, v_ld = setup.v_ld;
-  const float *q = setup.q, *k = setup.k, *v = setup.v, *gout = setup.gout, *lse = setup.lse, *dlt = setup.dlt;
+  const T *q = setup.q, *k = setup.k, *v = setup.v, *gout = setup.gout;
+  const float *lse = setup.lse, *dlt = setup.dlt;
   float* gq = setup.gq;
 
   const int64_t tile = static_cast<int64_t>(bq) * bk;
   const int n_threads = at::get_num_threads();
   std::vector<float> scratch(static_cast<size_t>(2 * tile * n_threads));
+  const bool rounds = !std::is_same<T, float>::value;
+  std::vector<T> ops_buf(rounds ? static_cast<size_t>(tile) * n_threads : 0);  // P, then dS, as operands
   const int64_t n_tasks = setup.n_tasks;
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     float* p = scratch.data() + 2 * tile * at::get_thread_num();
     float* dp = p + tile;
+    T* buf = rounds ? ops_buf.data() + tile * at::get_thread_num() : nullptr;
     for (int64_t task = begin; task < end; ++task) {
-      const BackwardSetup::Task w = setup.task(task, dk, dv);
+      const typename BackwardSetup<T>::Task w = setup.task(task, dk, dv);
       const int64_t nb = w.nb, dk_row = w.dk_row, dv_row = w.dv_row;
-      const float *k_head = w.k_head, *v_head = w.v_head;
+      const T *k_head = w.k_head, *v_head = w.v_head;
       float *dk_head = w.dk_head, *dv_head = w.dv_head;
       for (int64_t h = w.h_begin; h < w.h_end; ++h) {
         for (int64_t i0 = 0; i0 < L; i0 += bq) {
           const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
-          const float* q_tile = q + nb * q4.stride(0) + h * q4.stride(1) + i0 * q_ld;
-          const float* do_tile = gout + nb * dout.stride(0) + h * dout.stride(1) + i0 * do_ld;
+          const T* q_tile = q + nb * q4.stride(0) + h * q4.stride(1) + i0 * q_ld;
+          const T* do_tile = gout + nb * dout.stride(0) + h * dout.stride(1) + i0 * do_ld;
           float* dq_tile = gq + nb * dq.stride(0) + h * dq.stride(1) + i0 * dq_ld;
           const float* lse_rows = lse + nb * lse2.stride(0) + h * lse2.stride(1) + i0 * lse2.stride(2);
           const float* d_rows = dlt + nb * delta.stride(0) + h * delta.stride(1) + i0 * delta.stride(2);
@@ -260,8 +299,8 @@ void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Ten
           for (int64_t j0 = 0; j0 < j_end; j0 += bk) {
             const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
             // P = 2^(scale2 * Q_i K_j^T - lse2_i)
-            gemm_rm(false, true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_ld),
-                    k_head + j0 * k_ld, static_cast<int>(k_ld), 0.0f, p, nk);
+            gemm(false, true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_ld), k_head + j0 * k_ld,
+                 static_cast<int>(k_ld), 0.0f, p, nk);
             for (int a = 0; a < n; ++a) {
               float* row = p + static_cast<int64_t>(a) * nk;
               const float m = lse_rows[a * lse2.stride(2)];
@@ -271,10 +310,10 @@ void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Ten
               exp2_shifted(row, valid, m);
               for (int c = valid; c < nk; ++c) row[c] = 0.0f;
             }
-            tile_dv_ds(p, dp, n, nk, static_cast<int>(Ev), do_tile, static_cast<int>(do_ld), v_head + j0 * v_ld,
+            tile_dv_ds(gemm, p, buf, dp, n, nk, static_cast<int>(Ev), do_tile, static_cast<int>(do_ld), v_head + j0 * v_ld,
                        static_cast<int>(v_ld), dv_head + j0 * dv_row, static_cast<int>(dv_row), d_rows,
                        delta.stride(2));
-            tile_dq_dk(dp, n, nk, static_cast<int>(E), scale, k_head + j0 * k_ld, static_cast<int>(k_ld), dq_tile,
+            tile_dq_dk(gemm, dp, buf, n, nk, static_cast<int>(E), scale, k_head + j0 * k_ld, static_cast<int>(k_ld), dq_tile,
                        static_cast<int>(dq_ld), q_tile, static_cast<int>(q_ld), dk_head + j0 * dk_row,
                        static_cast<int>(dk_row));
           }
@@ -285,16 +324,38 @@ void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Ten
   setup.finish(dk, dv);
 }
 
+void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
+                     const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
+                     const at::Tensor& dv, const std::optional<at::Tensor>& mask,
+                     const std::optional<at::Tensor>& mask_offsets, double scale, bool is_causal, int64_t block_q,
+                     int64_t block_k, bool bf16_emulated) {
+  if (q4.scalar_type() == at::kBFloat16) {
+    backward_tiles(GemmBf16{!bf16_emulated}, dout, q4, k3, v3, lse2, delta, dq, dk, dv, mask, mask_offsets, scale,
+                   is_causal, block_q, block_k);
+  } else {
+    backward_tiles(Gemm32{}, dout, q4, k3, v3, lse2, delta, dq, dk, dv, mask, mask_offsets, scale, is_causal,
+                   block_q, block_k);
+  }
+}
+
+// Whether this build's bf16 GEMM runs on the CPU's bf16 instructions (compiled with AVX512_BF16).
+bool bf16_units() { return bf16_gemm_native(); }
+
 }  // namespace
 
 TORCH_LIBRARY(attnlab_native, m) {
-  m.def("flash_forward(Tensor q4, Tensor k3, Tensor v3, Tensor? mask, Tensor? mask_offsets, float scale2, bool is_causal, int block_q, int block_k) -> (Tensor, Tensor)");
-  m.def("flash_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor? mask, Tensor? mask_offsets, float scale, bool is_causal, int block_q, int block_k) -> ()");
-  m.def("flash_forward_(Tensor q4, Tensor k3, Tensor v3, Tensor(a!) out, Tensor(b!) lse2, Tensor? mask, Tensor? mask_offsets, float scale2, bool is_causal, int block_q, int block_k) -> ()");
+  m.def("flash_forward(Tensor q4, Tensor k3, Tensor v3, Tensor? mask, Tensor? mask_offsets, float scale2, bool is_causal, int block_q, int block_k, bool bf16_emulated=False) -> (Tensor, Tensor)");
+  m.def("flash_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor? mask, Tensor? mask_offsets, float scale, bool is_causal, int block_q, int block_k, bool bf16_emulated=False) -> ()");
+  m.def("flash_forward_(Tensor q4, Tensor k3, Tensor v3, Tensor(a!) out, Tensor(b!) lse2, Tensor? mask, Tensor? mask_offsets, float scale2, bool is_causal, int block_q, int block_k, bool bf16_emulated=False) -> ()");
+  m.def("bf16_units() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
   m.impl("flash_forward", &flash_forward);
   m.impl("flash_forward_", &flash_forward_);
   m.impl("flash_backward_", &flash_backward_);
+}
+
+TORCH_LIBRARY_IMPL(attnlab_native, CompositeExplicitAutograd, m) {
+  m.impl("bf16_units", &bf16_units);
 }

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
@@ -31,6 +32,39 @@ inline void gemm_rm(bool a_transposed, bool b_transposed, int m, int n, int k, f
   const char ta = a_transposed ? 'T' : 'N';
   sgemm_(&tb, &ta, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
 }
+
+}  // namespace
+
+#include "bf16_gemm.h"
+
+namespace {
+
+// The GEMM of one operand type, so that a kernel is written once for both routes:
+//   Gemm32:   float32 operands through BLAS sgemm (the float32 route);
+//   GemmBf16: bf16 operands through gemm_bf16 (bf16_gemm.h), float32 results (the bf16 route).
+// operand(x, count, buf) gives a float32 tile (P, dS) in the operand type: itself, or rounded
+// to bf16 into buf, as torch's kernel rounds them before their GEMMs.
+struct Gemm32 {
+  using T = float;
+  void operator()(bool ta, bool tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
+                  float beta, float* c, int ldc) const {
+    gemm_rm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+  const float* operand(const float* x, int64_t, float*) const { return x; }
+};
+
+struct GemmBf16 {
+  using T = uint16_t;
+  bool units;  // the CPU's bf16 instructions, or widened to float32 (bf16_gemm.h)
+  void operator()(bool ta, bool tb, int m, int n, int k, float alpha, const uint16_t* a, int lda, const uint16_t* b,
+                  int ldb, float beta, float* c, int ldc) const {
+    gemm_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, units);
+  }
+  const uint16_t* operand(const float* x, int64_t count, uint16_t* buf) const {
+    round_to_bf16(x, count, buf);
+    return buf;
+  }
+};
 
 // 2^x for x <= 0, vectorisable: x = n + f with n = round(x), f in [-1/2, 1/2];
 // 2^f by its degree-7 Taylor polynomial in f*ln2 (relative error < 1e-8, under float32's
@@ -334,14 +368,17 @@ inline void merge_rows(const float* o_parts, const float* lse_parts, int64_t par
 
 // FlashAttention-2's backward on one (query block i, key block j) tile, in two halves so a
 // caller can work on dS in between (block_sparse.cpp adds a bias gradient and the soft-cap's
-// derivative there). p holds P (n x nk, row-major); dp is scratch of the same size.
+// derivative there). p holds P (n x nk, row-major, float32); dp is scratch of the same size;
+// buf (n x nk operands) holds P, then dS, in the GEMMs' operand type when that is not float32.
 //
 // First half:  dV_j += P^T dO_i;  dP = dO_i V_j^T;  dS = P * (dP - D_i), left in dp.
-inline void tile_dv_ds(const float* p, float* dp, int n, int nk, int Ev, const float* do_tile, int do_ld,
-                       const float* v_rows, int v_ld, float* dv_rows, int dv_ld, const float* d_rows,
-                       int64_t d_stride) {
-  gemm_rm(true, false, nk, Ev, n, 1.0f, p, nk, do_tile, do_ld, 1.0f, dv_rows, dv_ld);  // dV_j += P^T dO_i
-  gemm_rm(false, true, n, nk, Ev, 1.0f, do_tile, do_ld, v_rows, v_ld, 0.0f, dp, nk);   // dP = dO_i V_j^T
+template <class G>
+inline void tile_dv_ds(const G& gemm, const float* p, typename G::T* buf, float* dp, int n, int nk, int Ev,
+                       const typename G::T* do_tile, int do_ld, const typename G::T* v_rows, int v_ld, float* dv_rows,
+                       int dv_ld, const float* d_rows, int64_t d_stride) {
+  const typename G::T* p_op = gemm.operand(p, static_cast<int64_t>(n) * nk, buf);
+  gemm(true, false, nk, Ev, n, 1.0f, p_op, nk, do_tile, do_ld, 1.0f, dv_rows, dv_ld);  // dV_j += P^T dO_i
+  gemm(false, true, n, nk, Ev, 1.0f, do_tile, do_ld, v_rows, v_ld, 0.0f, dp, nk);      // dP = dO_i V_j^T
   for (int a = 0; a < n; ++a) {  // dS = P * (dP - D_i), over dP
     const float d = d_rows[a * d_stride];
     const float* p_row = p + static_cast<int64_t>(a) * nk;
@@ -352,10 +389,13 @@ inline void tile_dv_ds(const float* p, float* dp, int n, int nk, int Ev, const f
 }
 
 // Second half:  dQ_i += scale dS K_j;  dK_j += scale dS^T Q_i.
-inline void tile_dq_dk(const float* ds, int n, int nk, int E, float scale, const float* k_rows, int k_ld,
-                       float* dq_tile, int dq_ld, const float* q_tile, int q_ld, float* dk_rows, int dk_ld) {
-  gemm_rm(false, false, n, E, nk, scale, ds, nk, k_rows, k_ld, 1.0f, dq_tile, dq_ld);  // dQ_i += scale dS K_j
-  gemm_rm(true, false, nk, E, n, scale, ds, nk, q_tile, q_ld, 1.0f, dk_rows, dk_ld);   // dK_j += scale dS^T Q_i
+template <class G>
+inline void tile_dq_dk(const G& gemm, const float* ds, typename G::T* buf, int n, int nk, int E, float scale,
+                       const typename G::T* k_rows, int k_ld, float* dq_tile, int dq_ld, const typename G::T* q_tile,
+                       int q_ld, float* dk_rows, int dk_ld) {
+  const typename G::T* ds_op = gemm.operand(ds, static_cast<int64_t>(n) * nk, buf);
+  gemm(false, false, n, E, nk, scale, ds_op, nk, k_rows, k_ld, 1.0f, dq_tile, dq_ld);  // dQ_i += scale dS K_j
+  gemm(true, false, nk, E, n, scale, ds_op, nk, q_tile, q_ld, 1.0f, dk_rows, dk_ld);   // dK_j += scale dS^T Q_i
 }
 
 // The backward's set-up, shared by flash.cpp and block_sparse.cpp: the checks, the shapes
@@ -363,13 +403,15 @@ inline void tile_dq_dk(const float* ds, int n, int nk, int E, float scale, const
 // and the tasks. One task per key/value head keeps one writer per dK/dV row; with fewer key/value
 // heads than threads (MQA/GQA at small batch) the r query heads of a group become separate tasks,
 // each adding into its own (S, E) slice of dk_parts/dv_parts, summed into dk/dv by finish().
+template <class T = float>
 struct BackwardSetup {
   int64_t Nb, r, L, E, S, Ev;
   int64_t q_ld, do_ld, dq_ld, k_ld, v_ld, dk_ld, dv_ld;
   bool split;
   int64_t n_tasks;
   at::Tensor dk_parts, dv_parts;
-  const float *q, *k, *v, *gout, *lse, *dlt;  // q4, k3, v3, dout, lse2, delta
+  const T *q, *k, *v, *gout;  // q4, k3, v3, dout: float32, or bf16 on the bf16 route
+  const float *lse, *dlt;     // lse2, delta
   float* gq;                                   // dq
   int64_t k_head_stride, v_head_stride;
 
@@ -378,8 +420,12 @@ struct BackwardSetup {
   BackwardSetup(const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
                 const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
                 const at::Tensor& dv, const char* what) {
+    const at::ScalarType operands = std::is_same<T, float>::value ? at::kFloat : at::kBFloat16;
     for (const at::Tensor* t : {&dout, &q4, &k3, &v3, &lse2, &delta, &dq, &dk, &dv}) {
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), what, ": float32 CPU only");
+      const bool operand = t == &dout || t == &q4 || t == &k3 || t == &v3;
+      TORCH_CHECK(t->scalar_type() == (operand ? operands : at::kFloat) && t->device().is_cpu(), what,
+                  ": dout, q4, k3, v3 must be ", operand ? c10::toString(operands) : "float32",
+                  " and the rest float32, on the CPU");
       TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) == 1, what, ": the last dim must be dense");
     }
     TORCH_CHECK(q4.dim() == 4 && dout.dim() == 4 && dq.dim() == 4 && k3.dim() == 3 && v3.dim() == 3 &&
@@ -402,8 +448,9 @@ struct BackwardSetup {
       dv_parts = at::zeros({Nb, r, S, Ev}, dv.options());
     }
     n_tasks = split ? Nb * r : Nb;
-    q = q4.data_ptr<float>(), k = k3.data_ptr<float>(), v = v3.data_ptr<float>();
-    gout = dout.data_ptr<float>(), lse = lse2.data_ptr<float>(), dlt = delta.data_ptr<float>();
+    q = static_cast<const T*>(q4.data_ptr()), k = static_cast<const T*>(k3.data_ptr());
+    v = static_cast<const T*>(v3.data_ptr()), gout = static_cast<const T*>(dout.data_ptr());
+    lse = lse2.data_ptr<float>(), dlt = delta.data_ptr<float>();
     gq = dq.data_ptr<float>();
     k_head_stride = k3.stride(0), v_head_stride = v3.stride(0);
   }
@@ -414,8 +461,8 @@ struct BackwardSetup {
   // dK/dV rows go.
   struct Task {
     int64_t nb, h_begin, h_end;
-    const float* k_head;
-    const float* v_head;
+    const T* k_head;
+    const T* v_head;
     float* dk_head;
     float* dv_head;
     int64_t dk_row, dv_row;

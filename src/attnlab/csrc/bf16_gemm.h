@@ -1,0 +1,190 @@
+// bf16 x bf16 -> float32 GEMM for the native kernels' bf16 route (issue 24, item 3).
+//
+// Why our own: torch's bf16 GEMM that writes float32 (at::native::cpublas::gemm's BFloat16 ->
+// float overload, oneDNN inside) is not exported by libtorch_cpu; MKL's cblas_gemm_bf16bf16f32
+// is, but on this AMD Zen 4 it took 124 us for 256x256x64 where sgemm took 113 us (single
+// thread, 2026-12-01): MKL picks its AVX2 code on AMD. at::mm on bf16 writes bf16, which would
+// round the scores before the softmax. So the route that uses the CPU's bf16 units is this
+// file: operands packed as oneDNN's and torch's own bf16 kernels pack them, a register-blocked
+// micro-kernel on vdpbf16ps (AVX512_BF16: two bf16 products summed into each float32 lane),
+// float32 accumulation.
+//
+//   A is packed row by row along k (pairs of k adjacent: a 32-bit broadcast feeds a dpbf16);
+//   B is packed in "VNNI" order, Bp[p][j][t] = B(2p + t, j), so one 512-bit load holds the
+//   pairs of 16 columns; the micro-kernel keeps an MR x (16 NR) block of C in registers.
+//
+// Without AVX512_BF16 (compiled for an AVX2-only CPU) the same call widens the operands to
+// float32 and runs sgemm: the same products (a bf16 x bf16 product is exact in float32) and
+// float32 sums, so the route is correct, and testable, on every CPU; it is fast only where
+// the instructions exist (attnlab.kernels.bf16_route chooses it then).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// bf16 bits <-> float32: a bf16 is the top half of a float32; rounding is to nearest even
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN stays NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// dst[0..count) = bf16(src[0..count)): P and dS before their GEMMs, as torch's kernel rounds them
+inline void round_to_bf16(const float* src, int64_t count, uint16_t* dst) {
+  int64_t c = 0;
+#if defined(__AVX512BF16__)
+  for (; c + 32 <= count; c += 32) {
+    const __m512bh two = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + c + 16), _mm512_loadu_ps(src + c));
+    _mm512_storeu_si512(reinterpret_cast<void*>(dst + c), reinterpret_cast<__m512i>(two));
+  }
+#endif
+  for (; c < count; ++c) dst[c] = float_to_bf16(src[c]);
+}
+
+// op(X)(i, kk) of a row-major bf16 matrix with leading dim ld, op = transpose when t
+inline uint16_t at_op(const uint16_t* x, int64_t ld, bool t, int64_t i, int64_t kk) {
+  return t ? x[kk * ld + i] : x[i * ld + kk];
+}
+
+#if defined(__AVX512BF16__)
+// C[0:MR, 0:16 NR] = alpha * sum_p A_p B_p + beta * C, last zmm column masked by `last`
+template <int MR, int NR>
+inline void micro_bf16(int64_t kp, const uint16_t* ap, int64_t a_ld, const uint16_t* bp, int64_t b_ld, float alpha,
+                       float beta, float* c, int64_t ldc, __mmask16 last) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512bh b[NR];
+    for (int j = 0; j < NR; ++j)
+      b[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(reinterpret_cast<const void*>(bp + p * b_ld + 32 * j)));
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, ap + i * a_ld + 2 * p, 4);
+      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+    }
+  }
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NR; ++j) {
+      float* out = c + i * ldc + 16 * j;
+      const __mmask16 m = j == NR - 1 ? last : static_cast<__mmask16>(0xffff);
+      __m512 r = _mm512_mul_ps(acc[i][j], va);
+      if (beta != 0.0f) r = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, out), vb, r);
+      _mm512_mask_storeu_ps(out, m, r);
+    }
+  }
+}
+
+template <int MR>
+inline void micro_rows(int nr, int64_t kp, const uint16_t* ap, int64_t a_ld, const uint16_t* bp, int64_t b_ld,
+                       float alpha, float beta, float* c, int64_t ldc, __mmask16 last) {
+  switch (nr) {
+    case 1: micro_bf16<MR, 1>(kp, ap, a_ld, bp, b_ld, alpha, beta, c, ldc, last); break;
+    case 2: micro_bf16<MR, 2>(kp, ap, a_ld, bp, b_ld, alpha, beta, c, ldc, last); break;
+    case 3: micro_bf16<MR, 3>(kp, ap, a_ld, bp, b_ld, alpha, beta, c, ldc, last); break;
+    default: micro_bf16<MR, 4>(kp, ap, a_ld, bp, b_ld, alpha, beta, c, ldc, last); break;
+  }
+}
+#endif
+
+// Row-major C (m x n, ldc, float32) = alpha * op(A) op(B) + beta * C, with A (m x k) and B
+// (k x n) bf16 (op = transpose when ta / tb; lda, ldb are the stored matrices' leading dims).
+// units = false widens instead of using the bf16 instructions (the route of CPUs without them,
+// forced by ATTNLAB_BF16=bf16-emulated so that it is tested on any machine).
+inline void gemm_bf16(bool ta, bool tb, int m, int n, int k, float alpha, const uint16_t* a, int lda,
+                      const uint16_t* b, int ldb, float beta, float* c, int ldc, bool units) {
+  if (m <= 0 || n <= 0) return;
+#if defined(__AVX512BF16__)
+  if (units) {
+  const int64_t kp = (k + 1) / 2;         // pairs of k
+  const int64_t np = (n + 15) / 16 * 16;  // columns, padded to whole zmm
+  thread_local std::vector<uint16_t> a_pack, b_pack;
+  a_pack.resize(static_cast<size_t>(m) * 2 * kp);
+  b_pack.resize(static_cast<size_t>(kp) * np * 2);
+  for (int64_t i = 0; i < m; ++i) {  // A rows along k, an odd k padded with 0
+    uint16_t* row = a_pack.data() + i * 2 * kp;
+    if (!ta) {
+      std::memcpy(row, a + i * lda, static_cast<size_t>(k) * 2);
+    } else {
+      for (int64_t kk = 0; kk < k; ++kk) row[kk] = a[kk * lda + i];
+    }
+    if (k % 2) row[k] = 0;
+  }
+  for (int64_t p = 0; p < kp; ++p) {  // Bp[p][j][t] = B(2p + t, j), padding 0
+    uint16_t* dst = b_pack.data() + p * np * 2;
+    const int64_t k0 = 2 * p, k1 = 2 * p + 1;
+    if (!tb) {
+      const uint16_t* r0 = b + k0 * ldb;
+      const uint16_t* r1 = k1 < k ? b + k1 * ldb : nullptr;
+      for (int64_t j = 0; j < n; ++j) {
+        dst[2 * j] = r0[j];
+        dst[2 * j + 1] = r1 ? r1[j] : 0;
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        const uint16_t* col = b + j * ldb;
+        dst[2 * j] = col[k0];
+        dst[2 * j + 1] = k1 < k ? col[k1] : 0;
+      }
+    }
+    std::fill(dst + 2 * n, dst + 2 * np, static_cast<uint16_t>(0));
+  }
+  constexpr int MR = 6, NR = 4;  // 24 accumulators + 4 B loads + 1 broadcast of the 32 zmm
+  for (int64_t j0 = 0; j0 < n; j0 += 16 * NR) {
+    const int cols = static_cast<int>(std::min<int64_t>(16 * NR, n - j0));
+    const int nr = (cols + 15) / 16;
+    const int tail = cols - 16 * (nr - 1);
+    const __mmask16 last = static_cast<__mmask16>(tail == 16 ? 0xffff : (1u << tail) - 1u);
+    const uint16_t* bp = b_pack.data() + 2 * j0;
+    for (int64_t i0 = 0; i0 < m; i0 += MR) {
+      const int rows = static_cast<int>(std::min<int64_t>(MR, m - i0));
+      const uint16_t* ap = a_pack.data() + i0 * 2 * kp;
+      float* cc = c + i0 * ldc + j0;
+      switch (rows) {
+        case 1: micro_rows<1>(nr, kp, ap, 2 * kp, bp, 2 * np, alpha, beta, cc, ldc, last); break;
+        case 2: micro_rows<2>(nr, kp, ap, 2 * kp, bp, 2 * np, alpha, beta, cc, ldc, last); break;
+        case 3: micro_rows<3>(nr, kp, ap, 2 * kp, bp, 2 * np, alpha, beta, cc, ldc, last); break;
+        case 4: micro_rows<4>(nr, kp, ap, 2 * kp, bp, 2 * np, alpha, beta, cc, ldc, last); break;
+        case 5: micro_rows<5>(nr, kp, ap, 2 * kp, bp, 2 * np, alpha, beta, cc, ldc, last); break;
+        default: micro_rows<6>(nr, kp, ap, 2 * kp, bp, 2 * np, alpha, beta, cc, ldc, last); break;
+      }
+    }
+  }
+  return;
+  }
+#endif
+  // no bf16 instructions: widen op(A) and op(B) to float32 and run sgemm (same products, exact)
+  thread_local std::vector<float> a32, b32;
+  a32.resize(static_cast<size_t>(m) * k);
+  b32.resize(static_cast<size_t>(k) * n);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t kk = 0; kk < k; ++kk) a32[i * k + kk] = bf16_to_float(at_op(a, lda, ta, i, kk));
+  for (int64_t kk = 0; kk < k; ++kk)
+    for (int64_t j = 0; j < n; ++j) b32[kk * n + j] = bf16_to_float(at_op(b, ldb, tb, kk, j));
+  gemm_rm(false, false, m, n, k, alpha, a32.data(), k, b32.data(), n, beta, c, ldc);
+}
+
+// Whether gemm_bf16 runs on the CPU's bf16 instructions in this build (else it widens to float32).
+inline bool bf16_gemm_native() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace

@@ -1,0 +1,107 @@
+"""The native kernels' bfloat16 routes (issue 24, item 3), each forced by ATTNLAB_BF16 so every
+route is tested on any CPU:
+
+* ``bf16``: bf16 operands on the CPU's bf16 instructions (csrc/bf16_gemm.h's micro-kernel
+  where the build has AVX512_BF16; a build without it reports ``bf16-emulated`` instead);
+* ``bf16-emulated``: the same operands and roundings, GEMMs widened to float32 (the route a
+  CPU without the instructions runs when forced);
+* ``fp32``: the inputs converted to float32 (what ``auto`` takes on CPUs without avx512_bf16).
+
+Each must stay within the shared rule against torch's own bf16 error (2x for outputs, 3x for
+gradients: attnlab.testing.assert_close_to_sdpa's defaults), forward and backward, with GQA,
+masks and tile edges; and the route must really be the one that runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab import _native, tiled
+from attnlab.testing import assert_close_to_sdpa
+
+ROUTES = ["bf16", "bf16-emulated", "fp32"]
+
+
+@pytest.fixture(params=ROUTES)
+def route(request, monkeypatch):
+    assert _native.ops() is not None, _native.status()
+    monkeypatch.setenv("ATTNLAB_BF16", request.param)
+    return request.param
+
+
+def expected_name(route: str) -> str:
+    if route == "bf16" and not _native.ops().bf16_units():
+        return "bf16-emulated"  # a build without AVX512_BF16 says so
+    return route
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def spy_operands(monkeypatch) -> list:
+    """The dtype of q4 each native forward gets: bfloat16 on the bf16 routes, float32 on fp32."""
+    seen, real = [], _native.ops()
+
+    class Spy:
+        def __getattr__(self, name):
+            op = getattr(real, name)
+            if name != "flash_forward":
+                return op
+
+            def forward(q4, *a):
+                seen.append((q4.dtype, a[-1]))  # the operands' dtype, bf16_emulated
+                return op(q4, *a)
+            return forward
+
+    monkeypatch.setattr(tiled._native, "ops", lambda: Spy())
+    return seen
+
+
+CASES = {
+    "tiles": dict(q=(1, 2, 300, 64), kv=(1, 2, 600, 64), causal=True),
+    "gqa": dict(q=(2, 8, 257, 128), kv=(2, 2, 257, 128), causal=True, gqa=True),
+    "odd_sizes": dict(q=(2, 3, 17, 7), kv=(2, 3, 5, 7), v_dim=9),
+    "bool_mask": dict(q=(1, 2, 64, 32), kv=(1, 2, 96, 32), mask="bool"),
+    "float_mask": dict(q=(1, 2, 64, 32), kv=(1, 2, 96, 32), mask="float"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_route_is_within_the_shared_rule_forward_and_backward(route, monkeypatch, case):
+    c = CASES[case]
+    q, k = randn(*c["q"]), randn(*c["kv"], seed=1)
+    v = randn(*c["kv"][:-1], c.get("v_dim", c["kv"][-1]), seed=2)
+    mask = None
+    if c.get("mask") == "bool":
+        mask = torch.rand(c["q"][-2], c["kv"][-2], generator=torch.Generator().manual_seed(3)) > 0.3
+    elif c.get("mask") == "float":
+        mask = torch.randn(c["q"][-2], c["kv"][-2], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    seen = spy_operands(monkeypatch)
+    assert_close_to_sdpa(tiled.flash_attention, q, k, v, attn_mask=mask, is_causal=c.get("causal", False),
+                         enable_gqa=c.get("gqa", False))
+    operands = torch.float32 if route == "fp32" else torch.bfloat16
+    assert seen and all(dtype == operands for dtype, _ in seen), seen
+    assert all(emulated == (expected_name(route) == "bf16-emulated") for _, emulated in seen), seen
+
+
+def test_native_status_names_the_route_and_why(route):
+    status = _native.status()
+    assert status.bf16.name == expected_name(route)
+    assert f"bfloat16 route: {expected_name(route)}" in str(status) and "ATTNLAB_BF16" in str(status)
+
+
+def test_auto_follows_the_cpus_flags(monkeypatch):
+    monkeypatch.delenv("ATTNLAB_BF16", raising=False)
+    has = "avx512_bf16" in _native.cpu_features() and _native.ops().bf16_units()
+    assert _native.bf16_route().name == ("bf16" if has else "fp32")
+    monkeypatch.setattr(_native, "cpu_features", lambda: frozenset({"avx2", "fma"}))
+    assert _native.bf16_route() == _native.Bf16Route(
+        "fp32", "this CPU has no avx512_bf16, so float32 GEMMs are the faster route")
+
+
+def test_a_bad_route_name_is_refused(monkeypatch):
+    monkeypatch.setenv("ATTNLAB_BF16", "fast")
+    with pytest.raises(ValueError, match="ATTNLAB_BF16 must be one of auto, bf16, bf16-emulated, fp32, got 'fast'"):
+        _native.bf16_route()
