@@ -17,7 +17,7 @@ help:
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
-	$(BIN)/python -m attnlab._native
+	$(BIN)/python -m attnlab.kernels.native
 	touch $(STAMP)
 
 demo: $(STAMP) sandbox

@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnlab import _native, tiled
+from attnlab import tiled
+from attnlab.kernels import native as _native
 from attnlab.testing import assert_close_to_sdpa
 
 ROUTES = ["bf16", "bf16-emulated", "fp32"]

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attnlab import KVCache, MultiHeadAttention, _native, dispatch, masks
+from attnlab import KVCache, MultiHeadAttention, dispatch, masks
+from attnlab.kernels import native as _native
 from attnlab.decoding import PagedKVCache, decode_attention, paged_decode_attention
 from attnlab.kernels import decode as kernel
 from attnlab.testing import assert_close, assert_close_to_sdpa

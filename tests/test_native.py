@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import parity_stats
-from attnlab import _native, kernels, tiled
+from attnlab import kernels, tiled
+from attnlab.kernels import native as _native
 from attnlab.testing import assert_close, assert_close_to_sdpa
 
 
@@ -138,7 +139,7 @@ def test_a_failed_build_warns_once_and_falls_back(tmp_path):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
     code = textwrap.dedent(f"""
-        from attnlab import _native
+        from attnlab.kernels import native as _native
         from pathlib import Path
         _native._SOURCES = (Path({str(broken)!r}),)
     """) + textwrap.dedent(CHECK_RESULT)
@@ -298,7 +299,7 @@ def test_the_portable_kernel_without_avx512(tmp_path):
     -mno-avx512f into a scratch cache, outputs and gradients against float64 torch."""
     code = textwrap.dedent("""
         import torch
-        from attnlab import _native
+        from attnlab.kernels import native as _native
         _native._CFLAGS = _native._CFLAGS + ["-mno-avx512f"]
         from attnlab import tiled
         from attnlab.testing import assert_close

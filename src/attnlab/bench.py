@@ -754,7 +754,7 @@ def machine_line() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    from attnlab import _native
+    from attnlab.kernels import native as _native
 
     # the flags that choose code paths (attnlab's row passes, torch's and oneDNN's GEMMs)
     flags = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in _native.cpu_features()]

@@ -12,7 +12,7 @@ instead of storing the ``(L, S)`` probabilities.
 
 The functions here are the readable version. For float32 on the CPU the forward and
 backward run the same loops as compiled C++ (``csrc/flash.cpp``, built by
-:mod:`attnlab._native`), one cache-sized tile per task; :func:`native_status` says which.
+:mod:`attnlab.kernels.native`), one cache-sized tile per task; :func:`native_status` says which.
 
 Arithmetic is done in base 2 (``exp2``, with ``log2(e)`` folded into the query
 scale): same result, and ``exp2`` is cheaper than ``exp`` on the CPU.
@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from attnlab import _native
+from attnlab.kernels import native as _native
 from attnlab._validation import compute_dtype, validate
 from attnlab.kernels import (LOG2E, Layout, block_size, dense_rows, finite_inputs, lse_absorbed, merge_,
                              needs_natural_units, online)
@@ -169,7 +169,7 @@ def _forward(q4: Tensor, k3: Tensor, v3: Tensor, layout: Layout, mask: Optional[
              scale2: float, bq: int, bk: int) -> tuple[Tensor, Tensor]:
     """``(out (Nb, r, L, Ev), lse2 (Nb, r, L))``; lse2 is the base-2 log-sum-exp (-inf on empty rows).
 
-    Runs attnlab's native C++ kernel (:mod:`attnlab._native`, the same algorithm one cache-sized
+    Runs attnlab's native C++ kernel (:mod:`attnlab.kernels.native`, the same algorithm one cache-sized
     tile per task; the mask read in place) for float32 on the CPU, and
     :func:`_forward_eager` otherwise. Both are checked against each other and against torch.
     """
@@ -218,7 +218,7 @@ def _native_ops(mask: Optional[Tensor], q4: Tensor, k3: Tensor, v3: Tensor):
 
 def _operand_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the kernels get the inputs in: bfloat16 itself on the bf16 route
-    (:func:`attnlab._native.bf16_route`), else the compute dtype (float32 for half types)."""
+    (:func:`attnlab.kernels.native.bf16_route`), else the compute dtype (float32 for half types)."""
     if dtype == torch.bfloat16 and _native.bf16_route().name != "fp32":
         return dtype
     return compute_dtype(dtype)

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from attnlab import _native
+from attnlab.kernels import native as _native
 from attnlab import kernels as contract
 from attnlab.flex.block_mask import BlockMask
 from attnlab.flex.mods import NativeForm

@@ -22,14 +22,18 @@ The contract, which :mod:`attnlab.tiled`, :mod:`attnlab.flex` and the ring
   written in PyTorch; the tiled path (base 2) and flex's pure path (natural units, with a
   ``score_mod``) both run their tiles through them.
 
-In C++, ``csrc/kernels.h`` is the same layer: the row pass, the tile backward's two halves
-and (``BackwardSetup``) the backward's checks, strides and tasks, shared by ``csrc/flash.cpp``
-and ``csrc/block_sparse.cpp``. The one front door is :func:`attnlab.dispatch.attention`
-(reference, tiled, flex), which the modules and the transformers integration use.
+In C++ (``csrc/``, built and loaded by :mod:`.native`), ``kernels.h`` is the same layer: the
+row pass, the online-softmax step (``online_update``), its end (``finish_rows``), the
+log-sum-exp merge (``merge_rows``), the tile backward's two halves and (``BackwardSetup``)
+the backward's checks, strides and tasks, shared by ``flash.cpp`` (dense and masked tiles),
+``block_sparse.cpp`` (flex's block masks) and ``decode.cpp`` (a few rows against a KV cache,
+:mod:`.decode`). ``bf16_gemm.h`` is the bf16 route's GEMM; a kernel is written once over a
+GEMM policy (``Gemm32``, ``GemmBf16``). The one front door is :func:`attnlab.dispatch.attention`
+(reference, tiled, flex, decode), which the modules and the transformers integration use.
 
-Still to come here (issue 24): the tile loops themselves (which tiles a query block visits and
-how they are masked stay in :mod:`attnlab.tiled` and :mod:`attnlab.flex.attention`, and in the
-two C++ files), the native loader moved under this package, a decode kernel and bf16 GEMMs.
+Which tiles a query block visits stays with each kernel (all key blocks up to the causal
+diagonal; the blocks a BlockMask keeps; the chunks of a cache): that is what makes them
+different kernels. The arithmetic on a tile is written once in each language.
 """
 
 from attnlab.kernels import online

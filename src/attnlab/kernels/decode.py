@@ -28,7 +28,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
-from attnlab import _native
+from attnlab.kernels import native as _native
 from attnlab._validation import compute_dtype
 from attnlab.kernels import online
 from attnlab.kernels.numerics import merge_

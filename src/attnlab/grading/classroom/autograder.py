@@ -61,7 +61,7 @@ PIP_ARGS="${ATTNLAB_PIP_ARGS:---extra-index-url https://download.pytorch.org/whl
 # shellcheck disable=SC2086  (PIP_ARGS is a list of arguments)
 "$VENV/bin/python" -m pip install --quiet $PIP_ARGS -r "$HERE/requirements.txt"
 "$VENV/bin/python" -m pip install --quiet $PIP_ARGS --no-deps --force-reinstall "$HERE"/attnlab-*.whl
-"$VENV/bin/python" -m attnlab._native || true   # build the native kernels once, into the image
+"$VENV/bin/python" -m attnlab.kernels.native || true   # build the native kernels once, into the image
 echo "attnlab autograder installed into $VENV"
 """
 

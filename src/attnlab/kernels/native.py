@@ -1,11 +1,13 @@
-"""attnlab's native kernels for the tiled path: built once with this machine's C++ compiler.
+"""attnlab's native kernels (``csrc/``): built once with this machine's C++ compiler, and loaded.
 
 The kernels (``csrc/flash.cpp``) run the same online softmax as
 :func:`attnlab.tiled`'s eager forward and the same FlashAttention-2 backward as
 its eager backward, one cache-sized tile at a time so that the row passes
 read scores still in cache; see the comment at the top of that file for why.
 ``csrc/block_sparse.cpp`` runs them over the blocks an :class:`attnlab.flex.BlockMask`
-keeps (used through :mod:`attnlab.flex.kernels`); ``csrc/kernels.h`` holds what both share.
+keeps (used through :mod:`attnlab.flex.kernels`); ``csrc/decode.cpp`` is the decode kernel
+(:mod:`attnlab.kernels.decode`); ``csrc/kernels.h`` holds what they share and
+``csrc/bf16_gemm.h`` the bf16 route's GEMM (:func:`bf16_route`).
 
 It is compiled with ``torch.utils.cpp_extension`` on first use (20-70 s measured on 2 cores; ``make demo``
 and ``make test`` build it ahead) into ``~/.cache/attnlab/`` (``$ATTNLAB_CACHE_DIR``
@@ -15,7 +17,7 @@ never loaded. ``ATTNLAB_NATIVE=0`` turns it off. Without a compiler, or if the b
 fails, the tiled path uses its pure-PyTorch forward (same results, slower) and says so once
 with a warning; :func:`status` tells which is in use and why.
 
-Run ``python -m attnlab._native`` to build it and print the status.
+Run ``python -m attnlab.kernels.native`` to build it and print the status.
 """
 
 from __future__ import annotations
