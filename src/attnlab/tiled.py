@@ -113,10 +113,11 @@ def flash_attention(
 def native_status() -> _native.NativeStatus:
     """Whether the tiled path runs attnlab's compiled kernels (building them on first call), and why not if not.
 
-    The compiled forward and backward cover float32 (and float16/bfloat16, computed in
-    float32) on the CPU, with or without a bool or float ``attn_mask`` (the backward also
-    needs as many key/value heads, batch included, as torch has threads, or GQA groups);
-    other calls, or
+    The compiled forward and backward cover float32, bfloat16 (on the route
+    ``status.bf16`` names: bf16 GEMMs where the CPU has ``avx512_bf16``, else computed in
+    float32; ``ATTNLAB_BF16`` forces one) and float16 (computed in float32) on the CPU, with or
+    without a bool or float ``attn_mask`` (the backward also needs as many key/value heads,
+    batch included, as torch has threads, or GQA groups); other calls, or
     ``ATTNLAB_NATIVE=0``, run the pure-PyTorch code, which is the readable version.
     """
     return _native.status()
