@@ -128,7 +128,7 @@ def test_block_sizes_and_a_gradient_through_lse(block, native_calls):
 def test_the_kernels_follow_the_block_kinds(native_calls):
     """A hand-made BlockMask whose kinds contradict any mask_mod: the kernels must skip EMPTY
     blocks (whatever bits they carry), apply no bits to FULL ones, and read PARTIAL bits.
-    ``to_dense`` states that meaning, so the reference with it is the oracle."""
+    ``element_mask`` states that meaning, so the reference with it is the oracle."""
     g = torch.Generator().manual_seed(5)
     Bm, Hm, nq, nk, bq, bk = 2, 1, 5, 4, 16, 24
     L, S = 75, 90  # the last blocks are short
@@ -144,7 +144,7 @@ def test_the_kernels_follow_the_block_kinds(native_calls):
     out.square().sum().backward()
     assert native_calls == [True]
     q2, k2 = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
-    ref = reference(q2, k2, v, attn_mask=bm.to_dense())
+    ref = reference(q2, k2, v, attn_mask=bm.element_mask())
     ref.square().sum().backward()
     assert (out[0, :, 2 * bq:3 * bq] == 0).all()
     assert_close(out, ref, dtype=torch.float32, msg="output")

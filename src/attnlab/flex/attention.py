@@ -21,7 +21,8 @@ row that sees no key, whose output is 0).
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+import warnings
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -31,21 +32,46 @@ from attnlab.flex import kernels
 from attnlab.kernels import online
 from attnlab.flex.block_mask import EMPTY, FULL, BlockMask, _unpack
 
-__all__ = ["flex_attention", "ScoreMod"]
+__all__ = ["flex_attention", "ScoreMod", "AuxRequest", "AuxOutput"]
 
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 DEFAULT_BLOCK = 128  # query and key block when no BlockMask sets them
 
 
+class AuxRequest(NamedTuple):
+    """torch's request for flex_attention's auxiliary outputs (``return_aux=``)."""
+
+    lse: bool = False
+    max_scores: bool = False
+
+
+class AuxOutput(NamedTuple):
+    """torch's auxiliary outputs: each None unless requested. ``lse (B, H, L)`` natural-log
+    log-sum-exp; ``max_scores (B, H, L)`` the row max of the scores after the scale, the
+    score_mod and the mask (natural units; -inf for a row that sees no key)."""
+
+    lse: Optional[Tensor] = None
+    max_scores: Optional[Tensor] = None
+
+
+# torch's FlexKernelOptions: BLOCK_M / BLOCK_N set the tile without a block mask; the rest tune
+# Triton kernels (or are flags attnlab's CPU kernels need not), ignored with a note once each
+_TILE_OPTIONS = ("BLOCK_M", "BLOCK_N")
+_noted: set = set()
+
+
 def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optional[ScoreMod] = None,
                    block_mask: Optional[BlockMask] = None, scale: Optional[float] = None, enable_gqa: bool = False,
-                   return_lse: bool = False):
+                   return_lse: bool = False, kernel_options: Optional[dict] = None, *,
+                   return_aux: Optional[AuxRequest] = None):
     """FlexAttention's ``flex_attention``, from scratch, with a backward on the CPU.
 
     Args:
         query: ``(B, H, L, E)``.
-        key: ``(B, Hkv, S, E)``; ``Hkv == H`` unless ``enable_gqa``.
-        value: ``(B, Hkv, S, Ev)``.
+        key: ``(B or 1, Hkv, S, E)``; ``Hkv == H`` unless ``enable_gqa``. A key/value batch of
+            1 broadcasts against the query's (as a view; the native kernels copy it when
+            ``Hkv > 1``).
+        value: ``(B or 1, Hkv, S, Ev)``, the key's batch.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, called on each tile's
             scores ``(B, H, bq, bk)`` with broadcastable int64 indices ``b (B, 1, 1, 1)``,
             ``h (1, H, 1, 1)``, ``q_idx (1, 1, bq, 1)``, ``kv_idx (1, 1, 1, bk)``. Applied
@@ -54,32 +80,79 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
             None attends everywhere.
         scale: default ``1 / sqrt(E)``.
         enable_gqa: query head ``h`` uses key/value head ``h // (H // Hkv)``.
-        return_lse: also return the log-sum-exp ``(B, H, L)`` (natural log).
+        return_lse: also return the log-sum-exp ``(B, H, L)`` (natural log); torch's older
+            spelling of ``return_aux=AuxRequest(lse=True)``.
+        kernel_options: torch's ``FlexKernelOptions``. ``BLOCK_M`` and ``BLOCK_N`` set the query
+            and key tile when there is no block mask (a block mask's ``BLOCK_SIZE`` decides
+            otherwise); the other keys tune torch's Triton kernels and are ignored, with a
+            one-time note each.
+        return_aux: :class:`AuxRequest` ``(lse, max_scores)``: return ``(output, AuxOutput)``.
 
     Returns:
-        ``(B, H, L, Ev)`` in the query's dtype, or ``(output, lse)``.
+        ``(B, H, L, Ev)`` in the query's dtype; ``(output, lse)`` with ``return_lse``;
+        ``(output, AuxOutput)`` with ``return_aux``.
     """
     _validate(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    if return_lse and return_aux is not None:
+        raise ValueError("flex_attention: pass return_lse or return_aux, not both (return_lse is torch's older "
+                         "spelling of return_aux=AuxRequest(lse=True))")
+    if return_aux is not None and not isinstance(return_aux, AuxRequest):
+        raise TypeError(f"flex_attention: return_aux must be an attnlab.flex.AuxRequest(lse=..., max_scores=...), "
+                        f"got {type(return_aux).__name__}")
+    tile = _tile_options(kernel_options)
+    B, H, L, E = query.shape
+    if key.shape[0] != B:  # a key/value batch of 1: broadcast, as views
+        key, value = key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])
+    out, lse = _attention(query, key, value, score_mod, block_mask, scale, tile)
+    if return_aux is not None:
+        max_scores = _max_scores(query, key, value, score_mod, block_mask, scale, tile) if return_aux.max_scores \
+            else None
+        return out, AuxOutput(lse if return_aux.lse else None, max_scores)
+    return (out, lse) if return_lse else out
+
+
+def _tile_options(kernel_options: Optional[dict]) -> tuple[int, int]:
+    """``(bq, bk)`` for calls without a block mask, from ``BLOCK_M``/``BLOCK_N``."""
+    if kernel_options is None:
+        return DEFAULT_BLOCK, DEFAULT_BLOCK
+    if not isinstance(kernel_options, dict):
+        raise TypeError(f"flex_attention: kernel_options must be a dict (torch's FlexKernelOptions), got "
+                        f"{type(kernel_options).__name__}")
+    for name in sorted(set(kernel_options) - set(_TILE_OPTIONS) - _noted):
+        _noted.add(name)
+        warnings.warn(f"flex_attention: kernel_options[{name!r}] tunes torch's Triton kernels; attnlab's CPU kernels "
+                      f"ignore it", UserWarning, stacklevel=3)
+    sizes = []
+    for name in _TILE_OPTIONS:
+        v = kernel_options.get(name, DEFAULT_BLOCK)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"flex_attention: kernel_options[{name!r}] must be a positive int, got {v!r}")
+        sizes.append(v)
+    return sizes[0], sizes[1]
+
+
+def _attention(query: Tensor, key: Tensor, value: Tensor, score_mod, block_mask: Optional[BlockMask],
+               scale: Optional[float], tile: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """``(out (B, H, L, Ev), lse (B, H, L))``: the native kernels where they apply, else the pure path."""
     B, H, L, E = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     scale_f = float(scale) if scale is not None else (1.0 / math.sqrt(E) if E else 1.0)
     q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
     form = kernels.native_form(score_mod)
-    if form is not None and kernels.covers(q, k, v):  # the native block-sparse kernels
-        result = kernels.attention(q, k, v, block_mask, scale_f, DEFAULT_BLOCK, form)
+    square = block_mask is not None or tile[0] == tile[1]  # the native plan takes one tile size without a mask
+    if form is not None and square and kernels.covers(q, k, v):  # the native block-sparse kernels
+        result = kernels.attention(q, k, v, block_mask, scale_f, tile[0], form)
         if result is not None:
             out, lse = result
-            out = out.to(query.dtype)
-            return (out, lse) if return_lse else out
+            return out.to(query.dtype), lse
     if Hkv != H:  # GQA: each query head's key/value head, (B, H, S, E)
         k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
-    bq, bk = block_mask.BLOCK_SIZE if block_mask is not None else (DEFAULT_BLOCK, DEFAULT_BLOCK)
+    bq, bk = block_mask.BLOCK_SIZE if block_mask is not None else tile
     if score_mod is None:  # masks only: FlashAttention-2's backward, one tile at a time
         plans = [_row_plan(block_mask, i, B, H, min(L, i0 + bq) - i0, S, bk) for i, i0 in enumerate(range(0, L, bq))]
         out, lse = _MaskedFlex.apply(q, k, v, plans, scale_f, bq, bk)
-        out = out.to(query.dtype)
-        return (out, lse) if return_lse else out
+        return out.to(query.dtype), lse
     outs, lses = [], []
     for i, i0 in enumerate(range(0, L, bq)):
         i1 = min(L, i0 + bq)
@@ -95,8 +168,36 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
         lses.append(lse)
     out = torch.cat(outs, dim=2) if outs else q.new_zeros(B, H, 0, value.shape[-1])
     lse = torch.cat(lses, dim=2) if lses else q.new_zeros(B, H, 0)
-    out = out.to(query.dtype)
-    return (out, lse) if return_lse else out
+    return out.to(query.dtype), lse
+
+
+def _max_scores(query: Tensor, key: Tensor, value: Tensor, score_mod, block_mask: Optional[BlockMask],
+                scale: Optional[float], tile: tuple[int, int]) -> Tensor:
+    """``(B, H, L)`` float32 (float64 for float64 inputs): each row's largest score after the scale,
+    the score_mod and the mask, natural units; -inf where a row sees no key. One extra pass over
+    the visited tiles, without gradients (torch marks it non-differentiable)."""
+    B, H, L, E = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    scale_f = float(scale) if scale is not None else (1.0 / math.sqrt(E) if E else 1.0)
+    bq, bk = block_mask.BLOCK_SIZE if block_mask is not None else tile
+    out = query.new_full((B, H, L), float("-inf"), dtype=dtype)
+    with torch.no_grad():
+        q, k = query.to(dtype), key.to(dtype)
+        if Hkv != H:
+            k = k.repeat_interleave(H // Hkv, dim=1)  # (B, H, S, E)
+        b_idx, h_idx = torch.arange(B).view(B, 1, 1, 1), torch.arange(H).view(1, H, 1, 1)
+        for i, i0 in enumerate(range(0, L, bq)):
+            i1 = min(L, i0 + bq)
+            q_idx = torch.arange(i0, i1).view(1, 1, i1 - i0, 1)
+            for j0, j1, tile_mask in _row_plan(block_mask, i, B, H, i1 - i0, S, bk):
+                s = (q[:, :, i0:i1] @ k[:, :, j0:j1].transpose(-2, -1)) * scale_f  # (B, H, n, bk)
+                if score_mod is not None:
+                    s = score_mod(s, b_idx, h_idx, q_idx, torch.arange(j0, j1).view(1, 1, 1, j1 - j0))
+                if tile_mask is not None:
+                    s = s.masked_fill(~tile_mask, float("-inf"))
+                out[:, :, i0:i1] = torch.maximum(out[:, :, i0:i1], s.amax(dim=-1))
+    return out
 
 
 class _MaskedFlex(torch.autograd.Function):
@@ -223,8 +324,9 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa) -> No
         raise TypeError(f"{fn}: query, key and value must share one floating dtype, got {query.dtype}, "
                         f"{key.dtype}, {value.dtype}")
     B, H, L, E = query.shape
-    if key.shape[0] != B or value.shape[0] != B:
-        raise ValueError(f"{fn}: batch sizes differ: query {B}, key {key.shape[0]}, value {value.shape[0]}")
+    if key.shape[0] not in (1, B) or value.shape[0] != key.shape[0]:
+        raise ValueError(f"{fn}: the key/value batch must be the query's or 1 (it broadcasts), and the same for "
+                         f"both: query {B}, key {key.shape[0]}, value {value.shape[0]}")
     if key.shape[-1] != E:
         raise ValueError(f"{fn}: key's last dim must equal query's E={E}, got key {tuple(key.shape)}")
     if value.shape[2] != key.shape[2] or value.shape[1] != key.shape[1]:

@@ -11,18 +11,27 @@ and sorts every ``(BLOCK_SIZE x BLOCK_SIZE)`` tile into
 Building it never holds an ``L x S`` tensor: ``mask_mod`` is called on one row of blocks
 and at most :data:`CHUNK_KEYS` keys at a time (its index tensors broadcast to at most
 ``BLOCK_SIZE x CHUNK_KEYS``), so ``L = 65536`` builds in bounded memory.
+
+:class:`BlockMask` also has torch's attributes and methods, with torch's meanings
+(``torch.nn.attention.flex_attention.BlockMask``, 2.13): ``kv_num_blocks``/``kv_indices``
+(the partial blocks of each query block row), ``full_kv_num_blocks``/``full_kv_indices``,
+their ``q_*`` transposes, ``seq_lengths``, ``to_dense()`` (the ``(B, H, nq, nk)`` int32 block
+map), ``sparsity()``, ``numel()``, ``to_string()``, ``as_tuple()``, indexing,
+``from_kv_blocks``, ``_adjust`` and ``.to``; :func:`create_mask` gives the element mask.
 """
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["BlockMask", "create_block_mask", "EMPTY", "PARTIAL", "FULL", "CHUNK_KEYS", "MaskMod"]
+__all__ = ["BlockMask", "create_block_mask", "create_mask", "EMPTY", "PARTIAL", "FULL", "CHUNK_KEYS", "MaskMod"]
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -31,8 +40,11 @@ _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 def _pack(bits: Tensor) -> Tensor:
-    """``(..., n)`` bool with ``n % 8 == 0`` -> ``(..., n // 8)`` uint8, bit k of byte j = bits[8j + k]."""
-    return (bits.view(*bits.shape[:-1], -1, 8).to(torch.uint8) * _BIT_WEIGHTS).sum(-1, dtype=torch.uint8)
+    """``(..., n)`` bool -> ``(..., ceil(n / 8))`` uint8, bit k of byte j = bits[8j + k] (padding: 0)."""
+    pad = -bits.shape[-1] % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(*bits.shape[:-1], pad)], dim=-1)
+    return (bits.reshape(*bits.shape[:-1], -1, 8).to(torch.uint8) * _BIT_WEIGHTS).sum(-1, dtype=torch.uint8)
 
 
 def _unpack(packed: Tensor) -> Tensor:
@@ -44,8 +56,17 @@ def _unpack(packed: Tensor) -> Tensor:
 class BlockMask:
     """The blocks of a mask. Shapes: ``kinds (Bm, Hm, nq, nk)`` uint8 (EMPTY / PARTIAL / FULL),
     ``partial_index (Bm, Hm, nq, nk)`` int64 (row in ``bits``, -1 elsewhere), ``bits
-    (n_partial, bq, bk // 8)`` uint8 packed. ``Bm``/``Hm`` are 1 where ``B``/``H`` was None
-    (the mask broadcasts over batch or heads)."""
+    (n_partial, bq, ceil(bk / 8))`` uint8 packed. ``Bm``/``Hm`` are 1 where ``B``/``H`` was None
+    (the mask broadcasts over batch or heads).
+
+    torch's view of the same blocks (computed on first use, int32, as torch's
+    ``create_block_mask`` builds them: ``partial`` = some but not all of a block attends)::
+
+        kv_num_blocks (Bm, Hm, nq)       partial blocks per query block row
+        kv_indices    (Bm, Hm, nq, nk)   their key block indices first (ascending), then the rest
+        full_kv_num_blocks, full_kv_indices   the same for full blocks
+        q_num_blocks, q_indices, full_q_num_blocks, full_q_indices   the same per key block column
+    """
 
     kinds: Tensor
     partial_index: Tensor
@@ -55,6 +76,7 @@ class BlockMask:
     BLOCK_SIZE: tuple[int, int]
     mask_mod: Optional[MaskMod] = None
     _rows: Optional[tuple[Tensor, Tensor, Tensor]] = field(default=None, repr=False, compare=False)
+    _ordered: dict = field(default_factory=dict, repr=False, compare=False)
 
     def compressed_rows(self) -> tuple[Tensor, Tensor, Tensor]:
         """The non-empty blocks as compressed rows, as the native kernels read them
@@ -88,18 +110,44 @@ class BlockMask:
         return {name: int((self.kinds == k).sum()) for name, k in (("empty", EMPTY), ("partial", PARTIAL),
                                                                    ("full", FULL))}
 
-    def tile(self, b: int, h: int, i: int, j: int) -> Optional[Tensor]:
-        """The ``(bq, bk)`` bool tile of block ``(i, j)`` (True = attend); None when it is full."""
-        kind = int(self.kinds[b, h, i, j])
-        bq, bk = self.BLOCK_SIZE
-        if kind == FULL:
-            return None
-        if kind == EMPTY:
-            return torch.zeros(bq, bk, dtype=torch.bool)
-        return _unpack(self.bits[int(self.partial_index[b, h, i, j])])[:, :bk]
+    # ------------------------------------------------------------------ torch's attributes
+    @property
+    def seq_lengths(self) -> tuple[int, int]:
+        """``(Q_LEN, KV_LEN)``; assignable, as torch's (decoding loops set it on a sliced mask)."""
+        return (self.Q_LEN, self.KV_LEN)
+
+    @seq_lengths.setter
+    def seq_lengths(self, value: tuple[int, int]) -> None:
+        self.Q_LEN, self.KV_LEN = (int(v) for v in value)
+
+    def _blocks(self, name: str) -> tuple[Tensor, Tensor]:
+        if name not in self._ordered:
+            kind = FULL if name.startswith("full_") else PARTIAL
+            dense = self.kinds == kind  # (Bm, Hm, nq, nk)
+            self._ordered[name] = _dense_to_ordered(dense.transpose(-2, -1) if "q_" in name else dense)
+        return self._ordered[name]
+
+    kv_num_blocks = property(lambda self: self._blocks("kv")[0],
+                             doc="``(Bm, Hm, nq)`` int32: partial blocks in each query block row")
+    kv_indices = property(lambda self: self._blocks("kv")[1],
+                          doc="``(Bm, Hm, nq, nk)`` int32: their key blocks first, then the others")
+    full_kv_num_blocks = property(lambda self: self._blocks("full_kv")[0], doc="``(Bm, Hm, nq)`` int32: full blocks")
+    full_kv_indices = property(lambda self: self._blocks("full_kv")[1], doc="``(Bm, Hm, nq, nk)`` int32")
+    q_num_blocks = property(lambda self: self._blocks("q_")[0], doc="``(Bm, Hm, nk)``: partial blocks per key block")
+    q_indices = property(lambda self: self._blocks("q_")[1], doc="``(Bm, Hm, nk, nq)`` int32")
+    full_q_num_blocks = property(lambda self: self._blocks("full_q_")[0], doc="``(Bm, Hm, nk)`` int32")
+    full_q_indices = property(lambda self: self._blocks("full_q_")[1], doc="``(Bm, Hm, nk, nq)`` int32")
+    # torch's deterministic-backward metadata: attnlab's backward is deterministic without it
+    dq_write_order = dq_write_order_full = dq_kv_order = dq_kv_order_spt = None
 
     def to_dense(self) -> Tensor:
-        """``(Bm, Hm, Q_LEN, KV_LEN)`` bool: for tests and pictures of small masks only."""
+        """torch's meaning: the ``(Bm, Hm, nq, nk)`` int32 block map, 1 where a block is computed
+        (partial or full). The element mask is :func:`create_mask` (or :meth:`element_mask`)."""
+        return (self.kinds != EMPTY).to(torch.int32)
+
+    def element_mask(self) -> Tensor:
+        """``(Bm, Hm, Q_LEN, KV_LEN)`` bool, True = attend, from the stored blocks: for tests and
+        pictures of small masks (attnlab's own; torch's ``to_dense`` is the block map)."""
         Bm, Hm, nq, nk = self.kinds.shape
         bq, bk = self.BLOCK_SIZE
         out = torch.zeros(Bm, Hm, nq * bq, nk * bk, dtype=torch.bool)
@@ -110,6 +158,158 @@ class BlockMask:
                         t = self.tile(b, h, i, j)
                         out[b, h, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk] = True if t is None else t
         return out[..., :self.Q_LEN, :self.KV_LEN]
+
+    def numel(self) -> int:
+        """The elements of :attr:`shape`, sparsity not counted (torch's)."""
+        return math.prod(self.shape)
+
+    def sparsity(self) -> float:
+        """torch's: the percentage of the ``numel()`` elements whose blocks are skipped
+        (computed blocks count whole, padding included)."""
+        blocks = int(self.kv_num_blocks.sum()) + int(self.full_kv_num_blocks.sum())  # torch counts these
+        computed = blocks * self.BLOCK_SIZE[0] * self.BLOCK_SIZE[1]
+        return 100 * (1 - computed / self.numel()) if self.numel() else 0.0
+
+    def to_string(self, grid_size: Union[int, tuple[int, int]] = (20, 20), limit: int = 4) -> str:
+        """torch's picture of the block map, one per (batch, head) up to ``limit``: ``█`` computed,
+        ``░`` partly, space skipped, each cell a group of blocks; ``grid_size=-1``: every block."""
+        dense = self.to_dense()
+        *batch, rows, cols = dense.shape
+        if grid_size == -1:
+            max_rows, max_cols = rows, cols
+        elif isinstance(grid_size, int):
+            max_rows = max_cols = grid_size
+        else:
+            max_rows, max_cols = grid_size
+        row_step, col_step = max(1, -(-rows // max_rows)), max(1, -(-cols // max_cols))
+        out = []
+        for n, index in enumerate(itertools.product(*[range(d) for d in batch])):
+            if n == limit:
+                out += ["...", "To print out more, set BlockMask.to_string(limit=N)",
+                        "You can also index (BlockMask[batch, head]) to choose a specific batch or head"]
+                break
+            vis = f"{index}\n"
+            plane = dense[index]
+            for r in range(0, rows, row_step):
+                for c in range(0, cols, col_step):
+                    share = plane[r:r + row_step, c:c + col_step].float().mean().item()
+                    vis += ("█" if share == 1 else " " if share == 0 else "░") * 2
+                vis += "\n"
+            out.append(vis)
+        return "\n".join(out)
+
+    def as_tuple(self, flatten: bool = True) -> tuple[Any, ...]:
+        """torch's tuple: seq_lengths, the eight block tensors, the four dQ-order fields (None
+        here), BLOCK_SIZE and mask_mod; ``flatten`` spreads the two pairs."""
+        lengths = self.seq_lengths if flatten else (self.seq_lengths,)
+        block = self.BLOCK_SIZE if flatten else (self.BLOCK_SIZE,)
+        return (*lengths, self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
+                self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices,
+                self.dq_write_order, self.dq_write_order_full, self.dq_kv_order, self.dq_kv_order_spt,
+                *block, self.mask_mod)
+
+    def __getitem__(self, index) -> "BlockMask":
+        """torch's indexing over (batch, head, query block): an int keeps its dim (length 1), as
+        torch's does; ``seq_lengths`` stay; the new mask's ``mask_mod`` raises if called (set
+        your own, e.g. one offset for decoding). The stored bits are shared, so attnlab's
+        kernels can run the sliced mask."""
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > 3:
+            raise IndexError(f"BlockMask: index over at most (batch, head, query block), got {len(index)} entries")
+        padded = (*index, slice(None), slice(None), slice(None))[:3]
+        sizes = self.kinds.shape[:3]
+        index = tuple((slice(i + n, i + n + 1) if -n <= i < 0 else slice(i, i + 1)) if isinstance(i, int) else i
+                      for i, n in zip(padded, sizes))
+        return BlockMask(self.kinds[index], self.partial_index[index], self.bits, self.Q_LEN, self.KV_LEN,
+                         self.BLOCK_SIZE, _sliced_mask_mod)
+
+    def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
+        """torch's: the blocks cut to ``(new_q_len, new_kv_len)``, with torch's own recount of
+        each row's blocks (``_adjust_num_blocks_and_indices``: it keeps the entries whose block
+        index is below the old count, clamped to the new column count), so the result equals
+        torch's block for block. A block that changes kind gets all-attend bits (it was full)
+        or none (it was empty)."""
+        bq, bk = self.BLOCK_SIZE
+        rows, cols = -(-new_q_len // bq), -(-new_kv_len // bk)
+        maps, ordered = [], {}
+        for name in ("kv", "full_kv"):
+            num, idx = self._blocks(name)
+            idx, num = idx[:, :, :rows, :cols], num[:, :, :rows]
+            num = torch.where(num < cols, num, cols)
+            num = (idx < num[..., None]).sum(-1).to(torch.int32)  # torch's recount, as it is written
+            ordered[name] = (num.contiguous(), idx.contiguous())  # kept as torch has them (an entry may be >= cols)
+            maps.append(_ordered_to_dense(num, idx, cols).bool())
+        partial, full = maps
+        kinds = torch.where(full, FULL, torch.where(partial, PARTIAL, EMPTY)).to(torch.uint8)
+        old = self.kinds[:, :, :rows, :cols]
+        partial_index = torch.where(kinds == PARTIAL, self.partial_index[:, :, :rows, :cols], -1)
+        bits = self.bits
+        changed = ((kinds == PARTIAL) & (old != PARTIAL)).nonzero().tolist()
+        if changed:
+            extra = torch.stack([_pack(torch.full((bq, bk), bool(old[b, h, i, j] == FULL))) for b, h, i, j in changed])
+            for n, (b, h, i, j) in enumerate(changed):
+                partial_index[b, h, i, j] = bits.shape[0] + n
+            bits = torch.cat([bits, extra])
+        adjusted = BlockMask(kinds, partial_index, bits, new_q_len, new_kv_len, self.BLOCK_SIZE, self.mask_mod)
+        adjusted._ordered.update(ordered)
+        return adjusted
+
+    def to(self, device) -> "BlockMask":
+        """attnlab's block masks live on the CPU: ``.to("cpu")`` returns the mask; another
+        device raises ``NotImplementedError``."""
+        if torch.device(device).type != "cpu":
+            raise NotImplementedError(f"BlockMask.to: attnlab's block masks and kernels run on the CPU only, got "
+                                      f"device {device!r}")
+        return self
+
+    @classmethod
+    def from_kv_blocks(cls, kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks: Optional[Tensor] = None,
+                       full_kv_indices: Optional[Tensor] = None, BLOCK_SIZE=128, mask_mod: Optional[MaskMod] = None,
+                       seq_lengths: Optional[tuple[int, int]] = None, compute_q_blocks: bool = True,
+                       **dq_order) -> "BlockMask":
+        """torch's constructor from the kv block lists. The partial blocks' bits come from
+        ``mask_mod`` (None: every element of a partial block attends, as torch's ``noop_mask``),
+        evaluated on those blocks only. ``compute_q_blocks`` is accepted (attnlab derives the
+        ``q_*`` views on use); torch's dQ write-order arguments raise ``NotImplementedError``."""
+        if any(v is not None and v is not False for v in dq_order.values()):
+            raise NotImplementedError(f"BlockMask.from_kv_blocks: attnlab does not take {sorted(dq_order)} "
+                                      f"(its backward is deterministic without them)")
+        if kv_indices.dim() < 2:
+            raise RuntimeError("BlockMask must have at least 2 dimensions")
+        if (full_kv_num_blocks is None) != (full_kv_indices is None):
+            raise ValueError("BlockMask.from_kv_blocks: give full_kv_num_blocks and full_kv_indices together, or neither")
+        bq, bk = _block_size(BLOCK_SIZE, "BlockMask.from_kv_blocks")
+        nq, nk = kv_indices.shape[-2:]
+        Q_LEN, KV_LEN = seq_lengths if seq_lengths is not None else (nq * bq, nk * bk)
+        partial = _ordered_to_dense(kv_num_blocks, kv_indices, nk)  # (..., nq, nk)
+        full = (_ordered_to_dense(full_kv_num_blocks, full_kv_indices, nk) if full_kv_num_blocks is not None
+                else torch.zeros_like(partial))
+        partial, full = (t.reshape(-1, *t.shape[-3:]) if t.dim() >= 3 else t.reshape(1, 1, nq, nk)
+                         for t in (partial, full))  # (Bm, Hm, nq, nk)
+        kinds = torch.where(full.bool(), FULL, torch.where(partial.bool(), PARTIAL, EMPTY)).to(torch.uint8)
+        mod = mask_mod if mask_mod is not None else _noop
+        partial_index = torch.full(kinds.shape, -1, dtype=torch.int64)
+        packed = []
+        for b, h, i, j in (kinds == PARTIAL).nonzero().tolist():
+            q_idx = torch.arange(i * bq, (i + 1) * bq)[:, None]
+            kv_idx = torch.arange(j * bk, (j + 1) * bk)[None, :]
+            valid = (q_idx < Q_LEN) & (kv_idx < KV_LEN)
+            keep = torch.as_tensor(mod(torch.tensor(b), torch.tensor(h), q_idx.clamp(max=max(Q_LEN - 1, 0)),
+                                       kv_idx.clamp(max=max(KV_LEN - 1, 0)))).to(torch.bool).expand(bq, bk) & valid
+            partial_index[b, h, i, j] = len(packed)
+            packed.append(_pack(keep))
+        bits = torch.stack(packed) if packed else torch.zeros(0, bq, -(-bk // 8), dtype=torch.uint8)
+        return cls(kinds, partial_index, bits, int(Q_LEN), int(KV_LEN), (bq, bk), mask_mod)
+
+    def tile(self, b: int, h: int, i: int, j: int) -> Optional[Tensor]:
+        """The ``(bq, bk)`` bool tile of block ``(i, j)`` (True = attend); None when it is full."""
+        kind = int(self.kinds[b, h, i, j])
+        bq, bk = self.BLOCK_SIZE
+        if kind == FULL:
+            return None
+        if kind == EMPTY:
+            return torch.zeros(bq, bk, dtype=torch.bool)
+        return _unpack(self.bits[int(self.partial_index[b, h, i, j])])[:, :bk]
 
     def __str__(self) -> str:
         """A picture of the blocks of batch 0, head 0 (``#`` full, ``+`` partial, ``.`` empty)."""
@@ -135,18 +335,80 @@ class BlockMask:
     __repr__ = __str__
 
 
-def _block_size(BLOCK_SIZE) -> tuple[int, int]:
-    if isinstance(BLOCK_SIZE, int):
+def _block_size(BLOCK_SIZE, fn: str = "create_block_mask") -> tuple[int, int]:
+    """``(q_block, kv_block)`` from an int or a pair of positive ints (torch takes any, 4 included)."""
+    if isinstance(BLOCK_SIZE, int) and not isinstance(BLOCK_SIZE, bool):
         BLOCK_SIZE = (BLOCK_SIZE, BLOCK_SIZE)
+    if not isinstance(BLOCK_SIZE, (tuple, list)) or len(BLOCK_SIZE) != 2:
+        raise ValueError(f"{fn}: BLOCK_SIZE must be an int or a (q_block, kv_block) pair, got {BLOCK_SIZE!r}")
     bq, bk = BLOCK_SIZE
     for name, v in (("BLOCK_SIZE[0]", bq), ("BLOCK_SIZE[1]", bk)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 8 or v % 8:
-            raise ValueError(f"create_block_mask: {name} must be a positive multiple of 8, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{fn}: {name} must be a positive int, got {v!r}")
     return bq, bk
 
 
+def _noop(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return torch.ones_like(q_idx - kv_idx, dtype=torch.bool)
+
+
+def _sliced_mask_mod(b, h, q_idx, kv_idx):
+    raise RuntimeError("this BlockMask was sliced (block_mask[...]), so its mask_mod no longer matches its blocks; "
+                       "set block_mask.mask_mod to one for the slice (e.g. with the query offset added)")
+
+
+def _dense_to_ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
+    """torch's ``(num_blocks, indices)`` of a 0/1 block map: the count per row, and the present
+    columns first (ascending), then the absent ones, int32."""
+    dense = dense.to(torch.int32)
+    return (dense.sum(-1).to(torch.int32).contiguous(),
+            torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32).contiguous())
+
+
+def _ordered_to_dense(num_blocks: Tensor, indices: Tensor, n_cols: int) -> Tensor:
+    """The inverse: ``(..., rows, n_cols)`` int32, 1 at the first ``num_blocks`` indices of each row."""
+    present = torch.arange(indices.shape[-1]) < num_blocks.unsqueeze(-1).to(torch.int64)
+    dense = torch.zeros(*indices.shape[:-1], n_cols + 1, dtype=torch.int32)
+    dense.scatter_(-1, torch.where(present, indices.to(torch.int64), n_cols), 1)  # absent ones: the spare column
+    return dense[..., :n_cols]
+
+
+def create_mask(mod_fn: Callable, B: Optional[int], H: Optional[int], Q_LEN: int, KV_LEN: int,
+                device=None) -> Tensor:
+    """torch's ``create_mask``: the element mask ``(B or 1, H or 1, Q_LEN, KV_LEN)`` bool
+    (True = attend) of a mask_mod, or of a score_mod (five arguments: where its score is not -inf).
+
+    The mod is called once on broadcasting int64 indices ``b (B, 1, 1, 1)``, ``h (1, H, 1, 1)``,
+    ``q_idx (1, 1, Q_LEN, 1)``, ``kv_idx (1, 1, 1, KV_LEN)``: an ``L x S`` tensor, for small masks.
+    """
+    if not callable(mod_fn):
+        raise TypeError(f"create_mask: mod_fn must be a callable mask_mod or score_mod, got {type(mod_fn).__name__}")
+    if device is not None and torch.device(device).type != "cpu":
+        raise NotImplementedError(f"create_mask: attnlab builds masks on the CPU only, got device {device!r}")
+    B, H = B or 1, H or 1
+    b = torch.arange(B).view(B, 1, 1, 1)
+    h = torch.arange(H).view(1, H, 1, 1)
+    q_idx = torch.arange(Q_LEN).view(1, 1, Q_LEN, 1)
+    kv_idx = torch.arange(KV_LEN).view(1, 1, 1, KV_LEN)
+    if _arity(mod_fn) == 5:  # a score_mod: masked where it gives -inf
+        out = mod_fn(torch.zeros(B, H, Q_LEN, KV_LEN), b, h, q_idx, kv_idx)
+        return ~torch.isneginf(torch.as_tensor(out)).expand(B, H, Q_LEN, KV_LEN)
+    return torch.as_tensor(mod_fn(b, h, q_idx, kv_idx)).to(torch.bool).expand(B, H, Q_LEN, KV_LEN).clone()
+
+
+def _arity(fn: Callable) -> int:
+    """Positional parameters without defaults (torch tells mask_mods from score_mods this way)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 4
+    return sum(p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in params)
+
+
 def create_block_mask(mask_mod: MaskMod, B: Optional[int], H: Optional[int], Q_LEN: int, KV_LEN: int,
-                      device=None, BLOCK_SIZE=128) -> BlockMask:
+                      device=None, BLOCK_SIZE=128, _compile: bool = False, separate_full_blocks: bool = True,
+                      compute_dq_write_order: bool = False, dq_kv_order: bool = True) -> BlockMask:
     """Evaluate ``mask_mod`` block by block (FlexAttention's ``create_block_mask``).
 
     Args:
@@ -155,8 +417,15 @@ def create_block_mask(mask_mod: MaskMod, B: Optional[int], H: Optional[int], Q_L
             ``kv_idx (1, n)``. It must use tensor operations (``&``, ``|``, ``torch.where``, indexing).
         B, H: batch and head counts the mask depends on; None when it does not (broadcast).
         Q_LEN, KV_LEN: number of queries and keys.
-        device: accepted for torch's signature; attnlab's block masks live on the CPU.
-        BLOCK_SIZE: int or ``(q_block, kv_block)``, multiples of 8 (default 128).
+        device: None or a CPU device (attnlab's block masks live on the CPU; another device
+            raises ``NotImplementedError``).
+        BLOCK_SIZE: int or ``(q_block, kv_block)``, positive (default 128).
+        _compile: accepted and ignored (nothing is compiled here).
+        separate_full_blocks: torch's: False stores every non-empty block as partial (its bits
+            applied), True (default) keeps full blocks apart.
+        compute_dq_write_order, dq_kv_order: torch's deterministic-backward metadata; attnlab's
+            backward is deterministic without it, and ``compute_dq_write_order=True`` raises
+            ``NotImplementedError``.
 
     Returns:
         A :class:`BlockMask`; ``print`` it for a picture of its blocks and its density.
@@ -169,6 +438,11 @@ def create_block_mask(mask_mod: MaskMod, B: Optional[int], H: Optional[int], Q_L
     for name, v in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"create_block_mask: {name} must be an int >= 0, got {v!r}")
+    if device is not None and torch.device(device).type != "cpu":
+        raise NotImplementedError(f"create_block_mask: attnlab's block masks live on the CPU, got device {device!r}")
+    if compute_dq_write_order:
+        raise NotImplementedError("create_block_mask: compute_dq_write_order is not needed by attnlab (its backward is "
+                                  "deterministic without it) and not supported")
     bq, bk = _block_size(BLOCK_SIZE)
     Bm, Hm = B or 1, H or 1
     nq, nk = math.ceil(Q_LEN / bq), math.ceil(KV_LEN / bk)
@@ -198,11 +472,11 @@ def create_block_mask(mask_mod: MaskMod, B: Optional[int], H: Optional[int], Q_L
                     for jj in range(j1 - j0):
                         if n_on[jj] == 0:
                             continue  # EMPTY
-                        if full[jj] and bool(vblocks[jj].all()):
+                        if separate_full_blocks and full[jj] and bool(vblocks[jj].all()):
                             kinds[b, h, i, j0 + jj] = FULL
                         else:
                             kinds[b, h, i, j0 + jj] = PARTIAL
                             partial_index[b, h, i, j0 + jj] = len(packed)
                             packed.append(_pack(blocks[jj]))
-    bits = torch.stack(packed) if packed else torch.zeros(0, bq, bk // 8, dtype=torch.uint8)
+    bits = torch.stack(packed) if packed else torch.zeros(0, bq, -(-bk // 8), dtype=torch.uint8)
     return BlockMask(kinds, partial_index, bits, Q_LEN, KV_LEN, (bq, bk), mask_mod)

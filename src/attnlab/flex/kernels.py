@@ -91,7 +91,7 @@ def _plan(block_mask: Optional[BlockMask], B: int, H: int, L: int, S: int,
     if block_mask is None:
         bq = bk = block
         rows = _full_rows(math.ceil(L / bq), math.ceil(S / bk))
-        bits = torch.zeros(0, bq, bk // 8, dtype=torch.uint8)
+        bits = torch.zeros(0, bq, -(-bk // 8), dtype=torch.uint8)
         planes = torch.zeros(B * H, dtype=torch.int64)
         return (*rows, bits, planes), bq, bk
     bq, bk = block_mask.BLOCK_SIZE

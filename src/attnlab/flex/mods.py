@@ -122,21 +122,37 @@ def prefix_lm(prefix: Union[int, Tensor]):
     return mask_mod
 
 
+class MaskModError(TypeError, RuntimeError):
+    """A combinator got something that is not a mask_mod (a TypeError; also a RuntimeError,
+    which torch raises there)."""
+
+
+def _check_mods(fn: str, mods) -> None:
+    for i, m in enumerate(mods):
+        if not callable(m):
+            raise MaskModError(f"{fn}: every argument must be a callable mask_mod(b, h, q_idx, kv_idx); argument "
+                               f"{i} is {type(m).__name__} {m!r}")
+
+
 def and_masks(*mods):
-    """Attend where every mask_mod attends."""
+    """Attend where every mask_mod attends (with none: everywhere, as torch's)."""
+    _check_mods("and_masks", mods)
+
     def mask_mod(b, h, q_idx, kv_idx):
-        out = mods[0](b, h, q_idx, kv_idx)
-        for m in mods[1:]:
+        out = torch.ones((), dtype=torch.bool)
+        for m in mods:
             out = out & m(b, h, q_idx, kv_idx)
         return out
     return mask_mod
 
 
 def or_masks(*mods):
-    """Attend where any mask_mod attends."""
+    """Attend where any mask_mod attends (with none: nowhere, as torch's)."""
+    _check_mods("or_masks", mods)
+
     def mask_mod(b, h, q_idx, kv_idx):
-        out = mods[0](b, h, q_idx, kv_idx)
-        for m in mods[1:]:
+        out = torch.zeros((), dtype=torch.bool)
+        for m in mods:
             out = out | m(b, h, q_idx, kv_idx)
         return out
     return mask_mod

@@ -181,7 +181,7 @@ def _dense(block_mask: Optional[flex.BlockMask], mask: Optional[Tensor], B: int)
     """The call's mask as a dense tensor, for the reference (training dropout, output_attentions)."""
     if block_mask is None:
         return mask
-    return block_mask.to_dense()  # (Bm, 1, L, S) bool: Bm = B with padding, else 1
+    return block_mask.element_mask()  # (Bm, 1, L, S) bool: Bm = B with padding, else 1
 
 
 def _as_block_mask(mask: Optional[Tensor], causal: bool, B: int, L: int, S: int) -> flex.BlockMask:

@@ -21,7 +21,7 @@
 //                                 row_ptr[p * nq + i] .. row_ptr[p * nq + i + 1]
 //     cols    (nnz) int64: key block index of each entry, ascending within a row
 //     bit_idx (nnz) int64: the entry's tile in bits, or -1 for a full block
-//     bits    (n_partial, bq, bk / 8) uint8
+//     bits    (n_partial, bq, ceil(bk / 8)) uint8 (any block size: a row's last byte is padded)
 //     plane_of_head (Nb * r) int64: the mask plane of query head nb * r + h (planes broadcast
 //                                   over batch or heads, as the BlockMask's B / H = None)
 //
@@ -59,7 +59,7 @@ struct BlockPlan {
     const int64_t idx = bit_idx[entry];
     if (idx < 0) return;  // full block: nothing to hide
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    const int bytes = bk / 8;
+    const int bytes = (bk + 7) / 8;
     for (int a = 0; a < n; ++a) {
       const uint8_t* packed = bits + (idx * bq + a) * bytes;
       float* row = tile + static_cast<int64_t>(a) * nk;
@@ -89,10 +89,10 @@ BlockPlan make_plan(const at::Tensor& row_ptr, const at::Tensor& cols, const at:
                 "attnlab block-sparse: row_ptr, cols, bit_idx, plane_of_head must be contiguous 1-D int64");
   }
   TORCH_CHECK(bits.scalar_type() == at::kByte && bits.is_contiguous() && bits.dim() == 3,
-              "attnlab block-sparse: bits must be contiguous (n_partial, bq, bk / 8) uint8");
-  TORCH_CHECK(block_q > 0 && block_k > 0 && block_k % 8 == 0, "attnlab block-sparse: block sizes");
-  TORCH_CHECK(bits.size(0) == 0 || (bits.size(1) == block_q && bits.size(2) == block_k / 8),
-              "attnlab block-sparse: bits tiles must be (block_q, block_k / 8)");
+              "attnlab block-sparse: bits must be contiguous (n_partial, bq, ceil(bk / 8)) uint8");
+  TORCH_CHECK(block_q > 0 && block_k > 0, "attnlab block-sparse: block sizes");
+  TORCH_CHECK(bits.size(0) == 0 || (bits.size(1) == block_q && bits.size(2) == (block_k + 7) / 8),
+              "attnlab block-sparse: bits tiles must be (block_q, ceil(block_k / 8))");
   TORCH_CHECK(plane_of_head.numel() == heads, "attnlab block-sparse: one plane per query head");
   TORCH_CHECK(cols.numel() == bit_idx.numel(), "attnlab block-sparse: cols and bit_idx differ in length");
   const int64_t nq = (L + block_q - 1) / block_q;
