@@ -35,8 +35,15 @@ def head_mod(b, h, q_idx, kv_idx):  # depends on batch and head: each sees a dif
 
 
 MODS = {"causal": flex.causal_mask, "sliding_100": flex.sliding_window(100), "document": doc_mod,
+        "document_own": flex.document_mask(flex.document_ids([90, 150, 60])),
         "prefix_64": flex.prefix_lm(64), "and": flex.and_masks(flex.causal_mask, flex.sliding_window(50)),
-        "or": flex.or_masks(flex.prefix_lm(32), flex.sliding_window(20)), "heads": head_mod}
+        "or": flex.or_masks(flex.prefix_lm(32), flex.sliding_window(20)), "heads": head_mod,
+        "noop": flex.noop_mask}
+# the same mods without their block_kinds: create_block_mask then evaluates every element
+PLAIN = {f"plain_{name}": (lambda b, h, q, k, m=mod: m(b, h, q, k)) for name, mod in MODS.items()
+         if getattr(mod, "block_kinds", None)}
+assert len(PLAIN) == 7  # attnlab's own mods know their block kinds; doc_mod and head_mod do not
+MODS.update(PLAIN)
 SIZES = [(300, 300, 128, None, None), (256, 300, 64, 2, 3), (77, 130, (32, 16), 1, 2), (40, 36, 4, None, 2)]
 
 
@@ -57,7 +64,7 @@ def same_blocks(ours, theirs):
 
 
 CASES = [(name, size) for name in MODS for size in SIZES
-         if name != "document" or size[:2] == (300, 300)]  # the document mask is made for 300 positions
+         if "document" not in name or size[:2] == (300, 300)]  # the document masks are made for 300 positions
 
 
 @pytest.mark.parametrize("name,size", CASES, ids=[f"{n}-L{s[0]}_S{s[1]}_bs{s[2]}_B{s[3]}_H{s[4]}" for n, s in CASES])
@@ -70,6 +77,30 @@ def test_every_attribute_equals_torchs(name, size):
     assert len(ours_t) == len(theirs_t) == 17
     for a, b in zip(ours_t[:-1], theirs_t[:-1]):
         assert (torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b)
+
+
+def test_block_kinds_decide_without_evaluating_full_and_empty_blocks():
+    """attnlab's own mods are called on the edge blocks only (the causal diagonal here)."""
+    calls = []
+
+    def counting(b, h, q, kv):
+        calls.append(torch.broadcast_shapes(q.shape, kv.shape).numel())
+        return flex.causal_mask(b, h, q, kv)
+
+    counting.block_kinds = flex.causal_mask.block_kinds
+    bm = flex.create_block_mask(counting, None, None, 1024, 1024, BLOCK_SIZE=128)
+    assert sum(calls) == 8 * 128 * 128 and bm.counts() == {"empty": 28, "partial": 8, "full": 28}
+
+
+def test_wrong_block_kinds_are_caught_by_the_comparison():
+    """The comparison with torch is not vacuous for block_kinds either: kinds that call every
+    block full give torch's partial diagonal as full."""
+    def lying(b, h, q, kv):
+        return q >= kv
+    lying.block_kinds = lambda bq, bk, nq, nk: torch.full((nq, nk), 2, dtype=torch.uint8)
+    ours = flex.create_block_mask(lying, None, None, 256, 256, BLOCK_SIZE=64)
+    theirs = tf.create_block_mask(lying, None, None, 256, 256, device="cpu", BLOCK_SIZE=64)
+    assert not torch.equal(ours.full_kv_num_blocks, theirs.full_kv_num_blocks)
 
 
 def test_a_broken_attribute_is_caught():
@@ -226,3 +257,19 @@ def test_block_masks_stay_on_the_cpu():
         bm.to("cuda")
     with pytest.raises(NotImplementedError, match="compute_dq_write_order"):
         flex.create_block_mask(flex.causal_mask, None, None, 64, 64, compute_dq_write_order=True)
+
+
+def test_building_a_mask_keeps_its_peak_memory_bounded_by_the_chunk():
+    """A plain sliding-window mask_mod at L = 32768 (peak memory once grew by ~1 GiB here:
+    small long-lived bit tiles fragmented the heap among the chunks' temporaries). Measured in
+    a fresh process, with attnlab.bench's peak_rss_growth: it must stay within 256 MiB."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "attnlab.bench", "--block-mask-child", "plain", "sliding", "32768"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0 < result["peak"] < 256 * 2**20, result
+    assert result["blocks"] == [480, 7440]  # as torch classifies them (test_every_attribute_equals_torchs)

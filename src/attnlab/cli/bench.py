@@ -30,6 +30,7 @@ examples:
   attnlab bench --ring --seq-lens 8192
   attnlab bench --decode --seq-lens 4096,32768 --dtypes float32,bfloat16
   attnlab bench --bf16 --repeats 3
+  attnlab bench --block-mask --seq-lens 65536
 """
 
 DEFAULT_LENS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -93,6 +94,10 @@ def add(sub) -> argparse.ArgumentParser:
                    help="instead: bfloat16 causal attention at (1,8,4096,64), (2,16,2048,128) and (1,32,4096,128) "
                         "with 8 key/value heads, attnlab's bf16 route and fp32 route against torch's SDPA, fwd and "
                         "fwd+bwd (--modes narrows them)")
+    p.add_argument("--block-mask", action="store_true",
+                   help="instead: seconds and peak memory of building causal, sliding-window, document and prefix-LM "
+                        "block masks at the first --seq-lens L (default 65536), attnlab's own mods and plain Python "
+                        "mods against torch's compiled create_block_mask, each in a fresh process")
     p.add_argument("--density", action="store_true",
                    help="instead: attnlab.flex's time against its block mask's density d (0.5, 0.25, 0.1, 0.05), "
                         "relative to d x its time on full attention, at the first --seq-lens L (default 8192), "
@@ -158,6 +163,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"machine: {bench.machine_line()}\n")
         print(bench.DECODE_HEADER + "\n")
         print(bench.decode_table(rows))
+        return 0
+    if args.block_mask:
+        L = args.seq_lens[0] if args.seq_lens != DEFAULT_LENS else 65536
+        rows = bench.block_mask_benchmark(L, progress=_progress())
+        _end_progress()
+        print(f"machine: {bench.machine_line()}\n")
+        print(bench.BLOCK_MASK_HEADER + "\n")
+        print(bench.block_mask_table(rows))
         return 0
     if args.bf16:
         rows = bench.bf16_benchmark(modes=args.modes, repeats=args.repeats, progress=_progress())

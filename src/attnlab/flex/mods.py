@@ -26,9 +26,52 @@ __all__ = ["causal_mask", "sliding_window", "document_mask", "document_mask_from
            "and_masks", "or_masks", "noop_mask", "alibi", "softcap", "relative_bias", "document_ids"]
 
 
+# Block kinds from block coordinates (``mask_mod.block_kinds(bq, bk, nq, nk) -> (nq, nk) uint8``):
+# what create_block_mask uses instead of calling the mod on every element. EMPTY and FULL must be
+# exact over the block's whole index range; PARTIAL means "not known: evaluate the block".
+EMPTY, PARTIAL, FULL = 0, 1, 2  # attnlab.flex.block_mask's codes
+
+
+def _ranges(bq: int, bk: int, nq: int, nk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """First and last query of each block row ``(nq, 1)``, first and last key of each block column ``(1, nk)``."""
+    q0 = (torch.arange(nq) * bq)[:, None]
+    k0 = (torch.arange(nk) * bk)[None, :]
+    return q0, q0 + bq - 1, k0, k0 + bk - 1
+
+
+def _kinds(full: Tensor, empty: Tensor) -> Tensor:
+    return torch.where(full, FULL, torch.where(empty, EMPTY, PARTIAL)).to(torch.uint8)
+
+
+def _band_kinds(lo: float, hi: float):
+    """Blocks of ``lo <= q_idx - kv_idx <= hi``: full when every difference in the block is inside."""
+    def block_kinds(bq: int, bk: int, nq: int, nk: int) -> Tensor:
+        q0, q1, k0, k1 = _ranges(bq, bk, nq, nk)
+        d_min, d_max = q0 - k1, q1 - k0
+        return _kinds((d_min >= lo) & (d_max <= hi), (d_max < lo) | (d_min > hi))
+    return block_kinds
+
+
+def _combine(parts, every: bool):
+    """and (``every``) / or of known block kinds."""
+    def block_kinds(bq: int, bk: int, nq: int, nk: int) -> Tensor:
+        kinds = [p(bq, bk, nq, nk) for p in parts]
+        if every:
+            full = torch.stack([k == FULL for k in kinds]).all(0)
+            empty = torch.stack([k == EMPTY for k in kinds]).any(0)
+        else:
+            full = torch.stack([k == FULL for k in kinds]).any(0)
+            empty = torch.stack([k == EMPTY for k in kinds]).all(0)
+        return _kinds(full, empty & ~full)
+    return block_kinds
+
+
 def noop_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     """Every query sees every key."""
     return torch.ones_like(q_idx - kv_idx, dtype=torch.bool)
+
+
+noop_mask.block_kinds = lambda bq, bk, nq, nk: torch.full((nq, nk), FULL, dtype=torch.uint8)
 
 
 def causal_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -42,6 +85,9 @@ def causal_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         # # # # # #
     """
     return q_idx >= kv_idx
+
+
+causal_mask.block_kinds = _band_kinds(0, math.inf)
 
 
 def sliding_window(window: int):
@@ -62,6 +108,7 @@ def sliding_window(window: int):
         return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
     mask_mod.__name__ = f"sliding_window_{window}"
+    mask_mod.block_kinds = _band_kinds(0, window - 1)
     return mask_mod
 
 
@@ -94,6 +141,13 @@ def document_mask(doc_ids: Tensor, causal: bool = True):
         same = ids[q_idx] == ids[kv_idx]
         return same & (q_idx >= kv_idx) if causal else same
 
+    if doc_ids.dim() == 1 and doc_ids.numel() and bool((doc_ids[1:] >= doc_ids[:-1]).all()):
+        # packed in order: a block's documents are the range from its first to its last position's
+        def same_doc(bq: int, bk: int, nq: int, nk: int) -> Tensor:
+            q0, q1, k0, k1 = (t.clamp(max=doc_ids.numel() - 1) for t in _ranges(bq, bk, nq, nk))
+            dq0, dq1, dk0, dk1 = doc_ids[q0], doc_ids[q1], doc_ids[k0], doc_ids[k1]
+            return _kinds((dq0 == dq1) & (dk0 == dk1) & (dq0 == dk0), (dq1 < dk0) | (dk1 < dq0))
+        mask_mod.block_kinds = _combine([same_doc, causal_mask.block_kinds], True) if causal else same_doc
     return mask_mod
 
 
@@ -119,6 +173,11 @@ def prefix_lm(prefix: Union[int, Tensor]):
         limit = n if n.dim() == 0 else n[b]
         return (kv_idx < limit) | (q_idx >= kv_idx)
 
+    if n.dim() == 0:
+        def prefix_keys(bq: int, bk: int, nq: int, nk: int) -> Tensor:
+            _, _, k0, k1 = _ranges(bq, bk, nq, nk)
+            return _kinds((k1 < n).expand(nq, nk), (k0 >= n).expand(nq, nk))
+        mask_mod.block_kinds = _combine([prefix_keys, causal_mask.block_kinds], False)
     return mask_mod
 
 
@@ -143,6 +202,8 @@ def and_masks(*mods):
         for m in mods:
             out = out & m(b, h, q_idx, kv_idx)
         return out
+    if all(getattr(m, "block_kinds", None) for m in mods):
+        mask_mod.block_kinds = _combine([m.block_kinds for m in mods], True) if mods else noop_mask.block_kinds
     return mask_mod
 
 
@@ -155,6 +216,8 @@ def or_masks(*mods):
         for m in mods:
             out = out | m(b, h, q_idx, kv_idx)
         return out
+    if mods and all(getattr(m, "block_kinds", None) for m in mods):
+        mask_mod.block_kinds = _combine([m.block_kinds for m in mods], False)
     return mask_mod
 
 
