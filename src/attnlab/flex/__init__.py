@@ -20,9 +20,11 @@ from attnlab.flex.attention import AuxOutput, AuxRequest, flex_attention
 from attnlab.flex.block_mask import BlockMask, create_block_mask, create_mask
 from attnlab.flex.mods import (alibi, and_masks, causal_mask, document_ids, document_mask, document_mask_from_lengths,
                                noop_mask, or_masks, prefix_lm, relative_bias, sliding_window, softcap)
-from attnlab.flex.varlen import varlen_attention
+from attnlab.flex.varlen import (flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                                 flash_attn_varlen_qkvpacked_func, pad_input, unpad_input, varlen_attention)
 
 __all__ = ["flex_attention", "AuxRequest", "AuxOutput", "create_block_mask", "create_mask", "BlockMask",
-           "varlen_attention", "causal_mask", "sliding_window",
+           "varlen_attention", "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+           "flash_attn_varlen_kvpacked_func", "unpad_input", "pad_input", "causal_mask", "sliding_window",
            "document_mask", "document_mask_from_lengths", "document_ids", "prefix_lm", "and_masks", "or_masks",
            "noop_mask", "alibi", "softcap", "relative_bias"]
