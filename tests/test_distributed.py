@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from attnlab.distributed import positions, run_ring, shard_sequence
+from attnlab.cli.ring_ranks import run_ring
+from attnlab.distributed import positions, shard_sequence
 from attnlab.testing import tolerance
 
 

@@ -871,7 +871,7 @@ def ring_benchmark(seq_lens: list[int], *, B: int = 1, H: int = 8, E: int = 64, 
     """``world`` ranks x 1 thread (ring attention, gloo on 127.0.0.1) against one process x
     ``world`` threads (the tiled path), forward+backward, float32, one run each after the
     ranks' own warm-up. Peak memory: each side's growth over its inputs, in fresh processes."""
-    from attnlab.distributed import run_ring
+    from attnlab.cli.ring_ranks import run_ring
 
     rows = []
     for L in seq_lens:

@@ -10,7 +10,9 @@ already in flight. The partial results merge exactly with their log-sum-exps::
     out = out_a * 2^(lse_a - lse) + out_b * 2^(lse_b - lse)
 
 the same algebra as the online softmax inside one process (with the native kernel the
-block is folded straight into the saved ``(out, lse)`` state). The backward pass sends
+block is folded straight into the saved ``(out, lse)`` state). Any FlexAttention mask_mod
+over absolute positions works too (``mask_mod=``: packed documents, sliding windows): each
+step then runs the block-sparse kernels over that step's block plan. The backward pass sends
 the key/value blocks around again, together with their gradient accumulators, which
 arrive back at their owner after W steps (Liu et al., 2023, "Ring Attention").
 
@@ -137,35 +139,34 @@ def _exchange(tensors: list[Tensor], group, send_to: int, recv_from: int,
 
 
 def _exchange_now(tensors: list[Tensor], group, send_to: int, recv_from: int, rank: int,
-                  into: list[Tensor]) -> list[Tensor]:
+                  into: list[Tensor], stats: Optional[dict] = None) -> list[Tensor]:
     """Send ``tensors`` on and receive the same shapes from ``recv_from`` into ``into``, waiting for both."""
     requests, received = _exchange(tensors, group, send_to, recv_from, into)
-    _wait(requests, rank, recv_from)
+    _wait(requests, rank, recv_from, stats)
     return received
 
 
-# Seconds this process spent blocked on the ring's messages (the part of communication that
-# compute did not hide); attnlab ring and attnlab bench --ring report it as a share of the time.
-COMM_WAIT_S = [0.0]
-
-
-def _wait(requests: list, rank: int, recv_from: int) -> None:
+def _wait(requests: list, rank: int, recv_from: int, stats: Optional[dict] = None) -> None:
+    """Wait for the requests; ``stats["comm_wait_s"]`` (when given) adds the seconds this rank was
+    blocked on messages, the part of communication that compute did not hide."""
     t0 = time.perf_counter()
     try:
         for req in requests:
             req.wait()
-        COMM_WAIT_S[0] += time.perf_counter() - t0
+        if stats is not None:
+            stats["comm_wait_s"] = stats.get("comm_wait_s", 0.0) + time.perf_counter() - t0
     except RuntimeError as exc:
         raise RuntimeError(f"ring_attention: rank {rank} got nothing from rank {recv_from} within the process "
                            f"group's timeout (did a rank die or hang?): {str(exc).splitlines()[0]}") from None
 
 
-# Each head group's key/value tensors travel as messages of about this size: the ring's memory
-# per rank is a few messages on top of this rank's share of out, dQ, dK and dV.
+# Each head group's key/value tensors travel as messages of about this size (ring_attention's
+# message_bytes): the ring's memory per rank is a few messages on top of this rank's share of
+# out, dQ, dK and dV.
 MESSAGE_BYTES = 2 * 2**20
 
 
-def _head_groups(Nb: int, rows: int, width: int, itemsize: int) -> list[slice]:
+def _head_groups(Nb: int, rows: int, width: int, itemsize: int, message_bytes: int = MESSAGE_BYTES) -> list[slice]:
     """Consecutive head ranges whose ``(heads, rows, width)`` key block is about MESSAGE_BYTES.
 
     Heads are independent, so the ring runs one group after another: only one group's blocks
@@ -173,7 +174,7 @@ def _head_groups(Nb: int, rows: int, width: int, itemsize: int) -> list[slice]:
     (it can be sent as it is and received in place).
     """
     per_head = max(1, rows * width * itemsize)
-    size = max(1, min(Nb, MESSAGE_BYTES // per_head))
+    size = max(1, min(Nb, message_bytes // per_head))
     return [slice(h, min(Nb, h + size)) for h in range(0, Nb, size)]
 
 
@@ -198,13 +199,148 @@ def _ranks(group) -> tuple[int, int, int, int]:
     return rank, world, nxt, prv
 
 
+class _CausalSteps:
+    """What a rank computes at one ring step with ``is_causal`` (or no mask): the chunk pairs
+    of :func:`_pairs`, through the tiled kernels (dense tiles; the diagonal chunk causal)."""
+
+    def __init__(self, rank: int, world: int, Lr: int, Sr: int, layout_name: str, is_causal: bool, scale: float,
+                 bq: int, bk: int, layout: kernels.Layout) -> None:
+        self.world, self.Sr, self.layout_name, self.is_causal = world, Sr, layout_name, is_causal
+        self.scale, self.bq, self.bk, self.layout = scale, bq, bk, layout
+        self.q_chunks = _chunks(rank, world, Lr, layout_name, is_causal)
+
+    def _pairs(self, src: int):
+        return _pairs(self.q_chunks, _chunks(src, self.world, self.Sr, self.layout_name, self.is_causal),
+                      self.is_causal)
+
+    def forward(self, src, g, q_g, k_cur, v_cur, out_g, lse_g) -> None:
+        for qs, ks, diag in self._pairs(src):
+            tiled.forward_into(q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs], lse_g[:, :, qs],
+                               diag, self.scale * kernels.LOG2E, self.bq, self.bk)
+
+    def backward(self, src, g, dout_g, q_g, k_cur, v_cur, out_g, lse_g, delta_g, dq_g, dk_cur, dv_cur) -> None:
+        for qs, ks, diag in self._pairs(src):
+            # FlashAttention-2's tile backward with the *final* out and lse: exact per block
+            tiled.backward_blocks(dout_g[:, :, qs], q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs],
+                                  lse_g[:, :, qs], self.layout, None, diag, self.scale, self.bq, self.bk,
+                                  accumulate_into=(dq_g[:, :, qs], dk_cur[:, ks], dv_cur[:, ks]),
+                                  delta=delta_g[:, :, qs])
+
+
+class _MaskedSteps:
+    """What a rank computes at one ring step with a ``mask_mod`` over absolute positions: the block
+    plan of its (query chunk, key chunk) pair, built once per source rank, so empty blocks (and
+    pairs with none visible) are skipped and the time follows the mask's density. float32 with
+    finite inputs on every rank runs attnlab.flex's native block-sparse kernels; otherwise the
+    pair's element mask runs the kernel layer's online softmax and tile backward."""
+
+    BLOCK = 128  # the block masks' block, attnlab.flex's default
+
+    def __init__(self, rank: int, world: int, Lr: int, Sr: int, layout_name: str, mask_mod, scale: float,
+                 B: int, H: int, native: bool) -> None:
+        from attnlab import flex
+
+        self.flex, self.scale, self.B, self.H, self.native = flex, scale, B, H, native
+        self.q_pos = positions(rank, world, Lr, layout_name)
+        self.world, self.Sr, self.layout_name, self.mask_mod = world, Sr, layout_name, mask_mod
+        self._masks: dict[int, object] = {}
+
+    def block_mask(self, src: int):
+        """The BlockMask of this rank's queries against rank ``src``'s keys (local indices)."""
+        if src not in self._masks:
+            q_pos, k_pos, mod = self.q_pos, positions(src, self.world, self.Sr, self.layout_name), self.mask_mod
+
+            def local(b, h, q_idx, kv_idx):
+                return mod(b, h, q_pos[q_idx], k_pos[kv_idx])
+
+            self._masks[src] = self.flex.create_block_mask(local, None, None, len(q_pos), self.Sr,
+                                                           BLOCK_SIZE=self.BLOCK)
+        return self._masks[src]
+
+    def _plan(self, src: int, g: slice, r: int):
+        from attnlab.flex import kernels as flex_kernels
+
+        bm = self.block_mask(src)
+        plan, bq, bk = flex_kernels.block_plan(bm, self.B, self.H, bm.Q_LEN, bm.KV_LEN)
+        row_ptr, cols, bit_idx, bits, planes = plan
+        return (row_ptr, cols, bit_idx, bits, planes[g.start * r:g.stop * r].contiguous()), bq, bk, cols.numel() == 0
+
+    def forward(self, src, g, q_g, k_cur, v_cur, out_g, lse_g) -> None:
+        r = q_g.shape[1]
+        if self.native:
+            plan, bq, bk, empty = self._plan(src, g, r)
+            if empty:
+                return
+            from attnlab.kernels import native
+
+            o, l = native.ops().block_sparse_forward(q_g, k_cur, v_cur, *plan, None, None, 0.0,
+                                                     self.scale * kernels.LOG2E, bq, bk)
+        else:
+            o, l = _masked_forward(q_g, k_cur, v_cur, self.block_mask(src).element_mask()[0, 0], self.scale)
+        kernels.merge_(out_g, lse_g, o, l)
+
+    def backward(self, src, g, dout_g, q_g, k_cur, v_cur, out_g, lse_g, delta_g, dq_g, dk_cur, dv_cur) -> None:
+        r = q_g.shape[1]
+        if self.native:
+            plan, bq, bk, empty = self._plan(src, g, r)
+            if empty:
+                return
+            from attnlab.kernels import native
+
+            native.ops().block_sparse_backward_(kernels.dense_rows(dout_g), q_g, k_cur, v_cur, lse_g,
+                                                kernels.dense_rows(delta_g), dq_g, dk_cur, dv_cur,
+                                                *plan, None, None, 0.0, None, self.scale, bq, bk)
+        else:
+            _masked_backward(dout_g, q_g, k_cur, v_cur, lse_g, delta_g, dq_g, dk_cur, dv_cur,
+                             self.block_mask(src).element_mask()[0, 0], self.scale)
+
+
+def _masked_forward(q4: Tensor, k3: Tensor, v3: Tensor, mask: Tensor, scale: float,
+                    block: int = 256) -> tuple[Tensor, Tensor]:
+    """``(out (Nb, r, L, Ev), lse2 (Nb, r, L))`` of ``q4`` against ``k3, v3`` under the bool
+    ``mask (L, S)``, through :mod:`attnlab.kernels.online` one key block at a time (base 2)."""
+    Nb, r, L, E = q4.shape
+    S, Ev = k3.shape[1], v3.shape[2]
+    q = (q4 * (scale * kernels.LOG2E)).reshape(Nb, r * L, E)  # (Nb, r*L, E): the group's rows
+    rows = mask.repeat(r, 1)  # (r*L, S): the same mask for every head of the group
+    m_i, l_i, acc = kernels.online.start((Nb, r * L), Ev, q)
+    for j0 in range(0, S, block):
+        j1 = min(S, j0 + block)
+        s = torch.bmm(q, k3[:, j0:j1].transpose(1, 2)).masked_fill_(~rows[:, j0:j1], float("-inf"))
+        m_i, l_i, acc = kernels.online.update(m_i, l_i, acc, s, v3[:, j0:j1])
+    o, lse2 = kernels.online.finish(m_i, l_i, acc)
+    return o.reshape(Nb, r, L, Ev), lse2.reshape(Nb, r, L)
+
+
+def _masked_backward(dout4, q4, k3, v3, lse2, delta, dq, dk, dv, mask: Tensor, scale: float, block: int = 256) -> None:
+    """FlashAttention-2's backward of :func:`_masked_forward` with the final ``lse2`` and ``delta``,
+    adding into ``dq (Nb, r, L, E)``, ``dk (Nb, S, E)``, ``dv (Nb, S, Ev)``."""
+    Nb, r, L, E = q4.shape
+    S = k3.shape[1]
+    q = q4.reshape(Nb, r * L, E)
+    q2 = q * (scale * kernels.LOG2E)
+    do = dout4.reshape(Nb, r * L, -1)
+    d = delta.reshape(Nb, r * L, 1)
+    shift = torch.where(torch.isneginf(lse2), torch.full_like(lse2, float("inf")), lse2).reshape(Nb, r * L, 1)
+    rows = mask.repeat(r, 1)
+    dq_rows = torch.zeros_like(q)
+    for j0 in range(0, S, block):
+        j1 = min(S, j0 + block)
+        s = torch.bmm(q2, k3[:, j0:j1].transpose(1, 2)).masked_fill_(~rows[:, j0:j1], float("-inf"))
+        p = torch.exp2(s - shift)  # P_ij from the final lse
+        kernels.online.backward_tile(p, q, k3[:, j0:j1], v3[:, j0:j1], do, d, scale, dq_rows, dk[:, j0:j1],
+                                     dv[:, j0:j1])
+    dq += dq_rows.reshape(dq.shape)
+
+
 class _Ring(torch.autograd.Function):
     """Forward: for each head group, K/V blocks go once around the ring; each rank folds every
     block into its (out, lse) state in place. Backward: K/V go around again with their dK/dV
     accumulators, which reach their owner after W steps."""
 
     @staticmethod
-    def forward(ctx, query, key, value, group, is_causal, scale, layout_name, enable_gqa, bq, bk, batch):
+    def forward(ctx, query, key, value, group, is_causal, scale, layout_name, enable_gqa, bq, bk, batch,
+                mask_mod, message_bytes, stats):
         rank, world, send_to, recv_from = _ranks(group)
         dtype = compute_dtype(query.dtype)
         layout = kernels.Layout(batch, query, key, enable_gqa)
@@ -213,10 +349,14 @@ class _Ring(torch.autograd.Function):
         v3 = layout.keys(value.to(dtype)).contiguous()  # (Nb, Sr, Ev)
         Nb, Lr, Sr = q4.shape[0], q4.shape[2], k3.shape[1]
         scale_f = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-        q_chunks = _chunks(rank, world, Lr, layout_name, is_causal)
+        if mask_mod is None:
+            steps = _CausalSteps(rank, world, Lr, Sr, layout_name, is_causal, scale_f, bq, bk, layout)
+        else:
+            steps = _MaskedSteps(rank, world, Lr, Sr, layout_name, mask_mod, scale_f, query.shape[0],
+                                 query.shape[1], _native_everywhere(q4, k3, v3, group))
         out = q4.new_zeros(*q4.shape[:3], v3.shape[-1])  # (Nb, r, Lr, Ev), normalised
         lse = q4.new_full(q4.shape[:3], float("-inf"))  # (Nb, r, Lr), base 2: no key seen yet
-        groups = _head_groups(Nb, Sr, max(k3.shape[-1], v3.shape[-1]), k3.element_size())
+        groups = _head_groups(Nb, Sr, max(k3.shape[-1], v3.shape[-1]), k3.element_size(), message_bytes)
         heads = max(g.stop - g.start for g in groups)
         kv_bufs = _Buffers([k3, v3], heads) if world > 1 else None
         for g in groups:
@@ -228,25 +368,20 @@ class _Ring(torch.autograd.Function):
                 if step < world - 1:  # the next block travels while this one is computed
                     pending = _exchange([k_cur, v_cur], group, send_to, recv_from,
                                         kv_bufs.take(step, g.stop - g.start))
-                for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
-                    tiled.forward_into(q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs], lse_g[:, :, qs],
-                                        diag, scale_f * kernels.LOG2E, bq, bk)
+                steps.forward(src, g, q_g, k_cur, v_cur, out_g, lse_g)
                 if pending is not None:
-                    _wait(pending[0], rank, recv_from)
+                    _wait(pending[0], rank, recv_from, stats)
                     k_cur, v_cur = pending[1]
         ctx.save_for_backward(q4, k3, v3, out, lse)
-        ctx.meta = (group, is_causal, scale_f, layout_name, bq, bk, groups, query.shape, key.shape, value.shape,
-                    layout)
+        ctx.meta = (group, steps, groups, query.shape, key.shape, value.shape, layout, stats)
         return out.reshape(*layout.batch, Lr, v3.shape[-1]).to(query.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q4, k3, v3, out, lse = ctx.saved_tensors
-        group, is_causal, scale, layout_name, bq, bk, groups, q_shape, k_shape, v_shape, layout = ctx.meta
+        group, steps, groups, q_shape, k_shape, v_shape, layout, stats = ctx.meta
         rank, world, send_to, recv_from = _ranks(group)
         dout = grad_out.to(q4.dtype).reshape(out.shape)
-        Lr, Sr = q4.shape[2], k3.shape[1]
-        q_chunks = _chunks(rank, world, Lr, layout_name, is_causal)
         dq = torch.zeros_like(q4)
         dk, dv = torch.empty_like(k3), torch.empty_like(v3)  # filled by the ring: every row arrives
         heads = max(g.stop - g.start for g in groups)
@@ -266,37 +401,46 @@ class _Ring(torch.autograd.Function):
                 kv_next = None
                 if step < world - 1:
                     kv_next = _exchange([k_cur, v_cur], group, send_to, recv_from, kv_bufs.take(step, n_g))
-                for qs, ks, diag in _pairs(q_chunks, _chunks(src, world, Sr, layout_name, is_causal), is_causal):
-                    # FlashAttention-2's tile backward with the *final* out and lse: exact per block
-                    tiled.backward_blocks(dout_g[:, :, qs], q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs],
-                                    lse_g[:, :, qs], layout, None, diag, scale, bq, bk,
-                                    accumulate_into=(dq_g[:, :, qs], dk_cur[:, ks], dv_cur[:, ks]),
-                                    delta=delta_g[:, :, qs])
+                steps.backward(src, g, dout_g, q_g, k_cur, v_cur, out_g, lse_g, delta_g, dq_g, dk_cur, dv_cur)
                 if step < world - 1:
                     # pass dK/dV on with their block and take the next block's (the ranks before added
                     # their parts); milliseconds on this link against ~1 s of compute per step, so it
                     # is not overlapped
-                    _wait(kv_next[0], rank, recv_from)
+                    _wait(kv_next[0], rank, recv_from, stats)
                     k_cur, v_cur = kv_next[1]
                     dk_cur, dv_cur = _exchange_now([dk_cur, dv_cur], group, send_to, recv_from, rank,
-                                                   grad_bufs.take(step, n_g))
+                                                   grad_bufs.take(step, n_g), stats)
                 elif world > 1:
                     # block src = rank + 1 is complete: back to its owner; this rank's own comes from rank - 1
                     requests = dist.batch_isend_irecv([
                         dist.P2POp(dist.isend, dk_cur, send_to, group), dist.P2POp(dist.isend, dv_cur, send_to, group),
                         dist.P2POp(dist.irecv, dk[g], recv_from, group), dist.P2POp(dist.irecv, dv[g], recv_from, group)])
-                    _wait(requests, rank, recv_from)
+                    _wait(requests, rank, recv_from, stats)
                 # (one rank: dk[g], dv[g] already hold the result)
         dq_u = dq.reshape(*layout.batch, *q_shape[-2:]).sum_to_size(q_shape)
         dk_u = dk.reshape(*layout.kv_batch, *k_shape[-2:]).sum_to_size(k_shape)
         dv_u = dv.reshape(*layout.kv_batch, *v_shape[-2:]).sum_to_size(v_shape)
         dt = grad_out.dtype
-        return dq_u.to(dt), dk_u.to(dt), dv_u.to(dt), None, None, None, None, None, None, None, None
+        return (dq_u.to(dt), dk_u.to(dt), dv_u.to(dt), None, None, None, None, None, None, None, None, None, None,
+                None)
+
+
+def _native_everywhere(q4: Tensor, k3: Tensor, v3: Tensor, group) -> bool:
+    """Whether every rank can run the native block-sparse kernels (float32, finite inputs, the
+    library loaded): one all-reduce, so that all ranks take the same path."""
+    from attnlab.kernels import native
+
+    ok = (q4.dtype == k3.dtype == v3.dtype == torch.float32 and native.ops() is not None
+          and kernels.finite_inputs(q4, k3, v3, None))
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optional[dist.ProcessGroup] = None,
                    is_causal: bool = False, scale: Optional[float] = None, layout: str = "contiguous",
-                   enable_gqa: bool = False, block_q: Optional[int] = None, block_k: Optional[int] = None) -> Tensor:
+                   enable_gqa: bool = False, block_q: Optional[int] = None, block_k: Optional[int] = None,
+                   mask_mod=None, message_bytes: int = MESSAGE_BYTES, stats: Optional[dict] = None) -> Tensor:
     """Attention over a sequence split across the ranks of ``group`` (default: the world).
 
     Args:
@@ -309,6 +453,15 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optional
         layout: ``"contiguous"`` or ``"zigzag"`` (balanced causal work); as sharded.
         enable_gqa: grouped-query heads, as in SDPA.
         block_q, block_k: tile sizes of the local tiled kernel.
+        mask_mod: a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` over *absolute*
+            positions of the whole sequence (e.g. :func:`attnlab.flex.document_mask` for packed
+            documents, :func:`attnlab.flex.sliding_window`), instead of ``is_causal``. At each step a
+            rank builds the block plan of its (query chunk, key chunk) pair and skips the empty
+            blocks, so the time follows the mask's density. It is evaluated with ``b, h``
+            broadcast (a mask that differs by batch or head is not supported here).
+        message_bytes: about how large each message of key/value heads is (the ring's memory per
+            rank is a few messages on top of its share of the results).
+        stats: a dict; ``stats["comm_wait_s"]`` gets the seconds this rank waited on messages.
 
     Returns:
         This rank's ``(B, H, L/W, Ev)`` slice of the output. Differentiable (the backward
@@ -319,6 +472,14 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optional
                            "torch.distributed.init_process_group first (gloo on CPU)")
     _check_layout(layout)
     batch = validate(query, key, value, None, 0.0, is_causal, scale, enable_gqa, fn="ring_attention")
+    if mask_mod is not None and not callable(mask_mod):
+        raise TypeError(f"ring_attention: mask_mod must be a callable mask_mod(b, h, q_idx, kv_idx), got "
+                        f"{type(mask_mod).__name__}")
+    if mask_mod is not None and is_causal:
+        raise ValueError("ring_attention: pass either is_causal=True or a mask_mod (fold causality into it, e.g. "
+                         "attnlab.flex.and_masks(attnlab.flex.causal_mask, ...)), not both")
+    if isinstance(message_bytes, bool) or not isinstance(message_bytes, int) or message_bytes < 1:
+        raise ValueError(f"ring_attention: message_bytes must be a positive int, got {message_bytes!r}")
     if query.dim() != 4:
         raise ValueError(f"ring_attention: query must be (B, H, L/W, E), got {tuple(query.shape)}")
     if query.shape[-2] != key.shape[-2]:
@@ -328,129 +489,5 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optional
         raise ValueError(f"ring_attention: the zigzag layout needs an even local length, got {query.shape[-2]}")
     bq = kernels.block_size(block_q, tiled.DEFAULT_BLOCK_Q, "block_q", "ring_attention")
     bk = kernels.block_size(block_k, tiled.DEFAULT_BLOCK_K, "block_k", "ring_attention")
-    return _Ring.apply(query, key, value, group, is_causal, scale, layout, enable_gqa, bq, bk, batch)
-
-
-# --------------------------------------------------------------------------- #
-# Launching ranks on this machine (attnlab ring, tests)
-# --------------------------------------------------------------------------- #
-
-
-def _vm_hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
-    """One rank: ring attention forward+backward on seeded inputs, checked against one process."""
-    import os
-    from datetime import timedelta
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(cfg.get("threads", 1))
-    if "message_bytes" in cfg:  # tests: many head groups at small sizes
-        global MESSAGE_BYTES
-        MESSAGE_BYTES = cfg["message_bytes"]
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg.get("timeout", 30)))
-    try:
-        dtype = getattr(torch, cfg.get("dtype", "float32"))
-        B, H, Hkv, L, E = cfg["B"], cfg["H"], cfg.get("Hkv", cfg["H"]), cfg["L"], cfg["E"]
-        g = torch.Generator().manual_seed(cfg.get("seed", 0))
-        q, gout = torch.randn(B, H, L, E, generator=g, dtype=dtype), None
-        k = torch.randn(B, Hkv, L, E, generator=g, dtype=dtype)
-        v = torch.randn(B, Hkv, L, E, generator=g, dtype=dtype)
-        gout = torch.randn(B, H, L, E, generator=g, dtype=dtype)
-        if cfg.get("nan_query"):  # one query row of NaN: it must propagate as in one process
-            q[0, 0, L // 3] = float("nan")
-        if cfg.get("die_rank") == rank:
-            os._exit(3)  # a rank that dies before the ring starts
-        layout, causal, gqa = cfg["layout"], cfg["causal"], Hkv != H
-        ql, kl, vl = (shard_sequence(t, rank, world, layout).requires_grad_(True) for t in (q, k, v))
-        gl = shard_sequence(gout, rank, world, layout)  # an input, as in the one-process measurement
-        # warm-up in this process (gloo's buffers, the native kernel's library, MKL's state), as the
-        # one-process measurement warms up before its baseline: the peak then counts the ring itself
-        tiny = [torch.randn(B, n, 2 * world * 4, E, dtype=dtype, generator=g) for n in (H, Hkv, Hkv)]
-        tq, tk, tv = (shard_sequence(t, rank, world, layout).requires_grad_(True) for t in tiny)
-        ring_attention(tq, tk, tv, is_causal=causal, layout=layout, enable_gqa=gqa).sum().backward()
-        del tiny, tq, tk, tv
-        base = _vm_hwm_bytes()
-        COMM_WAIT_S[0] = 0.0
-        t0 = time.perf_counter()
-        out = ring_attention(ql, kl, vl, is_causal=causal, layout=layout, enable_gqa=gqa)
-        out.backward(gl)
-        elapsed = time.perf_counter() - t0
-        result = {"rank": rank, "time_s": elapsed, "peak_extra_bytes": max(0, _vm_hwm_bytes() - base),
-                  "comm_wait_s": COMM_WAIT_S[0]}
-        kv_bytes = (kl.numel() + vl.numel()) * kl.element_size()
-        result["bytes_sent"] = (world - 1) * kv_bytes + (world - 1) * 2 * kv_bytes + kv_bytes
-        if cfg.get("check", True):  # gather the slices; rank 0 compares with one process
-            gathered = {n: gather_sequence(t, layout) for n, t in
-                        (("output", out.detach()), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad))}
-            if rank == 0:
-                qf, kf, vf = (t.clone().requires_grad_(True) for t in (q, k, v))
-                ref = tiled.flash_attention(qf, kf, vf, is_causal=causal, enable_gqa=gqa)
-                ref.backward(gout)
-                expected = {"output": ref.detach(), "dq": qf.grad, "dk": kf.grad, "dv": vf.grad}
-                result["max_abs_diff"] = {n: float((gathered[n] - expected[n]).nan_to_num(0.0).abs().max())
-                                          for n in expected}
-                result["same_nans"] = {n: torch.equal(gathered[n].isnan(), expected[n].isnan()) for n in expected}
-                # NaN only where one process has it too (a causally skipped block keeps its grads finite)
-                result["nans_within"] = all(bool((gathered[n].isnan() <= expected[n].isnan()).all()) for n in expected)
-                result["nans"] = {n: int(gathered[n].isnan().sum()) for n in expected}
-        queue.put(result)
-    except Exception as exc:  # reported to the launcher, never a hang
-        queue.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
-
-
-def run_ring(world: int, cfg: dict, timeout_s: float = 300.0, fresh: bool = False) -> list[dict]:
-    """Spawn ``world`` ranks on 127.0.0.1 (gloo) running :func:`_worker`; their reports, by rank.
-
-    ``fresh``: each rank a new interpreter ('spawn'), for memory measurements (a fork's peak
-    RSS starts from its parent's); else forks of a fork server that imported torch once.
-
-    A rank that dies shows up as ``{"rank": r, "error": "exited with code ..."}``; the others
-    report the timeout error ring_attention raised.
-    """
-    import multiprocessing as mp
-    import queue as queue_mod
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # a fork server that has imported torch and this module once: each rank is a fork of it
-    # (~0.1 s) instead of a fresh interpreter importing torch (2.6-3.4 s of CPU each here);
-    # clean like 'spawn' (the server is single-threaded and holds no state of the caller's)
-    ctx = mp.get_context("spawn" if fresh else "forkserver")
-    if not fresh:
-        ctx.set_forkserver_preload(["attnlab.distributed"])
-    results: "mp.Queue" = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    reports: dict[int, dict] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(reports) < world and time.monotonic() < deadline:
-        try:
-            rep = results.get(timeout=0.5)
-            reports[rep["rank"]] = rep
-        except queue_mod.Empty:
-            for r, p in enumerate(procs):
-                if r not in reports and p.exitcode not in (None, 0):
-                    reports[r] = {"rank": r, "error": f"exited with code {p.exitcode}"}
-    for r, p in enumerate(procs):
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            reports.setdefault(r, {"rank": r, "error": "killed: no report before the launcher's timeout"})
-        reports.setdefault(r, {"rank": r, "error": f"exited with code {p.exitcode} without a report"})
-    return [reports[r] for r in range(world)]
+    return _Ring.apply(query, key, value, group, is_causal, scale, layout, enable_gqa, bq, bk, batch, mask_mod,
+                       message_bytes, stats)

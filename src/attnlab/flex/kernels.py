@@ -102,6 +102,13 @@ def _plan(block_mask: Optional[BlockMask], B: int, H: int, L: int, S: int,
     return (*block_mask.compressed_rows(), block_mask.bits.contiguous(), planes), bq, bk
 
 
+def block_plan(block_mask: BlockMask, B: int, H: int, L: int, S: int) -> tuple[tuple[Tensor, ...], int, int]:
+    """Package-internal (for :mod:`attnlab.distributed`): ``((row_ptr, cols, bit_idx, bits,
+    plane_of_head), bq, bk)``, what ``block_sparse_forward`` / ``block_sparse_backward_`` read for
+    ``B * H`` query heads (``plane_of_head`` in the order ``b * H + h``)."""
+    return _plan(block_mask, B, H, L, S, block_mask.BLOCK_SIZE[0])
+
+
 def _last_dim_dense(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
