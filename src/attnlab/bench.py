@@ -866,6 +866,46 @@ if __name__ == "__main__":
         sys.exit(2)
 
 
+RING_MASK_HEADER = ("Ring attention with masks: 2 ranks x 1 thread (gloo, 127.0.0.1), forward+backward, float32, "
+                    "B = 1; causal is is_causal=True, the others a mask_mod over absolute positions (sliding: a "
+                    "window of L/8; document: packed documents of L/4, L/2 - 3, L/4 + 3); fresh processes")
+
+
+def ring_masks_benchmark(L: int, masks=("causal", "sliding", "document"), *, B: int = 1, H: int = 8, E: int = 64,
+                         layout: str = "zigzag", world: int = 2) -> list[dict]:
+    """Seconds and per-rank peak memory of the ring's forward+backward for each mask at length
+    ``L`` (after a warm-up run), with the time as a share of the causal ring's in the same run."""
+    from attnlab.cli.ring_ranks import run_ring
+
+    rows = []
+    for mask in masks:
+        cfg = dict(B=B, H=H, L=L, E=E, causal=mask == "causal", layout=layout, threads=1, check=False, timeout=1800,
+                   mask=None if mask == "causal" else mask)
+        run_ring(world, {**cfg, "L": 2 * world * 64}, fresh=True)  # warm-up: spawn, gloo, kernels
+        ring = run_ring(world, cfg, timeout_s=3600, fresh=True)
+        errors = [r["error"] for r in ring if "error" in r]
+        kv_mib = 2 * B * H * (L // world) * E * 4 / 2**20  # this rank's K and V
+        rows.append({"L": L, "mask": mask, "layout": layout, "errors": errors,
+                     "ring_s": max(r.get("time_s", float("nan")) for r in ring),
+                     "ring_peak_mib": max(r.get("peak_extra_bytes", 0) for r in ring) / 2**20, "kv_mib": kv_mib})
+    causal_s = next((r["ring_s"] for r in rows if r["mask"] == "causal"), None)
+    for r in rows:
+        r["x_causal"] = r["ring_s"] / causal_s if causal_s else float("nan")
+    return rows
+
+
+def ring_masks_table(rows: list[dict]) -> str:
+    lines = ["| L | mask | layout | forward+backward s | x causal ring | peak +MiB per rank | its K, V MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["errors"]:
+            lines.append(f"| {r['L']} | {r['mask']} | {r['layout']} | failed: {r['errors'][0]} | | | |")
+            continue
+        lines.append(f"| {r['L']} | {r['mask']} | {r['layout']} | {r['ring_s']:.2f} | {r['x_causal']:.2f}x | "
+                     f"{r['ring_peak_mib']:.1f} | {r['kv_mib']:.1f} |")
+    return "\n".join(lines)
+
+
 def ring_benchmark(seq_lens: list[int], *, B: int = 1, H: int = 8, E: int = 64, causal: bool = False,
                    layout: str = "contiguous", world: int = 2) -> list[dict]:
     """``world`` ranks x 1 thread (ring attention, gloo on 127.0.0.1) against one process x

@@ -28,6 +28,7 @@ examples:
   attnlab bench --seq-lens 1024,2048 --csv bench.csv --plot bench.png
   attnlab bench --seq-lens 4096 --impls tiled,flash --causal no --mask padding
   attnlab bench --ring --seq-lens 8192
+  attnlab bench --ring --ring-masks causal,sliding,document --ring-layout zigzag --seq-lens 16384
   attnlab bench --decode --seq-lens 4096,32768 --dtypes float32,bfloat16
   attnlab bench --bf16 --repeats 3
   attnlab bench --block-mask --seq-lens 65536
@@ -82,6 +83,9 @@ def add(sub) -> argparse.ArgumentParser:
                    help="instead: ring attention, 2 ranks x 1 thread against 1 process x 2 threads, "
                         "forward+backward float32 (default lengths 8192,16384)")
     p.add_argument("--ring-layout", choices=["contiguous", "zigzag"], default="contiguous")
+    p.add_argument("--ring-masks", type=choices(["causal", "sliding", "document"]), default=None, metavar="MASK,...",
+                   help="with --ring: time the ring with these masks instead (causal, sliding: a window of L/8, "
+                        "document: packed documents), 2 ranks, at the first --seq-lens L (default 16384)")
     p.add_argument("--transformers", action="store_true",
                    help="instead: forward+backward of small Hugging Face models, attn_implementation 'sdpa' "
                         "against 'attnlab': Llama-style (GQA) at L=1024 and Mistral-style (sliding window 1024) "
@@ -140,6 +144,14 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    if args.ring and args.ring_masks:
+        L = args.seq_lens[0] if args.seq_lens != DEFAULT_LENS else 16384
+        print(f"machine: {bench.machine_line()}\n")
+        print(bench.RING_MASK_HEADER + "\n")
+        rows = bench.ring_masks_benchmark(L, args.ring_masks, B=args.batch, H=args.heads, E=args.dim,
+                                          layout=args.ring_layout)
+        print(bench.ring_masks_table(rows))
+        return 0
     if args.ring:
         lens = args.seq_lens if args.seq_lens != DEFAULT_LENS else [8192, 16384]
         print(f"machine: {bench.machine_line()}\n")
