@@ -430,9 +430,10 @@ class _Builder:
         self.nq, self.nk = math.ceil(Q_LEN / bq), math.ceil(KV_LEN / bk)
         self.kinds = torch.zeros(Bm, Hm, self.nq, self.nk, dtype=torch.uint8)
         self.partial_index = torch.full((Bm, Hm, self.nq, self.nk), -1, dtype=torch.int64)
-        # the partial blocks' bits, in one buffer that doubles when full: many small long-lived
-        # tensors among the chunks' large temporaries fragmented the heap (a sliding window at
-        # L = 65536 grew the peak by 2.1 GiB that way; 2026-12-01)
+        # the partial blocks' bits, in one buffer that doubles when full, not a list of small
+        # tensors (one run with the list grew the peak by 2.1 GiB for a sliding window at
+        # L = 65536, this buffer by 71 MiB; a later run of the list did not repeat it, so the
+        # cause is not pinned down; the buffer allocates less either way; 2026-12-01)
         self.bits = torch.zeros(64, bq, -(-bk // 8), dtype=torch.uint8)
         self.count = 0
         # blocks wholly inside (Q_LEN, KV_LEN): the only ones that can be full
