@@ -106,3 +106,45 @@ def test_a_bad_route_name_is_refused(monkeypatch):
     monkeypatch.setenv("ATTNLAB_BF16", "fast")
     with pytest.raises(ValueError, match="ATTNLAB_BF16 must be one of auto, bf16, bf16-emulated, fp32, got 'fast'"):
         _native.bf16_route()
+
+
+@pytest.mark.parametrize("mod", ["sliding_window", "alibi"])
+def test_flex_block_sparse_kernels_take_the_route_too(route, monkeypatch, mod):
+    """attnlab.flex's native block-sparse kernels (csrc/block_sparse.cpp) run the same routes."""
+    from attnlab import flex
+    from attnlab.flex import kernels as flex_kernels
+
+    L, H = 200, 4
+    mask_mod = flex.sliding_window(48)
+    bm = flex.create_block_mask(mask_mod, None, None, L, L, BLOCK_SIZE=32)
+    dense = flex.create_mask(mask_mod, None, None, L, L)[0, 0]
+    score_mod = flex.alibi(H) if mod == "alibi" else None
+    seen, real = [], _native.ops()
+
+    class Spy:
+        def __getattr__(self, name):
+            op = getattr(real, name)
+            if name != "block_sparse_forward":
+                return op
+
+            def forward(q4, *a):
+                seen.append((q4.dtype, a[-1]))
+                return op(q4, *a)
+            return forward
+
+    monkeypatch.setattr(flex_kernels._native, "ops", lambda: Spy())
+
+    def impl(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+        return flex.flex_attention(query, key, value, score_mod=score_mod, block_mask=bm, scale=scale)
+
+    q, k, v = randn(1, H, L, 32), randn(1, H, L, 32, seed=1), randn(1, H, L, 32, seed=2)
+    if score_mod is None:
+        assert_close_to_sdpa(impl, q, k, v, attn_mask=dense)
+    else:  # ALiBi as an additive mask for torch: -slope_h * (i - j), hidden keys -inf
+        slopes = torch.tensor([2.0 ** (-8 * (h + 1) / H) for h in range(H)])
+        rel = torch.arange(L)[None, :] - torch.arange(L)[:, None]
+        bias = (slopes[:, None, None] * rel).masked_fill(~dense, float("-inf"))[None].to(torch.bfloat16)
+        assert_close_to_sdpa(impl, q, k, v, attn_mask=bias)
+    operands = torch.float32 if route == "fp32" else torch.bfloat16
+    assert seen and all(dtype == operands for dtype, _ in seen), seen
+    assert all(emulated == (expected_name(route) == "bf16-emulated") for _, emulated in seen), seen

@@ -141,8 +141,9 @@ def _attention(query: Tensor, key: Tensor, value: Tensor, score_mod, block_mask:
     q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
     form = kernels.native_form(score_mod)
     square = block_mask is not None or tile[0] == tile[1]  # the native plan takes one tile size without a mask
-    if form is not None and square and kernels.covers(q, k, v):  # the native block-sparse kernels
-        result = kernels.attention(q, k, v, block_mask, scale_f, tile[0], form)
+    native_in = [t.to(kernels.operand_dtype(query.dtype)) for t in (query, key, value)]  # bf16 on the bf16 route
+    if form is not None and square and kernels.covers(*native_in):  # the native block-sparse kernels
+        result = kernels.attention(*native_in, block_mask, scale_f, tile[0], form)
         if result is not None:
             out, lse = result
             return out.to(query.dtype), lse

@@ -33,13 +33,25 @@ __all__: list[str] = []  # package-internal
 LN2 = math.log(2.0)
 
 
+def operand_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels get a call's inputs in: bfloat16 itself on the bf16 route
+    (:func:`attnlab.kernels.native.bf16_route`; bf16 GEMMs, as in the tiled path), else float32
+    for half types, else the dtype."""
+    if dtype == torch.bfloat16 and _native.bf16_route().name != "fp32":
+        return dtype
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def covers(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """The native kernels can run this call: float32 on the CPU, no NaN or inf, kernels built.
+    """The native kernels can run this call: float32 (or bfloat16 on the bf16 route) on the CPU,
+    no NaN or inf, kernels built.
 
     Non-finite inputs go to the pure path, which propagates them as torch does (the native row
     pass would treat a NaN row as masked; see :func:`attnlab.kernels.finite_inputs`).
     """
-    if q.device.type != "cpu" or not (q.dtype == k.dtype == v.dtype == torch.float32):
+    if q.device.type != "cpu" or not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16)):
+        return False
+    if q.dtype == torch.bfloat16 and _native.bf16_route().name == "fp32":
         return False
     if 0 in (q.shape[-1], v.shape[-1]):  # E = 0 or Ev = 0: nothing for BLAS to do; the pure path's answer
         return False
@@ -126,8 +138,10 @@ class _BlockSparse(torch.autograd.Function):
         k3 = _last_dim_dense(k.reshape(B * Hkv, S, E))  # (Nb, S, E)
         v3 = _last_dim_dense(v.reshape(B * Hkv, S, Ev))  # (Nb, S, Ev)
         row_of_head, cap = mod
+        emulated = q4.dtype == torch.bfloat16 and _native.bf16_route().name == "bf16-emulated"
         out4, lse2 = _native.ops().block_sparse_forward(q4, k3, v3, *plan, table, row_of_head, cap,
-                                                        scale * contract.LOG2E, bq, bk)
+                                                        scale * contract.LOG2E, bq, bk, emulated)
+        ctx.emulated, ctx.dtypes = emulated, (q.dtype, k.dtype, v.dtype)
         ctx.save_for_backward(q4, k3, v3, out4, lse2, table, row_of_head, *plan)
         ctx.shapes, ctx.blocks, ctx.scale, ctx.cap = (q.shape, k.shape, v.shape), (bq, bk), scale, cap
         return out4.view(B, H, L, Ev), lse2.view(B, H, L)
@@ -140,11 +154,15 @@ class _BlockSparse(torch.autograd.Function):
         delta = (dout4 * out4).sum(dim=-1)  # D_i = rowsum(dO_i * O_i), (Nb, r, L)
         if dlse2 is not None:  # lse2 = lse / ln 2 and d lse / d s = P: fold it into D_i
             delta = delta - dlse2.reshape(delta.shape) * contract.LOG2E
-        dq, dk, dv = torch.zeros_like(q4), torch.zeros_like(k3), torch.zeros_like(v3)
+        # float32 gradients; dO in the operands' dtype (bf16 on the bf16 route, for its GEMMs)
+        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q4, k3, v3))
         dtable = torch.zeros_like(table) if table is not None and ctx.needs_input_grad[3] else None
-        _native.ops().block_sparse_backward_(dout4, q4, k3, v3, lse2, delta.contiguous(), dq, dk, dv, *plan,
-                                             table, row_of_head, ctx.cap, dtable, ctx.scale, *ctx.blocks)
-        return dq.view(q_shape), dk.view(k_shape), dv.view(v_shape), dtable, None, None, None, None, None
+        _native.ops().block_sparse_backward_(dout4.to(q4.dtype), q4, k3, v3, lse2, delta.contiguous(), dq, dk, dv,
+                                             *plan, table, row_of_head, ctx.cap, dtable, ctx.scale, *ctx.blocks,
+                                             ctx.emulated)
+        dq_t, dk_t, dv_t = ctx.dtypes
+        return (dq.view(q_shape).to(dq_t), dk.view(k_shape).to(dk_t), dv.view(v_shape).to(dv_t), dtable, None, None,
+                None, None, None)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Optional[BlockMask], scale: float,

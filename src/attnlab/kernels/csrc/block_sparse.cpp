@@ -37,6 +37,7 @@
 
 #include <atomic>
 #include <numeric>
+#include <type_traits>
 #include <optional>
 #include <vector>
 
@@ -197,8 +198,10 @@ std::vector<int64_t> largest_first(const std::vector<int64_t>& costs) {
 
 void check_inputs(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3, const char* what) {
   TORCH_CHECK(q4.dim() == 4 && k3.dim() == 3 && v3.dim() == 3, what, ": bad ranks");
+  TORCH_CHECK(q4.scalar_type() == at::kFloat || q4.scalar_type() == at::kBFloat16, what,
+              ": float32 or bfloat16 (the bf16 route) only");
   for (const at::Tensor* t : {&q4, &k3, &v3}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), what, ": float32 CPU only");
+    TORCH_CHECK(t->scalar_type() == q4.scalar_type() && t->device().is_cpu(), what, ": one dtype, on the CPU");
     TORCH_CHECK(t->stride(-1) == 1 || t->size(-1) == 1, what, ": the last dim must be dense");
   }
   TORCH_CHECK(k3.size(0) == q4.size(0) && v3.size(0) == q4.size(0) && k3.size(2) == q4.size(3) &&
@@ -208,30 +211,28 @@ void check_inputs(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& 
 
 int64_t lead(const at::Tensor& t, int64_t width) { return t.size(-2) > 1 ? t.stride(-2) : width; }
 
-// out (Nb, r, L, Ev), lse2 (Nb, r, L) base 2 (-inf and output 0 on rows that see no key)
-std::tuple<at::Tensor, at::Tensor> block_sparse_forward(const at::Tensor& q4, const at::Tensor& k3,
-                                                        const at::Tensor& v3, const at::Tensor& row_ptr,
-                                                        const at::Tensor& cols, const at::Tensor& bit_idx,
-                                                        const at::Tensor& bits, const at::Tensor& plane_of_head,
-                                                        const std::optional<at::Tensor>& table,
-                                                        const std::optional<at::Tensor>& row_of_head, double cap,
-                                                        double scale2_d, int64_t block_q, int64_t block_k) {
-  check_inputs(q4, k3, v3, "attnlab block-sparse forward");
+// out (Nb, r, L, Ev), lse2 (Nb, r, L) base 2 (-inf and output 0 on rows that see no key), float32.
+// The bf16 route (q4, k3, v3 bfloat16): the GEMMs on bf16 operands (GemmBf16), P rounded to bf16
+// for P V; the scores, the mods, the row pass and the state stay float32, as in flash.cpp.
+template <class G>
+void forward_blocks(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
+                    const at::Tensor& out, const at::Tensor& lse2, const at::Tensor& row_ptr, const at::Tensor& cols,
+                    const at::Tensor& bit_idx, const at::Tensor& bits, const at::Tensor& plane_of_head,
+                    const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& row_of_head, double cap,
+                    double scale2_d, int64_t block_q, int64_t block_k) {
+  using T = typename G::T;
   const int64_t Nb = q4.size(0), r = q4.size(1), L = q4.size(2), E = q4.size(3);
   const int64_t S = k3.size(1), Ev = v3.size(2);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  at::Tensor out = at::zeros({Nb, r, L, Ev}, q4.options());
-  at::Tensor lse2 = at::full({Nb, r, L}, neg_inf, q4.options());
-  if (Nb == 0 || r == 0 || L == 0 || S == 0) return {out, lse2};
   const BlockPlan plan = make_plan(row_ptr, cols, bit_idx, bits, plane_of_head, Nb * r, L, block_q, block_k);
   const ScoreMod mod = make_mod(table, row_of_head, cap, Nb * r);
   const int bq = plan.bq, bk = plan.bk;
   const float scale2 = static_cast<float>(scale2_d);
   // with a score mod the GEMM gives natural-log scores, the mod works on those, then base 2
   const float gemm_scale = mod.present() ? scale2 / 1.4426950408889634f : scale2;
-  const float* q = q4.data_ptr<float>();
-  const float* k = k3.data_ptr<float>();
-  const float* v = v3.data_ptr<float>();
+  const T* q = static_cast<const T*>(q4.data_ptr());
+  const T* k = static_cast<const T*>(k3.data_ptr());
+  const T* v = static_cast<const T*>(v3.data_ptr());
   float* o = out.data_ptr<float>();
   float* lse = lse2.data_ptr<float>();
   const int64_t q_ld = lead(q4, E), k_ld = lead(k3, E), v_ld = lead(v3, Ev);
@@ -244,8 +245,11 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_forward(const at::Tensor& q4, co
 
   const int64_t per_thread = static_cast<int64_t>(bq) * bk + static_cast<int64_t>(bq) * Ev + 2 * bq;
   std::vector<float> scratch(static_cast<size_t>(per_thread * at::get_num_threads()));
+  const bool rounds = !std::is_same<T, float>::value;
+  std::vector<T> p_ops(rounds ? static_cast<size_t>(bq) * bk * at::get_num_threads() : 0);  // P as an operand
   for_each_dynamic(order, [&](int64_t task) {
     float* s = scratch.data() + per_thread * at::get_thread_num();
+    T* p_buf = rounds ? p_ops.data() + static_cast<int64_t>(bq) * bk * at::get_thread_num() : nullptr;
     float* acc = s + static_cast<int64_t>(bq) * bk;
     float* m_i = acc + static_cast<int64_t>(bq) * Ev;
     float* l_i = m_i + bq;
@@ -255,9 +259,9 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_forward(const at::Tensor& q4, co
     const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
     const int64_t e0 = plan.begin(head, i), e1 = plan.end(head, i);
     if (e0 == e1) return;  // no visible key: out stays 0, lse2 -inf
-    const float* q_tile = q + nb * q4.stride(0) + h * q4.stride(1) + i0 * q_ld;
-    const float* k_head = k + nb * k3.stride(0);
-    const float* v_head = v + nb * v3.stride(0);
+    const T* q_tile = q + nb * q4.stride(0) + h * q4.stride(1) + i0 * q_ld;
+    const T* k_head = k + nb * k3.stride(0);
+    const T* v_head = v + nb * v3.stride(0);
     std::fill(m_i, m_i + n, neg_inf);
     std::fill(l_i, l_i + n, 0.0f);
     std::fill(acc, acc + static_cast<int64_t>(n) * Ev, 0.0f);
@@ -265,19 +269,42 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_forward(const at::Tensor& q4, co
       const int64_t j0 = plan.cols[e] * bk;
       const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
       // S_ij = scale2 * Q_i K_j^T   (n, nk), or the score mod of scale * Q_i K_j^T
-      gemm_rm(false, true, n, nk, static_cast<int>(E), gemm_scale, q_tile, static_cast<int>(q_ld), k_head + j0 * k_ld,
-              static_cast<int>(k_ld), 0.0f, s, nk);
+      gemm(false, true, n, nk, static_cast<int>(E), gemm_scale, q_tile, static_cast<int>(q_ld), k_head + j0 * k_ld,
+           static_cast<int>(k_ld), 0.0f, s, nk);
       if (mod.present()) mod.apply(s, nullptr, head, i0, j0, n, nk);
       plan.apply(s, e, n, nk);
       online_update(s, n, nk, [nk](int64_t, float*) { return nk; }, m_i, l_i, acc, Ev);  // hidden: -inf
       // acc += P~ V_j   (n, Ev)
-      gemm_rm(false, false, n, static_cast<int>(Ev), nk, 1.0f, s, nk, v_head + j0 * v_ld, static_cast<int>(v_ld), 1.0f,
-              acc, static_cast<int>(Ev));
+      gemm(false, false, n, static_cast<int>(Ev), nk, 1.0f, gemm.operand(s, static_cast<int64_t>(n) * nk, p_buf), nk,
+           v_head + j0 * v_ld, static_cast<int>(v_ld), 1.0f, acc, static_cast<int>(Ev));
     }
     float* o_tile = o + (head * L + i0) * Ev;
     float* lse_tile = lse + head * L + i0;
     finish_rows(acc, m_i, l_i, n, Ev, o_tile, Ev, lse_tile, 1);  // O_i = acc / l_i, lse2_i
   });
+}
+
+std::tuple<at::Tensor, at::Tensor> block_sparse_forward(const at::Tensor& q4, const at::Tensor& k3,
+                                                        const at::Tensor& v3, const at::Tensor& row_ptr,
+                                                        const at::Tensor& cols, const at::Tensor& bit_idx,
+                                                        const at::Tensor& bits, const at::Tensor& plane_of_head,
+                                                        const std::optional<at::Tensor>& table,
+                                                        const std::optional<at::Tensor>& row_of_head, double cap,
+                                                        double scale2, int64_t block_q, int64_t block_k,
+                                                        bool bf16_emulated) {
+  check_inputs(q4, k3, v3, "attnlab block-sparse forward");
+  const int64_t Nb = q4.size(0), r = q4.size(1), L = q4.size(2);
+  const at::TensorOptions f32 = q4.options().dtype(at::kFloat);
+  at::Tensor out = at::zeros({Nb, r, L, v3.size(2)}, f32);
+  at::Tensor lse2 = at::full({Nb, r, L}, -std::numeric_limits<float>::infinity(), f32);
+  if (Nb == 0 || r == 0 || L == 0 || k3.size(1) == 0) return {out, lse2};
+  if (q4.scalar_type() == at::kBFloat16) {
+    forward_blocks(GemmBf16{!bf16_emulated}, q4, k3, v3, out, lse2, row_ptr, cols, bit_idx, bits, plane_of_head,
+                   table, row_of_head, cap, scale2, block_q, block_k);
+  } else {
+    forward_blocks(Gemm32{}, q4, k3, v3, out, lse2, row_ptr, cols, bit_idx, bits, plane_of_head, table, row_of_head,
+                   cap, scale2, block_q, block_k);
+  }
   return {out, lse2};
 }
 
@@ -286,14 +313,16 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_forward(const at::Tensor& q4, co
 // D_i = rowsum(dO_i * O_i) minus the gradient reaching lse (d lse / d s = P), so one formula
 // covers both. One task per key/value head (single writer of its dK, dV rows), or per query
 // head of a group when there are fewer key/value heads than threads (partial dK, dV summed).
-void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
-                            const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
-                            const at::Tensor& dv, const at::Tensor& row_ptr, const at::Tensor& cols,
-                            const at::Tensor& bit_idx, const at::Tensor& bits, const at::Tensor& plane_of_head,
-                            const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& row_of_head,
-                            double cap, const std::optional<at::Tensor>& dtable, double scale_d, int64_t block_q,
-                            int64_t block_k) {
-  const BackwardSetup<> setup(dout, q4, k3, v3, lse2, delta, dq, dk, dv, "attnlab block-sparse backward");
+template <class G>
+void backward_blocks(const G& gemm, const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3,
+                     const at::Tensor& v3, const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq,
+                     const at::Tensor& dk, const at::Tensor& dv, const at::Tensor& row_ptr, const at::Tensor& cols,
+                     const at::Tensor& bit_idx, const at::Tensor& bits, const at::Tensor& plane_of_head,
+                     const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& row_of_head,
+                     double cap, const std::optional<at::Tensor>& dtable, double scale_d, int64_t block_q,
+                     int64_t block_k) {
+  using T = typename G::T;
+  const BackwardSetup<T> setup(dout, q4, k3, v3, lse2, delta, dq, dk, dv, "attnlab block-sparse backward");
   if (setup.empty()) return;
   const int64_t Nb = setup.Nb, r = setup.r, L = setup.L, E = setup.E, S = setup.S, Ev = setup.Ev;
   const BlockPlan plan = make_plan(row_ptr, cols, bit_idx, bits, plane_of_head, Nb * r, L, block_q, block_k);
@@ -308,7 +337,8 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
   const float scale2 = scale * 1.4426950408889634f;  // log2(e): the forward's base-2 scores
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t q_ld = setup.q_ld, do_ld = setup.do_ld, dq_ld = setup.dq_ld, k_ld = setup.k_ld, v_ld = setup.v_ld;
-  const float *q = setup.q, *k = setup.k, *v = setup.v, *gout = setup.gout, *lse = setup.lse, *dlt = setup.dlt;
+  const T *q = setup.q, *k = setup.k, *v = setup.v, *gout = setup.gout;
+  const float *lse = setup.lse, *dlt = setup.dlt;
   float* gq = setup.gq;
 
   const int n_threads = at::get_num_threads();
@@ -323,6 +353,8 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
   const std::vector<int64_t> order = largest_first(costs);
   const int64_t tile = static_cast<int64_t>(bq) * bk;
   std::vector<float> scratch(static_cast<size_t>(3 * tile * n_threads));
+  const bool rounds = !std::is_same<T, float>::value;
+  std::vector<T> ops_buf(rounds ? static_cast<size_t>(tile) * n_threads : 0);  // P, then dS, as operands
   // the bias gradient: one private copy of the table per task (tasks of different batches
   // share table rows), summed at the end
   at::Tensor dtable_parts;
@@ -332,18 +364,19 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
     float* p = scratch.data() + 3 * tile * at::get_thread_num();
     float* dp = p + tile;
     float* deriv = dp + tile;  // d s_mod / d s, with softcap
+    T* buf = rounds ? ops_buf.data() + tile * at::get_thread_num() : nullptr;
     float* dtable_task = table_grad ? dtable_parts.data_ptr<float>() + task * dtable->numel() : nullptr;
-    const BackwardSetup<>::Task w = setup.task(task, dk, dv);
+    const typename BackwardSetup<T>::Task w = setup.task(task, dk, dv);
     const int64_t nb = w.nb, dk_row = w.dk_row, dv_row = w.dv_row;
-    const float *k_head = w.k_head, *v_head = w.v_head;
+    const T *k_head = w.k_head, *v_head = w.v_head;
     float *dk_head = w.dk_head, *dv_head = w.dv_head;
     for (int64_t h = w.h_begin; h < w.h_end; ++h) {
       const int64_t head = nb * r + h;
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t i0 = i * bq;
         const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
-        const float* q_tile = q + nb * q4.stride(0) + h * q4.stride(1) + i0 * q_ld;
-        const float* do_tile = gout + nb * dout.stride(0) + h * dout.stride(1) + i0 * do_ld;
+        const T* q_tile = q + nb * q4.stride(0) + h * q4.stride(1) + i0 * q_ld;
+        const T* do_tile = gout + nb * dout.stride(0) + h * dout.stride(1) + i0 * do_ld;
         float* dq_tile = gq + nb * dq.stride(0) + h * dq.stride(1) + i0 * dq_ld;
         const float* lse_rows = lse + nb * lse2.stride(0) + h * lse2.stride(1) + i0 * lse2.stride(2);
         const float* d_rows = dlt + nb * delta.stride(0) + h * delta.stride(1) + i0 * delta.stride(2);
@@ -351,8 +384,8 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
           const int64_t j0 = plan.cols[e] * bk;
           const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
           // P = 2^(scale2 * Q_i K_j^T - lse2_i) (or of the score mod), hidden scores -inf first (2^-inf = 0)
-          gemm_rm(false, true, n, nk, static_cast<int>(E), gemm_scale, q_tile, static_cast<int>(q_ld),
-                  k_head + j0 * k_ld, static_cast<int>(k_ld), 0.0f, p, nk);
+          gemm(false, true, n, nk, static_cast<int>(E), gemm_scale, q_tile, static_cast<int>(q_ld), k_head + j0 * k_ld,
+               static_cast<int>(k_ld), 0.0f, p, nk);
           if (mod.present()) mod.apply(p, deriv, head, i0, j0, n, nk);
           plan.apply(p, e, n, nk);
           for (int a = 0; a < n; ++a) {
@@ -364,14 +397,14 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
               exp2_shifted(row, nk, m);
             }
           }
-          tile_dv_ds(Gemm32{}, p, nullptr, dp, n, nk, static_cast<int>(Ev), do_tile, static_cast<int>(do_ld), v_head + j0 * v_ld,
+          tile_dv_ds(gemm, p, buf, dp, n, nk, static_cast<int>(Ev), do_tile, static_cast<int>(do_ld), v_head + j0 * v_ld,
                      static_cast<int>(v_ld), dv_head + j0 * dv_row, static_cast<int>(dv_row), d_rows,
                      delta.stride(2));
           if (dtable_task != nullptr) mod.add_grad(dtable_task, dp, head, i0, j0, n, nk);  // d bias = dS
           if (mod.cap > 0.0f) {  // through the soft-cap: dS_raw = dS * (1 - tanh^2)
             for (int64_t c = 0; c < static_cast<int64_t>(n) * nk; ++c) dp[c] *= deriv[c];
           }
-          tile_dq_dk(Gemm32{}, dp, nullptr, n, nk, static_cast<int>(E), scale, k_head + j0 * k_ld, static_cast<int>(k_ld), dq_tile,
+          tile_dq_dk(gemm, dp, buf, n, nk, static_cast<int>(E), scale, k_head + j0 * k_ld, static_cast<int>(k_ld), dq_tile,
                      static_cast<int>(dq_ld), q_tile, static_cast<int>(q_ld), dk_head + j0 * dk_row,
                      static_cast<int>(dk_row));
         }
@@ -382,11 +415,27 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
   if (table_grad) dtable->add_(dtable_parts.sum(0));
 }
 
+void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
+                            const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
+                            const at::Tensor& dv, const at::Tensor& row_ptr, const at::Tensor& cols,
+                            const at::Tensor& bit_idx, const at::Tensor& bits, const at::Tensor& plane_of_head,
+                            const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& row_of_head,
+                            double cap, const std::optional<at::Tensor>& dtable, double scale, int64_t block_q,
+                            int64_t block_k, bool bf16_emulated) {
+  if (q4.scalar_type() == at::kBFloat16) {
+    backward_blocks(GemmBf16{!bf16_emulated}, dout, q4, k3, v3, lse2, delta, dq, dk, dv, row_ptr, cols, bit_idx, bits,
+                    plane_of_head, table, row_of_head, cap, dtable, scale, block_q, block_k);
+  } else {
+    backward_blocks(Gemm32{}, dout, q4, k3, v3, lse2, delta, dq, dk, dv, row_ptr, cols, bit_idx, bits, plane_of_head,
+                    table, row_of_head, cap, dtable, scale, block_q, block_k);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
-  m.def("block_sparse_forward(Tensor q4, Tensor k3, Tensor v3, Tensor row_ptr, Tensor cols, Tensor bit_idx, Tensor bits, Tensor plane_of_head, Tensor? table, Tensor? row_of_head, float cap, float scale2, int block_q, int block_k) -> (Tensor, Tensor)");
-  m.def("block_sparse_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor row_ptr, Tensor cols, Tensor bit_idx, Tensor bits, Tensor plane_of_head, Tensor? table, Tensor? row_of_head, float cap, Tensor(d!)? dtable, float scale, int block_q, int block_k) -> ()");
+  m.def("block_sparse_forward(Tensor q4, Tensor k3, Tensor v3, Tensor row_ptr, Tensor cols, Tensor bit_idx, Tensor bits, Tensor plane_of_head, Tensor? table, Tensor? row_of_head, float cap, float scale2, int block_q, int block_k, bool bf16_emulated=False) -> (Tensor, Tensor)");
+  m.def("block_sparse_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor row_ptr, Tensor cols, Tensor bit_idx, Tensor bits, Tensor plane_of_head, Tensor? table, Tensor? row_of_head, float cap, Tensor(d!)? dtable, float scale, int block_q, int block_k, bool bf16_emulated=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
