@@ -41,14 +41,15 @@ def randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-def spy_operands(monkeypatch) -> list:
-    """The dtype of q4 each native forward gets: bfloat16 on the bf16 routes, float32 on fp32."""
+def spy_operands(monkeypatch, forward_op: str = "flash_forward") -> list:
+    """``(q4 dtype, bf16_emulated)`` of each call of the native ``forward_op``: bfloat16 on the
+    bf16 routes, float32 on fp32."""
     seen, real = [], _native.ops()
 
     class Spy:
         def __getattr__(self, name):
             op = getattr(real, name)
-            if name != "flash_forward":
+            if name != forward_op:
                 return op
 
             def forward(q4, *a):
@@ -56,7 +57,7 @@ def spy_operands(monkeypatch) -> list:
                 return op(q4, *a)
             return forward
 
-    monkeypatch.setattr(tiled._native, "ops", lambda: Spy())
+    monkeypatch.setattr(_native, "ops", lambda: Spy())  # one module object: tiled's and flex's _native
     return seen
 
 
@@ -112,27 +113,13 @@ def test_a_bad_route_name_is_refused(monkeypatch):
 def test_flex_block_sparse_kernels_take_the_route_too(route, monkeypatch, mod):
     """attnlab.flex's native block-sparse kernels (csrc/block_sparse.cpp) run the same routes."""
     from attnlab import flex
-    from attnlab.flex import kernels as flex_kernels
 
     L, H = 200, 4
     mask_mod = flex.sliding_window(48)
     bm = flex.create_block_mask(mask_mod, None, None, L, L, BLOCK_SIZE=32)
     dense = flex.create_mask(mask_mod, None, None, L, L)[0, 0]
     score_mod = flex.alibi(H) if mod == "alibi" else None
-    seen, real = [], _native.ops()
-
-    class Spy:
-        def __getattr__(self, name):
-            op = getattr(real, name)
-            if name != "block_sparse_forward":
-                return op
-
-            def forward(q4, *a):
-                seen.append((q4.dtype, a[-1]))
-                return op(q4, *a)
-            return forward
-
-    monkeypatch.setattr(flex_kernels._native, "ops", lambda: Spy())
+    seen = spy_operands(monkeypatch, "block_sparse_forward")
 
     def impl(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
         return flex.flex_attention(query, key, value, score_mod=score_mod, block_mask=bm, scale=scale)

@@ -207,7 +207,7 @@ def forward_into(q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, 
 
 def _native_ops(mask: Optional[Tensor], q4: Tensor, k3: Tensor, v3: Tensor):
     """The native ops when they cover this call (float32 on the CPU, or bfloat16 kept by
-    :func:`_operand_dtype` for the bf16 route; no mask, or a bool or float32 one), else None."""
+    :func:`attnlab.kernels.native.operand_dtype` for the bf16 route; no mask, or a bool or float32 one), else None."""
     if q4.device.type != "cpu" or not (q4.dtype == k3.dtype == v3.dtype and q4.dtype in (torch.float32, torch.bfloat16)):
         return None
     if mask is not None and (mask.device.type != "cpu" or mask.dtype not in (torch.bool, torch.float32)):
@@ -215,14 +215,6 @@ def _native_ops(mask: Optional[Tensor], q4: Tensor, k3: Tensor, v3: Tensor):
     if not finite_inputs(q4, k3, v3, mask):
         return None  # NaN/inf: the pure code propagates them as torch's MATH backend does
     return _native.ops()
-
-
-def _operand_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the kernels get the inputs in: bfloat16 itself on the bf16 route
-    (:func:`attnlab.kernels.native.bf16_route`), else the compute dtype (float32 for half types)."""
-    if dtype == torch.bfloat16 and _native.bf16_route().name != "fp32":
-        return dtype
-    return compute_dtype(dtype)
 
 
 def _emulated() -> bool:
@@ -368,7 +360,7 @@ def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tenso
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk, batch):
-        dtype = _operand_dtype(query.dtype)  # bfloat16 stays bfloat16 on the bf16 route
+        dtype = _native.operand_dtype(query.dtype)  # bfloat16 stays bfloat16 on the bf16 route
         layout = Layout(batch, query, key, enable_gqa)
         L, E, S = query.shape[-2], query.shape[-1], key.shape[-2]
         scale_f = float(scale) if scale is not None else 1.0 / math.sqrt(E) if E else 1.0

@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from attnlab.flex import kernels
-from attnlab.kernels import online
+from attnlab.kernels import native, online
 from attnlab.flex.block_mask import EMPTY, FULL, BlockMask, _unpack
 
 __all__ = ["flex_attention", "ScoreMod", "AuxRequest", "AuxOutput"]
@@ -136,17 +136,18 @@ def _attention(query: Tensor, key: Tensor, value: Tensor, score_mod, block_mask:
     """``(out (B, H, L, Ev), lse (B, H, L))``: the native kernels where they apply, else the pure path."""
     B, H, L, E = query.shape
     Hkv, S = key.shape[1], key.shape[2]
-    dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     scale_f = float(scale) if scale is not None else (1.0 / math.sqrt(E) if E else 1.0)
-    q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
     form = kernels.native_form(score_mod)
     square = block_mask is not None or tile[0] == tile[1]  # the native plan takes one tile size without a mask
-    native_in = [t.to(kernels.operand_dtype(query.dtype)) for t in (query, key, value)]  # bf16 on the bf16 route
-    if form is not None and square and kernels.covers(*native_in):  # the native block-sparse kernels
-        result = kernels.attention(*native_in, block_mask, scale_f, tile[0], form)
+    operand = native.operand_dtype(query.dtype)  # bfloat16 stays bfloat16 on the bf16 route
+    q, k, v = query.to(operand), key.to(operand), value.to(operand)
+    if form is not None and square and kernels.covers(q, k, v):  # the native block-sparse kernels
+        result = kernels.attention(q, k, v, block_mask, scale_f, tile[0], form)
         if result is not None:
             out, lse = result
             return out.to(query.dtype), lse
+    dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # the pure path: half types in float32 (no copy otherwise)
     if Hkv != H:  # GQA: each query head's key/value head, (B, H, S, E)
         k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))
     bq, bk = block_mask.BLOCK_SIZE if block_mask is not None else tile

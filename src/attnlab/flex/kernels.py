@@ -33,15 +33,6 @@ __all__: list[str] = []  # package-internal
 LN2 = math.log(2.0)
 
 
-def operand_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the kernels get a call's inputs in: bfloat16 itself on the bf16 route
-    (:func:`attnlab.kernels.native.bf16_route`; bf16 GEMMs, as in the tiled path), else float32
-    for half types, else the dtype."""
-    if dtype == torch.bfloat16 and _native.bf16_route().name != "fp32":
-        return dtype
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def covers(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """The native kernels can run this call: float32 (or bfloat16 on the bf16 route) on the CPU,
     no NaN or inf, kernels built.

@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["NativeStatus", "Bf16Route", "status", "ops", "bf16_route", "BF16_CHOICES"]
+__all__ = ["NativeStatus", "Bf16Route", "status", "ops", "bf16_route", "operand_dtype", "BF16_CHOICES"]
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "flash.cpp", _CSRC / "block_sparse.cpp", _CSRC / "decode.cpp")
@@ -185,6 +185,15 @@ def status() -> NativeStatus:
     and which bfloat16 route (:func:`bf16_route`) it takes now."""
     loaded = _get()[1]
     return NativeStatus(loaded.available, loaded.detail, bf16_route())
+
+
+def operand_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the native kernels get a call's inputs in: bfloat16 itself on the bf16 route
+    (:func:`bf16_route`), else float32 for half types, else the dtype (the tiled path and
+    attnlab.flex both ask here)."""
+    if dtype == torch.bfloat16 and bf16_route().name != "fp32":
+        return dtype
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def bf16_route() -> Bf16Route:

@@ -337,13 +337,10 @@ void backward_blocks(const G& gemm, const at::Tensor& dout, const at::Tensor& q4
   const float scale2 = scale * 1.4426950408889634f;  // log2(e): the forward's base-2 scores
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t q_ld = setup.q_ld, do_ld = setup.do_ld, dq_ld = setup.dq_ld, k_ld = setup.k_ld, v_ld = setup.v_ld;
-  const T *q = setup.q, *k = setup.k, *v = setup.v, *gout = setup.gout;
-  const float *lse = setup.lse, *dlt = setup.dlt;
-  float* gq = setup.gq;
 
   const int n_threads = at::get_num_threads();
   const bool split = setup.split;
-  const int64_t n_tasks = split ? Nb * r : Nb;
+  const int64_t n_tasks = setup.n_tasks;
   std::vector<int64_t> costs(static_cast<size_t>(n_tasks), 0);
   for (int64_t t = 0; t < n_tasks; ++t) {
     const int64_t h_begin = split ? t % r : 0, h_end = split ? h_begin + 1 : r, nb = split ? t / r : t;
@@ -375,11 +372,9 @@ void backward_blocks(const G& gemm, const at::Tensor& dout, const at::Tensor& q4
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t i0 = i * bq;
         const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
-        const T* q_tile = q + nb * q4.stride(0) + h * q4.stride(1) + i0 * q_ld;
-        const T* do_tile = gout + nb * dout.stride(0) + h * dout.stride(1) + i0 * do_ld;
-        float* dq_tile = gq + nb * dq.stride(0) + h * dq.stride(1) + i0 * dq_ld;
-        const float* lse_rows = lse + nb * lse2.stride(0) + h * lse2.stride(1) + i0 * lse2.stride(2);
-        const float* d_rows = dlt + nb * delta.stride(0) + h * delta.stride(1) + i0 * delta.stride(2);
+        const auto rw = setup.rows(nb, h, i0);
+        const T *q_tile = rw.q, *do_tile = rw.dout;
+        float* dq_tile = rw.dq;
         for (int64_t e = plan.begin(head, i); e < plan.end(head, i); ++e) {
           const int64_t j0 = plan.cols[e] * bk;
           const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
@@ -390,7 +385,7 @@ void backward_blocks(const G& gemm, const at::Tensor& dout, const at::Tensor& q4
           plan.apply(p, e, n, nk);
           for (int a = 0; a < n; ++a) {
             float* row = p + static_cast<int64_t>(a) * nk;
-            const float m = lse_rows[a * lse2.stride(2)];
+            const float m = rw.lse[a * rw.lse_stride];
             if (m == neg_inf) {  // a row that saw no key has no gradient
               std::fill(row, row + nk, 0.0f);
             } else {
@@ -398,8 +393,8 @@ void backward_blocks(const G& gemm, const at::Tensor& dout, const at::Tensor& q4
             }
           }
           tile_dv_ds(gemm, p, buf, dp, n, nk, static_cast<int>(Ev), do_tile, static_cast<int>(do_ld), v_head + j0 * v_ld,
-                     static_cast<int>(v_ld), dv_head + j0 * dv_row, static_cast<int>(dv_row), d_rows,
-                     delta.stride(2));
+                     static_cast<int>(v_ld), dv_head + j0 * dv_row, static_cast<int>(dv_row), rw.d,
+                     rw.d_stride);
           if (dtable_task != nullptr) mod.add_grad(dtable_task, dp, head, i0, j0, n, nk);  // d bias = dS
           if (mod.cap > 0.0f) {  // through the soft-cap: dS_raw = dS * (1 - tanh^2)
             for (int64_t c = 0; c < static_cast<int64_t>(n) * nk; ++c) dp[c] *= deriv[c];

@@ -268,9 +268,6 @@ void backward_tiles(const G& gemm, const at::Tensor& dout, const at::Tensor& q4,
   const float scale2 = scale * 1.4426950408889634f;  // log2(e): the forward's base-2 scores
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t q_ld = setup.q_ld, do_ld = setup.do_ld, dq_ld = setup.dq_ld, k_ld = setup.k_ld, v_ld = setup.v_ld;
-  const T *q = setup.q, *k = setup.k, *v = setup.v, *gout = setup.gout;
-  const float *lse = setup.lse, *dlt = setup.dlt;
-  float* gq = setup.gq;
 
   const int64_t tile = static_cast<int64_t>(bq) * bk;
   const int n_threads = at::get_num_threads();
@@ -290,11 +287,9 @@ void backward_tiles(const G& gemm, const at::Tensor& dout, const at::Tensor& q4,
       for (int64_t h = w.h_begin; h < w.h_end; ++h) {
         for (int64_t i0 = 0; i0 < L; i0 += bq) {
           const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
-          const T* q_tile = q + nb * q4.stride(0) + h * q4.stride(1) + i0 * q_ld;
-          const T* do_tile = gout + nb * dout.stride(0) + h * dout.stride(1) + i0 * do_ld;
-          float* dq_tile = gq + nb * dq.stride(0) + h * dq.stride(1) + i0 * dq_ld;
-          const float* lse_rows = lse + nb * lse2.stride(0) + h * lse2.stride(1) + i0 * lse2.stride(2);
-          const float* d_rows = dlt + nb * delta.stride(0) + h * delta.stride(1) + i0 * delta.stride(2);
+          const auto rw = setup.rows(nb, h, i0);
+          const T *q_tile = rw.q, *do_tile = rw.dout;
+          float* dq_tile = rw.dq;
           const int64_t j_end = is_causal ? std::min<int64_t>(S, i0 + n) : S;
           for (int64_t j0 = 0; j0 < j_end; j0 += bk) {
             const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
@@ -303,7 +298,7 @@ void backward_tiles(const G& gemm, const at::Tensor& dout, const at::Tensor& q4,
                  static_cast<int>(k_ld), 0.0f, p, nk);
             for (int a = 0; a < n; ++a) {
               float* row = p + static_cast<int64_t>(a) * nk;
-              const float m = lse_rows[a * lse2.stride(2)];
+              const float m = rw.lse[a * rw.lse_stride];
               const int64_t visible = is_causal ? (i0 + a) - j0 + 1 : nk;
               const int valid = m == neg_inf ? 0 : static_cast<int>(std::clamp<int64_t>(visible, 0, nk));
               if (mv.present() && valid > 0) mv.apply(row, nb * r + h, i0 + a, j0, valid);  // masked: 2^-inf = 0
@@ -311,8 +306,8 @@ void backward_tiles(const G& gemm, const at::Tensor& dout, const at::Tensor& q4,
               for (int c = valid; c < nk; ++c) row[c] = 0.0f;
             }
             tile_dv_ds(gemm, p, buf, dp, n, nk, static_cast<int>(Ev), do_tile, static_cast<int>(do_ld), v_head + j0 * v_ld,
-                       static_cast<int>(v_ld), dv_head + j0 * dv_row, static_cast<int>(dv_row), d_rows,
-                       delta.stride(2));
+                       static_cast<int>(v_ld), dv_head + j0 * dv_row, static_cast<int>(dv_row), rw.d,
+                       rw.d_stride);
             tile_dq_dk(gemm, dp, buf, n, nk, static_cast<int>(E), scale, k_head + j0 * k_ld, static_cast<int>(k_ld), dq_tile,
                        static_cast<int>(dq_ld), q_tile, static_cast<int>(q_ld), dk_head + j0 * dk_row,
                        static_cast<int>(dk_row));

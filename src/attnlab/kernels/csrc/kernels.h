@@ -414,6 +414,7 @@ struct BackwardSetup {
   const float *lse, *dlt;     // lse2, delta
   float* gq;                                   // dq
   int64_t k_head_stride, v_head_stride;
+  int64_t q_s[2], do_s[2], dq_s[2], lse_s[3], d_s[3];  // head strides (and row strides of lse2, delta)
 
   static int64_t lead(const at::Tensor& t, int64_t width) { return t.size(-2) > 1 ? t.stride(-2) : width; }
 
@@ -453,6 +454,25 @@ struct BackwardSetup {
     lse = lse2.data_ptr<float>(), dlt = delta.data_ptr<float>();
     gq = dq.data_ptr<float>();
     k_head_stride = k3.stride(0), v_head_stride = v3.stride(0);
+    for (int d = 0; d < 2; ++d) q_s[d] = q4.stride(d), do_s[d] = dout.stride(d), dq_s[d] = dq.stride(d);
+    for (int d = 0; d < 3; ++d) lse_s[d] = lse2.stride(d), d_s[d] = delta.stride(d);
+  }
+
+  // Query head h of key/value head nb, from query row i0: where its Q, dO, dQ rows and its
+  // lse2 and D entries start (entry a of lse / d is a * lse_stride / d_stride further).
+  struct Rows {
+    const T* q;
+    const T* dout;
+    float* dq;
+    const float* lse;
+    const float* d;
+    int64_t lse_stride, d_stride;
+  };
+
+  Rows rows(int64_t nb, int64_t h, int64_t i0) const {
+    return {q + nb * q_s[0] + h * q_s[1] + i0 * q_ld, gout + nb * do_s[0] + h * do_s[1] + i0 * do_ld,
+            gq + nb * dq_s[0] + h * dq_s[1] + i0 * dq_ld, lse + nb * lse_s[0] + h * lse_s[1] + i0 * lse_s[2],
+            dlt + nb * d_s[0] + h * d_s[1] + i0 * d_s[2], lse_s[2], d_s[2]};
   }
 
   bool empty() const { return Nb == 0 || r == 0 || L == 0 || S == 0 || E == 0 || Ev == 0; }
