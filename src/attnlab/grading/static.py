@@ -20,10 +20,20 @@ with the line:
   except where an exercise allows it (``compare_with_sdpa``);
 * string constants naming attnlab or the solutions.
 
-A violation inside a function (or a class: lab 04's ``torch.autograd.Function``) costs
-the exercises whose function reaches it (through names used inside the file); one at module level costs the whole file. The exercise
-that measures the learner against torch (``compare_with_sdpa``) may reach torch's
-attention, so only the unsafe kinds cost it.
+**The rule covers everything that runs.** What runs at import (the module body, class
+bodies, decorators, default values, annotations, bases) costs the whole file, and it may not
+use the file's own code at all: a submission, when imported, only defines functions and
+classes (``if __name__ == "__main__":`` blocks never run when graded, and ``__name__`` cannot
+be assigned). Decorators are an allow-list (:data:`ALLOWED_DECORATORS`), and so are the
+dunder methods a class may define (:data:`ALLOWED_DUNDER_METHODS`), since Python calls the
+others by itself. So the only file code that runs is what the grader's calls reach, and a
+violation inside a function (or a class: lab 04's ``torch.autograd.Function``) costs the
+exercises whose function reaches it by name. The exercise that measures the learner
+against torch (``compare_with_sdpa``) may reach torch's attention, so only the unsafe
+kinds cost it.
+
+The walk is iterative (a file nested thousands deep is refused or passed like any other,
+never a ``RecursionError``).
 
 This is not the fence: torch alone can read and write files, start processes and
 open sockets. The OS sandbox (:mod:`.sandbox`) is the fence; this check keeps the
@@ -162,52 +172,132 @@ def _banned_fragment(name: str) -> Optional[str]:
     return None
 
 
-class _Visitor(ast.NodeVisitor):
+@dataclass(frozen=True)
+class _Ctx:
+    """Where a node stands: whom a violation there costs, and whether it runs at import."""
+
+    unit: Optional[str]  # the top-level function or class it costs; None: the whole file
+    import_time: bool  # it runs when the file is imported (module body, class bodies, decorators, defaults)
+    owner: Optional[str] = None  # a top-level class whose methods' bodies are charged to it
+    in_class: bool = False  # a statement directly in a class body
+    main_guard: bool = False  # inside `if __name__ == "__main__":` at module level (never runs when graded)
+
+
+# The dunder methods a class in a submission may define: each other one is a hook that Python or
+# torch calls on its own (__init_subclass__, __set_name__ and __class_getitem__ at import,
+# __torch_function__ inside torch, __getattr__ when the grader looks a function up...).
+ALLOWED_DUNDER_METHODS = frozenset({"__init__", "__call__", "__repr__", "__str__"})
+# What may decorate a function or class: each runs at import, with the decorated object.
+ALLOWED_DECORATORS = frozenset({"staticmethod", "classmethod", "property", "torch.no_grad", "torch.no_grad()",
+                                "torch.inference_mode", "torch.inference_mode()", "torch.enable_grad()"})
+
+
+class _Visitor:
+    """The walk over a submission's tree: an explicit stack, not recursion, so a file nested
+    thousands deep (a 1500-term ``1+1+...``) is walked like any other."""
+
     def __init__(self, top_functions: set[str], allowed_attributes: frozenset = COMMON_ATTRIBUTES,
-                 bound: frozenset = frozenset()) -> None:
+                 bound: frozenset = frozenset(), defined: frozenset = frozenset()) -> None:
         self.top = top_functions
         self.allowed = allowed_attributes
         self.bound = bound  # every name the file binds (assignments, parameters, imports, defs, loop targets)
-        self.function: Optional[str] = None
+        self.defined = defined  # names of the file's own code (defs, classes, lambdas): not for import-time use
+        self.ctx = _Ctx(None, True)
         self.violations: list[Violation] = []
         self.calls: dict[str, set[str]] = {}
         self.imports: set[str] = set()
 
-    def visit(self, node: ast.AST):
-        name = type(node).__name__
-        if name not in ALLOWED_NODES:
-            what = {"Match": "a match statement", "Global": "global", "Nonlocal": "nonlocal",
-                    "AsyncFunctionDef": "async def", "Await": "await", "Yield": "yield", "YieldFrom": "yield from",
-                    "TryStar": "except*"}.get(name, f"a {name} construct")
-            self.add(node, "unsafe", f"{what} is not among the constructs a lab submission may use")
-            return None  # what is inside a refused construct is not looked at: it is refused whole
-        return super().visit(node)
+    @property
+    def function(self) -> Optional[str]:
+        return self.ctx.unit
+
+    def run(self, tree: ast.AST) -> None:
+        stack: list[tuple[ast.AST, _Ctx]] = [(tree, _Ctx(None, True))]
+        while stack:
+            node, ctx = stack.pop()
+            self.ctx = ctx
+            name = type(node).__name__
+            if name not in ALLOWED_NODES:
+                what = {"Match": "a match statement", "Global": "global", "Nonlocal": "nonlocal",
+                        "AsyncFunctionDef": "async def", "Await": "await", "Yield": "yield", "YieldFrom": "yield from",
+                        "TryStar": "except*"}.get(name, f"a {name} construct")
+                self.add(node, "unsafe", f"{what} is not among the constructs a lab submission may use")
+                continue  # what is inside a refused construct is not looked at: it is refused whole
+            handler = getattr(self, "visit_" + name, None)
+            children = handler(node) if handler is not None else None
+            if children is None:
+                children = [(child, ctx) for child in ast.iter_child_nodes(node)]
+            stack.extend(reversed(children))
 
     def add(self, node: ast.AST, kind: str, message: str) -> None:
-        self.violations.append(Violation(getattr(node, "lineno", 0), self.function, kind, message))
+        self.violations.append(Violation(getattr(node, "lineno", 0), self.ctx.unit, kind, message))
 
     # ----------------------------------------------------------- scopes
-    def _function(self, node) -> None:
-        if self.function is None and node.name in self.top:
-            self.function = node.name
-            self.calls.setdefault(node.name, set())
-            self.generic_visit(node)
-            self.function = None
-        else:
-            self.generic_visit(node)
+    def _header(self, node, ctx: _Ctx) -> list:
+        """A def's or class's parts that run where it stands (at import, for a top-level one):
+        decorators, defaults, annotations, bases."""
+        for d in node.decorator_list:
+            text = ast.unparse(d)
+            if text not in ALLOWED_DECORATORS or text.split(".")[0].rstrip("()") in self.bound - {"torch"}:
+                self.add(d, "unsafe", f"the decorator @{text[:60]}: a decorator runs at import; a submission may use "
+                                      f"only @{', @'.join(sorted(n for n in ALLOWED_DECORATORS if '(' not in n))}")
+        return [(d, ctx) for d in node.decorator_list]
 
-    def visit_FunctionDef(self, node) -> None:
+    def _body_ctx(self, node, ctx: _Ctx) -> _Ctx:
+        unit = ctx.unit or ctx.owner or (node.name if not ctx.in_class and node.name in self.top else None)
+        return _Ctx(unit, False)
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> list:
+        ctx = self.ctx
+        if node.name.startswith("__") and (not ctx.in_class or node.name not in ALLOWED_DUNDER_METHODS):
+            where = "a class" if ctx.in_class else "the module"
+            self.add(node, "unsafe", f"def {node.name}: Python calls this dunder of {where} by itself; a submission "
+                                     f"may define only {', '.join(sorted(ALLOWED_DUNDER_METHODS))} in a class")
         for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs,
                   *(x for x in (node.args.vararg, node.args.kwarg) if x is not None)]:
             self._annotation(a.annotation)
         self._annotation(node.returns)
-        self._function(node)
+        head = _Ctx(ctx.unit, ctx.import_time, None, False, ctx.main_guard)
+        children = self._header(node, head) + [(node.args, head)]
+        if node.returns is not None:
+            children.append((node.returns, head))
+        if ctx.unit is None and ctx.owner is None and node.name in self.top and not ctx.in_class:
+            self.calls.setdefault(node.name, set())
+        body = self._body_ctx(node, ctx)
+        return children + [(stmt, body) for stmt in node.body]
 
-    visit_AsyncFunctionDef = visit_ClassDef = _function
+    def visit_Lambda(self, node: ast.Lambda) -> list:
+        ctx = self.ctx  # its body runs when called: at module level, whatever calls it is module-level too
+        return [(node.args, ctx), (node.body, _Ctx(ctx.unit, False))]
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> list:
+        ctx = self.ctx
+        head = _Ctx(ctx.unit, ctx.import_time, None, False, ctx.main_guard)
+        children = self._header(node, head) + [(b, head) for b in node.bases] + [(k, head) for k in node.keywords]
+        if ctx.unit is None and ctx.owner is None and not ctx.in_class and node.name in self.top:
+            self.calls.setdefault(node.name, set())
+            owner = node.name
+        else:
+            owner = ctx.owner
+        # the class body runs when the class statement does (at import, for a top-level class):
+        # its statements cost the whole file; its methods' bodies cost the class
+        body = _Ctx(ctx.unit, ctx.import_time, owner if ctx.unit is None else None, True, ctx.main_guard)
+        return children + [(stmt, body) for stmt in node.body]
+
+    def visit_If(self, node: ast.If) -> Optional[list]:
+        ctx = self.ctx
+        t = node.test
+        main = (ctx.unit is None and ctx.import_time and not ctx.in_class and isinstance(t, ast.Compare)
+                and isinstance(t.left, ast.Name) and t.left.id == "__name__" and len(t.ops) == 1
+                and isinstance(t.ops[0], ast.Eq) and isinstance(t.comparators[0], ast.Constant)
+                and t.comparators[0].value == "__main__")
+        if not main:
+            return None
+        guarded = _Ctx(None, True, None, False, True)
+        return [(t, ctx)] + [(s, guarded) for s in node.body] + [(s, ctx) for s in node.orelse]
 
     def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
         self._annotation(node.annotation)
-        self.generic_visit(node)
 
     def _annotation(self, ann: Optional[ast.AST]) -> None:
         """A whole annotation that is a string is code typing.get_type_hints would run; one with a
@@ -240,10 +330,10 @@ class _Visitor(ast.NodeVisitor):
             if frag:
                 self.add(node, "attention", f"import of {alias.name} (torch's {frag}): build it from scratch")
 
-    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> list:
         if node.level:
             self.add(node, "import", "a relative import: a submission is a single file")
-            return
+            return []
         self._check_module(node, node.module or "")
         for alias in node.names:
             if node.module != "__future__" and alias.name != "*":
@@ -255,23 +345,29 @@ class _Visitor(ast.NodeVisitor):
             frag = _banned_fragment(alias.name)
             if frag:
                 self.add(node, "attention", f"import of {alias.name} (torch's {frag}): build it from scratch")
+        return None
 
     # ----------------------------------------------------------- names and attributes
     def visit_Name(self, node: ast.Name) -> None:
+        ctx = self.ctx
         if isinstance(node.ctx, ast.Load) and node.id not in self.bound and node.id in _BUILTIN_NAMES \
                 and node.id not in ALLOWED_BUILTINS and node.id not in BANNED_BUILTINS:
             self.add(node, "unsafe", f"the builtin {node.id} is not among the builtins a lab submission may use "
                                      f"(allowed: {', '.join(sorted(ALLOWED_BUILTINS - {'__name__', '__doc__'}))})")
         if node.id in BANNED_BUILTINS:
             self.add(node, "unsafe", f"{node.id} is not allowed in a submission")
-        elif node.id.startswith("__") and node.id not in ("__name__", "__doc__"):
-            self.add(node, "unsafe", f"the dunder name {node.id} is not allowed in a submission")
-        if self.function is not None and node.id in self.top:
-            self.calls[self.function].add(node.id)
+        elif node.id.startswith("__") and (node.id not in ("__name__", "__doc__")
+                                           or not isinstance(node.ctx, ast.Load)):
+            self.add(node, "unsafe", f"the dunder name {node.id} is not allowed in a submission"
+                     + ("" if isinstance(node.ctx, ast.Load) else " (as a target)"))
+        if isinstance(node.ctx, ast.Load) and ctx.import_time and not ctx.main_guard and node.id in self.defined:
+            self.add(node, "unsafe", f"{node.id}, the file's own code, is used at import: when a submission is "
+                                     "imported it may only define functions and classes (use it inside a function)")
+        if ctx.unit is not None and node.id in self.top:
+            self.calls.setdefault(ctx.unit, set()).add(node.id)
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
         self._attribute(node, node.attr)
-        self.generic_visit(node)
 
     def _allowed_name(self, node: ast.AST, attr: str, what: str) -> None:
         if attr.startswith("_") or attr in BANNED_ATTRIBUTES or _banned_fragment(attr):
@@ -301,12 +397,11 @@ class _Visitor(ast.NodeVisitor):
                 self.add(node, "unsafe", f"{node.func.id}() with a name that is not a literal string")
             else:
                 self._attribute(node, node.args[1].value)
-        self.generic_visit(node)
 
-    def visit_Expr(self, node: ast.Expr) -> None:
+    def visit_Expr(self, node: ast.Expr) -> Optional[list]:
         if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-            return  # a docstring or a bare string: never used
-        self.generic_visit(node)
+            return []  # a docstring or a bare string: never used
+        return None
 
     def visit_Constant(self, node: ast.Constant) -> None:
         if isinstance(node.value, str) and any(s in node.value.lower() for s in BANNED_STRINGS):
@@ -333,6 +428,22 @@ def _bound_names(tree: ast.AST) -> frozenset:
     return frozenset(names)
 
 
+def _defined_names(tree: ast.Module) -> frozenset:
+    """The file's own code, by the names it is bound to at module level or in a top-level class:
+    defs, classes and lambdas. Import-time code may not use them (:class:`_Visitor`)."""
+    names = set()
+    scopes = [tree.body] + [n.body for n in tree.body if isinstance(n, ast.ClassDef)]
+    for body in scopes:
+        for n in ast.walk(ast.Module(body=list(body), type_ignores=[])):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(n.name)
+            elif isinstance(n, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and n.value is not None \
+                    and any(isinstance(v, ast.Lambda) for v in ast.walk(n.value)):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                names.update(t.id for tg in targets for t in ast.walk(tg) if isinstance(t, ast.Name))
+    return frozenset(names)
+
+
 def check_source(source: str | bytes, filename: str = "attention.py",
                  allowed_attributes: Iterable[str] = ()) -> StaticReport:
     """Parse the submission and list what the from-scratch rule refuses (never raises
@@ -342,14 +453,20 @@ def check_source(source: str | bytes, filename: str = "attention.py",
     try:
         with _PARSE_LOCK:  # CPython 3.11's AST builder is not thread-safe (class grading runs threads)
             tree = ast.parse(source, filename=filename)
+    except (RecursionError, MemoryError) as exc:
+        return StaticReport([], {}, f"the file is too deeply nested or too large to parse ({type(exc).__name__})")
     except (SyntaxError, ValueError) as exc:
         line = getattr(exc, "lineno", None)
         where = f" (line {line})" if line else ""
         return StaticReport([], {}, f"{type(exc).__name__}: {getattr(exc, 'msg', exc)}{where}")
     # top-level functions and classes (lab 04's autograd.Function) are the units a violation costs
     top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-    visitor = _Visitor(top, COMMON_ATTRIBUTES | frozenset(allowed_attributes), _bound_names(tree))
-    visitor.visit(tree)
+    try:
+        visitor = _Visitor(top, COMMON_ATTRIBUTES | frozenset(allowed_attributes), _bound_names(tree),
+                           _defined_names(tree))
+        visitor.run(tree)
+    except (RecursionError, MemoryError) as exc:  # never for a real lab file; a refusal, not a traceback
+        return StaticReport([], {}, f"the file is too deeply nested or too large to check ({type(exc).__name__})")
     return StaticReport(visitor.violations, visitor.calls, imports=visitor.imports)
 
 
