@@ -143,3 +143,108 @@ def test_a_deeply_nested_file_is_refused_not_a_traceback(tmp_path):
     path.write_text(STUB + "\ndef f():\n    return " + "+".join(["1"] * 1500) + "\n")
     graded = grade(path, limits=FAST, sandbox="none")
     assert graded.max_score > 0 and json.dumps(graded.to_gradescope())
+
+
+# ------------------------------------------------------------------ 2. one read of the submission
+def test_a_file_swapped_after_the_check_is_not_what_runs(tmp_path, monkeypatch):
+    """The static check and the sandbox see the same bytes: a stub swapped for an unchecked
+    file while it is being checked still runs as the stub."""
+    from attnlab.grading import grader
+
+    path = tmp_path / "attention.py"
+    path.write_text(STUB)
+    cheat = SOLUTION.replace("def stable_softmax(x", "def stable_softmax_unused(x") + \
+        "\n\ndef stable_softmax(x, dim=-1):\n    return torch.softmax(x, dim)\n"
+    real = grader.check_source
+
+    def check_then_swap(source, *args, **kwargs):
+        report = real(source, *args, **kwargs)
+        path.write_text(cheat)  # the learner's swap, between the check and the run
+        return report
+
+    monkeypatch.setattr(grader, "check_source", check_then_swap)
+    report = grade(path, limits=FAST, sandbox="none", seed=1)
+    monkeypatch.setattr(grader, "check_source", real)
+    path.write_text(STUB)
+    stub = grade(path, limits=FAST, sandbox="none", seed=1)
+    assert report.score == stub.score < 50, report.to_text()
+    assert report.source_sha256 == stub.source_sha256
+
+
+def test_a_fifo_swapped_in_does_not_hang_the_class(tmp_path):
+    import threading
+
+    from attnlab.grading.classroom import batch
+
+    cls = tmp_path / "class"
+    for name in ("ada", "bob"):
+        (cls / name).mkdir(parents=True)
+        (cls / name / "attention.py").write_text(SOLUTION)
+    plan = batch.plan_class(cls, tmp_path / "out")
+    (cls / "bob" / "attention.py").unlink()
+    os.mkfifo(cls / "bob" / "attention.py")  # after the plan looked: a reader that opens it blocks
+    done = {}
+    t = threading.Thread(target=lambda: done.setdefault("r", batch.grade_class(
+        cls, tmp_path / "out", sandbox="none", limits=FAST, plan=plan, jobs=1)), daemon=True)
+    t.start()
+    t.join(300)  # a backstop against the hang itself; nothing here measures speed
+    assert not t.is_alive(), "the class hung on a FIFO"
+    rows = {r.learner: r for r in done["r"].rows}
+    assert rows["ada"].total == 100 and rows["bob"].status == "could not be read", rows["bob"]
+    assert "FIFO" in rows["bob"].problem
+    assert (tmp_path / "out" / "grades.csv").is_file() and (tmp_path / "out" / "report.html").is_file()
+
+
+def test_a_file_swapped_after_grading_is_graded_again_on_resume(tmp_path, monkeypatch):
+    from attnlab.grading.classroom import batch
+
+    cls = tmp_path / "class"
+    (cls / "ada").mkdir(parents=True)
+    sub = cls / "ada" / "attention.py"
+    sub.write_text(SOLUTION)
+    real = batch.grade
+
+    def grade_then_swap(*args, **kwargs):
+        report = real(*args, **kwargs)
+        sub.write_text(STUB)  # after the grading, before the row is signed
+        return report
+
+    monkeypatch.setattr(batch, "grade", grade_then_swap)
+    first = batch.grade_class(cls, tmp_path / "out", sandbox="none", limits=FAST, seed=3)
+    assert first.rows[0].total == 100
+    monkeypatch.setattr(batch, "grade", real)
+    again = batch.grade_class(cls, tmp_path / "out", sandbox="none", limits=FAST, seed=3, resume=True)
+    assert again.rows[0].total < 50, "the signed row covered bytes that were never graded"
+
+
+def test_gradescope_mode_follows_no_link_to_the_solution(tmp_path, monkeypatch):
+    """run_autograder runs as root: a submission that links to the bundle's root-only solution
+    must not be opened through the link."""
+    from attnlab.grading.classroom import autograder
+
+    secret = tmp_path / "source" / "solution.py"
+    secret.parent.mkdir()
+    secret.write_text(SOLUTION)
+    os.chmod(secret, 0o600)
+    root = tmp_path / "autograder"
+    (root / "submission" / "sub").mkdir(parents=True)
+    os.symlink(secret, root / "submission" / "attention.py")
+    monkeypatch.setattr(autograder, "choose_sandbox", lambda: ("none", "a test: process limits only"))
+    data = autograder.run_gradescope(root, "01")
+    assert data["score"] == 0 and "symbolic link" in data["output"], data["output"]
+    (root / "submission" / "attention.py").unlink()
+    os.symlink(secret.parent, root / "submission" / "linked")  # a linked folder, found by the .py search
+    (root / "submission" / "sub").rmdir()
+    data = autograder.run_gradescope(root, "01")
+    assert data["score"] == 0, data["output"]
+
+
+def test_an_alias_at_module_level_runs_nothing_and_reaches_what_it_names():
+    source = STUB + '''
+def cheat(x, dim=-1):
+    return torch.softmax(x, dim)
+stable_softmax = cheat
+'''
+    report = check_source(source, "attention.py", NAMES)
+    assert not report.module_level(), [str(v) for v in report.violations]
+    assert report.for_exercise("stable_softmax", allow_attention=False)

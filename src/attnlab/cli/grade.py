@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from attnlab.grading.submission import printable
 from attnlab.cli._args import UsageError, new_folder, output_file, plural, positive_float, positive_int
 
 HELP = """\
@@ -186,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     to_stdout = args.json == "-"
     if not to_stdout:
-        print(f"grading {path} (lab {lab.name})", file=sys.stderr, flush=True)
+        print(f"grading {printable(path)} (lab {lab.name})", file=sys.stderr, flush=True)
     progress = None
     if not to_stdout and sys.stderr.isatty():
         progress = lambda text: print(f"\rgrading {text:<40}", end="", file=sys.stderr, flush=True)  # noqa: E731
@@ -213,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     if progress:
         print("\r" + " " * 50 + "\r", end="", file=sys.stderr, flush=True)
     if args.json:
-        text = json.dumps(report.to_gradescope(), indent=2)
+        text = json.dumps(report.to_gradescope(), indent=2, ensure_ascii=False)
         if to_stdout:
             print(text)
         else:
@@ -244,7 +245,7 @@ def _run_class(args: argparse.Namespace, mode: str, lab, folder: Path) -> int:
     limits = Limits(timeout_s=args.timeout, memory_mb=args.memory_mb, submission_memory_mb=args.memory_mb * 2)
     started = time.perf_counter()
     tty = sys.stderr.isatty()
-    print(f"grading {plural(len(plan.submissions), 'learner')} of lab {plan.lab.name} from {folder}"
+    print(f"grading {plural(len(plan.submissions), 'learner')} of lab {plan.lab.name} from {printable(folder)}"
           + (f" ({plural(len(plan.skipped), 'entry', 'entries')} skipped)" if plan.skipped else ""),
           file=sys.stderr, flush=True)
 

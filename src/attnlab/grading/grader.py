@@ -28,8 +28,9 @@ import torch
 from attnlab.grading.checks import Exercise, Verdict, judge_outcome
 from attnlab import labs, mistakes
 from attnlab.grading.sandbox import pool
-from attnlab.grading.sandbox import MAX_SOURCE_BYTES, Limits, Outcome, Sandbox, clean_text
+from attnlab.grading.sandbox import Limits, Outcome, Sandbox, clean_text, printable
 from attnlab.grading.static import check_source, describe
+from attnlab.grading.submission import SubmissionBytes, Unreadable, read_submission
 
 __all__ = ["not_graded", "grade", "GradeReport", "TestResult", "default_lab_path", "Limits", "write_atomically", "ResultsFile"]
 
@@ -90,6 +91,7 @@ class GradeReport:
     pending: list = field(default_factory=list)  # exercises not graded yet (an interrupted run)
     environment_problem: str = ""  # the grader's installation lacks a module the lab allows (not scored)
     lab: str = "01-attention"  # which lab's checks graded it
+    source_sha256: str = ""  # SHA-256 of the bytes that were checked and run (the one read)
 
     @property
     def score(self) -> float:
@@ -116,7 +118,8 @@ class GradeReport:
     def to_text(self, colour: bool = False) -> str:
         green, red, yellow, dim, bold, reset = (("\033[32m", "\033[31m", "\033[33m", "\033[2m", "\033[1m", "\033[0m")
                                                 if colour else ("",) * 6)
-        lines = [f"{bold}attnlab grade{reset} (lab {self.lab}): {self.path}", ""]
+        shown = printable(self.path)  # a learner names the file: no escape sequence reaches the terminal
+        lines = [f"{bold}attnlab grade{reset} (lab {self.lab}): {shown}", ""]
         if self.problem:
             lines += [f"{red}{self.problem}{reset}", ""]
         by_ex: dict[str, list[TestResult]] = {}
@@ -158,15 +161,15 @@ class GradeReport:
                  "sandbox" if self.launcher == "user" else "not in an OS sandbox")
         lines += ["", f"{bold}Score: {total}{reset}   ({self.elapsed_s:.1f} s; seed {self.seed}; {where})"]
         nxt = self.first_unfinished()
-        again = f"then run 'attnlab grade' again (graded: {self.path})"
+        again = f"then run 'attnlab grade' again (graded: {shown})"
         if self.environment_problem:
             lines.append(f"Fix the installation above, {again}.")
         elif self.score == 0 and nxt is not None:
-            lines.append(f"Start with {nxt.id}: {nxt.function}() in {self.path.name}, {again}.")
+            lines.append(f"Start with {nxt.id}: {nxt.function}() in {printable(self.path.name)}, {again}.")
         elif nxt is not None:
-            lines.append(f"Next: {nxt.id} {nxt.function}() in {self.path.name}, {again}.")
+            lines.append(f"Next: {nxt.id} {nxt.function}() in {printable(self.path.name)}, {again}.")
         else:
-            lines.append(f"{green}All checks pass{reset} in {self.path}.")
+            lines.append(f"{green}All checks pass{reset} in {shown}.")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ JSON
@@ -196,9 +199,10 @@ class GradeReport:
             "visibility": "visible",
             "tests": tests,
             "extra_data": {
-                "file": str(self.path),
+                "file": printable(self.path),
                 "lab": self.lab,
                 "seed": self.seed,
+                "sha256": self.source_sha256,
                 "sandbox": {"os_sandbox": self.sandboxed, "memory": self.memory_fence, "identity": self.identity,
                             "made_by": self.launcher, "server_restarts": self.restarts},
                 "exercises": {k: {"score": s, "max_score": m} for k, (s, m) in self.exercise_scores().items()},
@@ -211,7 +215,8 @@ class GradeReport:
 def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), total_timeout_s: float = 60.0,
           progress: Optional[Callable[[str], None]] = None, seed: Optional[int] = None,
           images_dir: Optional[os.PathLike] = None, sandbox: str = "auto", untrusted: bool = False,
-          checkpoint: Optional[Callable[["GradeReport"], None]] = None, lab: Optional[str] = None) -> GradeReport:
+          checkpoint: Optional[Callable[["GradeReport"], None]] = None, lab: Optional[str] = None,
+          within: Optional[os.PathLike] = None, source: Optional[SubmissionBytes] = None) -> GradeReport:
     """Grade a learner's file. Never raises because of the learner's code.
 
     Args:
@@ -234,6 +239,10 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
             results.json there, so an interrupted run still leaves a valid one).
         lab: the lab's name or number (:data:`attnlab.labs.LABS`); default: from the file's
             folder or name (:func:`attnlab.labs.lab_for_path`).
+        within: a folder ``path`` lies in (a class folder, Gradescope's ``submission/``): no
+            symbolic link below it is followed (:func:`.submission.read_submission`).
+        source: the submission's bytes when the caller has read them already (one read:
+            :class:`.submission.SubmissionBytes`); the path is then not opened at all.
 
     Raises:
         SandboxUnavailable: ``sandbox='bwrap'``, or ``untrusted`` with ``sandbox='auto'``,
@@ -252,31 +261,27 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
     if seed is None:
         seed = secrets.randbelow(2**31)
     path = Path(path) if path is not None else default_lab_path()
-    the_lab = labs.find_lab(lab) if lab is not None else labs.lab_for_path(path)
+    # One read (:mod:`.submission`): these bytes, and only these, are checked, run, hashed and signed.
+    try:
+        read = read_submission(path, within=within) if source is None else source
+        problem = ""
+    except Unreadable as exc:
+        read, problem = None, str(exc)
+    the_lab = labs.find_lab(lab) if lab is not None else labs.lab_for_path(path, read.data if read else b"")
     EXERCISES = the_lab.exercises()  # noqa: N806  (the lab's exercise list, in order)
     report = GradeReport(path=path, seed=seed, sandboxed=pool.resolve_mode(sandbox) is not None,
                          lab=the_lab.name)
-    if not path.is_file():
-        report.problem = f"no file at {path}"
-        _fail_all(report, EXERCISES, Verdict(False, f"no file at {path}"))
-        report.elapsed_s = time.perf_counter() - t0
-        return report
-    try:  # the size first: a 2 GiB (sparse) file is refused without reading it
-        size = path.stat().st_size
-        if size > MAX_SOURCE_BYTES:
-            raise OSError(f"it is {size:,} bytes; a lab file is at most {MAX_SOURCE_BYTES:,}")
-        with open(path, "rb") as f:
-            source = f.read(MAX_SOURCE_BYTES + 1)
-        if len(source) > MAX_SOURCE_BYTES:  # it grew since the stat
-            raise OSError(f"it is larger than {MAX_SOURCE_BYTES:,} bytes")
-    except OSError as exc:
-        report.problem = f"could not read {path}: {exc.strerror or exc}"
+    if read is None:
+        report.problem = (f"no file at {printable(path)}" if not os.path.lexists(path)
+                          else f"could not read {printable(path)}: {clean_text(problem, 600)}")
         _fail_all(report, EXERCISES, Verdict(False, report.problem))
         report.elapsed_s = time.perf_counter() - t0
         return report
+    source_bytes = read.data
+    report.source_sha256 = read.sha256
 
     # The from-scratch rule on the text, before any of it runs.
-    static = check_source(source, path.name, the_lab.allowed_names)
+    static = check_source(source_bytes, path.name, the_lab.allowed_names)
     missing = missing_modules(static.imports)
     if missing and not static.syntax_error:  # the grader's installation, not the learner's code
         return _environment_problem(report, EXERCISES, t0,
@@ -292,7 +297,7 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         report.elapsed_s = time.perf_counter() - t0
         return report
 
-    with Sandbox(path, limits, mode=sandbox) as box:
+    with Sandbox(path, limits, mode=sandbox, source=source_bytes) as box:
         # First: does the file import at all? One child, so a broken file fails fast and once.
         first = box.run([], policy=True)
         report.sandboxed, report.memory_fence, report.launcher = box.sandboxed, box.memory_fence, box.launcher
@@ -332,6 +337,7 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
                     verdicts = {c: Verdict(False, f"could not be checked: {type(exc).__name__}") for c in ex.checks}
                 for check, points in ex.checks.items():
                     v = verdicts.get(check) or Verdict(False, "not checked")
+                    _keep_arrays_for_pictures(v, images_dir is not None)
                     report.results.append(TestResult(ex, check, points if v.passed else 0.0, points, _clean(v)))
             report.pending.remove(ex)  # only now: an interruption above leaves it listed as not graded
             report.elapsed_s = time.perf_counter() - t0
@@ -357,6 +363,18 @@ def missing_modules(modules) -> list[str]:
 
 def install_command(modules: list[str]) -> str:
     return "; ".join(_INSTALL.get(m, f"pip install {m}") for m in modules)
+
+
+def _keep_arrays_for_pictures(v: Verdict, pictures: bool) -> None:
+    """A failed check's tensors are kept only for a picture that will be drawn, and only when small
+    enough to draw (:data:`PICTURE_MAX_ELEMENTS`): a learner's answers of ~60 MB per exercise
+    must not pile up in the grader's memory, times the class's ``--jobs``."""
+    if v.arrays is None:
+        return
+    if not pictures or v.passed or any(a.numel() > PICTURE_MAX_ELEMENTS for a in v.arrays):
+        v.arrays = None
+    else:
+        v.arrays = tuple(a.detach().clone() for a in v.arrays)  # not views of a learner's larger answer
 
 
 def _clean(v: Verdict) -> Verdict:
@@ -463,4 +481,4 @@ class ResultsFile:
     def checkpoint(self, report: GradeReport) -> None:
         self.latest = report
         if self.path is not None:
-            write_atomically(self.path, json.dumps(report.to_gradescope(), indent=2) + "\n")
+            write_atomically(self.path, json.dumps(report.to_gradescope(), indent=2, ensure_ascii=False) + "\n")

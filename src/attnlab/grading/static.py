@@ -23,8 +23,9 @@ with the line:
 **The rule covers everything that runs.** What runs at import (the module body, class
 bodies, decorators, default values, annotations, bases) costs the whole file, and it may not
 use the file's own code at all: a submission, when imported, only defines functions and
-classes (``if __name__ == "__main__":`` blocks never run when graded, and ``__name__`` cannot
-be assigned). Decorators are an allow-list (:data:`ALLOWED_DECORATORS`), and so are the
+classes, and alias them (``attention = my_attention``; an alias reaches what it names).
+``if __name__ == "__main__":`` blocks never run when graded, and ``__name__`` cannot be
+assigned. Decorators are an allow-list (:data:`ALLOWED_DECORATORS`), and so are the
 dunder methods a class may define (:data:`ALLOWED_DUNDER_METHODS`), since Python calls the
 others by itself. So the only file code that runs is what the grader's calls reach, and a
 violation inside a function (or a class: lab 04's ``torch.autograd.Function``) costs the
@@ -295,6 +296,17 @@ class _Visitor:
             return None
         guarded = _Ctx(None, True, None, False, True)
         return [(t, ctx)] + [(s, guarded) for s in node.body] + [(s, ctx) for s in node.orelse]
+
+    def visit_Assign(self, node: ast.Assign) -> Optional[list]:
+        """``attention = my_attention`` at module level: an alias runs nothing, so it is allowed,
+        and the alias reaches what it names (for the charge of a violation)."""
+        ctx = self.ctx
+        if (ctx.unit is None and ctx.import_time and isinstance(node.value, ast.Name)
+                and node.value.id in self.defined and all(isinstance(t, ast.Name) for t in node.targets)):
+            for t in node.targets:
+                self.calls.setdefault(t.id, set()).add(node.value.id)
+            return [(t, ctx) for t in node.targets]
+        return None
 
     def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
         self._annotation(node.annotation)

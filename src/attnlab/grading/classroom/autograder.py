@@ -105,11 +105,14 @@ def choose_sandbox() -> tuple[str, str]:
 
 def find_submission(folder: Path, file: str) -> Path:
     """``folder/file``, else the only ``.py`` file within two levels, else ``folder/file``
-    (which then does not exist, and is graded as 'no file')."""
+    (which then does not exist, and is graded as 'no file'). Looks only (``lstat``): a link is
+    never taken for a file, and the one read (:func:`attnlab.grading.submission.read_submission`,
+    no link followed below ``folder``) refuses whatever is not a regular file."""
     wanted = folder / file
-    if wanted.is_file():
+    if os.path.lexists(wanted):
         return wanted
-    found = [p for p in sorted(folder.glob("*.py")) + sorted(folder.glob("*/*.py")) if p.is_file()]
+    found = [p for p in sorted(folder.glob("*.py")) + sorted(folder.glob("*/*.py"))
+             if not p.is_symlink() and not p.parent.is_symlink() and p.is_file()]
     return found[0] if len(found) == 1 else wanted
 
 
@@ -150,10 +153,12 @@ def run_gradescope(root: os.PathLike, lab: str) -> dict:
     else:
         hidden = [results, root / "source", Path(attnlab.__file__).resolve().parent] if mode == "user" else []
         with out_of_reach(hidden):
-            report = grade(submission, lab=the_lab.name, sandbox=mode, untrusted=True)  # its processes: all dead now
+            # root opens the learner's file only through read_submission: beneath submission/, no link followed
+            report = grade(submission, lab=the_lab.name, sandbox=mode, untrusted=True,
+                           within=root / "submission")  # its processes: all dead now
     data = report.to_gradescope()
     data["extra_data"]["sandbox"]["chosen"] = how
-    write_atomically(results / "results.json", json.dumps(data, indent=1))
+    write_atomically(results / "results.json", json.dumps(data, indent=1, ensure_ascii=False))
     return data
 
 

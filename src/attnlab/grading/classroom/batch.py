@@ -47,7 +47,8 @@ from typing import Callable, Optional
 
 from attnlab import labs
 from attnlab.grading.grader import GradeReport, grade, write_atomically
-from attnlab.grading.sandbox import Limits, pool
+from attnlab.grading.sandbox import Limits, pool, printable
+from attnlab.grading.submission import read_submission
 
 __all__ = ["Submission", "Skipped", "Row", "ClassResult", "ClassPlan", "ClassRefused", "find_submissions",
            "grade_class", "plan_class", "infer_lab", "learner_seed", "name_problem", "folder_name", "SUBMISSION_FILE",
@@ -128,13 +129,19 @@ def name_problem(name: str) -> Optional[str]:
     return None
 
 
+# the gradebook's own names in OUT: no learner's folder may take one (a learner named
+# 'grades.csv' turned the gradebook into a folder), whatever the case
+RESERVED_NAMES = frozenset({"grades.csv", "report.html", "skipped.txt", ".attnlab-resume-key", "learners"})
+
+
 def folder_name(learner: str) -> str:
     """A plain-ASCII folder name for a learner's outputs: accents dropped, other characters
     as '_', and a short hash of the real name when anything changed (so 'Li Wei' and
-    'Li_Wei' get different folders)."""
+    'Li_Wei' get different folders) or when it is one of the gradebook's own names
+    (:data:`RESERVED_NAMES`: 'grades.csv' becomes 'grades.csv-1a2b3c')."""
     ascii_ = unicodedata.normalize("NFKD", learner).encode("ascii", "ignore").decode()
     plain = re.sub(r"[^A-Za-z0-9._@+-]+", "_", ascii_).strip("._-") or "learner"
-    if plain == learner:
+    if plain == learner and plain.lower() not in RESERVED_NAMES and not plain.lower().startswith(".grades"):
         return plain
     return f"{plain[:80]}-{zlib.crc32(learner.encode()) & 0xFFFFFF:06x}"
 
@@ -149,30 +156,30 @@ def find_submissions(folder: os.PathLike, file: str = SUBMISSION_FILE) -> tuple[
     for entry in sorted(folder.iterdir(), key=lambda p: p.name):
         name = entry.name
         if name.startswith("."):
-            skipped.append(Skipped(name, "hidden"))
+            skipped.append(Skipped(printable(name), "hidden"))
             continue
         if entry.is_symlink():
-            skipped.append(Skipped(name, "a symbolic link (not followed)"))
+            skipped.append(Skipped(printable(name), "a symbolic link (not followed)"))
             continue
         if entry.is_dir():
             learner, path = name, entry / file
             if path.is_symlink() or not path.is_file():
                 others = [f for f in labs.LAB_FILES if f != file and (entry / f).is_file()]
-                skipped.append(Skipped(name, f"a folder without a regular {file}"
+                skipped.append(Skipped(printable(name), f"a folder without a regular {file}"
                                        + (f" (it holds {', '.join(others)}: another lab's file; see --lab)"
                                           if others else "")))
                 continue
         elif entry.is_file() and entry.suffix == ".py":
             learner, path = entry.stem, entry
         else:
-            skipped.append(Skipped(name, f"not a .py file nor a folder with {file}"))
+            skipped.append(Skipped(printable(name), f"not a .py file nor a folder with {file}"))
             continue
         learner = unicodedata.normalize("NFC", learner)
         problem = name_problem(learner)
         if problem:
-            skipped.append(Skipped(name, problem))
+            skipped.append(Skipped(printable(name), problem))
         elif learner in found:
-            skipped.append(Skipped(name, f"learner {learner!r} has another submission ({found[learner].path.name})"))
+            skipped.append(Skipped(printable(name), f"learner {learner!r} has another submission ({found[learner].path.name})"))
         else:
             base = folder_name(learner)
             out_name, n = base, 2
@@ -196,9 +203,8 @@ def infer_lab(folder: os.PathLike) -> dict[str, list[str]]:
             held = [lab for lab in labs.LABS if (entry / lab.file).is_file() and not (entry / lab.file).is_symlink()]
             found = held[0] if len(held) == 1 else None
         elif entry.is_file() and entry.suffix == ".py":
-            try:
-                if entry.stat().st_size <= 1 << 20:
-                    found = labs.lab_for_source(entry.read_bytes())
+            try:  # one bounded read that follows no link and opens no FIFO
+                found = labs.lab_for_source(read_submission(entry, within=folder).data)
             except OSError:
                 found = None
         if found is not None:
@@ -289,27 +295,29 @@ def _resume_key(out: Path) -> bytes:
 
 
 def _signature(key: bytes, row: dict, source_digest: str) -> str:
-    """HMAC-SHA256 over the row and the submission's content: a row.json that the grader did not
-    write (or one of an earlier version of the submission) does not verify."""
+    """HMAC-SHA256 over the row and the SHA-256 of the bytes that were graded (the one read,
+    :attr:`GradeReport.source_sha256`): a row.json that the grader did not write, or one for
+    other bytes than the file now holds, does not verify."""
     body = json.dumps({"row": row, "source": source_digest}, sort_keys=True, ensure_ascii=False).encode()
     return hmac.new(key, body, hashlib.sha256).hexdigest()
 
 
-def _source_digest(path: Path) -> str:
+def _source_digest(path: Path, within: Optional[Path] = None) -> str:
+    """The SHA-256 of the submission as it is now (one read, as the grader reads it); '' if unreadable."""
     try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read(1 << 21)).hexdigest()
+        return read_submission(path, within=within).sha256
     except OSError:
         return ""
 
 
-def _done_row(out: Path, sub: Submission, key: bytes) -> Optional[Row]:
+def _done_row(out: Path, sub: Submission, key: bytes, within: Optional[Path] = None) -> Optional[Row]:
     """A learner finished by an earlier run (``row.json`` is written last, after results.json),
     trusted only when its signature verifies with this OUT's key for this submission's content."""
     try:
         data = json.loads((out / sub.folder / "row.json").read_text(encoding="utf-8"))
         signature = data.pop("hmac")
-        if not hmac.compare_digest(str(signature), _signature(key, data, _source_digest(sub.path))):
+        current = _source_digest(sub.path, within)
+        if not current or not hmac.compare_digest(str(signature), _signature(key, data, current)):
             return None
         row = Row(**data)
         return row if row.learner == sub.learner else None
@@ -342,7 +350,7 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
     rows: dict[str, Row] = {}
     todo = []
     for sub in submissions:
-        done = _done_row(out, sub, key) if resume else None
+        done = _done_row(out, sub, key, Path(folder)) if resume else None
         if done is not None:
             rows[sub.learner] = done
         else:
@@ -369,13 +377,15 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
         results = folder_out / "results.json"
 
         def checkpoint(report: GradeReport) -> None:
-            write_atomically(results, json.dumps(report.to_gradescope(), indent=2) + "\n")
+            write_atomically(results, json.dumps(report.to_gradescope(), indent=2, ensure_ascii=False) + "\n")
 
         report = grade(sub.path, limits=limits, total_timeout_s=total_timeout_s, seed=learner_seed(base, sub.learner),
-                       sandbox=sandbox, untrusted=sandbox != "none", checkpoint=checkpoint, lab=the_lab.name)
+                       sandbox=sandbox, untrusted=sandbox != "none", checkpoint=checkpoint, lab=the_lab.name,
+                       within=folder)
         checkpoint(report)
         row = _row(sub.learner, report, sub.folder)
-        signed = {**asdict(row), "hmac": _signature(key, asdict(row), _source_digest(sub.path))}
+        # signed over the digest of the bytes that were graded, never over a second read
+        signed = {**asdict(row), "hmac": _signature(key, asdict(row), report.source_sha256)}
         write_atomically(folder_out / "row.json", json.dumps(signed, ensure_ascii=False) + "\n")
         with lock:
             rows[sub.learner] = row

@@ -41,7 +41,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["Limits", "Call", "Outcome", "Sandbox", "Unsupported", "validate_message", "clean_text", "self_test",
+__all__ = ["Limits", "Call", "Outcome", "Sandbox", "Unsupported", "validate_message", "clean_text", "printable", "self_test",
            "MAX_RESULT_BYTES", "MAX_ELEMENTS", "MAX_SOURCE_BYTES", "SUBMISSION_NAME", "submission_name",
            "BadMessage"]
 

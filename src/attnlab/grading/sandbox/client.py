@@ -41,13 +41,14 @@ import torch
 from attnlab.grading.sandbox import pool, seccomp
 from attnlab.grading.sandbox.frames import Deadline, read_frame, write_frame
 from attnlab.grading.sandbox.protocol import BadPayload, bounded_json, decode_message, encode_request
+from attnlab.grading.submission import MAX_SOURCE_BYTES, printable
 from attnlab.grading.sandbox.server import MAX_RESULT_BYTES, MAX_TEXT, SUBMISSION_NAME, submission_name
 
-__all__ = ["Limits", "Call", "Outcome", "Sandbox", "Unsupported", "validate_message", "clean_text", "self_test",
+__all__ = ["Limits", "Call", "Outcome", "Sandbox", "Unsupported", "validate_message", "clean_text", "printable",
+           "self_test",
            "MAX_RESULT_BYTES", "MAX_ELEMENTS", "MAX_SOURCE_BYTES", "SUBMISSION_NAME", "submission_name", "BadMessage"]
 
 MAX_ELEMENTS = 1 << 23  # tensor elements in one message, all tensors together
-MAX_SOURCE_BYTES = 1 << 20  # a submission file
 START_TIMEOUT_S = 90.0  # the server imports torch; on a loaded 2-core machine that took up to ~10 s
 GRACE_S = 3.0  # parent's deadline beyond the zygote's own
 
@@ -101,13 +102,17 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")
 def clean_text(text: Any, limit: int = MAX_TEXT) -> str:
     """Learner text made safe to print and to store: no control characters (escape
     sequences, carriage returns, bidi overrides), no lone surrogates, at most ``limit``
-    characters (the middle is cut)."""
+    characters and at most ``limit`` bytes of UTF-8 (the middle is cut): a cap in characters
+    alone let 4000 four-byte characters become 24 KB of ``\\u`` escapes per field."""
     if not isinstance(text, str):
         text = str(text)
     text = _SURROGATE.sub("\ufffd", text)
     text = _CONTROL.sub(lambda m: "" if m.group() == "\r" else "\ufffd", text.replace("\r\n", "\n"))
-    if len(text) > limit:
-        text = text[: limit // 2] + "\n[... trimmed ...]\n" + text[-limit // 2:]
+    if len(text) > limit or len(text.encode()) > limit:
+        half = max(0, limit // 2 - 12)
+        head = text.encode()[:half].decode(errors="ignore")
+        tail = text.encode()[-half:].decode(errors="ignore") if half else ""
+        text = head + "\n[... trimmed ...]\n" + tail
     return text
 
 
@@ -225,12 +230,16 @@ class Sandbox:
     started die then.
     """
 
-    def __init__(self, path: os.PathLike, limits: Limits = Limits(), mode: str = "auto") -> None:
+    def __init__(self, path: os.PathLike, limits: Limits = Limits(), mode: str = "auto",
+                 source: Optional[bytes] = None) -> None:
+        """``source``: the submission's bytes, read once by the caller (the grader checks these
+        same bytes first); without it the path is read here, once (:func:`.submission.read_submission`)."""
+        from attnlab.grading.submission import read_submission
+
         self.path = Path(path)
         self.limits = limits
         self.mode = mode
-        with open(self.path, "rb") as f:
-            self.source = f.read(MAX_SOURCE_BYTES + 1)
+        self.source = read_submission(self.path).data if source is None else bytes(source)
         if len(self.source) > MAX_SOURCE_BYTES:
             raise ValueError(f"{self.path} is larger than {MAX_SOURCE_BYTES // 1024} KB")
         self._server: Optional[pool.Server] = None
