@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -248,3 +249,154 @@ stable_softmax = cheat
     report = check_source(source, "attention.py", NAMES)
     assert not report.module_level(), [str(v) for v in report.violations]
     assert report.for_exercise("stable_softmax", allow_attention=False)
+
+
+# ------------------------------------------------------------------ 4. CPU counted where it is spent
+SPREAD = '''
+import os, time
+
+def burn(seconds):
+    t = time.process_time()
+    while time.process_time() - t < seconds:
+        pass
+
+def spread(n, each):
+    """The answer is right, but n double-forked orphans did the work: each under the per-process
+    limits, the sum far over the task's budget."""
+    pipes = []
+    for _ in range(n):
+        r, w = os.pipe()
+        if os.fork() == 0:
+            if os.fork() == 0:  # the grandchild, orphaned at once: not in its parent's rusage
+                burn(each)
+                os.write(w, b"x")
+            os._exit(0)
+        os.close(w)
+        pipes.append(r)
+    for r in pipes:
+        os.read(r, 1)
+    return 42
+
+def ignore_the_signals(seconds):
+    import resource, signal
+    signal.signal(signal.SIGPROF, signal.SIG_IGN)
+    signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))
+    burn(seconds)
+    return 42
+'''
+
+
+@contextmanager
+def _box(tmp_path, mode):
+    """A sandbox for SPREAD: mode 'none', a bwrap of its own, or a fork of the class template."""
+    from attnlab.grading.sandbox import Sandbox
+    from procs import made_by, needs_sandbox
+
+    path = tmp_path / "attention.py"
+    path.write_text(SPREAD)
+    if mode != "none":
+        needs_sandbox()
+    with made_by(mode if mode != "none" else "bwrap"):
+        with Sandbox(path, Limits(timeout_s=2.0), mode="bwrap" if mode != "none" else "none") as box:
+            yield box
+
+
+MODES = ["none", "bwrap", "template"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_work_spread_over_orphans_is_counted(tmp_path, mode):
+    from attnlab.grading.sandbox import Call
+
+    with _box(tmp_path, mode) as box:
+        honest = box.run([Call("spread", (2, 0.3))], policy=False)
+        spread = box.run([Call("spread", (4, 1.0))], policy=False)
+    assert honest.status == "ok" and honest.results[0]["value"] == 42 and honest.cpu_s >= 0.5, honest
+    assert spread.status == "timeout", (spread.status, spread.cpu_s, spread.results)
+    assert spread.cpu_s > 2.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ignoring_the_cpu_signals_buys_no_time(tmp_path, mode):
+    from attnlab.grading.sandbox import Call
+
+    with _box(tmp_path, mode) as box:
+        outcome = box.run([Call("ignore_the_signals", (2.7,))], policy=False)
+    assert outcome.status == "timeout", (outcome.status, outcome.cpu_s, outcome.message)
+
+
+# ------------------------------------------------------------------ 3. every reachable process filtered
+PID1 = '''
+import os
+
+def pid1():
+    out = {"parent": os.getppid()}
+    status = open("/proc/1/status").read()
+    out["seccomp"] = [line.split()[1] for line in status.splitlines() if line.startswith("Seccomp:")]
+    try:
+        with open("/proc/1/mem", "r+b") as f:
+            out["mem"] = "opened"
+    except OSError as exc:
+        out["mem"] = type(exc).__name__
+    out["pids"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+    return repr(out)
+'''
+
+
+def test_pid_1_of_the_sandbox_is_the_filtered_server(tmp_path):
+    """bwrap's own init was pid 1: unfiltered, dumpable, holding the grader's pipes (its memory
+    was written through /proc/1/mem). Now the server is pid 1, filtered and not dumpable."""
+    from attnlab.grading.sandbox import Call, Sandbox, pool
+
+    if pool.bwrap_path() is None and not os.environ.get("CI"):
+        pytest.skip("bwrap is not installed (make test installs it; CI fails without it)")
+    path = tmp_path / "attention.py"
+    path.write_text(PID1)
+    with Sandbox(path, Limits(timeout_s=5.0), mode="bwrap") as box:
+        outcome = box.run([Call("pid1")], policy=False)
+    got = eval(outcome.results[0]["value"])  # noqa: S307 (our own repr of a dict)
+    assert got["parent"] == 1, got  # the learner's child hangs right below the server
+    assert got["seccomp"] == ["2"], got  # pid 1 runs under the filter
+    assert got["mem"] == "PermissionError", got
+    assert got["pids"][:1] == [1] and len(got["pids"]) == 2, got  # the server and this child: nothing else
+
+
+
+# ------------------------------------------------------------------ 7. why a sandbox did not start; no leftovers
+def test_a_sandbox_that_cannot_start_says_why(tmp_path, monkeypatch):
+    """The round's Gradescope image said only 'the sandbox server closed the channel'."""
+    import sys
+
+    from attnlab.grading.sandbox import Call, Sandbox, pool
+
+    def failing(inside):
+        return [sys.executable, "-c", "import sys; sys.stderr.write('bwrap: no permission to make a namespace'); "
+                                      "sys.exit(3)"]
+
+    monkeypatch.setattr(pool, "_server_argv", failing)
+    path = tmp_path / "attention.py"
+    path.write_text("def f():\n    return 1\n")
+    with Sandbox(path, Limits(timeout_s=2.0), mode="none") as box:
+        outcome = box.run([Call("f")], policy=False)
+    assert "no permission to make a namespace" in outcome.environment, outcome
+    assert "exit status 3" in outcome.environment
+
+
+@pytest.mark.parametrize("mode", ["none", "user"])
+def test_a_killed_server_leaves_no_folder_behind(tmp_path, monkeypatch, mode):
+    from attnlab.grading.sandbox import Call, Sandbox
+
+    if mode == "user" and os.geteuid() != 0:
+        pytest.skip("mode 'user' needs root (Gradescope and CI run as root)")
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # mode 'none': the server's folder goes there
+    (tmp_path / "tmp").mkdir()
+    path = tmp_path / "attention.py"
+    path.write_text("import os\n\ndef where():\n    return os.getcwd()\n")
+    with Sandbox(path, Limits(timeout_s=2.0), mode=mode) as box:
+        cwd = box.run([Call("where")], policy=False).results[0]["value"]
+        root = os.path.dirname(cwd)  # the server's own folder (each task's folder is inside it)
+        assert os.path.basename(root).startswith("attnlab-sandbox-"), cwd
+        assert os.path.isdir(root)
+    assert not os.path.exists(root), f"{root} was left behind"

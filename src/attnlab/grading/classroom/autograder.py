@@ -72,8 +72,9 @@ RUN_AUTOGRADER = r"""#!/usr/bin/env bash
 # submission, kills every process the learner left, and writes results.json last.
 ROOT="${AUTOGRADER_ROOT:-/autograder}"
 PY="${ATTNLAB_VENV:-$ROOT/venv}/bin/python"
+export PYTHONDONTWRITEBYTECODE=1   # no bytecode written into the installed package while grading
 cd /
-"$PY" -m attnlab grade --gradescope "$ROOT" --lab "@LAB@" --no-colour
+"$PY" -B -m attnlab grade --gradescope "$ROOT" --lab "@LAB@" --no-colour
 exit 0   # the score is in results.json; a failing grade is not a failed autograder run
 """
 

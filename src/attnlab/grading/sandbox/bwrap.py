@@ -248,6 +248,10 @@ def plan(bwrap: str, inside: list[str], *, template: bool = False, seccomp_fd: O
            "--uid", str(UID), "--gid", str(UID), "--hostname", "attnlab-sandbox"]
     if not template and "--disable-userns" in options:
         cmd += ["--disable-userns"]
+    if not template and "--as-pid-1" in options:
+        # the server itself is pid 1: bwrap's own init would otherwise be a process in the
+        # sandbox with no seccomp filter, dumpable, holding the grader's request and reply pipes
+        cmd += ["--as-pid-1"]
     # the private, writable places first: a checkout or venv under /tmp is then bound on top
     size = str(TMP_MB * 1024 * 1024)
     cmd += ["--proc", "/proc", "--dev", "/dev",

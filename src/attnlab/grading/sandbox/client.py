@@ -243,6 +243,7 @@ class Sandbox:
         if len(self.source) > MAX_SOURCE_BYTES:
             raise ValueError(f"{self.path} is larger than {MAX_SOURCE_BYTES // 1024} KB")
         self._server: Optional[pool.Server] = None
+        self._cpu0: Optional[float] = None  # the submission's cgroup CPU when the current task started
         self.restarts = 0  # servers started after the first (the learner stopped or killed one)
         self._starts = 0
         self.sandboxed = pool.resolve_mode(mode) is not None
@@ -279,9 +280,15 @@ class Sandbox:
         server = pool.take(self.mode, self.limits.submission_memory_mb, self.limits.max_procs)
         self._server = server
         deadline = time.monotonic() + START_TIMEOUT_S
-        hello = read_frame(server.reply_fd, 4096, deadline)
+        try:
+            hello = read_frame(server.reply_fd, 4096, deadline)
+        except EOFError as exc:  # it died before a word: its stderr says why (bwrap's message, a traceback)
+            why = pool.start_failure(server)
+            raise EOFError(f"{exc}" + (f"; it said: {clean_text(why, 1500)}" if why else "")) from None
         if not hello.startswith(b"ready"):
             raise EOFError(f"the sandbox server did not start ({clean_text(hello.decode(errors='replace'), 300)})")
+        if isinstance(server, pool.Server) and not server.sandboxed:  # said before any learner code ran
+            server.root = hello[len(b"ready "):].decode(errors="replace")[:300]
         write_frame(server.request_fd, encode_request("load", source=self.source, name=submission_name(self.path)))
         if read_frame(server.reply_fd, 64, deadline) != b"loaded":
             raise EOFError("the sandbox server did not take the submission")
@@ -311,10 +318,18 @@ class Sandbox:
         try:
             task_limits = {**dataclasses.asdict(limits), "timeout_s": float(timeout)}
             wire = [{"function": c.function, "args": tuple(c.args), "kwargs": dict(c.kwargs)} for c in sent]
+            self._cpu0 = self._cgroup_cpu(server)  # before the task starts
             write_frame(server.request_fd, encode_request("run", calls=wire, policy=policy, limits=task_limits,
                                                           seccomp=seccomp.route()))  # its environment is cleared
             deadline = time.monotonic() + timeout * limits.wall_factor + GRACE_S
             fd = server.reply_fd
+            over = self._watch_cpu(server, fd, timeout, deadline)
+            if over is not None:  # the cgroup counted more than the budget: stopped now, not at the backstop
+                self.close()
+                return Outcome("timeout", message=f"did not finish within {timeout:g} s of CPU time, counted for "
+                                                  f"all its processes together ({over:.1f} s; an endless loop, or "
+                                                  "work spread over several processes?)",
+                               elapsed_s=time.perf_counter() - t0, cpu_s=over)
             header_bytes = read_frame(fd, 4096, deadline)
             payload = read_frame(fd, MAX_RESULT_BYTES, deadline)
             raw_output = read_frame(fd, self.limits.output_kb * 1024, deadline)
@@ -340,6 +355,14 @@ class Sandbox:
             return Outcome("protocol", message="the sandbox server sent a malformed header", elapsed_s=elapsed)
         status = header["status"]
         cpu_s = header.get("cpu") if isinstance(header.get("cpu"), float) and header["cpu"] >= 0 else 0.0
+        cg = self._cgroup_cpu(server)
+        if cg is not None and self._cpu0 is not None:
+            cpu_s = max(cpu_s, cg - self._cpu0)  # the cgroup's count, where there is one, is the grader's own
+        if status == "ok" and cpu_s > timeout:  # over the budget, whatever its exit status
+            return Outcome("timeout", message=f"did not finish within {timeout:g} s of CPU time: its processes "
+                                              f"used {cpu_s:.1f} s together (work spread over several processes, "
+                                              "or the CPU limit's signals ignored?)", output=output,
+                           elapsed_s=elapsed, cpu_s=cpu_s)
         if status == "timeout":  # the wall-clock backstop: it waited without using its CPU budget
             return Outcome("timeout", message=f"did not finish within {timeout * limits.wall_factor:g} s of "
                                               f"wall-clock time, using {cpu_s:.1f} s of CPU (waiting on something "
@@ -360,6 +383,28 @@ class Sandbox:
             outcome = self._failure(header["code"], output, elapsed, timeout, cpu_s)
         outcome.cpu_s = cpu_s
         return outcome
+
+    @staticmethod
+    def _cgroup_cpu(server) -> Optional[float]:
+        cgroup = getattr(server, "cgroup", None)
+        return cgroup.cpu_s() if cgroup is not None else None
+
+    def _watch_cpu(self, server, fd: int, timeout: float, deadline: float) -> Optional[float]:
+        """Wait until the server's answer starts (or the deadline), reading the submission's cgroup
+        CPU meanwhile; returns the CPU used when it passes the budget by a second first (the
+        throttle), else None. Without a cgroup that counts CPU it only waits (the server's own
+        count, of the whole process tree, decides afterwards)."""
+        import select
+
+        if self._cpu0 is None:
+            return None
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], min(0.2, max(0.0, deadline - time.monotonic())))[0]:
+                return None
+            used = self._cgroup_cpu(server)
+            if used is not None and used - self._cpu0 > timeout + 1.0:
+                return used - self._cpu0
+        return None
 
     def _show(self, data: bytes) -> str:
         text = data.decode("utf-8", errors="replace")

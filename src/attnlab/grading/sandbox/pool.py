@@ -40,7 +40,7 @@ from attnlab.grading.sandbox import seccomp, user
 from attnlab.grading.sandbox.bwrap import HOW_TO_GET_BWRAP, bwrap_path
 from attnlab.grading.sandbox.frames import write_frame
 
-__all__ = ["Server", "SandboxUnavailable", "start", "prestart", "take", "HOW_TO_GET_BWRAP", "SANDBOX_MODES",
+__all__ = ["Server", "SandboxUnavailable", "start", "prestart", "take", "start_failure", "HOW_TO_GET_BWRAP", "SANDBOX_MODES",
            "resolve_mode", "keep_spare", "spare", "class_template", "SpawnedServer", "bwrap_path"]
 
 SANDBOX_MODES = ("auto", "bwrap", "user", "none")
@@ -68,6 +68,21 @@ class _Cgroup:
             except (OSError, ValueError):
                 pass
         return sorted(pids)
+
+    def cpu_s(self) -> Optional[float]:
+        """CPU seconds used by every process of the submission so far (v2 ``cpu.stat``'s
+        usage_usec, v1 ``cpuacct.usage``), or None where this cgroup does not count CPU."""
+        for d in self.dirs:
+            try:
+                if (d / "cpu.stat").exists() and self.kind == "cgroup v2":
+                    for line in (d / "cpu.stat").read_text().splitlines():
+                        if line.startswith("usage_usec "):
+                            return int(line.split()[1]) / 1e6
+                if (d / "cpuacct.usage").exists():
+                    return int((d / "cpuacct.usage").read_text()) / 1e9
+            except (OSError, ValueError):
+                return None
+        return None
 
     def enter(self) -> None:  # runs in the forked child, before exec
         for d in self.dirs:
@@ -141,6 +156,17 @@ def _make_cgroup(memory_mb: int, max_procs: int) -> Optional[_Cgroup]:
         pids.mkdir()
         made.append(pids)
         (pids / "pids.max").write_text(str(max_procs))
+        cpu_own = _own_cgroup("cpuacct")  # CPU counted where it is spent, where the hierarchy is there
+        if cpu_own is not None:
+            for root in ("cpuacct", "cpu,cpuacct"):
+                if (v2 / root / "cpuacct.usage").exists():
+                    cpu = v2 / root / cpu_own.lstrip("/") / name
+                    try:
+                        cpu.mkdir()
+                        made.append(cpu)
+                    except OSError:
+                        pass
+                    break
         return _Cgroup(made, "cgroup v1")
     except OSError:
         for d in made:
@@ -174,6 +200,7 @@ class Server:
     ready: bool = False
     plan: Optional[_bwrap.Plan] = None
     uid: Optional[int] = None  # mode 'user': the server's own uid, every process of which dies with it
+    root: str = ""  # the folder outside a sandbox's private /tmp that the server works in (its 'ready' says)
 
     @property
     def memory_fence(self) -> str:
@@ -214,15 +241,51 @@ class Server:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-        for f in (self.proc.stdin, self.proc.stdout):
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             try:
-                f.close()
+                if f is not None:
+                    f.close()
             except OSError:
                 pass
         if self.uid is not None:
             user.kill_uid(self.uid)
+            if self.root:  # the folder it said it works in (before any learner code ran): gone too
+                user.remove_as(self.uid, self.root)
+        elif self.root and not self.sandboxed and os.path.basename(self.root).startswith("attnlab-sandbox-"):
+            import shutil
+
+            shutil.rmtree(self.root, ignore_errors=True)  # mode 'none': the grader's own user made it
         if self.cgroup is not None:
             self.cgroup.remove()
+
+
+def start_failure(server, wait_s: float = 2.0, limit: int = 1500) -> str:
+    """What a server that did not start wrote to its stderr (bwrap's or the interpreter's
+    message), at most ``limit`` bytes, waiting up to ``wait_s`` for it to exit; '' if nothing."""
+    proc = getattr(server, "proc", None)
+    if proc is None or proc.stderr is None:
+        return ""
+    try:
+        proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        pass
+    fd = proc.stderr.fileno()
+    os.set_blocking(fd, False)
+    chunks, left = [], limit
+    try:
+        while left > 0 and select.select([fd], [], [], 0.05)[0]:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError:
+        pass
+    text = b"".join(chunks).decode(errors="replace").strip()
+    code = proc.poll()
+    if code is not None and code != 0:
+        text = (text + f" (exit status {code})").strip()
+    return text
 
 
 def resolve_mode(mode: str) -> Optional[str]:
@@ -265,7 +328,9 @@ def start(mode: str = "auto", memory_mb: int = 2048, max_procs: int = 64) -> Ser
     ``memory_mb``/``max_procs``: the submission's cgroup caps."""
     bwrap = resolve_mode(mode)
     cgroup = _make_cgroup(memory_mb, max_procs) if bwrap is not None or mode == "user" else None
-    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
+    # stderr: what bwrap or the interpreter says when the server cannot start (the server points its
+    # own 2 to /dev/null once ready); read, bounded, only to say why a start failed (:func:`start_failure`)
+    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,
                  start_new_session=True)
     if bwrap is not None:
         seccomp_fd = _seccomp_pipe()

@@ -58,7 +58,7 @@ EXTRA = {
     "signals": "rt_sigreturn rt_sigprocmask rt_sigsuspend rt_sigpending rt_sigtimedwait sigaltstack tgkill tkill restart_syscall alarm getitimer pause",
     "threads and time": "exit sched_yield nanosleep clock_gettime clock_getres gettimeofday time membarrier get_robust_list sched_getparam sched_getscheduler sched_get_priority_max sched_get_priority_min getcpu",
     "memory": "madvise mremap msync mincore mlock munlock get_mempolicy set_mempolicy",
-    "files (as glibc and CPython ask for them on other systems)": "stat lstat statx fstatfs statfs faccessat faccessat2 readlinkat getdents lseek pwrite64 readv writev preadv pwritev dup dup3 pipe fcntl flock fsync fdatasync ftruncate truncate unlinkat mkdirat rename renameat renameat2 fchdir umask close_range fadvise64 openat2 utimensat",
+    "files (as glibc and CPython ask for them on other systems)": "stat lstat statx fstatfs statfs faccessat faccessat2 readlinkat getdents lseek pwrite64 readv writev preadv pwritev dup dup3 pipe fcntl flock fsync fdatasync ftruncate truncate unlinkat mkdirat rename renameat renameat2 fchdir umask close_range fadvise64 openat2 utimensat chmod fchmod fchmodat",
     "processes": "fork vfork wait4 waitid getppid getpgid getpgrp getsid setpgid getuid geteuid getgid getegid getgroups getresuid getresgid getrlimit setrlimit getrusage times exit_group pidfd_send_signal",
     "waiting": "poll ppoll select pselect6 epoll_create epoll_ctl epoll_wait epoll_pwait epoll_pwait2 eventfd eventfd2",
 }
@@ -86,6 +86,7 @@ _NR = {
 }
 _NR_ALLOWED = {
     "x86_64": {
+        "chmod": 90, "fchmod": 91, "fchmodat": 268,
         "access": 21, "alarm": 37, "arch_prctl": 158, "brk": 12, "chdir": 80, "clock_getres": 229,
         "clock_gettime": 228, "clock_nanosleep": 230, "close": 3, "close_range": 436, "dup": 32, "dup2": 33,
         "dup3": 292, "epoll_create": 213, "epoll_create1": 291, "epoll_ctl": 233, "epoll_pwait": 281,
@@ -113,6 +114,7 @@ _NR_ALLOWED = {
         "vfork": 58, "wait4": 61, "waitid": 247, "write": 1, "writev": 20,
     },
     "aarch64": {
+        "fchmod": 52, "fchmodat": 53,
         "brk": 214, "chdir": 49, "clock_getres": 114, "clock_gettime": 113, "clock_nanosleep": 115, "close": 57,
         "close_range": 436, "dup": 23, "dup3": 24, "epoll_create1": 20, "epoll_ctl": 21, "epoll_pwait": 22,
         "epoll_pwait2": 441, "eventfd2": 19, "execve": 221, "exit": 93, "exit_group": 94, "faccessat": 48,

@@ -119,8 +119,11 @@ def _set_limits(limits: SimpleNamespace, sandboxed: bool, vm_kb: Optional[int] =
     # timeout_s of this process's CPU (all its threads), and RLIMIT_CPU a second later as the
     # fence a learner cannot lift (SIGPROF can be ignored; the hard limit is SIGKILL).
     signal.setitimer(signal.ITIMER_PROF, limits.timeout_s)
-    cpu = math.ceil(limits.timeout_s) + 1
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    # the hard limit is the budget (whole seconds: what RLIMIT_CPU counts in), soft = hard: raising
+    # the soft limit or ignoring SIGXCPU buys nothing. Past it the kernel's SIGKILL; and whatever
+    # the exit, a task whose processes used more CPU than the budget is a timeout (_run_task's count)
+    cpu = max(1, math.ceil(limits.timeout_s))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if sandboxed:  # outside a sandbox of its own uid the count would include the user's other processes
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_procs, limits.max_procs))
@@ -258,6 +261,21 @@ def _kill_leftovers(child: int, sandboxed: bool) -> None:
             pass
 
 
+def _reap(sandboxed: bool) -> None:
+    """Wait for every process left below this server (the leftovers just killed, orphans that were
+    reparented here), so their CPU time is in this server's ``RUSAGE_CHILDREN``. In the sandbox every
+    one of them was killed, so this ends; outside one (mode ``none``: a daemon in a session of its
+    own may live on) it waits at most a second."""
+    until = time.monotonic() + (30.0 if sandboxed else 1.0)
+    while time.monotonic() < until:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return  # none left
+        if pid == 0:
+            time.sleep(0.005)  # killed, not reaped yet
+
+
 def _drain(fds: dict[int, bytearray], caps: dict[int, int], until: float) -> None:
     """Read what is left in the pipes, up to their caps, until EOF or ``until``."""
     for fd in list(fds):
@@ -282,6 +300,7 @@ def _run_task(task: dict, path: str, private_fds: tuple[int, ...], sandboxed: bo
     """Fork a child for one task and watch it: its exit, its time, its pipes' sizes."""
     limits = task["limits"]
     vm_kb = _vm_kb(status_fd) if status_fd is not None else None  # the child's at fork: /proc is hidden
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)  # every descendant ends up reaped here: see _reap
     timeout = float(limits.timeout_s)
     backstop = timeout * limits.wall_factor  # wall clock: only for what burns no CPU (sleeping, blocked)
     workdir = tempfile.mkdtemp(prefix="task-", dir=root)
@@ -342,9 +361,13 @@ def _run_task(task: dict, path: str, private_fds: tuple[int, ...], sandboxed: bo
         _drain({fd: bufs[fd] for fd in open_fds}, caps, time.monotonic() + 1.0)
     for fd in (r, out_r, pidfd):
         os.close(fd)
-    _, wstatus, usage = os.wait4(pid, 0)
+    _, wstatus, _ = os.wait4(pid, 0)
     code = os.WEXITSTATUS(wstatus) if os.WIFEXITED(wstatus) else -os.WTERMSIG(wstatus)
-    cpu_s = usage.ru_utime + usage.ru_stime
+    _reap(sandboxed)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # the CPU of the child and of every process it started, orphans included (this server is their
+    # reaper: pid 1 of the sandbox, or a child subreaper), not the child's own rusage alone
+    cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     shutil.rmtree(workdir, ignore_errors=True)
     payload = bytes(bufs[r]) if status == "ok" else b""
     output = bytes(bufs[out_r][: caps[out_r]])
@@ -379,12 +402,21 @@ def serve(request_fd: int = 0, reply_fd: int = 1, sandboxed: bool = False, statu
     answered with three frames: a JSON header, the child's message bytes, its captured output.
     ``status_fd``: this server's /proc status, opened before /proc was hidden (the class
     template, :mod:`.template`); the children close it before the learner's code runs."""
-    try:  # not dumpable: a learner's process of the same uid cannot ptrace this server or take its fds
+    try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+        libc = ctypes.CDLL(None, use_errno=True)
+        # not dumpable: a learner's process of the same uid cannot ptrace this server, read or write
+        # its memory through /proc/<pid>/mem, or take its fds
+        libc.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+        # every orphan of a task is reparented here (pid 1 of bwrap's namespace is this server
+        # anyway: --as-pid-1), so its CPU is counted when it is reaped (_reap)
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     except (OSError, AttributeError):
         pass
+    # as pid 1 a signal from inside the namespace reaches this server only where it has a handler:
+    # Python's SIGINT handler would let a learner raise KeyboardInterrupt here
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         prepare()
     except BaseException as exc:  # noqa: BLE001 (the grader reads this instead of "ready")

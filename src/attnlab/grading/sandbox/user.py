@@ -40,7 +40,7 @@ from typing import Optional
 
 from attnlab.grading.sandbox import bwrap as _bwrap
 
-__all__ = ["kill_uid", "runner_copy", "Exposure"]
+__all__ = ["kill_uid", "remove_as", "runner_copy", "Exposure"]
 
 _CLONE_NEWNS, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x20000, 4096, 16384, 1 << 18
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -59,6 +59,23 @@ def kill_uid(uid: int) -> None:
                 except ProcessLookupError:
                     break  # none left
                 time.sleep(0.01)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def remove_as(uid: int, path: str) -> None:
+    """Remove the folder ``path`` that ``uid``'s server made (its ``/tmp/attnlab-sandbox-*``, left
+    when the server is killed), as ``uid`` itself: root never deletes on the learner's behalf, so a
+    link planted in it leads nowhere the learner could not go anyway."""
+    if not os.path.isabs(path) or os.path.dirname(path) != "/tmp" or \
+            not os.path.basename(path).startswith("attnlab-sandbox-"):
+        return
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _bwrap.drop_to(uid)
+            shutil.rmtree(path, ignore_errors=True)
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
