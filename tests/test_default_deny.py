@@ -400,3 +400,68 @@ def test_a_killed_server_leaves_no_folder_behind(tmp_path, monkeypatch, mode):
         assert os.path.basename(root).startswith("attnlab-sandbox-"), cwd
         assert os.path.isdir(root)
     assert not os.path.exists(root), f"{root} was left behind"
+
+
+# ------------------------------------------------------------------ 5. limits counted per host uid
+def test_inotify_is_refused_so_no_learner_exhausts_the_shared_uid(tmp_path):
+    """Template forks share one host uid, and the kernel counts inotify instances per uid (128):
+    one learner took them all from the next. The allow-list has no inotify (nor fanotify)."""
+    from attnlab.grading.sandbox import Call, Sandbox
+    from procs import made_by, needs_sandbox
+
+    needs_sandbox()
+    path = tmp_path / "attention.py"
+    path.write_text('''
+import ctypes, os
+
+def take_all():
+    libc = ctypes.CDLL(None, use_errno=True)
+    made = [libc.inotify_init1(0) for _ in range(200)]
+    return [sum(1 for fd in made if fd >= 0), os.strerror(ctypes.get_errno())]
+''')
+    with made_by("template"), Sandbox(path, Limits(timeout_s=5.0), mode="bwrap") as box:
+        outcome = box.run([Call("take_all")], policy=False)
+    assert outcome.results[0]["value"] == [0, "Function not implemented"], outcome.results
+
+
+# ------------------------------------------------------------------ 6. total functions on hostile input
+@pytest.mark.parametrize("name", ["grades.csv", "report.html", "Skipped.txt"])
+def test_a_learner_named_like_the_gradebook_does_not_replace_it(tmp_path, name):
+    from attnlab.grading.classroom import batch
+
+    cls = tmp_path / "class"
+    for learner in (name, "ada"):
+        (cls / learner).mkdir(parents=True)
+        (cls / learner / "attention.py").write_text(SOLUTION)
+    result = batch.grade_class(cls, tmp_path / "out", sandbox="none", limits=FAST)
+    assert (tmp_path / "out" / "grades.csv").is_file() and (tmp_path / "out" / "report.html").is_file()
+    assert (tmp_path / "out" / "skipped.txt").is_file()
+    rows = {r.learner: r for r in result.rows}
+    assert rows[name].total == 100 and rows[name].folder.lower() != name.lower(), rows[name]
+    assert (tmp_path / "out" / rows[name].folder / "results.json").is_file()
+
+
+def test_learner_text_is_capped_in_bytes_and_stored_as_utf8(tmp_path):
+    path = tmp_path / "attention.py"
+    path.write_text(SOLUTION.replace('def stable_softmax(', 'def stable_softmax_(') +
+                    '\ndef stable_softmax(x, dim=-1):\n    raise ValueError("\U0001F600" * 100000)\n')
+    report = grade(path, limits=FAST, sandbox="none")
+    text = json.dumps(report.to_gradescope(), ensure_ascii=False)
+    assert "\U0001F600" in text
+    assert len(text.encode()) < 200_000, len(text.encode())
+
+
+def test_a_file_name_with_escape_sequences_is_printed_escaped(tmp_path):
+    path = tmp_path / "a\x1b[2J\x1b]0;pwned\x07.py"
+    path.write_text(SOLUTION)
+    report = grade(path, limits=FAST, sandbox="none", lab="01")
+    text = report.to_text() + json.dumps(report.to_gradescope())
+    assert "\x1b" not in text and "\x07" not in text and "\\x1b[2J" in text
+
+
+def test_failed_checks_keep_no_tensors_unless_pictures_are_drawn(tmp_path):
+    path = tmp_path / "attention.py"
+    path.write_text(SOLUTION.replace("return weights @ V", "return weights @ V + 1"))
+    report = grade(path, limits=FAST, sandbox="none")
+    failed = [r for r in report.results if not r.verdict.passed]
+    assert failed and all(r.verdict.arrays is None for r in failed)

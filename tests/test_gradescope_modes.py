@@ -174,3 +174,57 @@ def test_mode_user_is_refused_without_root(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(pool.SandboxUnavailable, match="needs root"):
         pool.resolve_mode("user")
+
+
+IMAGE = r"""
+set -e
+# what a Gradescope image gives run_autograder: root, a mount and pid namespace of its own, a
+# fresh /proc, /tmp and a minimal /dev. The simulated root (under the host's /tmp) is carried in.
+mount -t tmpfs tmpfs /mnt
+i=0; for p in $CARRY; do mkdir /mnt/$i; mount --bind "$p" /mnt/$i; i=$((i+1)); done
+mount -t tmpfs -o size=512m tmpfs /tmp
+i=0; for p in $CARRY; do mkdir -p "$p"; mount --move /mnt/$i "$p"; i=$((i+1)); done
+mkdir /tmp/.dev && mount -t tmpfs -o mode=755 tmpfs /tmp/.dev
+for d in null zero full random urandom tty; do touch /tmp/.dev/$d; mount --bind /dev/$d /tmp/.dev/$d; done
+mkdir /tmp/.dev/pts /tmp/.dev/shm
+mount -t devpts -o newinstance,ptmxmode=0666 devpts /tmp/.dev/pts && ln -s pts/ptmx /tmp/.dev/ptmx
+mount -t tmpfs tmpfs /tmp/.dev/shm
+mount --move /tmp/.dev /dev
+exec bash "$RUN"
+"""
+
+
+@pytest.mark.parametrize("where", ["bwrap works", "bwrap absent"])
+def test_run_autograder_in_a_gradescope_like_image_gives_the_solution_100(simulated, where):
+    """The round's simulated image (run_autograder as root in a mount namespace of its own, fresh
+    /proc, /dev and /tmp, the venv set up by the bundle's setup.sh) scored the solution 0 in both
+    modes, with no cause; here each mode must grade it 100, and say which mode it was."""
+    import shutil
+    import subprocess
+
+    needs_sandbox()
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI runs as root with util-linux's unshare")
+        pytest.skip("needs root and unshare (util-linux)")
+    root, env, _ = simulated
+    sub = root.root / "submission"
+    shutil.rmtree(sub, ignore_errors=True)
+    sub.mkdir(parents=True)
+    shutil.copyfile(SOLUTION_01, sub / "attention.py")
+    root.results.unlink(missing_ok=True)
+    import sys
+
+    # what lies under the host's /tmp and must survive the image's fresh one: the simulated root, and
+    # this checkout with its venv when it was cloned there (a CI clone may be)
+    carry = [str(root.root.parent)] + [str(p) for p in {REPO, Path(sys.prefix).resolve()}
+                                       if str(p).startswith("/tmp/") and not str(p).startswith(str(root.root.parent))]
+    run_env = {**env, "CARRY": " ".join(carry), "RUN": str(root.source / "run_autograder")}
+    if where == "bwrap absent":
+        run_env["ATTNLAB_BWRAP"] = ""
+    proc = subprocess.run(["unshare", "--mount", "--pid", "--fork", "--mount-proc", "--propagation", "private",
+                           "bash", "-c", IMAGE], env=run_env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
+    data = json.loads(root.results.read_text())
+    assert data["score"] == 100, data["output"]
+    assert data["extra_data"]["sandbox"]["made_by"] == ("bwrap" if where == "bwrap works" else "user")

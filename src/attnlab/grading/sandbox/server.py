@@ -76,6 +76,11 @@ def _trim_traceback(exc: BaseException, learner_file: str, limit: int = 4) -> st
     return "\n".join(["Traceback (most recent call last):", *lines, head]) if lines else head
 
 
+def _cap(text: str) -> str:
+    """Learner text at most :data:`MAX_TEXT` characters (the grader caps it again, in bytes)."""
+    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT // 2] + " [...] " + text[-MAX_TEXT // 2:]
+
+
 def _portable(value: Any, depth: int = 0) -> Any:
     """Learner return values -> what :func:`protocol.encode_message` sends (JSON and dense tensors)."""
     import torch
@@ -163,11 +168,12 @@ def _call_one(module: Any, call: dict, path: str, message: dict) -> None:
                         "violations": []})
         raise _Done() from None
     except MemoryError as exc:
-        message["results"].append({"error": f"MemoryError: {exc}", "traceback": _trim_traceback(exc, path),
+        message["results"].append({"error": _cap(f"MemoryError: {exc}"), "traceback": _cap(_trim_traceback(exc, path)),
                                    "memory": True})
     except Exception as exc:
-        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        message["results"].append({"error": text, "traceback": _trim_traceback(exc, path),
+        # capped here, in the child: a message of megabytes would be refused whole by the grader
+        text = _cap("".join(traceback.format_exception_only(type(exc), exc)).strip())
+        message["results"].append({"error": text, "traceback": _cap(_trim_traceback(exc, path)),
                                    "memory": "can't allocate memory" in text or "alloc" in text.lower()
                                    and "memory" in text.lower()})
 
@@ -210,9 +216,9 @@ def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir:
         try:
             spec.loader.exec_module(module)
         except BaseException as exc:  # SyntaxError, ImportError, SystemExit at import...
-            message = {"status": "import_error", "message": "".join(
-                traceback.format_exception_only(type(exc), exc)).strip(),
-                "traceback": _trim_traceback(exc, path), "results": [], "violations": []}
+            message = {"status": "import_error", "message": _cap("".join(
+                traceback.format_exception_only(type(exc), exc)).strip()),
+                "traceback": _cap(_trim_traceback(exc, path)), "results": [], "violations": []}
             raise _Done() from None
         for call in task["calls"]:
             _call_one(module, call, path, message)
