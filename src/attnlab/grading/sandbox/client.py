@@ -433,7 +433,10 @@ class Sandbox:
                  cpu_s: float = 0.0) -> Outcome:
         if exitcode < 0:
             sig = -exitcode
-            if sig in (signal.SIGPROF, signal.SIGXCPU) or (sig == signal.SIGKILL and timeout and cpu_s >= timeout):
+            # RLIMIT_CPU's SIGKILL comes at the budget's whole second, as the kernel's tick counts it: the
+            # CPU read back can be a few ticks short of it
+            if sig in (signal.SIGPROF, signal.SIGXCPU) or (sig == signal.SIGKILL and timeout
+                                                            and cpu_s >= 0.95 * math.ceil(timeout)):
                 return Outcome("timeout", message=f"did not finish within {timeout:g} s of CPU time (an endless "
                                                   f"loop?)", output=output, elapsed_s=elapsed)
             if sig == signal.SIGXFSZ:
