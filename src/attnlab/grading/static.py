@@ -208,10 +208,6 @@ class _Visitor:
         self.calls: dict[str, set[str]] = {}
         self.imports: set[str] = set()
 
-    @property
-    def function(self) -> Optional[str]:
-        return self.ctx.unit
-
     def run(self, tree: ast.AST) -> None:
         stack: list[tuple[ast.AST, _Ctx]] = [(tree, _Ctx(None, True))]
         while stack:
