@@ -263,18 +263,17 @@ def burn(seconds):
 def spread(n, each):
     """The answer is right, but n double-forked orphans did the work: each under the per-process
     limits, the sum far over the task's budget."""
-    pipes = []
+    import signal
+    parent = os.getpid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])  # each orphan says it is done
     for _ in range(n):
-        r, w = os.pipe()
         if os.fork() == 0:
             if os.fork() == 0:  # the grandchild, orphaned at once: not in its parent's rusage
                 burn(each)
-                os.write(w, b"x")
+                os.kill(parent, signal.SIGRTMIN)
             os._exit(0)
-        os.close(w)
-        pipes.append(r)
-    for r in pipes:
-        os.read(r, 1)
+    for _ in range(n):
+        signal.sigwaitinfo([signal.SIGRTMIN])
     return 42
 
 def ignore_the_signals(seconds):
@@ -422,6 +421,68 @@ def take_all():
     with made_by("template"), Sandbox(path, Limits(timeout_s=5.0), mode="bwrap") as box:
         outcome = box.run([Call("take_all")], policy=False)
     assert outcome.results[0]["value"] == [0, "Function not implemented"], outcome.results
+
+
+PIPES = '''
+import fcntl, os, select
+
+def take_pipe_pages():
+    out = []
+    for make in (os.pipe, lambda: fcntl.fcntl(1, 1031, 1 << 20), select.epoll):  # 1031: F_SETPIPE_SZ
+        try:
+            got = make()
+            out.append("made")
+        except OSError as exc:
+            out.append(exc.errno)
+    return out + [fcntl.fcntl(1, 1032)]  # F_GETPIPE_SZ of the pipe the server gave it
+'''
+
+
+@pytest.mark.parametrize("mode", ["template", "bwrap"])
+def test_no_learner_can_hold_the_shared_uids_pipe_pages(tmp_path, mode):
+    """The kernel counts pipe pages (fs.pipe-user-pages-soft) and epoll watches per host uid,
+    and template forks share one: one learner's thousands of 1 MiB pipes left the next one
+    8 KiB pipes. The learner's own process can make no pipe, resize none, and make no epoll."""
+    import errno
+
+    from attnlab.grading.sandbox import Call, Sandbox
+    from procs import made_by, needs_sandbox
+
+    needs_sandbox()
+    path = tmp_path / "attention.py"
+    path.write_text(PIPES)
+    with made_by(mode), Sandbox(path, Limits(timeout_s=5.0), mode="bwrap") as box:
+        outcome = box.run([Call("take_pipe_pages")], policy=False)
+    assert outcome.results[0]["value"] == [errno.EPERM, errno.EPERM, errno.EPERM, 65536], outcome.results
+
+
+SIGNALS = '''
+import os, signal
+
+def queue_signals():
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])
+    for _ in range(2000):
+        os.kill(os.getpid(), signal.SIGRTMIN)  # each one queued while the uid's count allows
+    got = 0
+    while signal.sigtimedwait([signal.SIGRTMIN], 0) is not None:
+        got += 1
+    return got
+'''
+
+
+@pytest.mark.parametrize("mode", ["template", "bwrap"])
+def test_no_learner_can_hold_the_shared_uids_queued_signals(tmp_path, mode):
+    """Queued real-time signals are counted per host uid too (RLIMIT_SIGPENDING, about 95k here):
+    one learner could hold them all. Its own limit (server.SIGPENDING, 64) bounds its share."""
+    from attnlab.grading.sandbox import Call, Sandbox
+    from procs import made_by, needs_sandbox
+
+    needs_sandbox()
+    path = tmp_path / "attention.py"
+    path.write_text(SIGNALS)
+    with made_by(mode), Sandbox(path, Limits(timeout_s=5.0), mode="bwrap") as box:
+        outcome = box.run([Call("queue_signals")], policy=False)
+    assert outcome.results[0]["value"] == 64, outcome.results
 
 
 # ------------------------------------------------------------------ 6. total functions on hostile input

@@ -312,19 +312,31 @@ def test_memory_is_capped_for_the_whole_submission(tmp_path, launcher):
     limits = Limits(timeout_s=9.0, memory_mb=1024, submission_memory_mb=1536)
     with sandbox_for(tmp_path, """
         def hog():
+            # no clock: each child says when its memory is resident (a queued signal), and the
+            # parent waits until each one has said so or died; three alive then would be 2100 MB
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])
             kids = []
             for _ in range(3):
                 pid = os.fork()
                 if pid == 0:
                     x = b"\x01" * (700 * 2**20)  # written, so resident; each under the per-process cap
-                    time.sleep(10)
-                    os._exit(0)
+                    os.kill(os.getppid(), signal.SIGRTMIN)
+                    while True:
+                        time.sleep(1)
                 kids.append(pid)
-            time.sleep(4)  # allocating under memory pressure takes a while before the OOM kill
+            ready, dead = set(), set()
+            while len(ready | dead) < 3:
+                info = signal.sigtimedwait([signal.SIGRTMIN], 0.05)
+                if info is not None:
+                    ready.add(info.si_pid)
+                for pid in kids:
+                    if pid not in dead and os.waitpid(pid, os.WNOHANG)[0] == pid:
+                        dead.add(pid)
             alive = 0
             for pid in kids:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                alive += done == 0
+                if pid not in dead and os.waitpid(pid, os.WNOHANG)[0] == 0:
+                    alive += 1
+                    os.kill(pid, signal.SIGKILL)
             return alive
         """, limits) as box:
         outcome = box.run([Call("hog")], policy=False)

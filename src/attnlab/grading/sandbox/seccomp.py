@@ -23,6 +23,15 @@ a filter cannot be removed, and every process the learner starts inherits it.
   then falls back to ``clone``, whose flags it can;
 * every x32 system call, and any call from another architecture: ``EPERM``.
 
+A second, narrower layer goes on the learner's own process only (:func:`install_learner_layer`,
+after :func:`install` in each exercise's child): no new pipes (``pipe``, ``pipe2``), no resizing
+of a pipe (``fcntl(F_SETPIPE_SZ)``) and no epoll instance (``epoll_create``, ``epoll_create1``),
+each ``EPERM``. The kernel counts pipe pages (``fs.pipe-user-pages-soft``) and epoll watches
+(``fs.epoll.max_user_watches``) per *host* uid, and the class template's forks share one: one
+learner holding thousands of pipe pages left the next one 8 KiB pipes. The server needs pipes
+and epoll (its channel and its children's), a learner's exercise needs neither, and so what one
+submission holds of those counts is the handful of pipes its server made for it.
+
 Two routes build the same rules (:func:`route`; ``ATTNLAB_SECCOMP=libseccomp|bpf`` forces one,
 and the grader passes its choice to the sandbox, whose environment is cleared):
 
@@ -45,7 +54,7 @@ import platform
 import struct
 from typing import Any, Callable
 
-__all__ = ["install", "program_bytes", "route", "ROUTES", "ALLOWED", "MEASURED", "EXTRA", "DENIED", "NAMESPACE_FLAGS"]
+__all__ = ["install", "install_learner_layer", "LEARNER_DENIED", "program_bytes", "route", "ROUTES", "ALLOWED", "MEASURED", "EXTRA", "DENIED", "NAMESPACE_FLAGS"]
 
 ROUTES = ("libseccomp", "bpf")
 
@@ -174,6 +183,32 @@ def _program(arch: str) -> list[tuple[int, int, int, int]]:
     return prog
 
 
+# the learner layer (module docstring): call numbers as in _NR; aarch64 has no pipe nor epoll_create
+LEARNER_DENIED = ("pipe", "pipe2", "epoll_create", "epoll_create1")
+_NR_LEARNER = {
+    "x86_64": {"pipe": 22, "pipe2": 293, "epoll_create": 213, "epoll_create1": 291, "fcntl": 72},
+    "aarch64": {"pipe2": 59, "epoll_create1": 20, "fcntl": 25},
+}
+_F_SETPIPE_SZ = 1031  # F_LINUX_SPECIFIC_BASE (1024) + 7, linux/fcntl.h
+
+
+def _learner_program(arch: str) -> list[tuple[int, int, int, int]]:
+    """The learner layer as (code, jt, jf, k): everything else is left to the filter below it."""
+    nr = _NR_LEARNER[arch]
+    deny = _RET_ERRNO | errno.EPERM
+    prog = [(_LD_W_ABS, 0, 0, 4), (_JEQ_K, 1, 0, _AUDIT_ARCH[arch]), (_RET_K, 0, 0, deny),
+            (_LD_W_ABS, 0, 0, 0)]                      # A = nr
+    for name in LEARNER_DENIED:
+        if name in nr:
+            prog += [(_JEQ_K, 0, 1, nr[name]), (_RET_K, 0, 0, deny)]
+    prog += [(_JEQ_K, 0, 3, nr["fcntl"]),
+             (_LD_W_ABS, 0, 0, 24),                    # A = low 32 bits of args[1]: fcntl's cmd
+             (_JEQ_K, 0, 1, _F_SETPIPE_SZ),
+             (_RET_K, 0, 0, deny),
+             (_RET_K, 0, 0, _RET_ALLOW)]
+    return prog
+
+
 def _bpf_bytes() -> bytes:
     """The written-out program (``struct sock_filter`` records); empty where the architecture
     is not one written here."""
@@ -188,7 +223,12 @@ def _bpf_install() -> str:
     arch = platform.machine()
     if arch not in _NR:
         return f"no seccomp filter: system call numbers for {arch} are not written here"
-    prog = _program(arch)
+    _load_program(_program(arch))
+    return f"seccomp filter (bpf, {arch}): an allow-list of {len(_NR_ALLOWED[arch]) + 1} calls"
+
+
+def _load_program(prog: list[tuple[int, int, int, int]]) -> None:
+    """Install one classic-BPF program on this process (``no_new_privs`` first)."""
     raw = b"".join(struct.pack("=HBBI", *ins) for ins in prog)
     buf = ctypes.create_string_buffer(raw, len(raw))
 
@@ -201,7 +241,16 @@ def _bpf_install() -> str:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
     if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
-    return f"seccomp filter (bpf, {arch}): an allow-list of {len(_NR_ALLOWED[arch]) + 1} calls"
+
+
+def install_learner_layer() -> str:
+    """Stack the learner layer (module docstring) on this process, over :func:`install`'s
+    filter: filters only add up, and the strictest answer wins. Returns what was done, in words."""
+    arch = platform.machine()
+    if arch not in _NR_LEARNER:
+        return f"no learner layer: system call numbers for {arch} are not written here"
+    _load_program(_learner_program(arch))
+    return "learner layer: no new pipe, pipe resize or epoll instance"
 
 
 # --------------------------------------------------------------------------- libseccomp

@@ -114,6 +114,9 @@ def _vm_kb(status_fd: Optional[int] = None) -> int:
     return 0
 
 
+SIGPENDING = 64  # queued signals a learner's process may hold: a handful (tools/trace_syscalls.py: none sent)
+
+
 def _set_limits(limits: SimpleNamespace, sandboxed: bool, vm_kb: Optional[int] = None) -> None:
     vm_kb = _vm_kb() if vm_kb is None else vm_kb
     cap = vm_kb * 1024 + limits.memory_mb * 1024 * 1024
@@ -130,6 +133,9 @@ def _set_limits(limits: SimpleNamespace, sandboxed: bool, vm_kb: Optional[int] =
     cpu = max(1, math.ceil(limits.timeout_s))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # Queued signals count per host uid above the submission's own user namespace (shared by the
+    # class template's forks); a learner's share is bounded by its own limit. The labs queue none.
+    resource.setrlimit(resource.RLIMIT_SIGPENDING, (SIGPENDING, SIGPENDING))
     if sandboxed:  # outside a sandbox of its own uid the count would include the user's other processes
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_procs, limits.max_procs))
 
@@ -195,6 +201,7 @@ def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir:
     _set_limits(task["limits"], sandboxed, vm_kb)
     try:  # before any learner code: no ptrace, pidfd_getfd, process_vm_*, namespaces or mounts
         seccomp.install(task["seccomp"])
+        seccomp.install_learner_layer()  # pipes and epoll are counted per host uid: none for the learner
     except OSError:  # a kernel without seccomp: the OS sandbox and the limits still hold
         pass
     if not sandboxed:
