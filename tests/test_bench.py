@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from attnlab import bench
+from attnlab.bench import timing
 from attnlab.cli import main
 
 
@@ -81,12 +82,12 @@ def test_padding_mask_reaches_every_implementation(tmp_path, capsys):
     assert all(r.status == "ok" and r.config.mask == "padding" for r in masked)
     assert all(r.status.startswith("skipped: a mask and is_causal") for r in results if r.config.causal)
     c = masked[0].config
-    mask = bench._mask(c)
+    mask = timing._mask(c)
     assert mask.shape == (2, 1, 1, 32) and mask[..., :24].all() and not mask[..., 24:].any()
     # the mask changes the result: outputs with and without it differ, and match across impls
-    q, k, v, _ = bench._inputs(c, False)
-    outs = {impl: bench._function(impl)(q, k, v, False, mask) for impl in bench.IMPLS}
-    assert (outs["tiled"] - bench._function("tiled")(q, k, v, False, None)).abs().max() > 1e-3
+    q, k, v, _ = timing._inputs(c, False)
+    outs = {impl: timing._function(impl)(q, k, v, False, mask) for impl in bench.IMPLS}
+    assert (outs["tiled"] - timing._function("tiled")(q, k, v, False, None)).abs().max() > 1e-3
     for impl in ("reference", "math", "flash"):
         assert (outs["tiled"] - outs[impl]).abs().max() < 1e-5, impl
     assert "padding mask" in bench.markdown_table(results)
@@ -104,9 +105,9 @@ def test_bench_attention_variants_give_flex_its_block_mask_and_the_others_the_de
                                    E=8, repeats=1, memory=False, mask="sliding:16")
     assert [r.status for r in results] == ["ok", "ok", "ok"]
     c = results[0].config
-    dense = bench._mask(c)
+    dense = timing._mask(c)
     assert dense.shape == (512, 512) and int(dense.sum()) == sum(min(i + 1, 16) for i in range(512))
-    assert bench._block_mask(c).density() < 0.7
+    assert timing._block_mask(c).density() < 0.7
     with pytest.raises(ValueError, match="sliding:W"):
         bench.parse_mask("sliding:0")
 

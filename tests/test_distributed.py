@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from attnlab.cli.ring_ranks import run_ring
+from attnlab.bench.ranks import run_ring
 from attnlab.distributed import positions, shard_sequence
 from attnlab.testing import tolerance
 

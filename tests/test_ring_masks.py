@@ -7,7 +7,7 @@ with the pair's mask built from local instead of absolute positions, 9 of these 
 import pytest
 import torch
 
-from attnlab.cli.ring_ranks import run_ring
+from attnlab.bench.ranks import run_ring
 from attnlab.testing import tolerance
 
 

@@ -143,7 +143,7 @@ def run_ring(world: int, cfg: dict, timeout_s: float = 300.0, fresh: bool = Fals
     # clean like 'spawn' (the server is single-threaded and holds no state of the caller's)
     ctx = mp.get_context("spawn" if fresh else "forkserver")
     if not fresh:
-        ctx.set_forkserver_preload(["attnlab.cli.ring_ranks"])
+        ctx.set_forkserver_preload(["attnlab.bench.ranks"])
     results: "mp.Queue" = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, world, port, cfg, results)) for r in range(world)]
     for p in procs:

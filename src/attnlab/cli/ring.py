@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if need > 8 * 2**30:
         raise UsageError(f"--batch {args.batch} --heads {args.heads} --seq-len {args.seq_len} --dim {args.dim} would "
                          f"need ~{need / 2**30:.0f} GiB in the checking process; choose smaller sizes")
-    from attnlab.cli.ring_ranks import run_ring
+    from attnlab.bench.ranks import run_ring
 
     cfg = dict(B=args.batch, H=args.heads, Hkv=kv, L=args.seq_len, E=args.dim, causal=args.causal,
                layout=args.layout, threads=args.threads, check=not args.no_check, timeout=600)
