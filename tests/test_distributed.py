@@ -100,3 +100,18 @@ def test_ring_propagates_nan_as_one_process_does():
     r = reports[0]
     assert r["same_nans"]["output"] and r["same_nans"]["dq"] and r["nans_within"] and r["nans"]["output"] > 0, r
     assert max(r["max_abs_diff"].values()) < 10 * tolerance(torch.float32).atol, r
+
+
+def test_ring_with_empty_heads_and_the_default_scale():
+    """E = 0 with scale=None: every score is an empty sum (0), so each row averages its values,
+    as SDPA does. The ring's own copy of the default scale divided by zero there."""
+    cfg = dict(B=1, H=2, L=16, E=0, causal=False, layout="contiguous", dtype="float64", timeout=60)
+    reports = run_ring(2, cfg, timeout_s=180)
+    assert all("error" not in r for r in reports), reports
+    assert max(reports[0]["max_abs_diff"].values()) < 1e-12, reports[0]["max_abs_diff"]
+
+
+def test_the_default_scale_is_sdpas():
+    from attnlab._validation import default_scale
+
+    assert default_scale(None, 64) == 0.125 and default_scale(0.3, 64) == 0.3 and default_scale(None, 0) == 1.0

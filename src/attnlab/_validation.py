@@ -6,13 +6,14 @@ argument and show expected vs actual, for anything SDPA would reject or get wron
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["validate", "compute_dtype"]
+__all__ = ["validate", "compute_dtype", "default_scale"]
 
 _REDUCED_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -20,6 +21,15 @@ _REDUCED_PRECISION = (torch.float16, torch.bfloat16)
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float16/bfloat16 are computed in float32 (as SDPA's MATH backend does); others as they are."""
     return torch.float32 if dtype in _REDUCED_PRECISION else dtype
+
+
+def default_scale(scale: Optional[float], E: int) -> float:
+    """The score scale SDPA uses: ``scale`` when given, else ``1 / sqrt(E)``. With ``E = 0`` every
+    score is an empty sum, 0 at any scale (torch's own factor is ``inf`` there): 1.0, not a
+    division by zero."""
+    if scale is not None:
+        return float(scale)
+    return 1.0 / math.sqrt(E) if E else 1.0
 
 
 def _shape(t: Tensor) -> tuple[int, ...]:

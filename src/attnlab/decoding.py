@@ -35,7 +35,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
-from attnlab._validation import compute_dtype, validate
+from attnlab._validation import compute_dtype, default_scale, validate
 from attnlab.kernels import LOG2E, Layout
 from attnlab.kernels import decode as kernel
 
@@ -224,7 +224,7 @@ def _refuse_grad(fn: str, *tensors: Tensor) -> None:
 
 
 def _scale(scale: Optional[float], E: int) -> float:
-    return float(scale) if scale is not None else 1.0 / math.sqrt(E) if E else 1.0
+    return default_scale(scale, E)
 
 
 def _kv_heads(layout: Layout, seqlens: Optional[Tensor]) -> int:

@@ -33,7 +33,6 @@ sequence and a rank's slice.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Optional
 
@@ -42,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnlab import kernels, tiled
-from attnlab._validation import compute_dtype, validate
+from attnlab._validation import compute_dtype, default_scale, validate
 
 __all__ = ["ring_attention", "shard_sequence", "gather_sequence", "positions", "LAYOUTS"]
 
@@ -348,7 +347,7 @@ class _Ring(torch.autograd.Function):
         k3 = layout.keys(key.to(dtype)).contiguous()  # (Nb, Sr, E)
         v3 = layout.keys(value.to(dtype)).contiguous()  # (Nb, Sr, Ev)
         Nb, Lr, Sr = q4.shape[0], q4.shape[2], k3.shape[1]
-        scale_f = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+        scale_f = default_scale(scale, query.shape[-1])
         if mask_mod is None:
             steps = _CausalSteps(rank, world, Lr, Sr, layout_name, is_causal, scale_f, bq, bk, layout)
         else:

@@ -42,7 +42,6 @@ torch's ``RuntimeError``/``IndexError`` from deep inside a matmul.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional
 
 import torch
@@ -50,6 +49,7 @@ from torch import Tensor
 
 from attnlab import masks
 from attnlab._validation import compute_dtype as _compute_dtype
+from attnlab._validation import default_scale
 from attnlab._validation import validate as _validate
 from attnlab.softmax import shift_by_max, stable_softmax
 
@@ -192,7 +192,7 @@ def _softmax_weights(
     L, E, S = q.shape[-2], q.shape[-1], k.shape[-2]
     scores = q @ k.transpose(-2, -1)  # (..., L, S)
     if E > 0:  # E == 0: every score is an empty dot product, 0 whatever the scale (as torch)
-        scores = scores * (1.0 / math.sqrt(E) if scale is None else float(scale))
+        scores = scores * default_scale(scale, E)
     if record is not None:
         record("scores", scores)
 

@@ -30,6 +30,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from attnlab._validation import compute_dtype, default_scale
+
 __all__ = [
     "Tolerance",
     "tolerance",
@@ -163,7 +165,7 @@ def _floor(dtype: torch.dtype, golden: Tensor, score_bound: float) -> float:
     error ``eps * |s|`` in a score into that relative error in its weight, so no
     implementation can do better than this on ill-conditioned (large) scores.
     """
-    compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    compute = compute_dtype(dtype)
     magnitude = golden.abs().max().item() if golden.numel() else 0.0
     return 4 * torch.finfo(compute).eps * max(1.0, magnitude) * max(1.0, score_bound)
 
@@ -172,7 +174,7 @@ def _score_bound(query: Tensor, key: Tensor, scale: Optional[float]) -> float:
     """``|scale| * max ||q_i|| * max ||k_j||``: an upper bound on every ``|score|`` (Cauchy-Schwarz)."""
     if query.numel() == 0 or key.numel() == 0:
         return 0.0
-    s = 1.0 / query.shape[-1] ** 0.5 if scale is None else abs(float(scale))
+    s = abs(default_scale(scale, query.shape[-1]))
     q_norm = query.detach().double().norm(dim=-1).max().item()
     k_norm = key.detach().double().norm(dim=-1).max().item()
     return s * q_norm * k_norm

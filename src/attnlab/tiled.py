@@ -38,14 +38,13 @@ cannot be used; :mod:`attnlab.flex.kernels` asks them too).
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from attnlab.kernels import native as _native
-from attnlab._validation import compute_dtype, validate
+from attnlab._validation import compute_dtype, default_scale, validate
 from attnlab.kernels import (LOG2E, Layout, block_size, dense_rows, finite_inputs, lse_absorbed, merge_,
                              needs_natural_units, online)
 
@@ -363,7 +362,7 @@ class _FlashAttention(torch.autograd.Function):
         dtype = _native.operand_dtype(query.dtype)  # bfloat16 stays bfloat16 on the bf16 route
         layout = Layout(batch, query, key, enable_gqa)
         L, E, S = query.shape[-2], query.shape[-1], key.shape[-2]
-        scale_f = float(scale) if scale is not None else 1.0 / math.sqrt(E) if E else 1.0
+        scale_f = default_scale(scale, E)
         q4 = layout.queries(query.to(dtype))  # (Nb, r, L, E)
         k3 = layout.keys(key.to(dtype))  # (Nb, S, E)
         v3 = layout.keys(value.to(dtype))  # (Nb, S, Ev)

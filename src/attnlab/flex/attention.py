@@ -20,7 +20,6 @@ row that sees no key, whose output is 0).
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Callable, NamedTuple, Optional
 
@@ -28,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from attnlab._validation import default_scale
 from attnlab.flex import kernels
 from attnlab.kernels import native, online
 from attnlab.flex.block_mask import EMPTY, FULL, BlockMask, _unpack
@@ -136,7 +136,7 @@ def _attention(query: Tensor, key: Tensor, value: Tensor, score_mod, block_mask:
     """``(out (B, H, L, Ev), lse (B, H, L))``: the native kernels where they apply, else the pure path."""
     B, H, L, E = query.shape
     Hkv, S = key.shape[1], key.shape[2]
-    scale_f = float(scale) if scale is not None else (1.0 / math.sqrt(E) if E else 1.0)
+    scale_f = default_scale(scale, E)
     form = kernels.native_form(score_mod)
     square = block_mask is not None or tile[0] == tile[1]  # the native plan takes one tile size without a mask
     operand = native.operand_dtype(query.dtype)  # bfloat16 stays bfloat16 on the bf16 route
@@ -181,7 +181,7 @@ def _max_scores(query: Tensor, key: Tensor, value: Tensor, score_mod, block_mask
     B, H, L, E = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    scale_f = float(scale) if scale is not None else (1.0 / math.sqrt(E) if E else 1.0)
+    scale_f = default_scale(scale, E)
     bq, bk = block_mask.BLOCK_SIZE if block_mask is not None else tile
     out = query.new_full((B, H, L), float("-inf"), dtype=dtype)
     with torch.no_grad():

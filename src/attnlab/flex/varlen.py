@@ -25,11 +25,12 @@ forward and backward.
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import Tensor
 
+from attnlab._validation import default_scale
 from attnlab.flex.attention import flex_attention
 from attnlab.flex.block_mask import create_block_mask
 
@@ -303,7 +304,7 @@ class _Sequences:
         """``S_dmask (batch, H, max_seqlen_q, max_seqlen_k)``: ``exp(score - lse)`` of each sequence's
         visible pairs, 0 elsewhere (dense per sequence: for tests, as FlashAttention's)."""
         H, E = q.shape[1], q.shape[2]
-        scale_f = float(scale) if scale is not None else (1.0 / math.sqrt(E) if E else 1.0)
+        scale_f = default_scale(scale, E)
         out = torch.zeros(self.n, H, self.max_q, self.max_k, dtype=torch.float32)
         kk = k.detach().float().repeat_interleave(H // k.shape[1], dim=1)  # (total_k, H, E)
         h_idx = torch.arange(H).view(H, 1, 1)

@@ -34,6 +34,8 @@ from typing import Any, Optional
 
 import torch
 
+from attnlab._validation import compute_dtype
+
 __all__ = ["NativeStatus", "Bf16Route", "status", "ops", "bf16_route", "operand_dtype", "BF16_CHOICES"]
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -193,7 +195,7 @@ def operand_dtype(dtype: torch.dtype) -> torch.dtype:
     attnlab.flex both ask here)."""
     if dtype == torch.bfloat16 and bf16_route().name != "fp32":
         return dtype
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    return compute_dtype(dtype)
 
 
 def bf16_route() -> Bf16Route:

@@ -143,7 +143,7 @@ struct ScoreMod {
         }
       }
 #pragma omp simd
-      for (int c = 0; c < nk; ++c) row[c] *= 1.4426950408889634f;
+      for (int c = 0; c < nk; ++c) row[c] *= kLog2e;
     }
   }
 
@@ -229,7 +229,7 @@ void forward_blocks(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, c
   const int bq = plan.bq, bk = plan.bk;
   const float scale2 = static_cast<float>(scale2_d);
   // with a score mod the GEMM gives natural-log scores, the mod works on those, then base 2
-  const float gemm_scale = mod.present() ? scale2 / 1.4426950408889634f : scale2;
+  const float gemm_scale = mod.present() ? scale2 / kLog2e : scale2;
   const T* q = static_cast<const T*>(q4.data_ptr());
   const T* k = static_cast<const T*>(k3.data_ptr());
   const T* v = static_cast<const T*>(v3.data_ptr());
@@ -334,7 +334,7 @@ void backward_blocks(const G& gemm, const at::Tensor& dout, const at::Tensor& q4
   const int bq = plan.bq, bk = plan.bk;
   const int64_t nq = plan.nq;
   const float scale = static_cast<float>(scale_d);
-  const float scale2 = scale * 1.4426950408889634f;  // log2(e): the forward's base-2 scores
+  const float scale2 = scale * kLog2e;  // the forward's base-2 scores
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t q_ld = setup.q_ld, do_ld = setup.do_ld, dq_ld = setup.dq_ld, k_ld = setup.k_ld, v_ld = setup.v_ld;
 

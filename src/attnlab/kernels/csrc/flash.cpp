@@ -65,10 +65,10 @@ struct MaskView {
     } else if (step == 1) {
       const float* m = f + start;
 #pragma omp simd
-      for (int c = 0; c < n; ++c) row[c] += 1.4426950408889634f * m[c];
+      for (int c = 0; c < n; ++c) row[c] += kLog2e * m[c];
     } else {
       const float* m = f + start;
-      for (int c = 0; c < n; ++c) row[c] += 1.4426950408889634f * m[c * step];
+      for (int c = 0; c < n; ++c) row[c] += kLog2e * m[c * step];
     }
   }
 };
@@ -265,7 +265,7 @@ void backward_tiles(const G& gemm, const at::Tensor& dout, const at::Tensor& q4,
   const int bq = static_cast<int>(std::min<int64_t>(block_q, L));
   const int bk = static_cast<int>(std::min<int64_t>(block_k, S));
   const float scale = static_cast<float>(scale_d);
-  const float scale2 = scale * 1.4426950408889634f;  // log2(e): the forward's base-2 scores
+  const float scale2 = scale * kLog2e;  // the forward's base-2 scores
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t q_ld = setup.q_ld, do_ld = setup.do_ld, dq_ld = setup.dq_ld, k_ld = setup.k_ld, v_ld = setup.v_ld;
 

@@ -24,6 +24,10 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
 
 namespace {
 
+// log2(e): scores are kept in base 2 (exp2 is cheaper than exp), with this folded into the
+// query scale; the one copy in C++ (attnlab.kernels.numerics.LOG2E is Python's)
+constexpr float kLog2e = 1.4426950408889634f;
+
 // Row-major C (m x n, ldc) = alpha * op(A) (m x k) * op(B) (k x n) + beta * C, through
 // column-major sgemm: a row-major matrix is the column-major transpose, so C^T = op(B)^T op(A)^T.
 inline void gemm_rm(bool a_transposed, bool b_transposed, int m, int n, int k, float alpha, const float* a, int lda,
