@@ -6,11 +6,16 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.attnlab-installed
 
-.PHONY: demo test test-large clean help browser sandbox
+.PHONY: demo test test-fast test-large clean help browser sandbox
+
+# The inner loop: the in-process tests (numerics, APIs, static checks), none that needs the
+# sandbox, another process, a browser or more than 10 s (the markers in pyproject.toml)
+FAST := not (sandbox or subprocess or browser or slow or large)
 
 help:
 	@echo "make demo        set up .venv and print the lesson's worked example"
 	@echo "make test        set up .venv if needed and run the whole test suite"
+	@echo "make test-fast   the in-process tier only (no sandbox, processes, browser or slow case)"
 	@echo "make test-large  also run the very large case matrices (marker 'large')"
 	@echo "make clean       remove .venv and caches"
 
@@ -42,6 +47,9 @@ browser:
 	  && (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 \
 	  && echo "installed chromium for the HTML page test"; } \
 	  || echo "note: chromium is not installed; the HTML page test will say it cannot run"
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "$(FAST)"
 
 test-large: $(STAMP)
 	$(BIN)/python -m pytest -m large

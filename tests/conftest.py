@@ -19,13 +19,21 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 @pytest.fixture
+def bwrap():
+    """The real sandbox: a failure in CI without bwrap ('make test' installs it), else a skip."""
+    from helpers.procs import needs_sandbox
+
+    needs_sandbox()
+
+
+@pytest.fixture
 def gen():
     """A seeded generator, so every test draws the same numbers on every run."""
     return torch.Generator().manual_seed(1234)
 
 
 def pytest_terminal_summary(terminalreporter):
-    import parity_stats
+    from helpers import parity_stats
 
     if parity_stats.COUNT["cases"]:
         terminalreporter.write_line(parity_stats.summary())

@@ -73,7 +73,7 @@ BANNED_STRINGS = ("attnlab", "solutions")
 # nobody thought of (a string annotation evaluated by typing.get_type_hints, a pickle reached
 # through torch.serialization, a match class pattern, getattr under another name,
 # torch.ops.load_library) is refused because it is not on a list. Everything a lab's solution,
-# its stubs and the test suite's buggy variants use is here (tests/test_static_allowlist.py
+# its stubs and the test suite's buggy variants use is here (tests/grading/test_static_allowlist.py
 # checks it), plus the tensor arithmetic an honest alternative commonly writes.
 ALLOWED_NODES = frozenset({
     "Module", "Expr", "Import", "ImportFrom", "alias", "FunctionDef", "ClassDef", "arguments", "arg", "keyword",

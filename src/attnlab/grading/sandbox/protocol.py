@@ -16,7 +16,7 @@ overlap), and the elements of all tensors together against :data:`MAX_ELEMENTS`.
 is then a copy of exactly its own bytes. Any failure is a :class:`BadPayload`.
 
 :func:`encode_message` is the child's side; the format is the safetensors library's own
-(``tests/test_protocol.py`` reads ours with it and its files with ours).
+(``tests/grading/test_protocol.py`` reads ours with it and its files with ours).
 
 The grader's requests to the sandbox's server travel the same way (:func:`encode_request`,
 :func:`decode_request`), so the server needs no class of attnlab's to read them and nothing

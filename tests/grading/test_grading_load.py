@@ -1,0 +1,99 @@
+"""Grades do not depend on the machine's load (issue 23): each exercise's budget is CPU time
+of its own process, with a wall-clock backstop several times longer that only stops what
+waits. With 7x more runnable processes than cores and the tightest per-exercise limit the
+tests use, every lab's solution gets full marks with every check passing (as on an idle
+machine), and an endless loop is still stopped, by its CPU budget."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from attnlab import labs
+from attnlab.grading import Limits, grade
+from helpers.procs import needs_sandbox
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.subprocess]
+
+TRACK = Path(__file__).resolve().parents[2] / "labs" / "track1"
+TIGHTEST = Limits(timeout_s=1.5)  # tests/grading/test_grading.py's FAST: the smallest per-exercise limit the tests use
+LOAD = 7  # runnable processes per core
+
+
+def _spin() -> None:
+    os.setsid()  # a session of its own: with sched_autogroup each session gets a fair share, as the sandbox does
+    while True:
+        pass
+
+
+@pytest.fixture
+def loaded_machine():
+    """7x as many runnable processes as cores, the graders included (one per lab)."""
+    cores = len(os.sched_getaffinity(0))
+    ctx = multiprocessing.get_context("fork")
+    spinners = [ctx.Process(target=_spin, daemon=True) for _ in range(max(1, LOAD * cores - len(labs.LABS)))]
+    for p in spinners:
+        p.start()
+    yield len(spinners)
+    for p in spinners:
+        p.kill()
+        p.join()
+
+
+def test_every_labs_solution_gets_full_marks_at_7x_oversubscription(loaded_machine, tmp_path):
+    needs_sandbox()
+    files = []
+    for lab in labs.LABS:
+        (tmp_path / lab.name).mkdir()
+        files.append(shutil.copy(TRACK / lab.name / "solutions" / lab.file, tmp_path / lab.name / lab.file))
+    with ThreadPoolExecutor(len(files)) as pool:
+        reports = list(pool.map(lambda f: grade(f, limits=TIGHTEST, seed=11, untrusted=True), files))
+    for report in reports:
+        failed = [r.name for r in report.results if not r.verdict.passed]
+        assert report.score == report.max_score and not failed, (report.lab, failed, report.to_text()[-2000:])
+
+
+def test_slow_honest_work_passes_and_an_endless_loop_is_stopped_under_load(loaded_machine, tmp_path):
+    """One submission, graded at 7x load with the tightest budget (1.5 s of CPU):
+
+    * ``project_qkv`` first does 0.3-0.5 s of CPU (12M Python additions, once per exercise):
+      about 3 s of wall clock at this load. A wall-clock limit failed it (shown with
+      ``Limits(timeout_s=1.5, wall_factor=1.0)``: "ex1 did not finish within 1.5 s of
+      wall-clock time, using 0.3 s of CPU"); the CPU budget does not.
+    * ``attention_scores`` spins forever: still stopped, by its CPU budget.
+    """
+    needs_sandbox()
+    submission = tmp_path / "attention.py"
+    submission.write_text((TRACK / "01-attention/solutions/attention.py").read_text() + '''
+
+_project_qkv = project_qkv
+_first = [True]  # each exercise runs in a fresh process: the slow work happens once per exercise
+
+
+def project_qkv(X, W_Q, W_K, W_V):
+    if _first:
+        _first.pop()
+        s = 0
+        for i in range(12_000_000):  # honest but slow work
+            s += i
+    return _project_qkv(X, W_Q, W_K, W_V)
+
+
+def attention_scores(Q, K):
+    while True:
+        pass
+''')
+    report = grade(submission, limits=TIGHTEST, seed=11, untrusted=True)
+    by_ex = {}
+    for r in report.results:
+        by_ex.setdefault(r.exercise.id, []).append(r)
+    assert all(r.verdict.passed for r in by_ex["ex1"]), report.to_text()[-2000:]
+    assert not any(r.verdict.passed for r in by_ex["ex2"])
+    assert "did not finish within 1.5 s of CPU time" in by_ex["ex2"][0].verdict.message
+    independent = [r for ex in ("ex3", "ex4", "ex5", "ex6", "ex7", "ex10", "ex11") for r in by_ex[ex]]
+    assert all(r.verdict.passed for r in independent), [r.name for r in independent if not r.verdict.passed]

@@ -1,0 +1,167 @@
+"""attnlab bench on tiny sizes: every implementation runs, the numbers are consistent, files are written."""
+
+import csv
+
+import pytest
+import torch
+
+from attnlab import bench
+from attnlab.bench import timing
+from attnlab.cli import main
+
+pytestmark = [pytest.mark.subprocess]
+
+
+def test_run_small_matrix(tmp_path):
+    results = bench.run_benchmarks([32, 48], list(bench.IMPLS), ["fwd", "fwd+bwd"], [False, True], ["float32"],
+                                   B=1, H=2, E=16, repeats=2, warmup=1, memory=False)
+    assert len(results) == 2 * 2 * 2 * 4
+    for r in results:
+        assert r.status == "ok", r.status
+        assert len(r.times_s) == 2 and r.median_s > 0 and r.gflops > 0
+    for key in {(r.config.L, r.config.mode, r.config.causal) for r in results}:
+        group = [r for r in results if (r.config.L, r.config.mode, r.config.causal) == key]
+        torch_best = min(r.ratio_vs_torch_best for r in group if r.config.impl in bench.TORCH_IMPLS)
+        assert torch_best == pytest.approx(1.0)
+    path = tmp_path / "b.csv"
+    bench.write_csv(results, str(path))
+    rows = list(csv.DictReader(path.open()))
+    assert len(rows) == len(results) and {"impl", "median_ms", "gflops", "ratio_vs_torch_best"} <= set(rows[0])
+    table = bench.markdown_table(results)
+    assert table.count("\n") == len(results) + 1
+
+
+def test_flops_and_memory_budget():
+    c = bench.Config("tiled", 4096, "fwd", False, "float32")
+    assert c.flops() == 4 * 8 * 4096 * 4096 * 64
+    assert bench.Config("tiled", 4096, "fwd+bwd", True, "float32").flops() == c.flops() / 2 * 3.5
+    results = bench.run_benchmarks([16384], ["reference"], ["fwd"], [False], ["float32"], repeats=1, memory=False,
+                                   max_memory_gb=1)
+    assert results[0].status.startswith("skipped: needs ~") and not results[0].times_s
+
+
+def test_peak_memory_child_reports_growth():
+    small = bench.measure_peak_memory(bench.Config("reference", 1024, "fwd", False, "float32", 1, 4, 32))
+    assert small is not None and small > 3 * 4 * 1024 * 1024 * 4 / 2  # it materialises (H, L, L) scores
+    tiled = bench.measure_peak_memory(bench.Config("tiled", 1024, "fwd", False, "float32", 1, 4, 32))
+    assert tiled is not None and tiled < small / 4
+
+
+def test_cli_writes_csv_and_plot(tmp_path, capsys):
+    png = tmp_path / "b.png"
+    code = main(["bench", "--seq-lens", "32,64", "--impls", "tiled,flash", "--modes", "fwd", "--causal", "no",
+                 "--dtypes", "float32", "--heads", "2", "--dim", "16", "--repeats", "1", "--no-memory",
+                 "--csv", str(tmp_path / "b.csv"), "--plot", str(png)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| tiled | 32 | fwd | no | float32 |" in out and "machine:" in out
+    assert png.stat().st_size > 10_000
+    import matplotlib.image
+
+    pixels = torch.tensor(matplotlib.image.imread(str(png)))
+    assert pixels.std() > 0.01  # not a blank image
+
+
+def test_cli_rejects_bad_lists():
+    assert main(["bench", "--impls", "tiled,turbo"]) == 2  # argparse's error: main returns its status
+    assert main(["bench", "--seq-lens", "0"]) == 2
+
+
+def test_ring_benchmark_tiny():
+    rows = bench.ring_benchmark([64], B=1, H=2, E=8, causal=True, layout="zigzag")
+    assert len(rows) == 1 and rows[0]["errors"] == []
+    row = rows[0]
+    assert row["ring_s"] > 0 and row["single_s"] > 0 and row["ratio"] == pytest.approx(row["ring_s"] / row["single_s"])
+    assert row["sent_mib_per_rank"] > 0
+    assert 0 <= row["comm_wait_share"] < 1  # a share of the rank's time, measured in the rank
+
+
+def test_padding_mask_reaches_every_implementation(tmp_path, capsys):
+    """--mask padding: every implementation gets the same key-padding mask; causal ones are skipped."""
+    results = bench.run_benchmarks([32], list(bench.IMPLS), ["fwd+bwd"], [False, True], ["float32"], B=2, H=2, E=8,
+                                   repeats=1, memory=False, mask="padding")
+    masked = [r for r in results if not r.config.causal]
+    assert all(r.status == "ok" and r.config.mask == "padding" for r in masked)
+    assert all(r.status.startswith("skipped: a mask and is_causal") for r in results if r.config.causal)
+    c = masked[0].config
+    mask = timing._mask(c)
+    assert mask.shape == (2, 1, 1, 32) and mask[..., :24].all() and not mask[..., 24:].any()
+    # the mask changes the result: outputs with and without it differ, and match across impls
+    q, k, v, _ = timing._inputs(c, False)
+    outs = {impl: timing._function(impl)(q, k, v, False, mask) for impl in bench.IMPLS}
+    assert (outs["tiled"] - timing._function("tiled")(q, k, v, False, None)).abs().max() > 1e-3
+    for impl in ("reference", "math", "flash"):
+        assert (outs["tiled"] - outs[impl]).abs().max() < 1e-5, impl
+    assert "padding mask" in bench.markdown_table(results)
+    with pytest.raises(ValueError, match="expected none, padding, causal, sliding:W"):
+        bench.run_benchmarks([32], ["tiled"], ["fwd"], [False], ["float32"], memory=False, mask="sliding")
+    assert main(["bench", "--seq-lens", "32", "--impls", "tiled,flash", "--causal", "no", "--mask", "padding",
+                 "--dtypes", "float32", "--heads", "2", "--dim", "8", "--repeats", "1", "--no-memory"]) == 0
+    assert "| tiled | 32 | fwd | no | float32 |" in capsys.readouterr().out
+
+
+def test_bench_attention_variants_give_flex_its_block_mask_and_the_others_the_dense_mask():
+    from attnlab import bench
+
+    results = bench.run_benchmarks([512], ["flex", "reference", "math"], ["fwd"], [False], ["float64"], B=1, H=2,
+                                   E=8, repeats=1, memory=False, mask="sliding:16")
+    assert [r.status for r in results] == ["ok", "ok", "ok"]
+    c = results[0].config
+    dense = timing._mask(c)
+    assert dense.shape == (512, 512) and int(dense.sum()) == sum(min(i + 1, 16) for i in range(512))
+    assert timing._block_mask(c).density() < 0.7
+    with pytest.raises(ValueError, match="sliding:W"):
+        bench.parse_mask("sliding:0")
+
+
+def test_torch_compiled_flex_is_timed_apart_from_its_compilation_and_has_no_cpu_backward():
+    from attnlab import bench
+
+    results = bench.run_benchmarks([128], ["flex", "torchflex"], ["fwd", "fwd+bwd"], [False], ["float32"], B=1, H=2,
+                                   E=16, repeats=1, memory=False, mask="sliding:32")
+    fwd = {r.config.impl: r for r in results if r.config.mode == "fwd"}
+    assert fwd["torchflex"].status == "ok" and fwd["torchflex"].compile_s > 0 and len(fwd["torchflex"].times_s) == 1
+    assert fwd["flex"].compile_s is None
+    assert fwd["flex"].ratio_vs_torch_best == pytest.approx(fwd["flex"].median_s / fwd["torchflex"].median_s)
+    assert "compile" in bench.markdown_table(results)
+    back = {r.config.impl: r for r in results if r.config.mode == "fwd+bwd"}
+    assert back["flex"].status == "ok"
+    assert back["torchflex"].status.startswith("error") and "backward" in back["torchflex"].status
+
+
+def test_density_sweep_reports_time_against_density(capsys):
+    from attnlab import bench
+
+    rows = bench.density_sweep(512, H=2, E=16, densities=(0.5, 0.25), repeats=1, modes=("fwd",))
+    assert [(r["mask"], r["mode"]) for r in rows] == [("band", "fwd"), ("sliding", "fwd"), ("band", "fwd"),
+                                                    ("sliding", "fwd")]
+    band_half, _, band_quarter, sliding_quarter = rows
+    assert band_half["density"] == 0.5 and band_half["partial"] == 0 and band_quarter["density"] == 0.25
+    assert sliding_quarter["partial"] > 0  # the window's diagonal blocks
+    for r in rows:
+        assert r["ratio"] == pytest.approx(r["ms"] / (r["density"] * r["full_ms"]))
+    assert main(["bench", "--density", "--seq-lens", "256", "--heads", "1", "--dim", "8", "--repeats", "1",
+                     "--modes", "fwd"]) == 0
+    out = capsys.readouterr().out
+    assert "| band | 0.500 | 2 | 0 | fwd |" in out and "ratio = time / (density x time of full attention)" in out
+
+
+def test_decode_benchmark_times_each_implementation_against_torch(capsys):
+    """--decode: one row per implementation, torch's SDPA at 1.00x, GB/s from the cache's bytes;
+    a causal chunk (L > 1) runs too."""
+    from attnlab import bench
+
+    rows = bench.decode_benchmark([64], dtypes=("float32",), H=4, Hkv=2, E=8, repeats=2)
+    by = {r["impl"]: r for r in rows}
+    assert set(by) == {"attnlab (auto: decode)", "attnlab tiled", "attnlab reference", "torch SDPA"}
+    assert by["torch SDPA"]["ratio"] == 1.0
+    assert all(r["ms"] > 0 and r["gb_s"] == 2 * 2 * 64 * 8 * 4 / (r["ms"] / 1e3) / 1e9 for r in rows)
+    peak = by["torch SDPA"]["gb_s"] / by["torch SDPA"]["peak_share"]  # one read peak, measured once per run
+    assert all(r["peak_share"] > 0 and r["peak_share"] == pytest.approx(r["gb_s"] / peak, rel=1e-9) for r in rows)
+    chunk = bench.decode_benchmark([300], dtypes=("bfloat16",), H=4, Hkv=2, E=8, L=3, repeats=1)
+    assert len(chunk) == 4 and "| 300 | bfloat16 | attnlab tiled |" in bench.decode_table(chunk)
+    from attnlab.cli import main
+
+    assert main(["bench", "--decode", "--seq-lens", "128", "--dtypes", "float32", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "machine:" in out and "| 128 | float32 | torch SDPA |" in out and "GB/s" in out
