@@ -2,7 +2,7 @@
 
 Each code names a mistake a learner or an engineer makes in attention code, with a hint
 that says how to fix it. :mod:`attnlab.doctor` names the ones it can fit from probes
-(:data:`DOCTOR_CODES`); the lab's checks (:mod:`attnlab.grading.checks`) name these and
+(:data:`DOCTOR_CODES`); the labs' checks (:mod:`attnlab.labs`) name these and
 the ones that only a single exercise can see (``order``, ``off_by_one``, ...). Every
 code either of them emits is a key of :data:`CODES` (a test walks the checks' source to
 hold them to it), so a class report can count mistakes across labs by one name.

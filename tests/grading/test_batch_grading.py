@@ -111,7 +111,8 @@ def test_each_learner_gets_gradescope_results_json(graded):
 
 def test_a_learner_whose_exercises_time_out_is_marked_timed_out():
     from attnlab.grading.grader import GradeReport, TestResult
-    from attnlab.grading.checks import EXERCISES, Verdict
+    from attnlab.grading.exercise import Verdict
+    from attnlab.labs.lab01_attention import EXERCISES
 
     ex = EXERCISES[0]
     for message, status in (("did not finish within 2 s (an endless loop?)", "timed out"),

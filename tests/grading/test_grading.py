@@ -11,7 +11,7 @@ import pytest
 from attnlab.cli import main
 from attnlab.grading import Limits, grade
 from attnlab.grading.sandbox import pool
-from attnlab.grading.checks import EXERCISES
+from attnlab.labs.lab01_attention import EXERCISES
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.subprocess]
 
@@ -181,7 +181,7 @@ def test_policy_catches_sdpa_and_multihead_attention(tmp_path):
 
 def test_monkeypatching_torch_or_the_grader_does_not_pass(tmp_path):
     cheat = (
-        "import torch.testing, attnlab.grading.checks as _c, attnlab.testing as _t\n"
+        "import torch.testing, attnlab.labs.lab01_attention as _c, attnlab.testing as _t\n"
         "torch.allclose = lambda *a, **k: True\n"
         "torch.equal = lambda *a, **k: True\n"
         "torch.testing.assert_close = lambda *a, **k: None\n"

@@ -29,7 +29,7 @@ from helpers.ci import cannot_run
 from helpers.procs import made_by, own_processes
 from attnlab.grading import Limits, grade
 from attnlab.grading.sandbox import pool
-from attnlab.grading.checks import EXERCISES
+from attnlab.labs.lab01_attention import EXERCISES
 from attnlab.grading.sandbox import Sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.subprocess]

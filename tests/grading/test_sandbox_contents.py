@@ -23,7 +23,7 @@ LIMITS = Limits(timeout_s=20.0)
 SEARCH = '''
 import os, sys
 
-CODE = ("doctor.py", "mistakes.py", "lab02_masks.py", "lab03_multihead.py", "lab04_flash.py",
+CODE = ("doctor.py", "mistakes.py", "lab01_attention.py", "lab02_masks.py", "lab03_multihead.py", "lab04_flash.py",
         "self-attention-lesson.txt")  # attnlab's own file names (a generic one, static.py, is everywhere)
 
 def search():

@@ -127,8 +127,8 @@ def test_one_vocabulary_for_the_doctor_and_the_grader():
     from attnlab import labs, mistakes
 
     emitted = set()
-    modules = [importlib.import_module(lab.checks) for lab in labs.LABS] + [importlib.import_module(
-        "attnlab.grading.grader")]
+    modules = [importlib.import_module(lab.checks) for lab in labs.LABS] + [importlib.import_module(m) for m in (
+        "attnlab.grading.grader", "attnlab.grading.exercise")]
     assert len(modules) >= 3  # every lab's checks, and the grader
     for module in modules:
         tree = ast.parse(Path(module.__file__).read_text())
@@ -149,7 +149,7 @@ def test_one_vocabulary_for_the_doctor_and_the_grader():
     assert set(doctor.CODES) <= set(mistakes.CODES) and all(len(h) > 20 for h in mistakes.CODES.values())
     with pytest.raises(KeyError, match="attnlab.mistakes.CODES"):
         mistakes.hint("made_up")
-    from attnlab.grading.checks import mistake
+    from attnlab.grading.exercise import mistake
 
     with pytest.raises(KeyError, match="attnlab.mistakes.CODES"):  # the labs' checks cannot name one outside it
         mistake("made_up", "a message", None)

@@ -272,7 +272,7 @@ def test_every_command_has_an_example_in_its_help(capsys):
 
 # --------------------------------------------------------------------------- the small things
 def _report(lab: str, checks: list[tuple[str, str, list[dict]]]):
-    from attnlab.grading.checks import Verdict
+    from attnlab.grading.exercise import Verdict
     from attnlab.grading.grader import GradeReport, TestResult
 
     ex = labs.find_lab(lab).exercises()[0]
@@ -301,7 +301,7 @@ def test_every_named_mistake_gets_an_arrow_line_in_labs_02_and_03():
 
 
 def test_the_transpose_hint_names_the_learners_own_transpose():
-    from attnlab.grading.checks import _transpose_hint  # noqa: PLC2701  (the check's own helper, tested here)
+    from attnlab.labs.lab01_attention import _transpose_hint  # noqa: PLC2701  (the check's own helper, tested here)
 
     err = "RuntimeError: The size of tensor a (5) must match the size of tensor b (7)"
     swapped = _transpose_hint(err, "  line 20, in attention_scores\n    return Q @ K.transpose(0, 1)")[0]["message"]

@@ -9,9 +9,9 @@ Learner code is hostile, and it runs arbitrary code. Packages and modules, one c
 :mod:`.grader` (the run of one file and its report), :mod:`.sandbox` (the sandbox that runs
 the file: the runner inside it, the OS fences, what may cross; its ``__init__`` is the map),
 :mod:`.static` (the from-scratch rule as an allow-list on the file's text, before it runs),
-:mod:`.checks` and the ``labNN_*`` modules (each lab's exercises, float64 references, named
-mistakes, all computed here in the grader), :mod:`.classroom` (a class, its report,
-Gradescope).
+:mod:`.exercise` (the framework each lab's checks are written in: no lab lives under
+``grading``; the labs are :mod:`attnlab.labs`, a module each), :mod:`.classroom` (a class,
+its report, Gradescope).
 
 Names are loaded lazily, so ``import attnlab.grading.sandbox.pool`` stays cheap.
 """

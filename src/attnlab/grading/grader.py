@@ -6,7 +6,7 @@
 
 The file's text is checked first (:mod:`.static`); then the submission gets its own
 OS sandbox (:mod:`.sandbox`) in which every exercise runs in its own child process
-(:mod:`.sandbox`); the checks and the float64 reference live in :mod:`.checks`, here,
+(:mod:`.sandbox`); the checks and the float64 reference live in the lab's module (:mod:`attnlab.labs`), here,
 in the grader's process, which trusts nothing the children send.
 """
 
@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from attnlab.grading.checks import Exercise, Verdict, judge_outcome
+from attnlab.grading.exercise import Exercise, Verdict, judge_outcome
 from attnlab import labs, mistakes
 from attnlab.grading.sandbox import pool
 from attnlab.grading.sandbox import Limits, Outcome, Sandbox, clean_text, printable
@@ -215,7 +215,7 @@ class GradeReport:
 def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), total_timeout_s: float = 60.0,
           progress: Optional[Callable[[str], None]] = None, seed: Optional[int] = None,
           images_dir: Optional[os.PathLike] = None, sandbox: str = "auto", untrusted: bool = False,
-          checkpoint: Optional[Callable[["GradeReport"], None]] = None, lab: Optional[str] = None,
+          checkpoint: Optional[Callable[["GradeReport"], None]] = None, lab: "labs.Lab | str | None" = None,
           within: Optional[os.PathLike] = None, source: Optional[SubmissionBytes] = None) -> GradeReport:
     """Grade a learner's file. Never raises because of the learner's code.
 
@@ -237,8 +237,8 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
             (:class:`~attnlab.grading.sandbox.pool.SandboxUnavailable`) unless ``sandbox='none'``.
         checkpoint: called with the report so far after each exercise (the CLI writes
             results.json there, so an interrupted run still leaves a valid one).
-        lab: the lab's name or number (:data:`attnlab.labs.LABS`); default: from the file's
-            folder or name (:func:`attnlab.labs.lab_for_path`).
+        lab: the lab: a :class:`attnlab.labs.Lab`, or its name or number (:data:`attnlab.labs.LABS`);
+            default: from the file's folder or name (:func:`attnlab.labs.lab_for_path`).
         within: a folder ``path`` lies in (a class folder, Gradescope's ``submission/``): no
             symbolic link below it is followed (:func:`.submission.read_submission`).
         source: the submission's bytes when the caller has read them already (one read:
@@ -267,7 +267,7 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         problem = ""
     except Unreadable as exc:
         read, problem = None, str(exc)
-    the_lab = labs.find_lab(lab) if lab is not None else labs.lab_for_path(path, read.data if read else b"")
+    the_lab = _lab(lab, path, read.data if read else b"")
     EXERCISES = the_lab.exercises()  # noqa: N806  (the lab's exercise list, in order)
     report = GradeReport(path=path, seed=seed, sandboxed=pool.resolve_mode(sandbox) is not None,
                          lab=the_lab.name)
@@ -291,7 +291,7 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         report.problem = f"could not import the file:\n{static.syntax_error}"
     elif static.module_level():
         report.problem = ("the file breaks the rules of the lab at module level, so none of it was run:\n"
-                          + describe(static.module_level()))
+                          + describe(static.module_level()) + f"\n{the_lab.rule}")
     if report.problem:
         _fail_all(report, EXERCISES, Verdict(False, report.problem, _policy_findings(static.module_level())))
         report.elapsed_s = time.perf_counter() - t0
@@ -323,7 +323,8 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
                                                        "was reached"))
             elif broken:
                 _fail_all(report, [ex], Verdict(False, f"not run: {ex.function}() breaks the rules of the lab:\n"
-                                                       + describe(broken), _policy_findings(broken)))
+                                                       + describe(broken) + f"\n{the_lab.rule}",
+                                                _policy_findings(broken)))
             else:
                 if progress:
                     progress(f"{ex.id} {ex.function}")
@@ -332,7 +333,7 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
                                   limits=dataclasses.replace(limits, **ex.limits) if ex.limits else None)
                 cpu_used += outcome.cpu_s
                 try:
-                    verdicts = judge_outcome(ex, ctx, outcome)
+                    verdicts = judge_outcome(ex, ctx, outcome, the_lab.rule)
                 except Exception as exc:  # a judge must never cost the learner their report
                     verdicts = {c: Verdict(False, f"could not be checked: {type(exc).__name__}") for c in ex.checks}
                 for check, points in ex.checks.items():
@@ -420,12 +421,19 @@ def _whole_file_problem(o: Outcome) -> str:
     return text + (f"\nit printed:\n{o.output}" if o.output else "")
 
 
-def not_graded(path: os.PathLike, why: str, *, lab: Optional[str] = None, seed: Optional[int] = None) -> GradeReport:
+def _lab(lab: "labs.Lab | str | None", path: Path, source: Optional[bytes] = None) -> "labs.Lab":
+    """The lab to grade ``path`` with: the one given (an object, or a name looked up), else the file's."""
+    if isinstance(lab, labs.Lab):
+        return lab
+    return labs.find_lab(lab) if lab is not None else labs.lab_for_path(path, source)
+
+
+def not_graded(path: os.PathLike, why: str, *, lab: "labs.Lab | str | None" = None, seed: Optional[int] = None) -> GradeReport:
     """The report of a file that was not graded because of the grader's environment (no
     sandbox can run here): every check 0 points, and ``why`` for the instructor, never as the
     learner's mistake. Runs none of the file's code."""
     path = Path(path)
-    the_lab = labs.find_lab(lab) if lab is not None else labs.lab_for_path(path)
+    the_lab = _lab(lab, path)
     report = GradeReport(path=path, seed=secrets.randbelow(2**31) if seed is None else seed, lab=the_lab.name)
     return _environment_problem(report, the_lab.exercises(), time.perf_counter(), why)
 

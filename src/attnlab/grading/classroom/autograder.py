@@ -150,12 +150,12 @@ def run_gradescope(root: os.PathLike, lab: str) -> dict:
     if not mode:
         report = not_graded(submission, f"the grader cannot isolate learner code in this container: {how}. For the "
                                         "instructor: use a base image where bubblewrap can run, or run "
-                                        "run_autograder as root", lab=the_lab.name)
+                                        "run_autograder as root", lab=the_lab)
     else:
         hidden = [results, root / "source", Path(attnlab.__file__).resolve().parent] if mode == "user" else []
         with out_of_reach(hidden):
             # root opens the learner's file only through read_submission: beneath submission/, no link followed
-            report = grade(submission, lab=the_lab.name, sandbox=mode, untrusted=True,
+            report = grade(submission, lab=the_lab, sandbox=mode, untrusted=True,
                            within=root / "submission")  # its processes: all dead now
     data = report.to_gradescope()
     data["extra_data"]["sandbox"]["chosen"] = how

@@ -212,7 +212,8 @@ def infer_lab(folder: os.PathLike) -> dict[str, list[str]]:
     return by_lab
 
 
-def plan_class(folder: os.PathLike, out: Optional[os.PathLike] = None, *, lab: Optional[str] = None) -> ClassPlan:
+def plan_class(folder: os.PathLike, out: Optional[os.PathLike] = None, *,
+               lab: "labs.Lab | str | None" = None) -> ClassPlan:
     """Find a class's lab and submissions before grading anything.
 
     Raises:
@@ -380,7 +381,7 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
             write_atomically(results, json.dumps(report.to_gradescope(), indent=2, ensure_ascii=False) + "\n")
 
         report = grade(sub.path, limits=limits, total_timeout_s=total_timeout_s, seed=learner_seed(base, sub.learner),
-                       sandbox=sandbox, untrusted=sandbox != "none", checkpoint=checkpoint, lab=the_lab.name,
+                       sandbox=sandbox, untrusted=sandbox != "none", checkpoint=checkpoint, lab=the_lab,
                        within=folder)
         checkpoint(report)
         row = _row(sub.learner, report, sub.folder)

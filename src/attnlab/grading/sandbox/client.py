@@ -13,9 +13,9 @@ The learner's process can run anything, so this side trusts nothing it gets back
   field by field (:func:`validate_message`): known keys and types only, capped in elements
   and bytes. Learner text is stripped of control characters and lone surrogates and capped
   (:func:`clean_text`);
-* references and diagnoses are computed here: for a ``doctor=True`` call the doctor's probe
-  inputs are sent as plain calls, and the answers are put together and analysed here
-  (:func:`attnlab.doctor.self_attention_calls`).
+* references and diagnoses are computed here, in the grader, by each exercise's judge (lab 01
+  sends the doctor's probes as plain calls and analyses the answers): the sandbox knows no
+  lab and no doctor.
 
 Without ``bwrap`` the OS fences are missing (``Sandbox.sandboxed`` is False): the grader
 says so, and refuses other people's code unless told otherwise (:mod:`..grader`).
@@ -69,13 +69,13 @@ class Limits:
 
 @dataclass(frozen=True)
 class Call:
-    """``module.function(*args, **kwargs)`` in the child; ``doctor=True`` also runs the
-    doctor's self-attention probes on that function."""
+    """``module.function(*args, **kwargs)`` in the child. The sandbox knows no lab and no doctor:
+    an exercise's ``prepare`` makes every call it needs (lab 01 adds the doctor's probes as
+    plain calls), and its ``judge`` reads the answers."""
 
     function: str
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
-    doctor: bool = False
 
 
 @dataclass
@@ -90,7 +90,6 @@ class Outcome:
     violations: list[str] = field(default_factory=list)
     output: str = ""
     elapsed_s: float = 0.0
-    probes: Optional[list[dict]] = None
     cpu_s: float = 0.0  # CPU time of the task's process (what the time budget counts)
     environment: str = ""  # set when the sandbox itself could not start here: the grader's problem, not the learner's
 
@@ -314,7 +313,7 @@ class Sandbox:
             what = "did not start in time" if isinstance(exc, Deadline) else f"failed to start: {exc}"
             return Outcome("protocol", message=f"the sandbox {what}", elapsed_s=time.perf_counter() - t0,
                            environment=f"the sandbox {what}" if first_start else "")
-        sent, probes = _with_probe_calls(calls)
+        sent = list(calls)
         try:
             task_limits = {**dataclasses.asdict(limits), "timeout_s": float(timeout)}
             wire = [{"function": c.function, "args": tuple(c.args), "kwargs": dict(c.kwargs)} for c in sent]
@@ -377,8 +376,6 @@ class Sandbox:
                            elapsed_s=elapsed)
         if payload and header["code"] == 0:
             outcome = self._decode(payload, output, elapsed, len(sent))
-            if probes is not None:
-                _split_probe_answers(outcome, len(calls), probes)
         else:
             outcome = self._failure(header["code"], output, elapsed, timeout, cpu_s)
         outcome.cpu_s = cpu_s
@@ -449,41 +446,6 @@ class Sandbox:
             return Outcome("crash", message=f"crashed with {name}", output=output, elapsed_s=elapsed)
         return Outcome("exit", message=f"the process exited (code {exitcode}) before returning a result: "
                                        "sys.exit/os._exit/exit() in your code?", output=output, elapsed_s=elapsed)
-
-
-def _with_probe_calls(calls: list[Call]) -> tuple[list[Call], Optional[list]]:
-    """``calls`` plus, for a ``doctor=True`` call, the plain calls that answer the doctor's
-    probes (:func:`attnlab.doctor.self_attention_calls`): the doctor runs here, in the grader,
-    and the sandbox only makes the calls. Returns the calls to send and ``[(probe, n)]``."""
-    target = next((c for c in calls if c.doctor), None)
-    if target is None:
-        return list(calls), None
-    from attnlab import doctor
-
-    sent, probes = list(calls), []
-    for probe in doctor.build_probes(doctor.SELF_ATTENTION_CAPABILITIES):
-        args = doctor.self_attention_calls(probe)
-        sent += [Call(target.function, a) for a in args]
-        probes.append((probe, len(args)))
-    return sent, probes
-
-
-def _split_probe_answers(outcome: Outcome, n_calls: int, probes: list) -> None:
-    """The task's own results stay in ``outcome.results``; the probe calls' answers become
-    ``outcome.probes`` (``{"output", "error", "varied"}`` each), made by the doctor here."""
-    from attnlab import doctor
-
-    answers = outcome.results[n_calls:]
-    outcome.results = outcome.results[:n_calls]
-    if outcome.status != "ok" or not answers:
-        return
-    made, at = [], 0
-    for probe, n in probes:
-        mine = [r["value"] if "value" in r else doctor.FailedCall(r.get("error", "")) for r in answers[at:at + n]]
-        at += n
-        result = doctor.self_attention_result(probe, mine)
-        made.append({"output": result.output, "error": result.error, "varied": result.varied})
-    outcome.probes = made
 
 
 def _restore(value: Any) -> Any:

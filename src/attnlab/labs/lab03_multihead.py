@@ -1,6 +1,6 @@
 """Lab 03's checks (``labs/track1/03-multi-head``): heads, grouped queries, a KV cache.
 
-Same machinery as lab 01's (:mod:`attnlab.grading.checks`): seeded, unequal inputs (3 heads
+Same machinery as lab 01's (:mod:`attnlab.grading.exercise`): seeded, unequal inputs (3 heads
 of 4 in a model of 12, 6 query heads over 2 key/value heads, a cache of 4 then 3 new
 tokens), a float64 reference computed here (``nn.MultiheadAttention`` itself for the parity
 check), and what each common mistake returns, to name it (codes from :mod:`attnlab.mistakes`).
@@ -14,10 +14,18 @@ import torch
 from torch import Tensor
 
 from attnlab.functional import scaled_dot_product_attention
-from attnlab.grading.checks import Exercise, Verdict, mistake, tensor_verdict, value
+from attnlab.grading.exercise import Exercise, Verdict, mistake, tensor_verdict, value
 from attnlab.grading.sandbox import Call
+from attnlab.labs import Lab
 
-__all__ = ["EXERCISES"]
+__all__ = ["LAB", "EXERCISES"]
+
+LAB = Lab("03-multi-head", "Multi-head and grouped-query attention, and a KV cache",
+          "splitting and merging heads, the output projection, parity with nn.MultiheadAttention, "
+          "grouped-query and multi-query attention (which key/value head each query head uses), decoding with "
+          "a KV cache that equals the full causal forward", file="multihead.py", module=__name__,
+          rule="This lab builds multi-head attention from scratch: reshape, transpose, matmul and your own "
+               "softmax (torch's SDPA, softmax and nn.MultiheadAttention are the oracles, not the answer)")
 
 B, L, D, H = 2, 5, 12, 3
 E = D // H

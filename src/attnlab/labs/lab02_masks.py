@@ -1,6 +1,6 @@
 """Lab 02's checks (``labs/track1/02-masks``): masks, as SDPA reads them.
 
-Same machinery as lab 01's (:mod:`attnlab.grading.checks`): each exercise calls the
+Same machinery as lab 01's (:mod:`attnlab.grading.exercise`): each exercise calls the
 learner's functions on seeded, deliberately unequal inputs (L != S, a padded batch, a
 fully masked row), compares with a float64 reference computed here, and compares a wrong
 answer with what each common mistake returns, to name it (codes from :mod:`attnlab.mistakes`).
@@ -12,10 +12,18 @@ import torch
 from torch import Tensor
 
 from attnlab.functional import scaled_dot_product_attention
-from attnlab.grading.checks import CallFailed, Exercise, Verdict, mistake, tensor_verdict, value
+from attnlab.grading.exercise import CallFailed, Exercise, Verdict, mistake, tensor_verdict, value
 from attnlab.grading.sandbox import Call
+from attnlab.labs import Lab
 
-__all__ = ["EXERCISES"]
+__all__ = ["LAB", "EXERCISES"]
+
+LAB = Lab("02-masks", "Attention masks, as SDPA reads them",
+          "causal masks aligned top-left and bottom-right (L != S, a KV cache), padding masks from lengths, "
+          "combining masks, -inf before softmax and zeros (not NaN) for fully masked rows, SDPA's True = attend "
+          "against nn.MultiheadAttention's True = ignore, parity with SDPA", file="masks.py", module=__name__,
+          rule="This lab builds masks and masked attention from scratch: comparisons, tril/triu, masked_fill, "
+               "exp, sum and matmul (torch's softmax and SDPA are the oracles, not the answer)")
 
 NEG_INF = float("-inf")
 

@@ -1,7 +1,9 @@
-"""The lab's checks: inputs, a float64 reference computed on the fly, and named mistakes.
+"""Lab 01 (``labs/track1/01-attention``), one unit: its description, allowed names and rule
+(:data:`LAB`), and its checks (:data:`EXERCISES`): inputs, a float64 reference computed on the
+fly, and named mistakes.
 
-Each :class:`Exercise` says which learner functions to call (``prepare``) and how
-to judge what came back (``judge``). Inputs are seeded and deliberately unequal
+Each exercise (:class:`attnlab.grading.exercise.Exercise`) says which learner functions to
+call and how to judge what came back. Inputs are seeded and deliberately unequal
 (B = 3, T = 5 queries, S = 7 keys, d = 6, d_k = 4, d_v = 3) so that a swapped or
 missing transpose cannot hide. A wrong answer is compared with the answers that
 common mistakes produce; a match names the mistake.
@@ -11,131 +13,31 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from attnlab import doctor, masks, mistakes
+from attnlab import doctor, masks
 from attnlab.functional import attention_weights, scaled_dot_product_attention
-from attnlab.grading.sandbox import Call, Outcome, Unsupported
+from attnlab.grading.exercise import CallFailed, Exercise, Verdict, all_checks, close, describe, tensor_verdict, value
+from attnlab.grading.sandbox import Call
+from attnlab.labs import Lab
 from attnlab.softmax import stable_softmax
-from attnlab.testing import max_abs_diff, tolerance
+from attnlab.testing import max_abs_diff
 
-__all__ = ["Verdict", "Exercise", "EXERCISES", "judge_outcome", "mistake"]
+__all__ = ["LAB", "EXERCISES"]
+
+LAB = Lab("01-attention", "Self-attention from queries, keys and values",
+          "projections, scaled scores, a stable softmax, masks (causal, padding), the weighted sum, "
+          "parity with torch's SDPA; the lesson's worked example",
+          module=__name__,
+          allowed_names=("nn", "functional"),  # compare_with_sdpa calls torch.nn.functional's SDPA
+          rule="This lab builds attention from scratch: use exp, sum and matmul (torch's softmax/SDPA are "
+               "allowed only in compare_with_sdpa)")
 
 B, T, S, D, DK, DV = 3, 5, 7, 6, 4, 3
 NEG_INF = float("-inf")
-
-
-@dataclass
-class Verdict:
-    passed: bool
-    message: str = ""
-    findings: list[dict] = field(default_factory=list)  # {"code", "message"} from the doctor or a check
-    arrays: Optional[tuple[Tensor, Tensor]] = None  # (learner's, reference) of a failed numeric check
-
-
-@dataclass
-class Exercise:
-    id: str
-    function: str
-    title: str
-    checks: dict[str, float]  # sub-check -> points, in report order
-    prepare: Callable[[torch.Generator], tuple[list[Call], Any]]
-    judge: Callable[[Any, list[dict], Outcome], dict[str, Verdict]]
-    policy: bool = True  # the from-scratch policy applies
-    on_error: Optional[Callable[[str, str], list[dict]]] = None  # (error, traceback) -> the mistake behind it
-    limits: dict = field(default_factory=dict)  # this exercise's own Limits fields (lab 04's memory cap)
-
-    @property
-    def max_score(self) -> float:
-        return sum(self.checks.values())
-
-
-# --------------------------------------------------------------------------- #
-# Helpers
-# --------------------------------------------------------------------------- #
-
-
-class CallFailed(Exception):
-    """A learner call raised; carries the message and trimmed traceback."""
-
-    def __init__(self, result: dict) -> None:
-        super().__init__(result.get("error", "failed"))
-        self.result = result
-
-
-def mistake(code: str, message: str, wrong: Optional[Tensor]) -> tuple[str, str, Optional[Tensor]]:
-    """One entry of :func:`tensor_verdict`'s ``mistakes``: the code (from :data:`attnlab.mistakes.CODES`:
-    a ``KeyError`` here for one outside the vocabulary), what to tell the learner, and what that
-    mistake returns on these inputs (None: it cannot be told apart here). Shared by every lab's checks."""
-    mistakes.hint(code)
-    return code, message, wrong
-
-
-def value(results: list[dict], i: int) -> Any:
-    r = results[i]
-    if "error" in r:
-        raise CallFailed(r)
-    return r["value"]
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, Tensor):
-        return f"a tensor of shape {list(x.shape)} and dtype {x.dtype}"
-    if isinstance(x, Unsupported):
-        return f"an object of type {x.type_name}"
-    return f"{type(x).__name__} {x!r}"[:120]
-
-
-def close(got: Tensor, expected: Tensor) -> bool:
-    """Learner float32 vs the float64 reference, with attnlab's float32 tolerance."""
-    if not isinstance(got, Tensor) or got.shape != expected.shape:
-        return False
-    tol = tolerance(torch.float32)
-    g, e = got.double(), expected.double()
-    finite = torch.isfinite(e)
-    # where the reference is +-inf or NaN only the same value will do; elsewhere the tolerance
-    near = (g - e).abs() <= tol.atol + tol.rtol * e.abs().where(finite, torch.zeros_like(e))
-    ok = torch.where(finite, near & torch.isfinite(g), (g == e) | (g.isnan() & e.isnan()))
-    return bool(ok.all())
-
-
-def tensor_verdict(got: Any, expected: Tensor, what: str,
-                   mistakes: Optional[list[tuple[str, str, Optional[Tensor]]]] = None) -> Verdict:
-    """Compare one returned tensor; on a mismatch try to name the mistake.
-
-    ``mistakes``: ``(code, message, what that mistake returns)``; checked in order.
-    """
-    if not isinstance(got, Tensor):
-        return Verdict(False, f"{what}: expected a tensor of shape {list(expected.shape)}, got {_describe(got)}")
-    if expected.dtype == torch.bool and got.dtype != torch.bool:
-        verdict = Verdict(False, f"{what}: expected a bool tensor (True = attend), got dtype {got.dtype}")
-        if got.shape == expected.shape and torch.equal(got.bool(), expected):
-            verdict.message += " (the values are right: add .bool() or build it with dtype=torch.bool)"
-        return verdict
-    for code, message, wrong in mistakes or []:
-        if wrong is not None and got.shape == wrong.shape and (
-                torch.equal(got, wrong) if wrong.dtype == torch.bool else close(got, wrong)):
-            if got.shape == expected.shape and close(got, expected):
-                break  # indistinguishable on these inputs: it is right
-            return Verdict(False, f"{what}: {message}", [{"code": code, "message": message}], (got, expected))
-    if got.shape != expected.shape:
-        return Verdict(False, f"{what}: expected shape {list(expected.shape)}, got {list(got.shape)}",
-                       arrays=(got, expected))
-    if expected.dtype == torch.bool:
-        if torch.equal(got, expected):
-            return Verdict(True)
-        wrong = (got != expected).nonzero()[:3].tolist()
-        return Verdict(False, f"{what}: {int((got != expected).sum())} entries differ, e.g. at {wrong}")
-    if close(got, expected):
-        return Verdict(True)
-    if not torch.isfinite(got).all() and torch.isfinite(expected).all():
-        return Verdict(False, f"{what}: contains NaN/inf where the reference is finite", arrays=(got, expected))
-    return Verdict(False, f"{what}: values differ from the reference by up to {max_abs_diff(got, expected):.3g}",
-                   arrays=(got, expected))
 
 
 _SHAPE_ERRORS = ("must match the size", "cannot be multiplied", "Expected size for first two dimensions",
@@ -156,10 +58,6 @@ def _transpose_hint(error: str, traceback: str = "") -> list[dict]:
     return [{"code": "wrong_transpose",
              "message": f"a shape mismatch in Q @ K^T: on a [B, S, d_k] tensor {wrong}; use K.transpose(-2, -1) "
                         f"to get [B, d_k, S]"}]
-
-
-def _all(names, verdict: Verdict) -> dict[str, Verdict]:
-    return {n: verdict for n in names}
 
 
 # --------------------------------------------------------------------------- #
@@ -203,12 +101,12 @@ def _judge_ex1(inp, results, outcome):
     X, W_Q, W_K, W_V = (t.double() for t in _args(inp))
     expected = (X @ W_Q, X @ W_K, X @ W_V)
     if not isinstance(got, (tuple, list)) or len(got) != 3:
-        bad = Verdict(False, f"expected a tuple (Q, K, V), got {_describe(got)}")
+        bad = Verdict(False, f"expected a tuple (Q, K, V), got {describe(got)}")
         return {"shapes": bad, "values": bad}
     shapes_ok = all(isinstance(a, Tensor) and a.shape == e.shape for a, e in zip(got, expected))
     shape_msg = "" if shapes_ok else (
         f"expected shapes Q {list(expected[0].shape)}, K {list(expected[1].shape)}, V {list(expected[2].shape)}; got "
-        + ", ".join(list(a.shape).__repr__() if isinstance(a, Tensor) else _describe(a) for a in got))
+        + ", ".join(list(a.shape).__repr__() if isinstance(a, Tensor) else describe(a) for a in got))
     names = ("Q", "K", "V")
     verdicts = [tensor_verdict(a, e, n, [("order", f"this is X @ W_{o}: return them in the order (Q, K, V)", x)
                                          for o, x in zip(names, expected) if o != n])
@@ -238,7 +136,7 @@ def _judge_ex2(ctx, results, outcome):
     ]
     shape = Verdict(isinstance(got, Tensor) and got.shape == expected.shape,
                     f"expected shape [B, T, S] = {list(expected.shape)}, got "
-                    f"{list(got.shape) if isinstance(got, Tensor) else _describe(got)}")
+                    f"{list(got.shape) if isinstance(got, Tensor) else describe(got)}")
     if isinstance(got, Tensor) and got.shape == (B, T, T) and T != S:
         shape.message += " (did you transpose K over the wrong dims? K.transpose(-2, -1) gives [B, d_k, S])"
     values = tensor_verdict(got, expected, "scores", mistakes)
@@ -340,7 +238,7 @@ def _judge_ex5(ctx, results, outcome):
          ~expected),
     ]
     shape = Verdict(isinstance(got, Tensor) and got.shape == (6, 6) and got.dtype == torch.bool,
-                    f"causal_mask(6): expected a [6, 6] bool tensor, got {_describe(got)}")
+                    f"causal_mask(6): expected a [6, 6] bool tensor, got {describe(got)}")
     values = tensor_verdict(got, expected, "causal_mask(6)", mistakes)
     if not values.passed and not values.findings:
         values = _fitted_diagonal(got) or values
@@ -385,7 +283,7 @@ def _judge_ex6(lengths, results, outcome):
     ]
     shape = Verdict(isinstance(got, Tensor) and got.shape in ((3, 1, 7), (3, 7, 7)),
                     f"expected shape [B, 1, T] = [3, 1, 7] (or [B, T, T]), got "
-                    f"{list(got.shape) if isinstance(got, Tensor) else _describe(got)}")
+                    f"{list(got.shape) if isinstance(got, Tensor) else describe(got)}")
     if isinstance(got, Tensor) and got.shape == (3, 7):
         shape.message += ": add the query dim with [:, None, :] so it broadcasts over [B, T, T] scores"
         got = got[:, None, :]
@@ -435,36 +333,53 @@ def _prep_ex8(g):
     pad = (torch.arange(T) < torch.tensor([5, 3, 4])[:, None])[:, None, :]  # (B, 1, T)
     empty = torch.ones(B, T, T, dtype=torch.bool)
     empty[:, 2, :] = False  # query 2 sees nothing
-    calls = [Call("self_attention", _args(inp), doctor=True),
+    calls = [Call("self_attention", _args(inp)),
              Call("self_attention", (*_args(inp), pad)),
              Call("self_attention", (*_args(inp), masks.causal(T, T))),
              Call("self_attention", (*_args(inp), empty))]
-    return calls, (inp, pad, empty)
+    # then the doctor's probes, as plain calls of the same function (the sandbox only calls;
+    # the doctor reads the answers here, in the grader): [(probe, how many calls it made)]
+    probes = []
+    for probe in doctor.build_probes(doctor.SELF_ATTENTION_CAPABILITIES):
+        args = doctor.self_attention_calls(probe)
+        calls += [Call("self_attention", a) for a in args]
+        probes.append((probe, len(args)))
+    return calls, (inp, pad, empty, probes)
+
+
+def _probe_results(results: list[dict], probes: list) -> list["doctor.ProbeResult"]:
+    """The doctor's reading of the probe calls' answers (``results`` past the exercise's own four)."""
+    answers, made, at = results[4:], [], 0
+    for probe, n in probes:
+        mine = [r["value"] if "value" in r else doctor.FailedCall(r.get("error", "")) for r in answers[at:at + n]]
+        at += n
+        made.append(doctor.self_attention_result(probe, mine))
+    return made
 
 
 def _judge_ex8(ctx, results, outcome):
-    inp, pad, empty = ctx
+    inp, pad, empty, probes = ctx
     out: dict[str, Verdict] = {}
     _, _, _, ref_out, ref_w = _reference_layer(inp)
 
     def pair(i):
         got = value(results, i)
         if not isinstance(got, (tuple, list)) or len(got) != 2:
-            raise CallFailed({"error": f"expected a tuple (output, weights), got {_describe(got)}"})
+            raise CallFailed({"error": f"expected a tuple (output, weights), got {describe(got)}"})
         return got
 
     try:
         o, w = pair(0)
         out["output_shape"] = Verdict(isinstance(o, Tensor) and o.shape == ref_out.shape,
-                                      f"output: expected [B, T, d_v] = {list(ref_out.shape)}, got {_describe(o)}")
+                                      f"output: expected [B, T, d_v] = {list(ref_out.shape)}, got {describe(o)}")
         out["weights_shape"] = Verdict(isinstance(w, Tensor) and w.shape == ref_w.shape,
-                                       f"weights: expected [B, T, T] = {list(ref_w.shape)}, got {_describe(w)}")
+                                       f"weights: expected [B, T, T] = {list(ref_w.shape)}, got {describe(w)}")
         out["output_values"] = tensor_verdict(o, ref_out, "output")
         out["weights_values"] = tensor_verdict(w, ref_w, "weights")
     except CallFailed as exc:
         v = Verdict(False, f"raised {exc.result['error']}\n{exc.result.get('traceback', '')}",
                     _transpose_hint(exc.result["error"], exc.result.get("traceback", "")))
-        out.update(_all(["output_shape", "weights_shape", "output_values", "weights_values"], v))
+        out.update(all_checks(["output_shape", "weights_shape", "output_values", "weights_values"], v))
 
     for name, i, mask in (("padding_mask", 1, pad), ("causal_mask", 2, masks.causal(T, T)),
                           ("fully_masked_row", 3, empty)):
@@ -480,10 +395,8 @@ def _judge_ex8(ctx, results, outcome):
                                 _transpose_hint(exc.result["error"], exc.result.get("traceback", "")))
 
     # Explain failures with the doctor, from the probes the child ran on this function.
-    if any(not v.passed for v in out.values()) and outcome.probes:
-        probes = doctor.build_probes(doctor.SELF_ATTENTION_CAPABILITIES)
-        report = doctor.analyze(probes, [doctor.ProbeResult(p.get("output"), p.get("error"), p.get("varied", False))
-                                         for p in outcome.probes])
+    if any(not v.passed for v in out.values()) and len(results) > 4:
+        report = doctor.analyze([p for p, _ in probes], _probe_results(results, probes))
         findings = [{"code": f.code, "message": f"{f.message}. Hint: {doctor.CODES[f.code]}"} for f in report.findings]
         for v in out.values():
             if not v.passed and not v.findings:
@@ -504,7 +417,7 @@ def _judge_ex9(ctx, results, outcome):
     if isinstance(got, Tensor) and got.numel() == 1:
         got = got.item()
     if isinstance(got, bool) or not isinstance(got, (int, float)):
-        return {"returns_max_diff": Verdict(False, f"expected a float, got {_describe(got)}")}
+        return {"returns_max_diff": Verdict(False, f"expected a float, got {describe(got)}")}
     # what the learner's own self_attention is off by, measured here in float64
     Q, K, V, _, _ = _reference_layer(inp)
     sdpa_out = scaled_dot_product_attention(Q, K, V, attn_mask=pad)
@@ -546,7 +459,7 @@ def _judge_ex10(ctx, results, outcome):
     for key, shape in _EX10_EXPECTED.items():
         # the expected shapes are derived: X [1, 3, 6] @ W [6, 2] -> [1, 3, 2]; Q @ K^T -> [1, 3, 3]
         if not isinstance(got, dict) or key not in got:
-            out[key] = Verdict(False, f"expected a dict with the key {key!r}, got {_describe(got)}")
+            out[key] = Verdict(False, f"expected a dict with the key {key!r}, got {describe(got)}")
             continue
         g_shape = got[key]
         g_shape = tuple(g_shape) if isinstance(g_shape, (tuple, list)) else g_shape
@@ -570,8 +483,8 @@ def _judge_ex11(unscaled, results, outcome):
     u = unscaled.double()
     out = {}
     if not isinstance(got, dict):
-        bad = Verdict(False, f"expected a dict with 'naive', 'stable', 'scaled', got {_describe(got)}")
-        out.update(_all(["naive_overflows", "stable", "scaled"], bad))
+        bad = Verdict(False, f"expected a dict with 'naive', 'stable', 'scaled', got {describe(got)}")
+        out.update(all_checks(["naive_overflows", "stable", "scaled"], bad))
     else:
         naive = got.get("naive")
         nan_ok = isinstance(naive, Tensor) and bool(torch.isnan(naive).any())
@@ -631,32 +544,3 @@ EXERCISES: list[Exercise] = [
 ]
 
 
-def judge_outcome(ex: Exercise, ctx: Any, outcome: Outcome) -> dict[str, Verdict]:
-    """Turn one child's outcome into a verdict per sub-check (never raises)."""
-    if outcome.status != "ok":
-        detail = outcome.message + (f"\n{outcome.traceback}" if outcome.traceback else "")
-        if outcome.output:
-            detail += f"\nit printed:\n{outcome.output}"
-        return _all(ex.checks, Verdict(False, detail))
-    if outcome.violations:
-        names = ", ".join(outcome.violations)
-        return _all(ex.checks, Verdict(False, f"policy violation in {ex.id} {ex.function}: it reached {names}. "
-                                              "This lab builds attention from scratch: use exp, sum and matmul "
-                                              "(torch's softmax/SDPA are allowed only in compare_with_sdpa)",
-                                       [{"code": "policy", "message": f"called {names}"}]))
-    stub = [r for r in outcome.results if r.get("error", "").startswith(NotImplementedError.__name__)]
-    if stub:
-        todo = stub[0]["error"].split(":", 1)[-1].strip()
-        return _all(ex.checks, Verdict(False, f"not implemented yet: {todo}", [{"code": "not_implemented",
-                                                                                "message": todo}]))
-    try:
-        verdicts = ex.judge(ctx, outcome.results, outcome)
-    except CallFailed as exc:
-        r = exc.result
-        memory = " (the memory limit was hit: is something huge allocated?)" if r.get("memory") else ""
-        hints = ex.on_error(r.get("error", ""), r.get("traceback", "")) if ex.on_error else []
-        return _all(ex.checks, Verdict(False, f"raised {r.get('error')}{memory}\n{r.get('traceback', '')}".rstrip(),
-                                       hints))
-    except Exception as exc:  # a return value of a shape the judge did not foresee
-        return _all(ex.checks, Verdict(False, f"the returned value could not be checked: {type(exc).__name__}: {exc}"))
-    return {name: verdicts.get(name, Verdict(False, "not checked")) for name in ex.checks}

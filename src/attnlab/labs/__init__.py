@@ -1,5 +1,11 @@
 """The labs of track 1, and how a learner gets them: ``attnlab labs`` / ``attnlab labs get NAME``.
 
+A lab is one module of this package (``lab01_attention``, ``lab02_masks``, ``lab03_multihead``,
+``lab04_flash``: its :class:`Lab` as ``LAB``, its exercises as ``EXERCISES``, written in
+:mod:`attnlab.grading.exercise`) plus one folder of materials (``labs/track1/NN-name/``).
+Adding a lab is adding both and naming the module in :data:`LAB_MODULES`; nothing under
+``attnlab.grading`` changes.
+
 A lab is a folder with a brief (``README.md``), the stubs the learner fills in
 (``attention.py``, ``TODO(exN)`` markers) and a walkthrough notebook (``walkthrough.py``, paired
 with ``walkthrough.ipynb``); its ``solutions/`` stay with the grader and are never copied
@@ -18,76 +24,66 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["Lab", "LABS", "LAB_FILES", "labs_root", "find_lab", "get_lab", "lab_for_path", "lab_for_source",
+__all__ = ["Lab", "LABS", "LAB_MODULES", "LAB_FILES", "labs_root", "find_lab", "get_lab", "lab_for_path", "lab_for_source",
            "lab_file_in", "NoLabFile"]
 
 
 @dataclass(frozen=True)
 class Lab:
+    """One lab: its materials' folder (``labs/track1/<name>/``) and its module here
+    (``attnlab.labs.labNN_*``, which defines this object as ``LAB`` and its checks as ``EXERCISES``).
+    The grader, the class report, the Gradescope bundle and ``labs get`` read only this."""
+
     name: str  # the folder under labs/track1/
     title: str
     covers: str
     file: str = "attention.py"  # the learner's file (stubs), graded by attnlab grade
-    checks: str = "attnlab.grading.checks"  # the module whose EXERCISES grade it
+    module: str = ""  # the module whose EXERCISES grade it (its own __name__)
     needs: tuple[str, ...] = ("jaxtyping",)  # imports of the stubs beyond torch: the 'lab' extra
     # names beyond the shared tensor arithmetic (attnlab.grading.static.COMMON_ATTRIBUTES) that
     # this lab's files may use as attributes or from-imports: the static check's allow-list
     allowed_names: tuple[str, ...] = ()
+    rule: str = "This lab builds attention from scratch: torch's softmax and SDPA are the oracles, not the answer"
 
     @property
     def files(self) -> tuple[str, ...]:
         """What ``labs get`` copies: the brief, the stubs, the walkthrough; never solutions/."""
         return ("README.md", self.file, "walkthrough.py", "walkthrough.ipynb")
 
+    @property
+    def checks(self) -> str:
+        """The module of the lab's checks (the name this field had before the labs were a package)."""
+        return self.module
+
     def exercises(self) -> list:
-        """The lab's :class:`attnlab.grading.checks.Exercise` list (imported on first use)."""
-        return importlib.import_module(self.checks).EXERCISES
+        """The lab's :class:`attnlab.grading.exercise.Exercise` list, in report order."""
+        return importlib.import_module(self.module).EXERCISES
 
 
-LABS = (
-    Lab("01-attention", "Self-attention from queries, keys and values",
-        "projections, scaled scores, a stable softmax, masks (causal, padding), the weighted sum, "
-        "parity with torch's SDPA; the lesson's worked example",
-        allowed_names=("nn", "functional")),  # compare_with_sdpa calls torch.nn.functional's SDPA
-    Lab("02-masks", "Attention masks, as SDPA reads them",
-        "causal masks aligned top-left and bottom-right (L != S, a KV cache), padding masks from lengths, "
-        "combining masks, -inf before softmax and zeros (not NaN) for fully masked rows, SDPA's True = attend "
-        "against nn.MultiheadAttention's True = ignore, parity with SDPA", file="masks.py",
-        checks="attnlab.grading.lab02_masks"),
-    Lab("03-multi-head", "Multi-head and grouped-query attention, and a KV cache",
-        "splitting and merging heads, the output projection, parity with nn.MultiheadAttention, "
-        "grouped-query and multi-query attention (which key/value head each query head uses), decoding with "
-        "a KV cache that equals the full causal forward", file="multihead.py",
-        checks="attnlab.grading.lab03_multihead"),
-    Lab("04-flash-attention", "FlashAttention from scratch: the online softmax, tiles, the backward",
-        "the online softmax on a stream (running max and sum), the tiled forward with m_i, l_i, acc and the "
-        "saved log-sum-exp, causal tiles skipped and masked, no [L, S] tensor (checked under a memory cap), the "
-        "backward that recomputes tiles (the D term), one torch.autograd.Function", file="flash.py",
-        checks="attnlab.grading.lab04_flash",
-        # the autograd.Function and what the stub's ctx carries
-        allowed_names=("autograd", "Function", "apply", "save_for_backward", "saved_tensors", "grad_fn",
-                       "is_causal")),
-)
+# the registered labs, in order; a lab is one module of this package plus one folder of materials
+LAB_MODULES = ("lab01_attention", "lab02_masks", "lab03_multihead", "lab04_flash")
+LABS: tuple[Lab, ...] = ()  # filled below, once Lab exists for the lab modules to use
 
 
 def labs_root() -> Optional[Path]:
     """Where the lab folders are: the checkout's ``labs/track1`` or the installed copy."""
-    checkout = Path(__file__).resolve().parents[2] / "labs" / "track1"
+    checkout = Path(__file__).resolve().parents[3] / "labs" / "track1"
     if checkout.is_dir():
         return checkout
     installed = Path(sys.prefix) / "share" / "attnlab" / "labs" / "track1"
     return installed if installed.is_dir() else None
 
 
-def find_lab(name: str) -> Lab:
-    """The lab called ``name`` (its full name, or its number: ``01``, ``1``)."""
+def find_lab(name: "str | Lab") -> Lab:
+    """The lab called ``name`` (its full name, or its number: ``01``, ``1``); a :class:`Lab` is itself."""
+    if isinstance(name, Lab):
+        return name
     for lab in LABS:
         if name in (lab.name, lab.name.split("-")[0], lab.name.split("-")[0].lstrip("0")):
             return lab
     raise KeyError(f"no lab {name!r}; the labs are: {', '.join(lab.name for lab in LABS)} (see 'attnlab labs')")
 
 
-LAB_FILES = tuple(lab.file for lab in LABS)  # each lab's file name is its own: attention.py, masks.py, ...
 
 
 class NoLabFile(LookupError):
@@ -173,3 +169,7 @@ def get_lab(name: str, dest: Optional[os.PathLike] = None) -> Path:
     except OSError as exc:  # a folder that cannot be made here (/proc/..., read-only, a file in the way)
         raise OSError(f"cannot put the lab in {dest}: {exc.strerror or exc}; choose a folder you can write") from None
     return dest
+
+
+LABS = tuple(importlib.import_module(f"{__name__}.{m}").LAB for m in LAB_MODULES)
+LAB_FILES = tuple(lab.file for lab in LABS)  # each lab's file name is its own: attention.py, masks.py, ...

@@ -1,6 +1,6 @@
 """Lab 04's checks (``labs/track1/04-flash-attention``): FlashAttention from scratch.
 
-Same machinery as lab 01's (:mod:`attnlab.grading.checks`): seeded, unequal inputs
+Same machinery as lab 01's (:mod:`attnlab.grading.exercise`): seeded, unequal inputs
 (L = 37 queries over S = 45 keys in tiles of 16, a causal 40 x 40 in query tiles of 16 and
 key tiles of 8, so no mistake hides behind square, aligned tiles), a float64 reference
 computed here, and what each common mistake returns, to name it (codes from
@@ -21,10 +21,22 @@ import torch
 from torch import Tensor
 
 from attnlab.functional import scaled_dot_product_attention
-from attnlab.grading.checks import Exercise, Verdict, mistake, tensor_verdict, value
+from attnlab.grading.exercise import Exercise, Verdict, mistake, tensor_verdict, value
 from attnlab.grading.sandbox import Call
+from attnlab.labs import Lab
 
-__all__ = ["EXERCISES", "BIG", "MEMORY_MB"]
+__all__ = ["LAB", "EXERCISES", "BIG", "MEMORY_MB"]
+
+LAB = Lab("04-flash-attention", "FlashAttention from scratch: the online softmax, tiles, the backward",
+          "the online softmax on a stream (running max and sum), the tiled forward with m_i, l_i, acc and the "
+          "saved log-sum-exp, causal tiles skipped and masked, no [L, S] tensor (checked under a memory cap), the "
+          "backward that recomputes tiles (the D term), one torch.autograd.Function", file="flash.py",
+          module=__name__,
+          # the autograd.Function and what the stub's ctx carries
+          allowed_names=("autograd", "Function", "apply", "save_for_backward", "saved_tensors", "grad_fn",
+                         "is_causal"),
+          rule="This lab builds FlashAttention from scratch: tiles, exp, the running max and sum, and matmul "
+               "(torch's softmax and SDPA are the oracles, not the answer)")
 
 NEG_INF = float("-inf")
 BIG = 4096  # ex3's L = S: a float32 [L, S] tensor is 64 MB

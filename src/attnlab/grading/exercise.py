@@ -1,0 +1,170 @@
+"""The exercise framework every lab's checks are written in; no lab lives here.
+
+An :class:`Exercise` says which learner functions to call (``prepare``: the calls and a
+context, from a seeded generator) and how to judge what came back (``judge``: a
+:class:`Verdict` per sub-check). :func:`tensor_verdict` compares a returned tensor with the
+float64 reference under the shared tolerance (:func:`attnlab.testing.tolerance`) and, on a
+mismatch, with what each listed mistake returns on the same inputs: a match names the
+mistake (:func:`mistake`, in the vocabulary of :mod:`attnlab.mistakes`).
+:func:`judge_outcome` turns one sandboxed child's outcome into those verdicts and never
+raises. The labs themselves are :mod:`attnlab.labs`, a module each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from attnlab import mistakes
+from attnlab.grading.sandbox import Call, Outcome, Unsupported
+from attnlab.testing import max_abs_diff, tolerance
+
+__all__ = ["Verdict", "Exercise", "CallFailed", "mistake", "value", "describe", "close", "tensor_verdict",
+           "all_checks", "judge_outcome"]
+
+
+@dataclass
+class Verdict:
+    passed: bool
+    message: str = ""
+    findings: list[dict] = field(default_factory=list)  # {"code", "message"} from the doctor or a check
+    arrays: Optional[tuple[Tensor, Tensor]] = None  # (learner's, reference) of a failed numeric check
+
+
+@dataclass
+class Exercise:
+    id: str
+    function: str
+    title: str
+    checks: dict[str, float]  # sub-check -> points, in report order
+    prepare: Callable[[torch.Generator], tuple[list[Call], Any]]
+    judge: Callable[[Any, list[dict], Outcome], dict[str, Verdict]]
+    policy: bool = True  # the from-scratch policy applies
+    on_error: Optional[Callable[[str, str], list[dict]]] = None  # (error, traceback) -> the mistake behind it
+    limits: dict = field(default_factory=dict)  # this exercise's own Limits fields (lab 04's memory cap)
+
+    @property
+    def max_score(self) -> float:
+        return sum(self.checks.values())
+
+
+# --------------------------------------------------------------------------- #
+# Helpers
+# --------------------------------------------------------------------------- #
+
+
+class CallFailed(Exception):
+    """A learner call raised; carries the message and trimmed traceback."""
+
+    def __init__(self, result: dict) -> None:
+        super().__init__(result.get("error", "failed"))
+        self.result = result
+
+
+def mistake(code: str, message: str, wrong: Optional[Tensor]) -> tuple[str, str, Optional[Tensor]]:
+    """One entry of :func:`tensor_verdict`'s ``mistakes``: the code (from :data:`attnlab.mistakes.CODES`:
+    a ``KeyError`` here for one outside the vocabulary), what to tell the learner, and what that
+    mistake returns on these inputs (None: it cannot be told apart here). Shared by every lab's checks."""
+    mistakes.hint(code)
+    return code, message, wrong
+
+
+def value(results: list[dict], i: int) -> Any:
+    r = results[i]
+    if "error" in r:
+        raise CallFailed(r)
+    return r["value"]
+
+
+def describe(x: Any) -> str:
+    if isinstance(x, Tensor):
+        return f"a tensor of shape {list(x.shape)} and dtype {x.dtype}"
+    if isinstance(x, Unsupported):
+        return f"an object of type {x.type_name}"
+    return f"{type(x).__name__} {x!r}"[:120]
+
+
+def close(got: Tensor, expected: Tensor) -> bool:
+    """Learner float32 vs the float64 reference, with attnlab's float32 tolerance."""
+    if not isinstance(got, Tensor) or got.shape != expected.shape:
+        return False
+    tol = tolerance(torch.float32)
+    g, e = got.double(), expected.double()
+    finite = torch.isfinite(e)
+    # where the reference is +-inf or NaN only the same value will do; elsewhere the tolerance
+    near = (g - e).abs() <= tol.atol + tol.rtol * e.abs().where(finite, torch.zeros_like(e))
+    ok = torch.where(finite, near & torch.isfinite(g), (g == e) | (g.isnan() & e.isnan()))
+    return bool(ok.all())
+
+
+def tensor_verdict(got: Any, expected: Tensor, what: str,
+                   mistakes: Optional[list[tuple[str, str, Optional[Tensor]]]] = None) -> Verdict:
+    """Compare one returned tensor; on a mismatch try to name the mistake.
+
+    ``mistakes``: ``(code, message, what that mistake returns)``; checked in order.
+    """
+    if not isinstance(got, Tensor):
+        return Verdict(False, f"{what}: expected a tensor of shape {list(expected.shape)}, got {describe(got)}")
+    if expected.dtype == torch.bool and got.dtype != torch.bool:
+        verdict = Verdict(False, f"{what}: expected a bool tensor (True = attend), got dtype {got.dtype}")
+        if got.shape == expected.shape and torch.equal(got.bool(), expected):
+            verdict.message += " (the values are right: add .bool() or build it with dtype=torch.bool)"
+        return verdict
+    for code, message, wrong in mistakes or []:
+        if wrong is not None and got.shape == wrong.shape and (
+                torch.equal(got, wrong) if wrong.dtype == torch.bool else close(got, wrong)):
+            if got.shape == expected.shape and close(got, expected):
+                break  # indistinguishable on these inputs: it is right
+            return Verdict(False, f"{what}: {message}", [{"code": code, "message": message}], (got, expected))
+    if got.shape != expected.shape:
+        return Verdict(False, f"{what}: expected shape {list(expected.shape)}, got {list(got.shape)}",
+                       arrays=(got, expected))
+    if expected.dtype == torch.bool:
+        if torch.equal(got, expected):
+            return Verdict(True)
+        wrong = (got != expected).nonzero()[:3].tolist()
+        return Verdict(False, f"{what}: {int((got != expected).sum())} entries differ, e.g. at {wrong}")
+    if close(got, expected):
+        return Verdict(True)
+    if not torch.isfinite(got).all() and torch.isfinite(expected).all():
+        return Verdict(False, f"{what}: contains NaN/inf where the reference is finite", arrays=(got, expected))
+    return Verdict(False, f"{what}: values differ from the reference by up to {max_abs_diff(got, expected):.3g}",
+                   arrays=(got, expected))
+
+
+def all_checks(names, verdict: Verdict) -> dict[str, Verdict]:
+    """The same verdict for every sub-check (a call that failed, a stub, a policy finding)."""
+    return {n: verdict for n in names}
+
+
+def judge_outcome(ex: Exercise, ctx: Any, outcome: Outcome, rule: str = "") -> dict[str, Verdict]:
+    """Turn one child's outcome into a verdict per sub-check (never raises); ``rule``: the lab's
+    from-scratch rule in words (:attr:`attnlab.labs.Lab.rule`), said with a policy finding."""
+    if outcome.status != "ok":
+        detail = outcome.message + (f"\n{outcome.traceback}" if outcome.traceback else "")
+        if outcome.output:
+            detail += f"\nit printed:\n{outcome.output}"
+        return all_checks(ex.checks, Verdict(False, detail))
+    if outcome.violations:
+        names = ", ".join(outcome.violations)
+        return all_checks(ex.checks, Verdict(False, f"policy violation in {ex.id} {ex.function}: it reached {names}. "
+                                                    f"{rule}", [{"code": "policy", "message": f"called {names}"}]))
+    stub = [r for r in outcome.results if r.get("error", "").startswith(NotImplementedError.__name__)]
+    if stub:
+        todo = stub[0]["error"].split(":", 1)[-1].strip()
+        return all_checks(ex.checks, Verdict(False, f"not implemented yet: {todo}", [{"code": "not_implemented",
+                                                                                "message": todo}]))
+    try:
+        verdicts = ex.judge(ctx, outcome.results, outcome)
+    except CallFailed as exc:
+        r = exc.result
+        memory = " (the memory limit was hit: is something huge allocated?)" if r.get("memory") else ""
+        hints = ex.on_error(r.get("error", ""), r.get("traceback", "")) if ex.on_error else []
+        return all_checks(ex.checks, Verdict(False, f"raised {r.get('error')}{memory}\n{r.get('traceback', '')}".rstrip(),
+                                       hints))
+    except Exception as exc:  # a return value of a shape the judge did not foresee
+        return all_checks(ex.checks, Verdict(False, f"the returned value could not be checked: {type(exc).__name__}: {exc}"))
+    return {name: verdicts.get(name, Verdict(False, "not checked")) for name in ex.checks}
