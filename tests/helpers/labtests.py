@@ -1,5 +1,5 @@
 """What the tests of every lab share: grading buggy variants, reading the named mistakes,
-running a lab's walkthrough notebook (tests/labs/test_lab02.py, tests/labs/test_lab03.py)."""
+running a lab's walkthrough notebook (tests/labs/test_every_lab.py)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,14 @@
-"""Lab 03 (labs/track1/03-multi-head): solutions score 100, stubs 0 with where to start, each
-named mistake named by at least two buggy variants, grading under 5 s, the walkthrough runs."""
+"""Lab 03's buggy variants, as data for tests/labs/test_every_lab.py: each is a list of
+edits to the lab's solution and the (exercise, code) it must be named by; every code at least
+twice over all variants (:data:`NAMED`: the codes the lab must name)."""
 
-from __future__ import annotations
-
-import time
-from collections import Counter
-from pathlib import Path
-
-import pytest
-
-from attnlab import mistakes
-from attnlab.grading import grade
-from helpers.labtests import codes, grade_variants, run_walkthrough
-
-pytestmark = [pytest.mark.sandbox, pytest.mark.subprocess]
-
-LAB = Path(__file__).resolve().parents[2] / "labs/track1/03-multi-head"
+LAB = "03-multi-head"
+SEED = 5
+NAMED = {"heads_mixed", "gqa_group_mapping", "causal_alignment", "missing_out_proj", "wrong_scale",
+         "kv_cache_order"}
+WALKTHROUGH = ("head 1 of position 0: [4.0, 5.0, 6.0, 7.0]", "[0.0, 0.0, 0.0, 1.0, 1.0, 1.0]",
+               "cache length: 7",
+               "max |cached decoding - full causal forward|")  # printed by the walkthrough run on the solution
 
 SPLIT = "return x.view(B, L, H, D // H).transpose(1, 2)  # [B, L, H, E] -> [B, H, L, E]"
 MERGE = "return x.transpose(1, 2).reshape(B, L, H * E)  # [B, L, H, E] -> [B, L, D]"
@@ -53,40 +46,3 @@ VARIANTS = {
            (MERGE, "return x.view(B, L, H * E)")],
           [("ex1", "heads_mixed"), ("ex2", "heads_mixed")]),
 }
-
-
-@pytest.fixture(scope="module")
-def graded(tmp_path_factory):
-    return grade_variants("03-multi-head", "multihead.py", VARIANTS, tmp_path_factory.mktemp("variants"), seed=5)
-
-
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_each_mistake_is_named(graded, name):
-    report = graded[name]
-    assert report.lab == "03-multi-head"
-    for ex_id, code in VARIANTS[name][1]:
-        assert code in codes(report, ex_id), (ex_id, code, report.to_text())
-        assert code in mistakes.CODES
-
-
-def test_every_named_mistake_has_two_variants():
-    counts = Counter(code for _, expect in VARIANTS.values() for _, code in expect)
-    assert {"heads_mixed", "gqa_group_mapping", "causal_alignment", "missing_out_proj", "wrong_scale",
-            "kv_cache_order"} <= set(counts)
-    assert min(counts.values()) >= 2, counts
-
-
-def test_solutions_full_marks_stubs_zero_with_a_pointer_and_fast():
-    t0 = time.perf_counter()
-    report = grade(LAB / "solutions/multihead.py", seed=3)
-    assert report.score == 100, report.to_text()
-    assert time.perf_counter() - t0 < 5.0 or report.elapsed_s < 5.0
-    stub = grade(LAB / "multihead.py", seed=3)
-    assert stub.score == 0 and "Start with ex1: split_heads() in multihead.py" in stub.to_text()
-
-
-def test_walkthrough_is_paired_and_runs_on_the_solutions(tmp_path):
-    # (that a stub stops the walkthrough at ex1 is tested once, for lab 01: tests/labs/test_lab_notebook.py)
-    text = run_walkthrough("03-multi-head", "multihead.py", LAB / "solutions/multihead.py", tmp_path)
-    assert "head 1 of position 0: [4.0, 5.0, 6.0, 7.0]" in text and "[0.0, 0.0, 0.0, 1.0, 1.0, 1.0]" in text
-    assert "cache length: 7" in text and "max |cached decoding - full causal forward|" in text
