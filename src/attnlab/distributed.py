@@ -425,12 +425,11 @@ class _Ring(torch.autograd.Function):
 
 
 def _native_everywhere(q4: Tensor, k3: Tensor, v3: Tensor, group) -> bool:
-    """Whether every rank can run the native block-sparse kernels (float32, finite inputs, the
-    library loaded): one all-reduce, so that all ranks take the same path."""
+    """Whether every rank can run the native block-sparse kernels (:func:`attnlab.kernels.native.can_run`
+    on each): one all-reduce, so that all ranks take the same path."""
     from attnlab.kernels import native
 
-    ok = (q4.dtype == k3.dtype == v3.dtype == torch.float32 and native.ops() is not None
-          and kernels.finite_inputs(q4, k3, v3, None))
+    ok = native.can_run(q4, k3, v3)
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())

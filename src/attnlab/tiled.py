@@ -205,15 +205,8 @@ def forward_into(q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, 
 
 
 def _native_ops(mask: Optional[Tensor], q4: Tensor, k3: Tensor, v3: Tensor):
-    """The native ops when they cover this call (float32 on the CPU, or bfloat16 kept by
-    :func:`attnlab.kernels.native.operand_dtype` for the bf16 route; no mask, or a bool or float32 one), else None."""
-    if q4.device.type != "cpu" or not (q4.dtype == k3.dtype == v3.dtype and q4.dtype in (torch.float32, torch.bfloat16)):
-        return None
-    if mask is not None and (mask.device.type != "cpu" or mask.dtype not in (torch.bool, torch.float32)):
-        return None
-    if not finite_inputs(q4, k3, v3, mask):
-        return None  # NaN/inf: the pure code propagates them as torch's MATH backend does
-    return _native.ops()
+    """The native ops when they cover this call (:func:`attnlab.kernels.native.can_run`), else None."""
+    return _native.ops() if _native.can_run(q4, k3, v3, mask) else None
 
 
 def _emulated() -> bool:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from helpers import parity_stats
 from attnlab.functional import scaled_dot_product_attention as attnlab_sdpa
 from attnlab.testing import assert_close_to_sdpa
-from test_properties import attention_inputs
+from helpers.strategies import attention_inputs
 
 pytestmark = pytest.mark.large
 

@@ -17,7 +17,7 @@ from attnlab.kernels import native as _native
 from attnlab.decoding import PagedKVCache, decode_attention, paged_decode_attention
 from attnlab.kernels import decode as kernel
 from attnlab.testing import assert_close, assert_close_to_sdpa
-from test_sdpa_semantics import SPECIAL, close_with_nans, randn, torch_math
+from helpers.semantics import SPECIAL, close_with_nans, randn, torch_math
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 

@@ -340,3 +340,32 @@ def test_the_portable_kernel_without_avx512(tmp_path):
 
 def _disassembly(path) -> bytes:
     return subprocess.run(["objdump", "-d", str(path)], capture_output=True, check=True).stdout
+
+
+def test_one_predicate_answers_for_every_caller(native_ops, monkeypatch):
+    """native.can_run is the only "can the native kernels take this?": tiled, flex, the ring and
+    decoding ask it (they gave four different answers: the ring took float32 only, flex bf16 too)."""
+    from attnlab.kernels import native
+
+    q, k, v = (torch.randn(2, 3, 8, 4) for _ in range(3))
+    assert native.can_run(q, k, v)
+    assert native.can_run(q, k, v, torch.ones(8, 8, dtype=torch.bool))
+    assert not native.can_run(q, k, v, torch.ones(8, 8, dtype=torch.int64))  # an int mask: the pure path
+    assert not native.can_run(q.double(), k.double(), v.double())
+    nan = q.clone()
+    nan[0, 0, 0, 0] = float("nan")
+    assert not native.can_run(nan, k, v)  # NaN propagates on the pure path, as in torch
+    assert native.can_run(nan, k.bfloat16(), v.bfloat16(), cache=True)  # decoding flags them itself
+    assert not native.can_run(q[..., :0], k[..., :0], v)  # E = 0
+    assert not native.can_run(q, k.half(), v.half())  # mixed dtypes: only a cache is read as stored
+    monkeypatch.setenv("ATTNLAB_BF16", "fp32")
+    assert not native.can_run(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    monkeypatch.setenv("ATTNLAB_BF16", "bf16-emulated")
+    assert native.can_run(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    from attnlab import distributed, tiled
+    from attnlab.flex import kernels as flex_kernels
+    import inspect
+
+    for module in (tiled, flex_kernels, distributed, native):  # nobody else writes the dtype rules out
+        assert "torch.float32, torch.bfloat16)" not in inspect.getsource(module).replace(
+            inspect.getsource(native.can_run), ""), module.__name__

@@ -12,7 +12,7 @@ from attnlab.dispatch import attention, choose_impl, use_impl
 from attnlab.functional import scaled_dot_product_attention as reference
 from attnlab.testing import assert_close, assert_close_to_sdpa, max_abs_diff
 from attnlab.tiled import flash_attention
-from test_parity import CASES, DTYPES, build
+from helpers.parity_cases import CASES, DTYPES, build
 
 NOT_TILED = {"dropout_0.2", "dropout_0.5_mask", "dropout_causal", "dropout_1", "float_mask_requires_grad",
              "gqa_k2_v3"}  # what the tiled path refuses, tested below

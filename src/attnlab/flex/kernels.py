@@ -34,21 +34,8 @@ LN2 = math.log(2.0)
 
 
 def covers(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """The native kernels can run this call: float32 (or bfloat16 on the bf16 route) on the CPU,
-    no NaN or inf, kernels built.
-
-    Non-finite inputs go to the pure path, which propagates them as torch does (the native row
-    pass would treat a NaN row as masked; see :func:`attnlab.kernels.finite_inputs`).
-    """
-    if q.device.type != "cpu" or not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16)):
-        return False
-    if q.dtype == torch.bfloat16 and _native.bf16_route().name == "fp32":
-        return False
-    if 0 in (q.shape[-1], v.shape[-1]):  # E = 0 or Ev = 0: nothing for BLAS to do; the pure path's answer
-        return False
-    if not contract.finite_inputs(q, k, v, None):
-        return False
-    return _native.ops() is not None
+    """The native kernels can run this call (:func:`attnlab.kernels.native.can_run`)."""
+    return _native.can_run(q, k, v)
 
 
 def native_form(score_mod) -> Optional[NativeForm]:

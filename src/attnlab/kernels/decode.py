@@ -67,7 +67,7 @@ def forward(q4: Tensor, k: Tensor, v: Tensor, *, Hkv: int, S: int, scale2: float
     """
     page = k.shape[1] if table is not None else 1
     chunk = chunk or choose_chunk(S, q4.shape[0], torch.get_num_threads(), page)
-    ops = _native.ops() if _native_dtypes(q4, k, v) else None
+    ops = _native.ops() if _native.can_run(q4, k, v, cache=True) else None
     if ops is not None:
         out, lse2, nonfinite = ops.decode_forward(q4.contiguous(), k, v, table, seqlens, Hkv, S, scale2,
                                                   CAUSAL[causal], chunk, BLOCK_K)
@@ -77,11 +77,6 @@ def forward(q4: Tensor, k: Tensor, v: Tensor, *, Hkv: int, S: int, scale2: float
     out, lse2 = forward_eager(q4.to(dtype), k3.to(dtype), v3.to(dtype), Hkv=Hkv, scale2=scale2, causal=causal,
                               seqlens=seqlens, chunk=chunk)
     return out, lse2, False  # the pure path propagates NaN and inf itself
-
-
-def _native_dtypes(q4: Tensor, k: Tensor, v: Tensor) -> bool:
-    return (q4.device.type == "cpu" and q4.dtype == torch.float32 and k.dtype == v.dtype
-            and k.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
 def gather(pages: Tensor, table: Tensor, S: int) -> Tensor:

@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch import Tensor
 
 from attnlab._validation import compute_dtype
 
-__all__ = ["NativeStatus", "Bf16Route", "status", "ops", "bf16_route", "operand_dtype", "BF16_CHOICES"]
+__all__ = ["can_run", "NativeStatus", "Bf16Route", "status", "ops", "bf16_route", "operand_dtype", "BF16_CHOICES"]
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "flash.cpp", _CSRC / "block_sparse.cpp", _CSRC / "decode.cpp")
@@ -187,6 +188,45 @@ def status() -> NativeStatus:
     and which bfloat16 route (:func:`bf16_route`) it takes now."""
     loaded = _get()[1]
     return NativeStatus(loaded.available, loaded.detail, bf16_route())
+
+
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def can_run(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, *, cache: bool = False) -> bool:
+    """Whether the native kernels take this call: the one answer for the tiled path, flex, the
+    ring and decoding (each then asks :func:`ops` for them).
+
+    * on the CPU, with the library loaded;
+    * ``q``, ``k``, ``v`` in one dtype: float32, or bfloat16 where :func:`bf16_route` is not
+      ``fp32`` (callers hand bfloat16 on only then: :func:`operand_dtype`); with ``cache=True``
+      (decoding: ``q`` float32 against a KV cache read as stored) ``k`` and ``v`` may be float32,
+      bfloat16 or float16;
+    * ``E`` and ``Ev`` above 0 (an empty dimension leaves BLAS nothing to do: the pure path);
+    * ``mask`` None, or bool or float32 on the CPU (read in place);
+    * no NaN or inf (:func:`attnlab.kernels.finite_inputs`): the native row pass would treat a
+      NaN row as masked, so those go to the pure code, which propagates them as torch does.
+      Decoding skips this read (``cache=True``): its kernel flags non-finite scores as it goes and
+      the caller reruns the call on the pure path.
+    """
+    from attnlab.kernels.numerics import finite_inputs
+
+    if q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
+        return False
+    if cache:
+        if not (q.dtype == torch.float32 and k.dtype == v.dtype and k.dtype in _CACHE_DTYPES):
+            return False
+    elif not (q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16)):
+        return False
+    elif q.dtype == torch.bfloat16 and bf16_route().name == "fp32":
+        return False
+    if 0 in (q.shape[-1], v.shape[-1]):
+        return False
+    if mask is not None and (mask.device.type != "cpu" or mask.dtype not in (torch.bool, torch.float32)):
+        return False
+    if not cache and not finite_inputs(q, k, v, mask):
+        return False
+    return ops() is not None
 
 
 def operand_dtype(dtype: torch.dtype) -> torch.dtype:
