@@ -29,8 +29,9 @@
   otherwise the reference. All meet the same parity tolerances against torch's SDPA.
 
 ``causal_align="bottom_right"`` (with ``is_causal=True``) lines the last query up with the
-last key, as a decoder with a cache needs; every implementation honours it (the decode path
-natively, the others through :func:`attnlab.masks.causal`'s bool mask).
+last key, as a decoder with a cache needs; every implementation honours it: the decode path
+and the tiled path as an offset (they skip and mask tiles by it, no ``(L, S)`` mask), the
+reference through :func:`attnlab.masks.causal`'s bool mask beside the scores it builds anyway.
 
 The reference module does not import the tiled one, nor the other way round: they
 are independent implementations, checked against each other and against torch.
@@ -202,9 +203,13 @@ def attention(
 
         return decoding.decode_attention(query, key, value, is_causal, scale, enable_gqa=enable_gqa,
                                          causal_align=causal_align)
-    if is_causal and causal_align == "bottom_right" and which != "flex":
-        if attn_mask is not None:
-            raise ValueError("attention: pass either attn_mask or is_causal=True, not both")
+    if is_causal and causal_align == "bottom_right" and which != "flex" and attn_mask is not None:
+        raise ValueError("attention: pass either attn_mask or is_causal=True, not both")
+    if which == "tiled":  # the alignment is an offset the kernels skip and mask tiles by
+        return tiled.flash_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa=enable_gqa,
+                                     causal_align=causal_align)
+    if is_causal and causal_align == "bottom_right" and which == "reference":
+        # the reference builds its (L, S) scores anyway: the written-out mask is its readable version
         if isinstance(query, Tensor) and isinstance(key, Tensor) and query.dim() >= 2 and key.dim() >= 2:
             attn_mask = masks.causal(query.shape[-2], key.shape[-2], align="bottom_right", device=query.device)
             is_causal = False
@@ -213,7 +218,5 @@ def attention(
 
         return flex.flex_attention(query, key, value, score_mod=score_mod, block_mask=attn_mask, scale=scale,
                                    enable_gqa=enable_gqa)
-    if which == "tiled":
-        return tiled.flash_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa=enable_gqa)
     return functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                    enable_gqa=enable_gqa)

@@ -65,6 +65,7 @@ def flash_attention(
     enable_gqa: bool = False,
     block_q: Optional[int] = None,
     block_k: Optional[int] = None,
+    causal_align: str = "top_left",
 ) -> Tensor:
     """Attention computed block by block with an online softmax; SDPA's semantics, no dropout.
 
@@ -83,6 +84,15 @@ def flash_attention(
                 # # .
 
         scale: default ``1 / sqrt(E)``.
+        causal_align: with ``is_causal``, ``"top_left"`` (SDPA's meaning, above) or
+            ``"bottom_right"`` (the last query sees every key, as in a KV cache: query ``i``
+            sees keys ``0..i + S - L``; :func:`attnlab.masks.causal`'s ``align``). The
+            alignment is an offset the kernels skip and mask tiles by, never a dense mask.
+            For ``L = 2, S = 3``::
+
+                # # .
+                # # #
+
         enable_gqa: query heads ``h`` use key/value head ``h // (H // Hkv)``; K and V are
             not repeated (unless their head counts differ, e.g. ``H = Hk = 6, Hv = 3``:
             then each is repeated up to ``H``).
@@ -106,7 +116,10 @@ def flash_attention(
     if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad:
         raise ValueError("flash_attention: gradients for a float attn_mask are not supported by the tiled path; "
                          "detach the mask, or use attnlab.functional.scaled_dot_product_attention")
-    return _FlashAttention.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk, batch)
+    if causal_align not in ("top_left", "bottom_right"):
+        raise ValueError(f"flash_attention: causal_align must be 'top_left' or 'bottom_right', got {causal_align!r}")
+    offset = key.shape[-2] - query.shape[-2] if is_causal and causal_align == "bottom_right" else 0
+    return _FlashAttention.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk, batch, offset)
 
 
 def native_status() -> _native.NativeStatus:
@@ -127,18 +140,20 @@ def native_status() -> _native.NativeStatus:
 # --------------------------------------------------------------------------- #
 
 
-def _causal_tile(i0: int, i1: int, j0: int, j1: int, r: int, device) -> Optional[Tensor]:
-    """``(r * bq, bk)`` bool, True = attend (key j <= query i); None when the tile is all True."""
-    if j1 - 1 <= i0:
+def _causal_tile(i0: int, i1: int, j0: int, j1: int, r: int, device, offset: int = 0) -> Optional[Tensor]:
+    """``(r * bq, bk)`` bool, True = attend (key j <= query i + offset: 0 top-left, S - L
+    bottom-right); None when the tile is all True."""
+    if j1 - 1 <= i0 + offset:
         return None  # the whole tile is on or below the diagonal
     rows = torch.arange(i0, i1, device=device).repeat(r)  # query positions, r heads stacked
     cols = torch.arange(j0, j1, device=device)
-    return cols[None, :] <= rows[:, None]
+    return cols[None, :] <= rows[:, None] + offset
 
 
-def _key_blocks(i0: int, i1: int, S: int, bk: int, is_causal: bool) -> range:
-    """Key blocks that tile ``[i0, i1)`` needs: with is_causal the ones right of query i1-1 are skipped."""
-    end = min(S, i1) if is_causal else S
+def _key_blocks(i0: int, i1: int, S: int, bk: int, is_causal: bool, offset: int = 0) -> range:
+    """Key blocks that tile ``[i0, i1)`` needs: with is_causal the ones right of query
+    ``i1 - 1 + offset`` are skipped."""
+    end = min(S, max(0, i1 + offset)) if is_causal else S
     return range(0, end, bk)
 
 
@@ -166,7 +181,7 @@ def _masked_scores(q_tile: Tensor, kT: Tensor, j0: int, j1: int, mask_tile: Opti
 
 
 def _forward(q4: Tensor, k3: Tensor, v3: Tensor, layout: Layout, mask: Optional[Tensor], is_causal: bool,
-             scale2: float, bq: int, bk: int) -> tuple[Tensor, Tensor]:
+             scale2: float, bq: int, bk: int, offset: int = 0) -> tuple[Tensor, Tensor]:
     """``(out (Nb, r, L, Ev), lse2 (Nb, r, L))``; lse2 is the base-2 log-sum-exp (-inf on empty rows).
 
     Runs attnlab's native C++ kernel (:mod:`attnlab.kernels.native`, the same algorithm one cache-sized
@@ -177,8 +192,8 @@ def _forward(q4: Tensor, k3: Tensor, v3: Tensor, layout: Layout, mask: Optional[
     if ops is not None:
         m, offsets = _native_mask(mask, layout, q4.shape[2], k3.shape[1])
         return ops.flash_forward(dense_rows(q4), dense_rows(k3), dense_rows(v3), m, offsets, scale2, is_causal,
-                                 bq, bk, q4.dtype == torch.bfloat16 and _emulated())
-    return _forward_eager(*_widened(q4, k3, v3), layout, mask, is_causal, scale2, bq, bk)
+                                 offset, bq, bk, q4.dtype == torch.bfloat16 and _emulated())
+    return _forward_eager(*_widened(q4, k3, v3), layout, mask, is_causal, scale2, bq, bk, offset=offset)
 
 
 def _widened(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -198,7 +213,7 @@ def forward_into(q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, 
     ops = _native_ops(None, q4, k3, v3)
     if ops is not None and out.dtype == lse2.dtype == torch.float32 and (out.stride(-1) == 1 or out.shape[-1] == 1):
         ops.flash_forward_(dense_rows(q4), dense_rows(k3), dense_rows(v3), out, lse2, None, None, scale2,
-                           is_causal, bq, bk)
+                           is_causal, 0, bq, bk)
         return
     o, l = _forward_eager(q4, k3, v3, None, None, is_causal, scale2, bq, bk)  # no mask: the layout is unused
     merge_(out, lse2, o, l)
@@ -229,7 +244,7 @@ def _native_mask(mask: Optional[Tensor], layout: Layout, L: int, S: int) -> tupl
 
 
 def _forward_eager(q4: Tensor, k3: Tensor, v3: Tensor, layout: Layout, mask: Optional[Tensor], is_causal: bool,
-                   scale2: float, bq: int, bk: int, natural: bool = False) -> tuple[Tensor, Tensor]:
+                   scale2: float, bq: int, bk: int, natural: bool = False, offset: int = 0) -> tuple[Tensor, Tensor]:
     """The forward in pure PyTorch, batched over heads: the readable version, and the fallback.
 
     ``natural=True``: scores, state and lse in natural-log units (``scale2`` is then the plain
@@ -247,10 +262,10 @@ def _forward_eager(q4: Tensor, k3: Tensor, v3: Tensor, layout: Layout, mask: Opt
         n = r * (i1 - i0)
         q_tile = (q4[:, :, i0:i1] * scale2).reshape(Nb, n, -1)  # (Nb, r*bq, E), scale folded in once
         m_i, l_i, acc = online.start((Nb, n), Ev, q4)  # (Nb, n, 1), (Nb, n, 1), (Nb, n, Ev)
-        for j0 in _key_blocks(i0, i1, S, bk, is_causal):
+        for j0 in _key_blocks(i0, i1, S, bk, is_causal, offset):
             j1 = min(S, j0 + bk)
             mt = layout.mask_tile(mask, i0, i1, j0, j1, L, S) if mask is not None else None
-            ct = _causal_tile(i0, i1, j0, j1, r, q4.device) if is_causal else None
+            ct = _causal_tile(i0, i1, j0, j1, r, q4.device, offset) if is_causal else None
             s = _masked_scores(q_tile, kT, j0, j1, mt, ct, mask_scale)  # (Nb, n, bk), ours to overwrite
             m_i, l_i, acc = online.update(m_i, l_i, acc, s, v3[:, j0:j1], exp)
         o, lse = online.finish(m_i, l_i, acc, log)  # (Nb, n, Ev), (Nb, n): 0 and -inf for rows with no key
@@ -265,7 +280,7 @@ def _forward_eager(q4: Tensor, k3: Tensor, v3: Tensor, layout: Layout, mask: Opt
 def backward_blocks(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, layout: Layout,
               mask: Optional[Tensor], is_causal: bool, scale: float, bq: int, bk: int,
               accumulate_into: Optional[tuple[Tensor, Tensor, Tensor]] = None,
-              delta: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+              delta: Optional[Tensor] = None, offset: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """FlashAttention-2's backward: recompute P one tile at a time from lse; never an (L, S) tensor.
 
     ``accumulate_into=(dq, dk, dv)`` adds the gradients into those tensors (views work) instead
@@ -290,18 +305,19 @@ def backward_blocks(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tenso
                 delta = (dout * out).sum(dim=-1, dtype=f32)  # D_i = rowsum(dO_i * O_i), (Nb, r, L)
             m, offsets = _native_mask(mask, layout, q4.shape[2], k3.shape[1])
             ops.flash_backward_(dense_rows(dout), dense_rows(q4), dense_rows(k3), dense_rows(v3), lse2, delta,
-                                dq, dk, dv, m, offsets, scale, is_causal, bq, bk,
+                                dq, dk, dv, m, offsets, scale, is_causal, offset, bq, bk,
                                 q4.dtype == torch.bfloat16 and _emulated())
             return dq, dk, dv
         accumulate_into = (dq, dk, dv)
     return _backward_eager(*_widened(dout, q4, k3, v3), out, lse2, layout, mask, is_causal, scale, bq, bk,
-                           accumulate_into, delta)
+                           accumulate_into, delta, offset=offset)
 
 
 def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2: Tensor, layout: Layout,
                     mask: Optional[Tensor], is_causal: bool, scale: float, bq: int, bk: int,
                     accumulate_into: Optional[tuple[Tensor, Tensor, Tensor]] = None,
-                    delta: Optional[Tensor] = None, natural: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                    delta: Optional[Tensor] = None, natural: bool = False,
+                    offset: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """The backward in pure PyTorch, batched over heads: the readable version, and the fallback.
 
     ``natural=True``: ``lse2`` holds ``(m_i, l_i)`` in natural-log units, as
@@ -336,10 +352,10 @@ def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tenso
         inv_l_tile = inv_l[:, :, i0:i1].reshape(Nb, n, 1) if natural else None
         d_tile = delta[:, :, i0:i1].reshape(Nb, n, 1)
         dq_tile = torch.zeros_like(q_tile)
-        for j0 in _key_blocks(i0, i1, S, bk, is_causal):
+        for j0 in _key_blocks(i0, i1, S, bk, is_causal, offset):
             j1 = min(S, j0 + bk)
             mt = layout.mask_tile(mask, i0, i1, j0, j1, L, S) if mask is not None else None
-            ct = _causal_tile(i0, i1, j0, j1, r, q4.device) if is_causal else None
+            ct = _causal_tile(i0, i1, j0, j1, r, q4.device, offset) if is_causal else None
             p = exp(_masked_scores(q_scaled, kT, j0, j1, mt, ct, mask_scale).sub_(lse_tile))  # P_ij (Nb, n, bk)
             if natural:
                 p.mul_(inv_l_tile)  # P_ij = exp(s - m_i) / l_i
@@ -351,7 +367,7 @@ def _backward_eager(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tenso
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk, batch):
+    def forward(ctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk, batch, offset):
         dtype = _native.operand_dtype(query.dtype)  # bfloat16 stays bfloat16 on the bf16 route
         layout = Layout(batch, query, key, enable_gqa)
         L, E, S = query.shape[-2], query.shape[-1], key.shape[-2]
@@ -370,16 +386,19 @@ class _FlashAttention(torch.autograd.Function):
             out4 = q4.new_zeros(layout.Nb, layout.r, L, v3.shape[-1])
             lse2 = q4.new_full((layout.Nb, layout.r, L), float("-inf"))
         elif ctx.natural:
-            out4, lse2 = _forward_eager(q4, k3, v3, layout, mask, is_causal, scale_f, bq, bk, natural=True)
+            out4, lse2 = _forward_eager(q4, k3, v3, layout, mask, is_causal, scale_f, bq, bk, natural=True,
+                                        offset=offset)
         else:
-            out4, lse2 = _forward(q4, k3, v3, layout, mask, is_causal, scale_f * LOG2E, bq, bk)
+            out4, lse2 = _forward(q4, k3, v3, layout, mask, is_causal, scale_f * LOG2E, bq, bk, offset)
             if lse_absorbed(lse2):
                 ctx.natural = True
                 q4, k3, v3 = _widened(q4, k3, v3)
-                out4, lse2 = _forward_eager(q4, k3, v3, layout, mask, is_causal, scale_f, bq, bk, natural=True)
+                out4, lse2 = _forward_eager(q4, k3, v3, layout, mask, is_causal, scale_f, bq, bk, natural=True,
+                                            offset=offset)
         ctx.save_for_backward(q4, k3, v3, out4, lse2, mask if mask is not None else torch.empty(0))
         ctx.has_mask = mask is not None
         ctx.layout, ctx.is_causal, ctx.scale, ctx.bq, ctx.bk = layout, is_causal, scale_f, bq, bk
+        ctx.offset = offset
         ctx.shapes = (query.shape, key.shape, value.shape)
         return out4.reshape(*layout.batch, L, v3.shape[-1]).to(query.dtype)
 
@@ -393,10 +412,10 @@ class _FlashAttention(torch.autograd.Function):
             dq4, dk3, dv3 = (torch.zeros_like(t, dtype=out4.dtype) for t in (q4, k3, v3))
         elif ctx.natural:
             dq4, dk3, dv3 = _backward_eager(*_widened(dout4, q4, k3, v3), out4, lse2, layout, mask, ctx.is_causal,
-                                            ctx.scale, ctx.bq, ctx.bk, natural=True)
+                                            ctx.scale, ctx.bq, ctx.bk, natural=True, offset=ctx.offset)
         else:
             dq4, dk3, dv3 = backward_blocks(dout4, q4, k3, v3, out4, lse2, layout, mask if ctx.has_mask else None,
-                                      ctx.is_causal, ctx.scale, ctx.bq, ctx.bk)
+                                            ctx.is_causal, ctx.scale, ctx.bq, ctx.bk, offset=ctx.offset)
         if ctx.no_features:  # E == 0: q and k have no elements, so no gradient either
             dq4, dk3 = dq4[..., :0], dk3[..., :0]
         # undo the layout, then sum over whatever broadcasting expanded
@@ -404,4 +423,4 @@ class _FlashAttention(torch.autograd.Function):
         dk = dk3.reshape(*layout.kv_batch, *k_shape[-2:]).sum_to_size(k_shape)
         dv = dv3.reshape(*layout.kv_batch, *v_shape[-2:]).sum_to_size(v_shape)
         dtype = grad_out.dtype
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None, None

@@ -222,7 +222,7 @@ def test_native_backward_matches_the_pure_backward(shape, causal, gen, native_op
     scale = 1 / math.sqrt(E)
     out, lse2 = tiled._forward_eager(q4, k3, v3, None, None, causal, scale * tiled.LOG2E, bq, bk)
     native = [torch.zeros_like(t) for t in (q4, k3, v3)]
-    native_ops.flash_backward_(dout, q4, k3, v3, lse2, (dout * out).sum(-1), *native, None, None, scale, causal, bq, bk)
+    native_ops.flash_backward_(dout, q4, k3, v3, lse2, (dout * out).sum(-1), *native, None, None, scale, causal, 0, bq, bk)
     eager = tiled._backward_eager(dout, q4, k3, v3, out, lse2, None, None, causal, scale, bq, bk)
     # and against autograd through float64 SDPA
     qd, kd, vd = (t.double().requires_grad_(True) for t in (q4, k3, v3))

@@ -11,6 +11,7 @@ from helpers import parity_stats
 from attnlab.dispatch import attention, choose_impl, use_impl
 from attnlab.functional import scaled_dot_product_attention as reference
 from attnlab.testing import assert_close, assert_close_to_sdpa, max_abs_diff
+from attnlab import masks, tiled
 from attnlab.tiled import flash_attention
 from helpers.parity_cases import CASES, DTYPES, build
 
@@ -150,3 +151,40 @@ def test_tiled_never_allocates_an_L_by_S_tensor():
     assert tiled_growth < scores_bytes / 4, f"tiled forward+backward grew the peak by {tiled_growth / 2**20:.0f} MiB"
     # the check can fail: the reference, which builds (L, S) tensors, does not pass it
     assert peak_growth("reference") > scores_bytes
+
+
+def _bottom_right(**fixed):
+    """SDPA's signature; the oracle gets masks.causal(align='bottom_right'), attnlab the offset."""
+    def run(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        return tiled.flash_attention(q, k, v, None, True, scale, enable_gqa=enable_gqa, causal_align="bottom_right",
+                                     **fixed)
+    return run
+
+
+@pytest.mark.parametrize("L,S", [(3, 8), (8, 3), (37, 300), (300, 37), (1, 9), (9, 1)])
+@pytest.mark.parametrize("blocks", [(2, 3), (16, 7), (256, 256)])
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "pure"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_bottom_right_causal_is_an_offset_not_a_mask(L, S, blocks, use_native, dtype, gen, monkeypatch):
+    """Rows with no key (L > S: the first L - S queries) are 0, as torch gives with the mask."""
+    if not use_native:
+        monkeypatch.setattr(tiled, "_native_ops", lambda *a: None)
+    q = torch.randn(2, 4, L, 16, generator=gen, dtype=dtype)
+    k, v = torch.randn(2, 2, S, 16, generator=gen, dtype=dtype), torch.randn(2, 2, S, 8, generator=gen, dtype=dtype)
+    mask = masks.causal(L, S, align="bottom_right")
+    assert_close_to_sdpa(_bottom_right(block_q=blocks[0], block_k=blocks[1]), q, k, v, mask, enable_gqa=True)
+
+
+def test_the_front_door_passes_bottom_right_as_an_offset(gen, monkeypatch):
+    from attnlab import dispatch
+
+    q, k, v = torch.randn(1, 2, 40, 8, generator=gen), torch.randn(1, 2, 70, 8, generator=gen), \
+        torch.randn(1, 2, 70, 8, generator=gen)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, masks.causal(40, 70, align="bottom_right"))
+
+    def no_dense_mask(*a, **kw):
+        raise AssertionError("the tiled path got a dense (L, S) causal mask")
+
+    monkeypatch.setattr(masks, "causal", no_dense_mask)
+    got = dispatch.attention(q, k, v, is_causal=True, causal_align="bottom_right", impl="tiled")
+    assert_close(got, expected, dtype=torch.float32)

@@ -174,7 +174,8 @@ def _get() -> tuple[Optional[Any], NativeStatus]:
 
 
 def ops() -> Optional[Any]:
-    """The compiled ops, or None: ``flash_forward(q4, k3, v3, scale2, is_causal, block_q, block_k)
+    """The compiled ops, or None: ``flash_forward(q4, k3, v3, mask, mask_offsets, scale2, is_causal, causal_offset,
+    block_q, block_k)
     -> (out, lse2)`` and ``flash_forward_(q4, k3, v3, out, lse2, scale2, is_causal, block_q, block_k)``,
     which continues the softmax state held in ``(out, lse2)`` in place, and ``flash_backward_(dout,
     q4, k3, v3, lse2, delta, dq, dk, dv, scale, is_causal, block_q, block_k)``, which adds the

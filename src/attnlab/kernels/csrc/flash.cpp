@@ -106,7 +106,7 @@ MaskView make_mask(const std::optional<at::Tensor>& mask, const std::optional<at
 template <class G>
 void forward_tiles(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
                    const at::Tensor& out, const at::Tensor& lse2, const std::optional<at::Tensor>& mask,
-                   const std::optional<at::Tensor>& mask_offsets, double scale2_d, bool is_causal, int64_t block_q,
+                   const std::optional<at::Tensor>& mask_offsets, double scale2_d, bool is_causal, int64_t causal_offset, int64_t block_q,
                    int64_t block_k) {
   using T = typename G::T;
   TORCH_CHECK((q4.stride(3) == 1 || q4.size(3) == 1) && (k3.stride(2) == 1 || k3.size(2) == 1) &&
@@ -177,8 +177,9 @@ void forward_tiles(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, co
           std::copy(o_tile + a * o_s2, o_tile + a * o_s2 + Ev, acc_row);
         }
       }
-      // top-left causal: query i sees keys 0..i, so key blocks from i0 + n on are skipped
-      const int64_t j_end = is_causal ? std::min<int64_t>(S, i0 + n) : S;
+      // causal: query i sees keys 0..i + causal_offset (0: top-left, S - L: bottom-right), so key
+      // blocks from i0 + n + causal_offset on are skipped
+      const int64_t j_end = is_causal ? std::clamp<int64_t>(i0 + n + causal_offset, 0, S) : S;
       for (int64_t j0 = 0; j0 < j_end; j0 += bk) {
         const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
         // S_ij = scale2 * Q_i K_j^T   (n, nk)
@@ -186,7 +187,7 @@ void forward_tiles(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, co
              static_cast<int>(k_s1), 0.0f, s, nk);
         // keys j0 + c with c < valid are visible to row a (causal), minus the masked ones
         online_update(s, n, nk, [&](int64_t a, float* row) {
-          const int64_t visible = is_causal ? (i0 + a) - j0 + 1 : nk;
+          const int64_t visible = is_causal ? (i0 + a + causal_offset) - j0 + 1 : nk;
           const int valid = static_cast<int>(std::clamp<int64_t>(visible, 0, nk));
           if (mv.present() && valid > 0) mv.apply(row, head, i0 + a, j0, valid);
           return valid;
@@ -202,7 +203,7 @@ void forward_tiles(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, co
 
 void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3, const at::Tensor& out,
                     const at::Tensor& lse2, const std::optional<at::Tensor>& mask,
-                    const std::optional<at::Tensor>& mask_offsets, double scale2, bool is_causal, int64_t block_q,
+                    const std::optional<at::Tensor>& mask_offsets, double scale2, bool is_causal, int64_t causal_offset, int64_t block_q,
                     int64_t block_k, bool bf16_emulated) {
   TORCH_CHECK(q4.dim() == 4 && k3.dim() == 3 && v3.dim() == 3 && out.dim() == 4 && lse2.dim() == 3,
               "attnlab native forward: bad ranks");
@@ -215,10 +216,11 @@ void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor
                 "attnlab native forward: q4, k3, v3 of one dtype, out and lse2 float32, on the CPU");
   }
   if (operands == at::kBFloat16) {
-    forward_tiles(GemmBf16{!bf16_emulated}, q4, k3, v3, out, lse2, mask, mask_offsets, scale2, is_causal, block_q,
-                  block_k);
+    forward_tiles(GemmBf16{!bf16_emulated}, q4, k3, v3, out, lse2, mask, mask_offsets, scale2, is_causal, causal_offset,
+                  block_q, block_k);
   } else {
-    forward_tiles(Gemm32{}, q4, k3, v3, out, lse2, mask, mask_offsets, scale2, is_causal, block_q, block_k);
+    forward_tiles(Gemm32{}, q4, k3, v3, out, lse2, mask, mask_offsets, scale2, is_causal, causal_offset, block_q,
+                  block_k);
   }
 }
 
@@ -226,13 +228,14 @@ void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor
 std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
                                                  const std::optional<at::Tensor>& mask,
                                                  const std::optional<at::Tensor>& mask_offsets, double scale2,
-                                                 bool is_causal, int64_t block_q, int64_t block_k,
+                                                 bool is_causal, int64_t causal_offset, int64_t block_q, int64_t block_k,
                                                  bool bf16_emulated) {
   TORCH_CHECK(q4.dim() == 4 && v3.dim() == 3, "attnlab native forward: bad ranks");
   const at::TensorOptions f32 = q4.options().dtype(at::kFloat);
   at::Tensor out = at::empty({q4.size(0), q4.size(1), q4.size(2), v3.size(2)}, f32);
   at::Tensor lse2 = at::full({q4.size(0), q4.size(1), q4.size(2)}, -std::numeric_limits<float>::infinity(), f32);
-  flash_forward_(q4, k3, v3, out, lse2, mask, mask_offsets, scale2, is_causal, block_q, block_k, bf16_emulated);
+  flash_forward_(q4, k3, v3, out, lse2, mask, mask_offsets, scale2, is_causal, causal_offset, block_q, block_k,
+                 bf16_emulated);
   // rows that never saw a key (S = 0) still hold uninitialised memory: SDPA gives 0 there
   if (k3.size(1) == 0) out.zero_();
   return {out, lse2};
@@ -255,7 +258,7 @@ template <class G>
 void backward_tiles(const G& gemm, const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3,
                     const at::Tensor& v3, const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq,
                     const at::Tensor& dk, const at::Tensor& dv, const std::optional<at::Tensor>& mask,
-                    const std::optional<at::Tensor>& mask_offsets, double scale_d, bool is_causal, int64_t block_q,
+                    const std::optional<at::Tensor>& mask_offsets, double scale_d, bool is_causal, int64_t causal_offset, int64_t block_q,
                     int64_t block_k) {
   using T = typename G::T;
   const BackwardSetup<T> setup(dout, q4, k3, v3, lse2, delta, dq, dk, dv, "attnlab native backward");
@@ -290,7 +293,7 @@ void backward_tiles(const G& gemm, const at::Tensor& dout, const at::Tensor& q4,
           const auto rw = setup.rows(nb, h, i0);
           const T *q_tile = rw.q, *do_tile = rw.dout;
           float* dq_tile = rw.dq;
-          const int64_t j_end = is_causal ? std::min<int64_t>(S, i0 + n) : S;
+          const int64_t j_end = is_causal ? std::clamp<int64_t>(i0 + n + causal_offset, 0, S) : S;
           for (int64_t j0 = 0; j0 < j_end; j0 += bk) {
             const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
             // P = 2^(scale2 * Q_i K_j^T - lse2_i)
@@ -299,7 +302,7 @@ void backward_tiles(const G& gemm, const at::Tensor& dout, const at::Tensor& q4,
             for (int a = 0; a < n; ++a) {
               float* row = p + static_cast<int64_t>(a) * nk;
               const float m = rw.lse[a * rw.lse_stride];
-              const int64_t visible = is_causal ? (i0 + a) - j0 + 1 : nk;
+              const int64_t visible = is_causal ? (i0 + a + causal_offset) - j0 + 1 : nk;
               const int valid = m == neg_inf ? 0 : static_cast<int>(std::clamp<int64_t>(visible, 0, nk));
               if (mv.present() && valid > 0) mv.apply(row, nb * r + h, i0 + a, j0, valid);  // masked: 2^-inf = 0
               exp2_shifted(row, valid, m);
@@ -322,14 +325,14 @@ void backward_tiles(const G& gemm, const at::Tensor& dout, const at::Tensor& q4,
 void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
                      const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
                      const at::Tensor& dv, const std::optional<at::Tensor>& mask,
-                     const std::optional<at::Tensor>& mask_offsets, double scale, bool is_causal, int64_t block_q,
+                     const std::optional<at::Tensor>& mask_offsets, double scale, bool is_causal, int64_t causal_offset, int64_t block_q,
                      int64_t block_k, bool bf16_emulated) {
   if (q4.scalar_type() == at::kBFloat16) {
     backward_tiles(GemmBf16{!bf16_emulated}, dout, q4, k3, v3, lse2, delta, dq, dk, dv, mask, mask_offsets, scale,
-                   is_causal, block_q, block_k);
+                   is_causal, causal_offset, block_q, block_k);
   } else {
     backward_tiles(Gemm32{}, dout, q4, k3, v3, lse2, delta, dq, dk, dv, mask, mask_offsets, scale, is_causal,
-                   block_q, block_k);
+                   causal_offset, block_q, block_k);
   }
 }
 
@@ -339,9 +342,9 @@ bool bf16_units() { return bf16_gemm_native(); }
 }  // namespace
 
 TORCH_LIBRARY(attnlab_native, m) {
-  m.def("flash_forward(Tensor q4, Tensor k3, Tensor v3, Tensor? mask, Tensor? mask_offsets, float scale2, bool is_causal, int block_q, int block_k, bool bf16_emulated=False) -> (Tensor, Tensor)");
-  m.def("flash_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor? mask, Tensor? mask_offsets, float scale, bool is_causal, int block_q, int block_k, bool bf16_emulated=False) -> ()");
-  m.def("flash_forward_(Tensor q4, Tensor k3, Tensor v3, Tensor(a!) out, Tensor(b!) lse2, Tensor? mask, Tensor? mask_offsets, float scale2, bool is_causal, int block_q, int block_k, bool bf16_emulated=False) -> ()");
+  m.def("flash_forward(Tensor q4, Tensor k3, Tensor v3, Tensor? mask, Tensor? mask_offsets, float scale2, bool is_causal, int causal_offset, int block_q, int block_k, bool bf16_emulated=False) -> (Tensor, Tensor)");
+  m.def("flash_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor? mask, Tensor? mask_offsets, float scale, bool is_causal, int causal_offset, int block_q, int block_k, bool bf16_emulated=False) -> ()");
+  m.def("flash_forward_(Tensor q4, Tensor k3, Tensor v3, Tensor(a!) out, Tensor(b!) lse2, Tensor? mask, Tensor? mask_offsets, float scale2, bool is_causal, int causal_offset, int block_q, int block_k, bool bf16_emulated=False) -> ()");
   m.def("bf16_units() -> bool");
 }
 
