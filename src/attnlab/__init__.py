@@ -2,12 +2,23 @@
 
 Public API:
 
+* :func:`attnlab.attention`: the one front door (:mod:`attnlab.dispatch`): SDPA's signature,
+  run by the reference, the tiled path, flex or the decode path (``impl=``, :func:`use_impl`).
 * :func:`attnlab.stable_softmax`: softmax that never overflows; fully masked rows give 0.
 * :mod:`attnlab.functional`: ``scaled_dot_product_attention`` (torch SDPA's contract,
-  written from scratch) and ``attention_weights``.
-* :class:`attnlab.SelfAttention`: the lesson's single-head module, with ``trace``.
+  written from scratch) and ``attention_weights``: the reference.
+* :func:`attnlab.flash_attention` (:mod:`attnlab.tiled`): the same, tile by tile, with its
+  native kernels; :mod:`attnlab.flex` (FlexAttention's API), :mod:`attnlab.decoding` (KV
+  caches), :mod:`attnlab.distributed` (ring attention) beside it, all over one kernel layer
+  (:mod:`attnlab.kernels`).
+* :class:`attnlab.SelfAttention`, :class:`attnlab.MultiHeadAttention`, :class:`attnlab.KVCache`
+  (:mod:`attnlab.modules`): the lesson's module, with ``trace``, and the models' modules.
 * :mod:`attnlab.masks`: materialised bool masks (``True`` = attend).
 * :mod:`attnlab.testing`: parity helpers against torch's SDPA, for any implementation.
+
+Beside the library: :mod:`attnlab.labs` (the labs, a module each), :mod:`attnlab.grading`
+(the grader and its sandbox), :mod:`attnlab.bench` (``attnlab bench``), :mod:`attnlab.doctor`,
+and :mod:`attnlab.cli` (the command, thin).
 """
 
 from __future__ import annotations

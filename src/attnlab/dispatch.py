@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator, Literal, Optional
+from typing import TYPE_CHECKING, Iterator, Literal, Optional, Union
 
 import torch
 from torch import Tensor
@@ -50,7 +50,13 @@ from attnlab import functional, masks, tiled
 
 __all__ = ["attention", "use_impl", "IMPLS", "AUTO_TILED_MIN_SCORES", "DECODE_MAX_L", "DECODE_MIN_S", "choose_impl"]
 
+if TYPE_CHECKING:  # flex is imported lazily at run time (it is the heavier package)
+    from attnlab.flex import BlockMask
+    from attnlab.flex.attention import ScoreMod  # score_mod(score, b, h, q_idx, kv_idx) -> score
+
 Align = Literal["top_left", "bottom_right"]
+# a tensor mask (bool: True = attend, or float: added) or, for flex, a BlockMask
+Mask = Union[Tensor, "BlockMask", None]
 
 Impl = Literal["auto", "reference", "tiled", "flex", "decode"]
 IMPLS = ("auto", "reference", "tiled", "flex", "decode")
@@ -93,7 +99,7 @@ def _tiled_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask: Opt
     return None
 
 
-def _flex_unsupported(query: Tensor, attn_mask, dropout_p: float, is_causal: bool) -> Optional[str]:
+def _flex_unsupported(query: Tensor, attn_mask: Mask, dropout_p: float, is_causal: bool) -> Optional[str]:
     """Why flex cannot run this call, or None."""
     from attnlab import flex
 
@@ -108,7 +114,7 @@ def _flex_unsupported(query: Tensor, attn_mask, dropout_p: float, is_causal: boo
     return None
 
 
-def _decode_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask, dropout_p: float) -> Optional[str]:
+def _decode_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask: Mask, dropout_p: float) -> Optional[str]:
     """Why the decode path cannot run this call, or None."""
     if attn_mask is not None:
         return "an attn_mask (the decode path takes is_causal, with causal_align)"
@@ -119,9 +125,9 @@ def _decode_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask, dr
     return None
 
 
-def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask=None, dropout_p: float = 0.0, *,
+def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Mask = None, dropout_p: float = 0.0, *,
                 enable_gqa: bool = False, impl: Optional[Impl] = None, is_causal: bool = False,
-                score_mod=None) -> str:
+                score_mod: Optional[ScoreMod] = None) -> str:
     """The implementation :func:`attention` will run for these arguments: "reference", "tiled",
     "flex" or "decode". Raises ``ValueError`` when ``impl`` names one that cannot run them."""
     from attnlab import flex
@@ -165,14 +171,14 @@ def attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    attn_mask: Optional[Tensor] = None,
+    attn_mask: Mask = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: Optional[float] = None,
     *,
     enable_gqa: bool = False,
     impl: Optional[Impl] = None,
-    score_mod=None,
+    score_mod: Optional[ScoreMod] = None,
     causal_align: Align = "top_left",
 ) -> Tensor:
     """SDPA's signature and semantics, run by the implementation ``impl`` picks (see the module doc).

@@ -1,4 +1,7 @@
-"""``nn.Module`` wrappers around attnlab's reference attention."""
+"""``nn.Module`` wrappers around attnlab's attention: :class:`SelfAttention` (the lesson's
+module, on the reference, with ``trace``), :class:`MultiHeadAttention` (through the front
+door, :func:`attnlab.dispatch.attention`, or the reference when it must return the weights)
+and :class:`KVCache` (decoding through :mod:`attnlab.decoding`)."""
 
 from __future__ import annotations
 

@@ -10,9 +10,12 @@ result equals softmax(QK^T)V exactly, up to rounding. The backward pass recomput
 each score block from Q, K, the output and the log-sum-exp ``lse = m_i + log l_i``
 instead of storing the ``(L, S)`` probabilities.
 
-The functions here are the readable version. For float32 on the CPU the forward and
+The functions here are the readable version. Where :func:`attnlab.kernels.native.can_run`
+says so (float32 on the CPU, or bfloat16 on the bf16 route; finite inputs) the forward and
 backward run the same loops as compiled C++ (``csrc/flash.cpp``, built by
 :mod:`attnlab.kernels.native`), one cache-sized tile per task; :func:`native_status` says which.
+Causality is an offset in both: keys ``0..i + offset`` are visible to query ``i`` (0 top-left,
+``S - L`` bottom-right), and tiles past it are skipped.
 
 Arithmetic is done in base 2 (``exp2``, with ``log2(e)`` folded into the query
 scale): same result, and ``exp2`` is cheaper than ``exp`` on the CPU.
@@ -21,7 +24,7 @@ Layout inside this module: the leading dims are flattened to ``Nb`` rows of
 key/value heads, and the ``r = H / Hkv`` query heads that share a key/value head
 are stacked along the query axis, so every block is one batched matmul::
 
-    q3 (Nb, r, L, E)    k3 (Nb, S, E)    v3 (Nb, S, Ev)
+    q4 (Nb, r, L, E)    k3 (Nb, S, E)    v3 (Nb, S, Ev)
 
 so grouped-query attention never repeats K or V.
 
@@ -32,8 +35,8 @@ Package-internal kernel API (for :mod:`attnlab.distributed` and other attnlab mo
 not in ``__all__``, not for users): :func:`forward_into` (continue a saved ``(out, lse2)``
 state with more keys), :func:`backward_blocks` (FlashAttention-2's backward on the
 ``(Nb, r, L, E)`` layout, adding into given tensors), :func:`block_size` (check a tile size),
-:func:`finite_inputs` and :func:`lse_absorbed` (when the native kernels' base-2 arithmetic
-cannot be used; :mod:`attnlab.flex.kernels` asks them too).
+:func:`attnlab.kernels.finite_inputs` and :func:`attnlab.kernels.lse_absorbed` (when the
+native kernels' base-2 arithmetic cannot be used) live in the kernel layer, :mod:`attnlab.kernels`.
 """
 
 from __future__ import annotations
