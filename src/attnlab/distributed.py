@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from attnlab import kernels, tiled
+from attnlab import kernels
+from attnlab.kernels import dense
 from attnlab._validation import compute_dtype, default_scale, validate
 
 __all__ = ["ring_attention", "shard_sequence", "gather_sequence", "positions", "LAYOUTS"]
@@ -214,13 +215,13 @@ class _CausalSteps:
 
     def forward(self, src, g, q_g, k_cur, v_cur, out_g, lse_g) -> None:
         for qs, ks, diag in self._pairs(src):
-            tiled.forward_into(q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs], lse_g[:, :, qs],
+            dense.forward_into(q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs], lse_g[:, :, qs],
                                diag, self.scale * kernels.LOG2E, self.bq, self.bk)
 
     def backward(self, src, g, dout_g, q_g, k_cur, v_cur, out_g, lse_g, delta_g, dq_g, dk_cur, dv_cur) -> None:
         for qs, ks, diag in self._pairs(src):
             # FlashAttention-2's tile backward with the *final* out and lse: exact per block
-            tiled.backward_blocks(dout_g[:, :, qs], q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs],
+            dense.backward(dout_g[:, :, qs], q_g[:, :, qs], k_cur[:, ks], v_cur[:, ks], out_g[:, :, qs],
                                   lse_g[:, :, qs], self.layout, None, diag, self.scale, self.bq, self.bk,
                                   accumulate_into=(dq_g[:, :, qs], dk_cur[:, ks], dv_cur[:, ks]),
                                   delta=delta_g[:, :, qs])
@@ -485,7 +486,7 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optional
                          f"query {tuple(query.shape)} and key {tuple(key.shape)}")
     if layout == "zigzag" and query.shape[-2] % 2:
         raise ValueError(f"ring_attention: the zigzag layout needs an even local length, got {query.shape[-2]}")
-    bq = kernels.block_size(block_q, tiled.DEFAULT_BLOCK_Q, "block_q", "ring_attention")
-    bk = kernels.block_size(block_k, tiled.DEFAULT_BLOCK_K, "block_k", "ring_attention")
+    bq = kernels.block_size(block_q, dense.DEFAULT_BLOCK_Q, "block_q", "ring_attention")
+    bk = kernels.block_size(block_k, dense.DEFAULT_BLOCK_K, "block_k", "ring_attention")
     return _Ring.apply(query, key, value, group, is_causal, scale, layout, enable_gqa, bq, bk, batch, mask_mod,
                        message_bytes, stats)

@@ -110,3 +110,21 @@ def test_a_bad_tile_size_names_its_caller():
         kernels.block_size(0, 256, "block_k", "ring_attention")
     with pytest.raises(ValueError, match="flash_attention: block_q must be a positive int, got True"):
         kernels.block_size(True, 256, "block_q")
+
+
+def test_the_ring_and_the_tiled_path_share_the_kernel_layer_only():
+    """distributed.py reaches the tiles through attnlab.kernels (dense), never through tiled.py;
+    tiled.py keeps the public function and its autograd.Function only."""
+    import ast
+    from pathlib import Path
+
+    import attnlab
+
+    root = Path(attnlab.__file__).parent
+    tree = ast.parse((root / "distributed.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "attnlab"
+                for a in n.names} | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert "tiled" not in imported and "attnlab.tiled" not in imported, imported
+    tiled_tree = ast.parse((root / "tiled.py").read_text())
+    defs = {n.name for n in tiled_tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert defs == {"flash_attention", "native_status", "_FlashAttention"}, defs

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers import parity_stats
+from attnlab.kernels import dense
 from attnlab import kernels, tiled
 from attnlab.kernels import native as _native
 from attnlab.testing import assert_close, assert_close_to_sdpa
@@ -21,7 +22,7 @@ def native_ops():
     """The compiled ops; a test that needs them fails (never skips) when they are missing."""
     if not tiled.native_status().available:
         pytest.fail(str(tiled.native_status()))
-    return tiled._native.ops()
+    return _native.ops()
 
 
 def test_native_kernel_is_in_use_here():
@@ -67,10 +68,10 @@ def test_native_matches_the_pure_forward_and_torch(shape, causal, gen, native_op
     Nb, r, L, S, E, Ev, bq, bk = shape
     q4, k3, v3 = _inputs(gen, Nb, r, L, S, E, Ev)
     scale = 1 / math.sqrt(E)
-    scale2 = scale * tiled.LOG2E
+    scale2 = scale * dense.LOG2E
     layout = None  # no mask: the layout is only used to cut mask tiles
-    out_n, lse_n = tiled._forward(q4, k3, v3, layout, None, causal, scale2, bq, bk)
-    out_e, lse_e = tiled._forward_eager(q4, k3, v3, layout, None, causal, scale2, bq, bk)
+    out_n, lse_n = dense.forward(q4, k3, v3, layout, None, causal, scale2, bq, bk)
+    out_e, lse_e = dense.forward_eager(q4, k3, v3, layout, None, causal, scale2, bq, bk)
     golden = _golden(q4, k3, v3, causal, scale)
     # both against the float64 golden with the shared tolerance, then against each other
     assert_close(out_n, golden, dtype=torch.float32, msg="native vs float64 SDPA")
@@ -85,9 +86,9 @@ def test_native_reads_views_without_copying(gen, native_ops):
     q_full, k_full, v_full = _inputs(gen, 2, 2, 96, 80, 16, 16)
     q4, k3, v3 = q_full[:, :, 32:64], k_full[:, 16:48], v_full[:, 16:48]
     assert not q4.is_contiguous() and kernels.dense_rows(q4) is q4
-    scale2 = 0.25 * tiled.LOG2E
-    out_n, lse_n = tiled._forward(q4, k3, v3, None, None, True, scale2, 8, 8)
-    out_e, lse_e = tiled._forward_eager(q4.contiguous(), k3.contiguous(), v3.contiguous(), None, None, True, scale2, 8, 8)
+    scale2 = 0.25 * dense.LOG2E
+    out_n, lse_n = dense.forward(q4, k3, v3, None, None, True, scale2, 8, 8)
+    out_e, lse_e = dense.forward_eager(q4.contiguous(), k3.contiguous(), v3.contiguous(), None, None, True, scale2, 8, 8)
     assert_close(out_n, out_e, msg="native on views vs pure on copies")
     assert_close(lse_n, lse_e)
 
@@ -189,15 +190,15 @@ def test_forward_into_continues_a_saved_state(use_native, gen, monkeypatch, requ
     if use_native:
         request.getfixturevalue("native_ops")  # fails when the kernel is missing
     else:
-        monkeypatch.setattr(tiled, "_native_ops", lambda *a: None)
+        monkeypatch.setattr(dense, "native_ops", lambda *a: None)
     q4, k3, v3 = _inputs(gen, 2, 2, 50, 90, 16, 8)
-    scale2 = 0.25 * tiled.LOG2E
+    scale2 = 0.25 * dense.LOG2E
     out = torch.zeros(2, 2, 50, 8)
     lse2 = torch.full((2, 2, 50), float("-inf"))
     for j0, j1, causal in [(40, 90, False), (0, 20, False), (20, 40, True)]:
         # views, as the ring passes them: rows 10.. only for the diagonal block
         rows = slice(0, 50) if not causal else slice(20, 40)
-        tiled.forward_into(q4[:, :, rows], k3[:, j0:j1], v3[:, j0:j1], out[:, :, rows], lse2[:, :, rows], causal,
+        dense.forward_into(q4[:, :, rows], k3[:, j0:j1], v3[:, j0:j1], out[:, :, rows], lse2[:, :, rows], causal,
                             scale2, 16, 16)
     # expected: rows 0-19 and 40-49 see every key except 20-39; rows 20-39 see the causal diagonal too
     mask = torch.ones(50, 90, dtype=torch.bool)
@@ -220,10 +221,10 @@ def test_native_backward_matches_the_pure_backward(shape, causal, gen, native_op
     q4, k3, v3 = _inputs(gen, Nb, r, L, S, E, Ev)
     dout = torch.randn(Nb, r, L, Ev, generator=gen)
     scale = 1 / math.sqrt(E)
-    out, lse2 = tiled._forward_eager(q4, k3, v3, None, None, causal, scale * tiled.LOG2E, bq, bk)
+    out, lse2 = dense.forward_eager(q4, k3, v3, None, None, causal, scale * dense.LOG2E, bq, bk)
     native = [torch.zeros_like(t) for t in (q4, k3, v3)]
     native_ops.flash_backward_(dout, q4, k3, v3, lse2, (dout * out).sum(-1), *native, None, None, scale, causal, 0, bq, bk)
-    eager = tiled._backward_eager(dout, q4, k3, v3, out, lse2, None, None, causal, scale, bq, bk)
+    eager = dense.backward_eager(dout, q4, k3, v3, out, lse2, None, None, causal, scale, bq, bk)
     # and against autograd through float64 SDPA
     qd, kd, vd = (t.double().requires_grad_(True) for t in (q4, k3, v3))
     golden = torch.nn.functional.scaled_dot_product_attention(
@@ -238,11 +239,11 @@ def test_native_backward_adds_into_views(gen, native_ops):
     """accumulate_into with views of bigger tensors, as the ring's backward does."""
     q4, k3, v3 = _inputs(gen, 2, 1, 40, 40, 8, 8)
     dout = torch.randn(2, 1, 40, 8, generator=gen)
-    out, lse2 = tiled._forward_eager(q4, k3, v3, None, None, True, 0.3 * tiled.LOG2E, 16, 16)
+    out, lse2 = dense.forward_eager(q4, k3, v3, None, None, True, 0.3 * dense.LOG2E, 16, 16)
     big = [torch.ones(2, 1, 60, 8), torch.ones(2, 70, 8), torch.ones(2, 70, 8)]
     views = (big[0][:, :, 10:50], big[1][:, 20:60], big[2][:, 20:60])
-    tiled.backward_blocks(dout, q4, k3, v3, out, lse2, None, None, True, 0.3, 16, 16, accumulate_into=views)
-    eager = tiled._backward_eager(dout, q4, k3, v3, out, lse2, None, None, True, 0.3, 16, 16)
+    dense.backward(dout, q4, k3, v3, out, lse2, None, None, True, 0.3, 16, 16, accumulate_into=views)
+    eager = dense.backward_eager(dout, q4, k3, v3, out, lse2, None, None, True, 0.3, 16, 16)
     for view, e in zip(views, eager):
         assert_close(view - 1, e, msg="added into the view")
     assert (big[1][:, :20] == 1).all() and (big[1][:, 60:] == 1).all()  # nothing outside the view
@@ -287,7 +288,7 @@ def test_native_masks_match_the_pure_code(name, gen, monkeypatch, native_ops):
 
     native = run()
     with monkeypatch.context() as m:
-        m.setattr(tiled, "_native_ops", lambda *a: None)
+        m.setattr(dense, "native_ops", lambda *a: None)
         pure = run()
     for what, a, b in zip(("output", "dq", "dk", "dv"), native, pure):
         assert torch.isfinite(a).all(), what
@@ -366,6 +367,6 @@ def test_one_predicate_answers_for_every_caller(native_ops, monkeypatch):
     from attnlab.flex import kernels as flex_kernels
     import inspect
 
-    for module in (tiled, flex_kernels, distributed, native):  # nobody else writes the dtype rules out
+    for module in (tiled, dense, flex_kernels, distributed, native):  # nobody else writes the dtype rules out
         assert "torch.float32, torch.bfloat16)" not in inspect.getsource(module).replace(
             inspect.getsource(native.can_run), ""), module.__name__
