@@ -258,10 +258,10 @@ class _MaskedSteps:
         return self._masks[src]
 
     def _plan(self, src: int, g: slice, r: int):
-        from attnlab.flex import kernels as flex_kernels
+        from attnlab.kernels import block_sparse
 
         bm = self.block_mask(src)
-        plan, bq, bk = flex_kernels.block_plan(bm, self.B, self.H, bm.Q_LEN, bm.KV_LEN)
+        plan, bq, bk = block_sparse.block_plan(bm, self.B, self.H, bm.Q_LEN, bm.KV_LEN)
         row_ptr, cols, bit_idx, bits, planes = plan
         return (row_ptr, cols, bit_idx, bits, planes[g.start * r:g.stop * r].contiguous()), bq, bk, cols.numel() == 0
 

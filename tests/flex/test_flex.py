@@ -183,7 +183,7 @@ def test_return_lse_matches_the_log_sum_exp():
 def test_forward_matches_torch_flex_attention(name, path, monkeypatch):
     from torch.nn.attention import flex_attention as torch_flex
 
-    from attnlab.flex import kernels
+    from attnlab.kernels import block_sparse as kernels
 
     calls = []
     if path == "pure":

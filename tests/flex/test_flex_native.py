@@ -1,8 +1,8 @@
-"""attnlab.flex's native block-sparse kernels (csrc/block_sparse.cpp, attnlab.flex.kernels).
+"""attnlab.flex's native block-sparse kernels (csrc/block_sparse.cpp, attnlab.kernels.block_sparse).
 
 Oracles: attnlab's reference with the mask written out densely (outputs and gradients) and
 the pure flex path (the same call with the kernels turned off). Every test here first checks
-that the native kernels really ran (a call counter on attnlab.flex.kernels.attention), so a
+that the native kernels really ran (a call counter on attnlab.kernels.block_sparse.attention), so a
 build failure or a silent fallback fails these tests rather than passing them on the pure path.
 """
 
@@ -15,7 +15,7 @@ from attnlab import tiled
 from attnlab.flex import (BlockMask, alibi, causal_mask, create_block_mask, document_ids, document_mask, flex_attention,
                           prefix_lm, relative_bias, sliding_window, softcap)
 from attnlab.flex import block_mask as bm_module
-from attnlab.flex import kernels
+from attnlab.kernels import block_sparse as kernels
 from attnlab.functional import scaled_dot_product_attention as reference
 from attnlab.testing import assert_close
 

@@ -364,9 +364,9 @@ def test_one_predicate_answers_for_every_caller(native_ops, monkeypatch):
     monkeypatch.setenv("ATTNLAB_BF16", "bf16-emulated")
     assert native.can_run(q.bfloat16(), k.bfloat16(), v.bfloat16())
     from attnlab import distributed, tiled
-    from attnlab.flex import kernels as flex_kernels
+    from attnlab.kernels import block_sparse
     import inspect
 
-    for module in (tiled, dense, flex_kernels, distributed, native):  # nobody else writes the dtype rules out
+    for module in (tiled, dense, block_sparse, distributed, native):  # nobody else writes the dtype rules out
         assert "torch.float32, torch.bfloat16)" not in inspect.getsource(module).replace(
             inspect.getsource(native.can_run), ""), module.__name__

@@ -2,7 +2,7 @@
 
 Float32 calls on the CPU without a ``score_mod``, or with :mod:`attnlab.flex.mods`' ``alibi``,
 ``softcap`` or ``relative_bias``, run the native block-sparse kernels
-(:mod:`attnlab.flex.kernels`, ``csrc/block_sparse.cpp``). The rest runs the pure-PyTorch path
+(:mod:`attnlab.kernels.block_sparse`, ``csrc/block_sparse.cpp``). The rest runs the pure-PyTorch path
 below, the oracle those kernels are tested against: it visits the query blocks one at a time, and for each the
 key blocks its block mask does not mark empty; full blocks get no mask work, partial ones
 their stored bits. The softmax is online (running max ``m_i``, sum ``l_i``, accumulator
@@ -28,8 +28,9 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from attnlab._validation import default_scale
-from attnlab.flex import kernels
+from attnlab.kernels import block_sparse as kernels  # the block-sparse tile source
 from attnlab.kernels import native, online
+from attnlab.flex import mods
 from attnlab.flex.block_mask import EMPTY, FULL, BlockMask, _unpack
 
 __all__ = ["flex_attention", "ScoreMod", "AuxRequest", "AuxOutput"]
@@ -137,7 +138,7 @@ def _attention(query: Tensor, key: Tensor, value: Tensor, score_mod, block_mask:
     B, H, L, E = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     scale_f = default_scale(scale, E)
-    form = kernels.native_form(score_mod)
+    form = mods.native_form(score_mod)
     square = block_mask is not None or tile[0] == tile[1]  # the native plan takes one tile size without a mask
     operand = native.operand_dtype(query.dtype)  # bfloat16 stays bfloat16 on the bf16 route
     q, k, v = query.to(operand), key.to(operand), value.to(operand)

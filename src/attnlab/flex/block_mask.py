@@ -83,7 +83,7 @@ class BlockMask:
 
     def compressed_rows(self) -> tuple[Tensor, Tensor, Tensor]:
         """The non-empty blocks as compressed rows, as the native kernels read them
-        (package-internal, for :mod:`attnlab.flex.kernels`; computed once per mask).
+        (package-internal, for :mod:`attnlab.kernels.block_sparse`; computed once per mask).
 
         Returns ``row_ptr (Bm * Hm * nq + 1,)``, ``cols (nnz,)`` and ``bit_idx (nnz,)``, all
         int64: the blocks of plane ``p = b * Hm + h``, query block ``i`` are entries

@@ -223,13 +223,26 @@ def or_masks(*mods):
 
 @dataclass(frozen=True)
 class NativeForm:
-    """A score_mod as the native kernels run it (package-internal, for :mod:`attnlab.flex.kernels`):
+    """A score_mod as the native kernels run it (package-internal, for :mod:`attnlab.kernels.block_sparse`):
     ``cap * tanh(s / cap)`` when ``cap > 0``, then ``+ table[h, clamp(q_idx - kv_idx) + n - 1]``
     for a relative ``table (H or 1, 2n - 1)``, or ``+ slopes[h] * (kv_idx - q_idx)`` for ALiBi."""
 
     cap: float = 0.0
     table: Optional[Tensor] = None
     slopes: Optional[Tensor] = None
+
+
+def native_form(score_mod) -> Optional[NativeForm]:
+    """The score_mod's :class:`NativeForm` when the kernels can run it (None for no score_mod
+    gives an empty form), else None."""
+    if score_mod is None:
+        return NativeForm()
+    form = getattr(score_mod, "native_form", None)
+    if not isinstance(form, NativeForm):
+        return None
+    if form.table is not None and not bool(torch.isfinite(form.table).all()):
+        return None  # inf/NaN in the table: the pure path propagates them as torch does
+    return form
 
 
 def alibi_slopes(H: int) -> Tensor:

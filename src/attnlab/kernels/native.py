@@ -5,7 +5,7 @@ The kernels (``csrc/flash.cpp``) run the same online softmax as
 its eager backward, one cache-sized tile at a time so that the row passes
 read scores still in cache; see the comment at the top of that file for why.
 ``csrc/block_sparse.cpp`` runs them over the blocks an :class:`attnlab.flex.BlockMask`
-keeps (used through :mod:`attnlab.flex.kernels`); ``csrc/decode.cpp`` is the decode kernel
+keeps (used through :mod:`attnlab.kernels.block_sparse`); ``csrc/decode.cpp`` is the decode kernel
 (:mod:`attnlab.kernels.decode`); ``csrc/kernels.h`` holds what they share and
 ``csrc/bf16_gemm.h`` the bf16 route's GEMM (:func:`bf16_route`).
 

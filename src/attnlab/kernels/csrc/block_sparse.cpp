@@ -4,7 +4,7 @@
 // Why a second kernel: flash.cpp walks every key block of a row (or stops at the causal
 // diagonal) and reads a dense (L, S) mask; a sliding window of 1024 at L = 16384 would do 16x
 // the work and read 256 MiB of mask. Here each query block i has a list of key blocks j
-// (compressed rows, built once from the BlockMask by attnlab.flex.kernels):
+// (compressed rows, built once from the BlockMask by attnlab.kernels.block_sparse):
 //
 //     full    block: S_ij = scale2 * Q_i K_j^T, no mask work at all
 //     partial block: the same, then the packed bits (bit c % 8 of byte c / 8 of the tile's row a;

@@ -1,4 +1,5 @@
-"""The native block-sparse kernels behind :func:`attnlab.flex.flex_attention` (package-internal).
+"""The block-sparse tile source of the kernel layer: the native kernels behind
+:func:`attnlab.flex.flex_attention` and the ring's masked steps (package-internal).
 
 ``csrc/block_sparse.cpp`` runs attnlab's online-softmax forward and FlashAttention-2 backward
 over the blocks a :class:`~attnlab.flex.BlockMask` keeps: empty blocks are never visited, full
@@ -8,25 +9,29 @@ repeated: the ``r = H / Hkv`` query heads of a key/value head share its K and V,
 
     q4 (Nb, r, L, E)    k3 (Nb, S, E)    v3 (Nb, S, Ev)      Nb = B * Hkv
 
-:func:`attention` is used when the kernels cover a call (float32 math on the CPU, finite
-inputs, the kernels built) and its ``score_mod`` is None or one of :mod:`attnlab.flex.mods`'
-``alibi``, ``softcap``, ``relative_bias`` (their :class:`~attnlab.flex.mods.NativeForm`; the
-relative table gets its gradient); anything else runs the pure path of
-:mod:`attnlab.flex.attention`, which is also the oracle these kernels are tested against.
+:func:`attention` is used when the kernels cover a call (:func:`covers`, that is
+:func:`attnlab.kernels.native.can_run`) and its ``score_mod`` is None or one of
+:mod:`attnlab.flex.mods`' ``alibi``, ``softcap``, ``relative_bias`` (their
+:class:`~attnlab.flex.mods.NativeForm`, which flex reads off the score_mod; the relative table
+gets its gradient); anything else runs the pure path of :mod:`attnlab.flex.attention`, which is
+also the oracle these kernels are tested against. The block mask and the form are read by their
+attributes only: the kernel layer imports nothing of flex.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import Tensor
 
 from attnlab.kernels import native as _native
-from attnlab import kernels as contract
-from attnlab.flex.block_mask import BlockMask
-from attnlab.flex.mods import NativeForm
+from attnlab.kernels.numerics import LOG2E, lse_absorbed
+
+if TYPE_CHECKING:  # read by attribute only: the kernel layer does not import flex
+    from attnlab.flex.block_mask import BlockMask
+    from attnlab.flex.mods import NativeForm
 
 __all__: list[str] = []  # package-internal
 
@@ -38,22 +43,11 @@ def covers(q: Tensor, k: Tensor, v: Tensor) -> bool:
     return _native.can_run(q, k, v)
 
 
-def native_form(score_mod) -> Optional[NativeForm]:
-    """The score_mod's :class:`NativeForm` when the kernels can run it (None for no score_mod
-    gives an empty form), else None."""
-    if score_mod is None:
-        return NativeForm()
-    form = getattr(score_mod, "native_form", None)
-    if not isinstance(form, NativeForm):
-        return None
-    if form.table is not None and not bool(torch.isfinite(form.table).all()):
-        return None  # inf/NaN in the table: the pure path propagates them as torch does
-    return form
-
-
-def _bias_table(form: NativeForm, H: int, L: int, S: int) -> Optional[Tensor]:
+def _bias_table(form: "Optional[NativeForm]", H: int, L: int, S: int) -> Optional[Tensor]:
     """``(rows, 2n - 1)`` float32 bias indexed by ``q_idx - kv_idx + n - 1``: the relative table
     itself (differentiable), or ALiBi's ``-slope_h * d`` for every distance ``d`` (n = max(L, S))."""
+    if form is None:
+        return None
     if form.table is not None:
         t = form.table.to(torch.float32)
         return (t.unsqueeze(0) if t.dim() == 1 else t).contiguous()
@@ -71,7 +65,7 @@ def _full_rows(nq: int, nk: int) -> tuple[Tensor, Tensor, Tensor]:
     return row_ptr, cols, torch.full((nq * nk,), -1, dtype=torch.int64)
 
 
-def _plan(block_mask: Optional[BlockMask], B: int, H: int, L: int, S: int,
+def _plan(block_mask: "Optional[BlockMask]", B: int, H: int, L: int, S: int,
           block: int) -> tuple[tuple[Tensor, ...], int, int]:
     """``(row_ptr, cols, bit_idx, bits, plane_of_head), bq, bk`` for the kernels.
 
@@ -92,7 +86,7 @@ def _plan(block_mask: Optional[BlockMask], B: int, H: int, L: int, S: int,
     return (*block_mask.compressed_rows(), block_mask.bits.contiguous(), planes), bq, bk
 
 
-def block_plan(block_mask: BlockMask, B: int, H: int, L: int, S: int) -> tuple[tuple[Tensor, ...], int, int]:
+def block_plan(block_mask: "BlockMask", B: int, H: int, L: int, S: int) -> tuple[tuple[Tensor, ...], int, int]:
     """Package-internal (for :mod:`attnlab.distributed`): ``((row_ptr, cols, bit_idx, bits,
     plane_of_head), bq, bk)``, what ``block_sparse_forward`` / ``block_sparse_backward_`` read for
     ``B * H`` query heads (``plane_of_head`` in the order ``b * H + h``)."""
@@ -118,7 +112,7 @@ class _BlockSparse(torch.autograd.Function):
         row_of_head, cap = mod
         emulated = q4.dtype == torch.bfloat16 and _native.bf16_route().name == "bf16-emulated"
         out4, lse2 = _native.ops().block_sparse_forward(q4, k3, v3, *plan, table, row_of_head, cap,
-                                                        scale * contract.LOG2E, bq, bk, emulated)
+                                                        scale * LOG2E, bq, bk, emulated)
         ctx.emulated, ctx.dtypes = emulated, (q.dtype, k.dtype, v.dtype)
         ctx.save_for_backward(q4, k3, v3, out4, lse2, table, row_of_head, *plan)
         ctx.shapes, ctx.blocks, ctx.scale, ctx.cap = (q.shape, k.shape, v.shape), (bq, bk), scale, cap
@@ -131,7 +125,7 @@ class _BlockSparse(torch.autograd.Function):
         dout4 = torch.zeros_like(out4) if dout is None else dout.reshape(out4.shape).contiguous()
         delta = (dout4 * out4).sum(dim=-1)  # D_i = rowsum(dO_i * O_i), (Nb, r, L)
         if dlse2 is not None:  # lse2 = lse / ln 2 and d lse / d s = P: fold it into D_i
-            delta = delta - dlse2.reshape(delta.shape) * contract.LOG2E
+            delta = delta - dlse2.reshape(delta.shape) * LOG2E
         # float32 gradients; dO in the operands' dtype (bf16 on the bf16 route, for its GEMMs)
         dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q4, k3, v3))
         dtable = torch.zeros_like(table) if table is not None and ctx.needs_input_grad[3] else None
@@ -143,8 +137,8 @@ class _BlockSparse(torch.autograd.Function):
                 None, None, None)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Optional[BlockMask], scale: float,
-              block: int, form: NativeForm = NativeForm()) -> Optional[tuple[Tensor, Tensor]]:
+def attention(q: Tensor, k: Tensor, v: Tensor, block_mask: "Optional[BlockMask]", scale: float,
+              block: int, form: "Optional[NativeForm]" = None) -> Optional[tuple[Tensor, Tensor]]:
     """``(out (B, H, L, Ev), lse (B, H, L))`` (natural-log lse) from the native kernels, or None
     when a row's log-sum-exp is too large for their base-2 arithmetic
     (:func:`attnlab.kernels.lse_absorbed`): the caller then runs the pure path.
@@ -164,7 +158,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Optional[BlockMask], 
                              f"expected 1 or one per query head (H={H})")
         heads = torch.arange(H, dtype=torch.int64) * (table.shape[0] > 1)
         row_of_head = heads.repeat(B).contiguous()  # (B * H,)
-    out, lse2 = _BlockSparse.apply(q, k, v, table, plan, (row_of_head, form.cap), bq, bk, scale)
-    if contract.lse_absorbed(lse2.detach()):
+    cap = form.cap if form is not None else 0.0
+    out, lse2 = _BlockSparse.apply(q, k, v, table, plan, (row_of_head, cap), bq, bk, scale)
+    if lse_absorbed(lse2.detach()):
         return None
     return out, lse2 * LN2
