@@ -87,9 +87,9 @@ def test_padding_mask_reaches_every_implementation(tmp_path, capsys):
     mask = timing._mask(c)
     assert mask.shape == (2, 1, 1, 32) and mask[..., :24].all() and not mask[..., 24:].any()
     # the mask changes the result: outputs with and without it differ, and match across impls
-    q, k, v, _ = timing._inputs(c, False)
-    outs = {impl: timing._function(impl)(q, k, v, False, mask) for impl in bench.IMPLS}
-    assert (outs["tiled"] - timing._function("tiled")(q, k, v, False, None)).abs().max() > 1e-3
+    q, k, v, _ = timing.make_inputs(c, False)
+    outs = {impl: timing.impl_function(impl)(q, k, v, False, mask) for impl in bench.IMPLS}
+    assert (outs["tiled"] - timing.impl_function("tiled")(q, k, v, False, None)).abs().max() > 1e-3
     for impl in ("reference", "math", "flash"):
         assert (outs["tiled"] - outs[impl]).abs().max() < 1e-5, impl
     assert "padding mask" in bench.markdown_table(results)

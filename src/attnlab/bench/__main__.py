@@ -6,9 +6,9 @@ import sys
 from attnlab.bench import suites, timing
 
 if len(sys.argv) > 1 and sys.argv[1] == "--peak-memory-child":
-    timing._peak_memory_child(sys.argv[2:])
+    timing.peak_memory_child(sys.argv[2:])
 elif len(sys.argv) > 1 and sys.argv[1] == "--block-mask-child":
-    suites._block_mask_child(sys.argv[2:])
+    suites.block_mask_child(sys.argv[2:])
 else:
     print("use `attnlab bench` (see `attnlab bench --help`)", file=sys.stderr)
     sys.exit(2)

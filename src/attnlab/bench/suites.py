@@ -15,9 +15,10 @@ import torch
 from attnlab.bench.machine import read_bandwidth
 from attnlab.bench.memory import peak_rss_growth
 from attnlab.bench.tables import MASK_BUILDERS, MASK_KINDS
-from attnlab.bench.timing import Config, _function, _inputs, _step, measure_peak_memory
+from attnlab.bench.timing import Config, impl_function, make_inputs, measure_peak_memory, run_step
 
 __all__ = [
+    "block_mask_child",  # package-internal: the child process of block_mask_benchmark
     "DENSITIES", "density_sweep", "HF_CASES", "transformers_benchmark", "decode_benchmark",
     "BF16_SHAPES", "bf16_benchmark", "block_mask_benchmark", "ring_masks_benchmark",
     "ring_benchmark",
@@ -52,17 +53,17 @@ def density_sweep(L: int, *, B: int = 1, H: int = 8, E: int = 64, densities=DENS
     steps = len(modes) * repeats
     for m, mode in enumerate(modes):
         c = Config("flex", L, mode, False, "float32", B, H, E)
-        q, k, v, grad = _inputs(c, mode == "fwd+bwd")
+        q, k, v, grad = make_inputs(c, mode == "fwd+bwd")
         fns = {"full": lambda q, k, v, causal, mask: flex_attention(q, k, v)}
         for name, bm in masks.items():
             fns[name] = lambda q, k, v, causal, mask, bm=bm: flex_attention(q, k, v, block_mask=bm)
         times: dict[str, list[float]] = {name: [] for name in fns}
         for fn in fns.values():
-            _step(fn, c, q, k, v, grad)  # warm-up
+            run_step(fn, c, q, k, v, grad)  # warm-up
         for rep in range(repeats):
             for name, fn in fns.items():  # interleaved, as run_benchmarks
                 t0 = time.perf_counter()
-                _step(fn, c, q, k, v, grad)
+                run_step(fn, c, q, k, v, grad)
                 times[name].append(time.perf_counter() - t0)
             if progress:
                 progress(m * repeats + rep + 1, steps, f"density sweep L={L} {mode}")
@@ -249,7 +250,9 @@ def _mask_mods(kind: str, L: int):
     return own, plain
 
 
-def _block_mask_child(argv: list[str]) -> None:
+def block_mask_child(argv: list[str]) -> None:
+    """Entry point of the fresh process :func:`block_mask_benchmark` starts (``python -m attnlab.bench
+    --block-mask-child BUILDER KIND L``): builds one block mask from cold and prints its time and peak."""
     import json
 
     builder, kind, L = argv[0], argv[1], int(argv[2])
@@ -342,12 +345,12 @@ def ring_benchmark(seq_lens: list[int], *, B: int = 1, H: int = 8, E: int = 64, 
         previous = torch.get_num_threads()
         torch.set_num_threads(world)
         try:
-            q, k, v, grad = _inputs(single, True)
-            fn = _function("tiled")
-            _step(fn, Config("tiled", 64, "fwd+bwd", causal, "float32", B, H, E), *_inputs(
+            q, k, v, grad = make_inputs(single, True)
+            fn = impl_function("tiled")
+            run_step(fn, Config("tiled", 64, "fwd+bwd", causal, "float32", B, H, E), *make_inputs(
                 Config("tiled", 64, "fwd+bwd", causal, "float32", B, H, E), True))
             t0 = time.perf_counter()
-            _step(fn, single, q, k, v, grad)
+            run_step(fn, single, q, k, v, grad)
             single_s = time.perf_counter() - t0
         finally:
             torch.set_num_threads(previous)

@@ -20,6 +20,8 @@ from attnlab.bench.memory import peak_rss_growth
 __all__ = [
     "IMPLS", "TORCH_IMPLS", "DTYPES", "Config", "Result", "MASKS", "VARIANTS", "parse_mask",
     "run_benchmarks", "estimate_seconds", "format_duration", "measure_peak_memory",
+    # package-internal, for the suites and the child processes
+    "impl_function", "make_inputs", "run_step", "peak_memory_child",
 ]
 
 IMPLS = ("reference", "tiled", "math", "flash")
@@ -91,7 +93,8 @@ def _fmt(x: Optional[float], digits: int = 2) -> str:
     return "" if x is None else f"{x:.{digits}f}"
 
 
-def _function(impl: str, c: Optional["Config"] = None) -> Callable:
+def impl_function(impl: str, c: Optional["Config"] = None) -> Callable:
+    """``fn(q, k, v, causal, mask)`` running implementation ``impl`` (``c``: its block mask, if any)."""
     if impl == "torchflex":  # torch's own flex_attention, compiled (its eager CPU forward is ~50x slower)
         import warnings
 
@@ -137,7 +140,8 @@ def _function(impl: str, c: Optional["Config"] = None) -> Callable:
     return run
 
 
-def _inputs(c: Config, requires_grad: bool, seed: int = 0):
+def make_inputs(c: Config, requires_grad: bool, seed: int = 0):
+    """Seeded ``q, k, v (B, H, L, E)`` and the output gradient for ``c``, in its dtype."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(c.B, c.H, c.L, c.E, generator=g).to(DTYPES[c.dtype]).requires_grad_(requires_grad)
                for _ in range(3))
@@ -218,7 +222,8 @@ def _mask(c: Config) -> Optional[torch.Tensor]:
     return _DENSE[key]
 
 
-def _step(fn: Callable, c: Config, q, k, v, grad) -> None:
+def run_step(fn: Callable, c: Config, q, k, v, grad) -> None:
+    """One timed step: the forward, and the backward for ``fwd+bwd``."""
     out = fn(q, k, v, c.causal, None if c.impl in ("flex", "torchflex") else _mask(c))  # those have block masks
     if c.mode == "fwd+bwd":
         q.grad = k.grad = v.grad = None
@@ -252,26 +257,26 @@ def run_benchmarks(seq_lens: list[int], impls: list[str], modes: list[str], caus
                 r.status = f"skipped: needs ~{need / 2**30:.0f} GiB (> --max-memory-gb {max_memory_gb:g})"
             else:
                 live.append(r)
-        q, k, v, grad = _inputs(group[0].config, mode == "fwd+bwd")
+        q, k, v, grad = make_inputs(group[0].config, mode == "fwd+bwd")
         fns = {}
         for r in live:
             if progress:
                 progress(done, total, f"warm-up {r.config.impl} L={L} {mode} {'causal' if causal else ''} {dtype}")
             try:
-                fns[r.config.impl] = _function(r.config.impl, r.config)
+                fns[r.config.impl] = impl_function(r.config.impl, r.config)
                 if r.config.impl == "torchflex":  # the first call compiles: timed apart, never in the median
                     t0 = time.perf_counter()
-                    _step(fns[r.config.impl], r.config, q, k, v, grad)
+                    run_step(fns[r.config.impl], r.config, q, k, v, grad)
                     r.compile_s = time.perf_counter() - t0
                 for _ in range(warmup):
-                    _step(fns[r.config.impl], r.config, q, k, v, grad)
+                    run_step(fns[r.config.impl], r.config, q, k, v, grad)
             except Exception as exc:  # e.g. a backend that does not support this dtype
                 r.status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         live = [r for r in live if r.status == "ok"]
         for rep in range(repeats):
             for r in live:  # interleaved: each round times every implementation once
                 t0 = time.perf_counter()
-                _step(fns[r.config.impl], r.config, q, k, v, grad)
+                run_step(fns[r.config.impl], r.config, q, k, v, grad)
                 r.times_s.append(time.perf_counter() - t0)
         for r in group:
             done += 1
@@ -339,13 +344,15 @@ def measure_peak_memory(c: Config) -> Optional[int]:
         return None
 
 
-def _peak_memory_child(argv: list[str]) -> None:
+def peak_memory_child(argv: list[str]) -> None:
+    """Entry point of the fresh process :func:`measure_peak_memory` starts (``python -m attnlab.bench
+    --peak-memory-child IMPL L MODE CAUSAL DTYPE B H E MASK``): prints one step's peak RSS growth."""
     impl, L, mode, causal, dtype, B, H, E, mask = argv
     c = Config(impl, int(L), mode, bool(int(causal)), dtype, int(B), int(H), int(E), mask)
     small = Config(impl, 16, mode, c.causal, dtype, c.B, c.H, c.E, mask)
-    _step(_function(impl, small), small, *_inputs(small, mode == "fwd+bwd"))  # allocators and kernels warmed up
-    fn = _function(impl, c)  # a block mask is built here, before the baseline, as the timed runs do
-    q, k, v, grad = _inputs(c, mode == "fwd+bwd")
+    run_step(impl_function(impl, small), small, *make_inputs(small, mode == "fwd+bwd"))  # allocators and kernels warmed up
+    fn = impl_function(impl, c)  # a block mask is built here, before the baseline, as the timed runs do
+    q, k, v, grad = make_inputs(c, mode == "fwd+bwd")
     if impl != "flex":  # the dense mask is an input of the other calls, not part of their peak
         _mask(c)
-    print(peak_rss_growth(lambda: _step(fn, c, q, k, v, grad)))
+    print(peak_rss_growth(lambda: run_step(fn, c, q, k, v, grad)))

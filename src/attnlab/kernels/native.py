@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from attnlab._validation import compute_dtype
+from attnlab.kernels.numerics import finite_inputs
 
 __all__ = ["can_run", "NativeStatus", "Bf16Route", "status", "ops", "bf16_route", "operand_dtype", "BF16_CHOICES"]
 
@@ -210,8 +211,6 @@ def can_run(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, *, c
       Decoding skips this read (``cache=True``): its kernel flags non-finite scores as it goes and
       the caller reruns the call on the pure path.
     """
-    from attnlab.kernels.numerics import finite_inputs
-
     if q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
         return False
     if cache:
