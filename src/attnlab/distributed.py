@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from attnlab import kernels
-from attnlab.kernels import dense
+from attnlab.kernels import block_sparse, dense, mask_blocks, native
 from attnlab._validation import compute_dtype, default_scale, validate
 
 __all__ = ["ring_attention", "shard_sequence", "gather_sequence", "positions", "LAYOUTS"]
@@ -228,109 +228,42 @@ class _CausalSteps:
 
 
 class _MaskedSteps:
-    """What a rank computes at one ring step with a ``mask_mod`` over absolute positions: the block
-    plan of its (query chunk, key chunk) pair, built once per source rank, so empty blocks (and
-    pairs with none visible) are skipped and the time follows the mask's density. float32 with
-    finite inputs on every rank runs attnlab.flex's native block-sparse kernels; otherwise the
-    pair's element mask runs the kernel layer's online softmax and tile backward."""
+    """What a rank computes at one ring step with a ``mask_mod`` over absolute positions: the
+    blocks of its (query chunk, key chunk) pair (:mod:`attnlab.kernels.mask_blocks`), built once
+    per source rank, so empty blocks (and pairs with none visible) are skipped and the time
+    follows the mask's density. float32 with finite inputs on every rank runs the native
+    block-sparse kernels; otherwise the pair's element mask runs the kernel layer's online
+    softmax and tile backward (:mod:`attnlab.kernels.block_sparse` decides nothing else)."""
 
-    BLOCK = 128  # the block masks' block, attnlab.flex's default
+    BLOCK = 128  # the blocks' size, attnlab.flex's default
 
     def __init__(self, rank: int, world: int, Lr: int, Sr: int, layout_name: str, mask_mod, scale: float,
                  B: int, H: int, native: bool) -> None:
-        from attnlab import flex
-
-        self.flex, self.scale, self.B, self.H, self.native = flex, scale, B, H, native
+        self.scale, self.B, self.H, self.native = scale, B, H, native
         self.q_pos = positions(rank, world, Lr, layout_name)
         self.world, self.Sr, self.layout_name, self.mask_mod = world, Sr, layout_name, mask_mod
-        self._masks: dict[int, object] = {}
+        self._blocks: dict[int, mask_blocks.MaskBlocks] = {}
 
-    def block_mask(self, src: int):
-        """The BlockMask of this rank's queries against rank ``src``'s keys (local indices)."""
-        if src not in self._masks:
+    def blocks(self, src: int) -> mask_blocks.MaskBlocks:
+        """The blocks of this rank's queries against rank ``src``'s keys (local indices)."""
+        if src not in self._blocks:
             q_pos, k_pos, mod = self.q_pos, positions(src, self.world, self.Sr, self.layout_name), self.mask_mod
 
             def local(b, h, q_idx, kv_idx):
                 return mod(b, h, q_pos[q_idx], k_pos[kv_idx])
 
-            self._masks[src] = self.flex.create_block_mask(local, None, None, len(q_pos), self.Sr,
-                                                           BLOCK_SIZE=self.BLOCK)
-        return self._masks[src]
-
-    def _plan(self, src: int, g: slice, r: int):
-        from attnlab.kernels import block_sparse
-
-        bm = self.block_mask(src)
-        plan, bq, bk = block_sparse.block_plan(bm, self.B, self.H, bm.Q_LEN, bm.KV_LEN)
-        row_ptr, cols, bit_idx, bits, planes = plan
-        return (row_ptr, cols, bit_idx, bits, planes[g.start * r:g.stop * r].contiguous()), bq, bk, cols.numel() == 0
+            self._blocks[src] = mask_blocks.of_mask_mod(local, len(q_pos), self.Sr, self.BLOCK)
+        return self._blocks[src]
 
     def forward(self, src, g, q_g, k_cur, v_cur, out_g, lse_g) -> None:
-        r = q_g.shape[1]
-        if self.native:
-            plan, bq, bk, empty = self._plan(src, g, r)
-            if empty:
-                return
-            from attnlab.kernels import native
-
-            o, l = native.ops().block_sparse_forward(q_g, k_cur, v_cur, *plan, None, None, 0.0,
-                                                     self.scale * kernels.LOG2E, bq, bk)
-        else:
-            o, l = _masked_forward(q_g, k_cur, v_cur, self.block_mask(src).element_mask()[0, 0], self.scale)
-        kernels.merge_(out_g, lse_g, o, l)
+        part = block_sparse.forward_rows(q_g, k_cur, v_cur, self.blocks(src), g, self.B, self.H, self.scale,
+                                         self.native)
+        if part is not None:
+            kernels.merge_(out_g, lse_g, *part)
 
     def backward(self, src, g, dout_g, q_g, k_cur, v_cur, out_g, lse_g, delta_g, dq_g, dk_cur, dv_cur) -> None:
-        r = q_g.shape[1]
-        if self.native:
-            plan, bq, bk, empty = self._plan(src, g, r)
-            if empty:
-                return
-            from attnlab.kernels import native
-
-            native.ops().block_sparse_backward_(kernels.dense_rows(dout_g), q_g, k_cur, v_cur, lse_g,
-                                                kernels.dense_rows(delta_g), dq_g, dk_cur, dv_cur,
-                                                *plan, None, None, 0.0, None, self.scale, bq, bk)
-        else:
-            _masked_backward(dout_g, q_g, k_cur, v_cur, lse_g, delta_g, dq_g, dk_cur, dv_cur,
-                             self.block_mask(src).element_mask()[0, 0], self.scale)
-
-
-def _masked_forward(q4: Tensor, k3: Tensor, v3: Tensor, mask: Tensor, scale: float,
-                    block: int = 256) -> tuple[Tensor, Tensor]:
-    """``(out (Nb, r, L, Ev), lse2 (Nb, r, L))`` of ``q4`` against ``k3, v3`` under the bool
-    ``mask (L, S)``, through :mod:`attnlab.kernels.online` one key block at a time (base 2)."""
-    Nb, r, L, E = q4.shape
-    S, Ev = k3.shape[1], v3.shape[2]
-    q = (q4 * (scale * kernels.LOG2E)).reshape(Nb, r * L, E)  # (Nb, r*L, E): the group's rows
-    rows = mask.repeat(r, 1)  # (r*L, S): the same mask for every head of the group
-    m_i, l_i, acc = kernels.online.start((Nb, r * L), Ev, q)
-    for j0 in range(0, S, block):
-        j1 = min(S, j0 + block)
-        s = torch.bmm(q, k3[:, j0:j1].transpose(1, 2)).masked_fill_(~rows[:, j0:j1], float("-inf"))
-        m_i, l_i, acc = kernels.online.update(m_i, l_i, acc, s, v3[:, j0:j1])
-    o, lse2 = kernels.online.finish(m_i, l_i, acc)
-    return o.reshape(Nb, r, L, Ev), lse2.reshape(Nb, r, L)
-
-
-def _masked_backward(dout4, q4, k3, v3, lse2, delta, dq, dk, dv, mask: Tensor, scale: float, block: int = 256) -> None:
-    """FlashAttention-2's backward of :func:`_masked_forward` with the final ``lse2`` and ``delta``,
-    adding into ``dq (Nb, r, L, E)``, ``dk (Nb, S, E)``, ``dv (Nb, S, Ev)``."""
-    Nb, r, L, E = q4.shape
-    S = k3.shape[1]
-    q = q4.reshape(Nb, r * L, E)
-    q2 = q * (scale * kernels.LOG2E)
-    do = dout4.reshape(Nb, r * L, -1)
-    d = delta.reshape(Nb, r * L, 1)
-    shift = torch.where(torch.isneginf(lse2), torch.full_like(lse2, float("inf")), lse2).reshape(Nb, r * L, 1)
-    rows = mask.repeat(r, 1)
-    dq_rows = torch.zeros_like(q)
-    for j0 in range(0, S, block):
-        j1 = min(S, j0 + block)
-        s = torch.bmm(q2, k3[:, j0:j1].transpose(1, 2)).masked_fill_(~rows[:, j0:j1], float("-inf"))
-        p = torch.exp2(s - shift)  # P_ij from the final lse
-        kernels.online.backward_tile(p, q, k3[:, j0:j1], v3[:, j0:j1], do, d, scale, dq_rows, dk[:, j0:j1],
-                                     dv[:, j0:j1])
-    dq += dq_rows.reshape(dq.shape)
+        block_sparse.backward_rows_(dout_g, q_g, k_cur, v_cur, lse_g, delta_g, dq_g, dk_cur, dv_cur, self.blocks(src),
+                                    g, self.B, self.H, self.scale, self.native)
 
 
 class _Ring(torch.autograd.Function):
@@ -428,8 +361,6 @@ class _Ring(torch.autograd.Function):
 def _native_everywhere(q4: Tensor, k3: Tensor, v3: Tensor, group) -> bool:
     """Whether every rank can run the native block-sparse kernels (:func:`attnlab.kernels.native.can_run`
     on each): one all-reduce, so that all ranks take the same path."""
-    from attnlab.kernels import native
-
     ok = native.can_run(q4, k3, v3)
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)

@@ -112,19 +112,40 @@ def test_a_bad_tile_size_names_its_caller():
         kernels.block_size(True, 256, "block_q")
 
 
+def _attnlab_imports(tree) -> set[str]:
+    """The attnlab modules a module imports at run time (not under ``if TYPE_CHECKING``)."""
+    import ast
+
+    typing_only = {id(n) for top in ast.walk(tree) if isinstance(top, ast.If) and "TYPE_CHECKING" in ast.unparse(top.test)
+                   for n in ast.walk(top)}
+    found = set()
+    for n in ast.walk(tree):
+        if id(n) in typing_only:
+            continue
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("attnlab"):
+            found |= {f"{n.module}.{a.name}" for a in n.names}
+        elif isinstance(n, ast.Import):
+            found |= {a.name for a in n.names if a.name.startswith("attnlab")}
+    return found
+
+
 def test_the_ring_and_the_tiled_path_share_the_kernel_layer_only():
-    """distributed.py reaches the tiles through attnlab.kernels (dense), never through tiled.py;
-    tiled.py keeps the public function and its autograd.Function only."""
+    """distributed.py reaches the tiles and the mask blocks through attnlab.kernels only, never
+    through tiled.py or flex (an allow-list: the kernel layer and the argument checks);
+    tiled.py keeps the public function and its autograd.Function only; the kernel layer
+    imports nothing above it at run time."""
     import ast
     from pathlib import Path
 
     import attnlab
 
     root = Path(attnlab.__file__).parent
-    tree = ast.parse((root / "distributed.py").read_text())
-    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "attnlab"
-                for a in n.names} | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert "tiled" not in imported and "attnlab.tiled" not in imported, imported
+    imported = _attnlab_imports(ast.parse((root / "distributed.py").read_text()))
+    outside = {m for m in imported if m != "attnlab.kernels" and not m.startswith(("attnlab.kernels.", "attnlab._validation."))}
+    assert not outside and "attnlab.kernels.mask_blocks" in imported, imported
+    for path in sorted((root / "kernels").glob("*.py")):
+        above = {m for m in _attnlab_imports(ast.parse(path.read_text())) if not m.startswith("attnlab.kernels")}
+        assert all(m.startswith("attnlab._validation.") for m in above), (path.name, above)
     tiled_tree = ast.parse((root / "tiled.py").read_text())
     defs = {n.name for n in tiled_tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert defs == {"flash_attention", "native_status", "_FlashAttention"}, defs

@@ -31,7 +31,8 @@ from attnlab._validation import default_scale
 from attnlab.kernels import block_sparse as kernels  # the block-sparse tile source
 from attnlab.kernels import native, online
 from attnlab.flex import mods
-from attnlab.flex.block_mask import EMPTY, FULL, BlockMask, _unpack
+from attnlab.flex.block_mask import EMPTY, FULL, BlockMask
+from attnlab.kernels.mask_blocks import unpack_bits
 
 __all__ = ["flex_attention", "ScoreMod", "AuxRequest", "AuxOutput"]
 
@@ -288,7 +289,7 @@ def _row_plan(block_mask: Optional[BlockMask], i: int, B: int, H: int, rows: int
                 if kind == FULL:
                     tile[b, h] = True
                 elif kind != EMPTY:
-                    tile[b, h] = _unpack(block_mask.bits[int(block_mask.partial_index[b, h, i, j])])[:rows, :j1 - j0]
+                    tile[b, h] = unpack_bits(block_mask.bits[int(block_mask.partial_index[b, h, i, j])])[:rows, :j1 - j0]
         plan.append((j0, j1, tile))
     return plan
 

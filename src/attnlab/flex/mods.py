@@ -22,6 +22,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from attnlab.kernels.mask_blocks import EMPTY, FULL, PARTIAL
+
 __all__ = ["causal_mask", "sliding_window", "document_mask", "document_mask_from_lengths", "prefix_lm",
            "and_masks", "or_masks", "noop_mask", "alibi", "softcap", "relative_bias", "document_ids"]
 
@@ -29,7 +31,6 @@ __all__ = ["causal_mask", "sliding_window", "document_mask", "document_mask_from
 # Block kinds from block coordinates (``mask_mod.block_kinds(bq, bk, nq, nk) -> (nq, nk) uint8``):
 # what create_block_mask uses instead of calling the mod on every element. EMPTY and FULL must be
 # exact over the block's whole index range; PARTIAL means "not known: evaluate the block".
-EMPTY, PARTIAL, FULL = 0, 1, 2  # attnlab.flex.block_mask's codes
 
 
 def _ranges(bq: int, bk: int, nq: int, nk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -27,6 +27,9 @@ import torch
 from torch import Tensor
 
 from attnlab.kernels import native as _native
+from attnlab.kernels import online
+from attnlab.kernels.layout import dense_rows
+from attnlab.kernels.mask_blocks import MaskBlocks
 from attnlab.kernels.numerics import LOG2E, lse_absorbed
 
 if TYPE_CHECKING:  # read by attribute only: the kernel layer does not import flex
@@ -86,11 +89,84 @@ def _plan(block_mask: "Optional[BlockMask]", B: int, H: int, L: int, S: int,
     return (*block_mask.compressed_rows(), block_mask.bits.contiguous(), planes), bq, bk
 
 
-def block_plan(block_mask: "BlockMask", B: int, H: int, L: int, S: int) -> tuple[tuple[Tensor, ...], int, int]:
-    """Package-internal (for :mod:`attnlab.distributed`): ``((row_ptr, cols, bit_idx, bits,
-    plane_of_head), bq, bk)``, what ``block_sparse_forward`` / ``block_sparse_backward_`` read for
-    ``B * H`` query heads (``plane_of_head`` in the order ``b * H + h``)."""
-    return _plan(block_mask, B, H, L, S, block_mask.BLOCK_SIZE[0])
+def _group_plan(blocks: "MaskBlocks", B: int, H: int, heads: slice, r: int) -> tuple[tuple[Tensor, ...], int, int]:
+    """The plan of ``blocks`` for the query heads of key/value rows ``heads`` of ``(Nb, r)``
+    (query heads ``heads.start * r .. heads.stop * r`` in the order ``b * H + h``)."""
+    plan, bq, bk = _plan(blocks, B, H, blocks.Q_LEN, blocks.KV_LEN, blocks.BLOCK_SIZE[0])
+    row_ptr, cols, bit_idx, bits, planes = plan
+    return (row_ptr, cols, bit_idx, bits, planes[heads.start * r:heads.stop * r].contiguous()), bq, bk
+
+
+def forward_rows(q4: Tensor, k3: Tensor, v3: Tensor, blocks: "MaskBlocks", heads: slice, B: int, H: int,
+                 scale: float, native: bool) -> Optional[tuple[Tensor, Tensor]]:
+    """One (query chunk, key chunk) pair under ``blocks`` (the ring's masked step):
+    ``(out (Nb_g, r, L, Ev), lse2 (Nb_g, r, L))``, base 2, for the caller to merge
+    (:func:`attnlab.kernels.merge_`), or None when no block is visible.
+
+    ``q4 (Nb_g, r, L, E)``, ``k3 (Nb_g, S, E)``, ``v3 (Nb_g, S, Ev)`` are rows ``heads`` of
+    ``(Nb, r)`` for a ``(B, H)`` call; ``blocks`` broadcasts over batch and heads. ``native``:
+    the native kernels (:func:`covers`), else :func:`forward_eager` on the element mask.
+    """
+    if blocks.is_empty():
+        return None
+    if native:
+        plan, bq, bk = _group_plan(blocks, B, H, heads, q4.shape[1])
+        return _native.ops().block_sparse_forward(q4, k3, v3, *plan, None, None, 0.0, scale * LOG2E, bq, bk)
+    return forward_eager(q4, k3, v3, blocks.element_mask()[0, 0], scale)
+
+
+def backward_rows_(dout4: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, lse2: Tensor, delta: Tensor, dq: Tensor,
+                   dk: Tensor, dv: Tensor, blocks: "MaskBlocks", heads: slice, B: int, H: int, scale: float,
+                   native: bool) -> None:
+    """FlashAttention-2's backward of :func:`forward_rows` with the *final* ``lse2`` and
+    ``delta = rowsum(dO * O)`` (both ``(Nb_g, r, L)``), adding into ``dq (Nb_g, r, L, E)``,
+    ``dk (Nb_g, S, E)``, ``dv (Nb_g, S, Ev)``."""
+    if blocks.is_empty():
+        return
+    if native:
+        plan, bq, bk = _group_plan(blocks, B, H, heads, q4.shape[1])
+        _native.ops().block_sparse_backward_(dense_rows(dout4), q4, k3, v3, lse2, dense_rows(delta), dq, dk, dv,
+                                             *plan, None, None, 0.0, None, scale, bq, bk)
+    else:
+        backward_eager(dout4, q4, k3, v3, lse2, delta, dq, dk, dv, blocks.element_mask()[0, 0], scale)
+
+
+def forward_eager(q4: Tensor, k3: Tensor, v3: Tensor, mask: Tensor, scale: float,
+                  block: int = 256) -> tuple[Tensor, Tensor]:
+    """``(out (Nb, r, L, Ev), lse2 (Nb, r, L))`` of ``q4`` against ``k3, v3`` under the bool
+    ``mask (L, S)``, through :mod:`attnlab.kernels.online` one key block at a time (base 2):
+    the eager form of the native forward, for float64 and non-finite inputs."""
+    Nb, r, L, E = q4.shape
+    S, Ev = k3.shape[1], v3.shape[2]
+    q = (q4 * (scale * LOG2E)).reshape(Nb, r * L, E)  # (Nb, r*L, E): the group's rows
+    rows = mask.repeat(r, 1)  # (r*L, S): the same mask for every head of the group
+    m_i, l_i, acc = online.start((Nb, r * L), Ev, q)
+    for j0 in range(0, S, block):
+        j1 = min(S, j0 + block)
+        s = torch.bmm(q, k3[:, j0:j1].transpose(1, 2)).masked_fill_(~rows[:, j0:j1], float("-inf"))
+        m_i, l_i, acc = online.update(m_i, l_i, acc, s, v3[:, j0:j1])
+    o, lse2 = online.finish(m_i, l_i, acc)
+    return o.reshape(Nb, r, L, Ev), lse2.reshape(Nb, r, L)
+
+
+def backward_eager(dout4, q4, k3, v3, lse2, delta, dq, dk, dv, mask: Tensor, scale: float, block: int = 256) -> None:
+    """FlashAttention-2's backward of :func:`forward_eager` with the final ``lse2`` and ``delta``,
+    adding into ``dq (Nb, r, L, E)``, ``dk (Nb, S, E)``, ``dv (Nb, S, Ev)``."""
+    Nb, r, L, E = q4.shape
+    S = k3.shape[1]
+    q = q4.reshape(Nb, r * L, E)
+    q2 = q * (scale * LOG2E)
+    do = dout4.reshape(Nb, r * L, -1)
+    d = delta.reshape(Nb, r * L, 1)
+    shift = torch.where(torch.isneginf(lse2), torch.full_like(lse2, float("inf")), lse2).reshape(Nb, r * L, 1)
+    rows = mask.repeat(r, 1)
+    dq_rows = torch.zeros_like(q)
+    for j0 in range(0, S, block):
+        j1 = min(S, j0 + block)
+        s = torch.bmm(q2, k3[:, j0:j1].transpose(1, 2)).masked_fill_(~rows[:, j0:j1], float("-inf"))
+        p = torch.exp2(s - shift)  # P_ij from the final lse
+        online.backward_tile(p, q, k3[:, j0:j1], v3[:, j0:j1], do, d, scale, dq_rows, dk[:, j0:j1], dv[:, j0:j1])
+    dq += dq_rows.reshape(dq.shape)
 
 
 def _last_dim_dense(t: Tensor) -> Tensor:
