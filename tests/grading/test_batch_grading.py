@@ -112,6 +112,7 @@ def test_each_learner_gets_gradescope_results_json(graded):
 def test_a_learner_whose_exercises_time_out_is_marked_timed_out():
     from attnlab.grading.grader import GradeReport, TestResult
     from attnlab.grading.exercise import Verdict
+    from attnlab.labs import LABS
     from attnlab.labs.lab01_attention import EXERCISES
 
     ex = EXERCISES[0]
@@ -119,9 +120,9 @@ def test_a_learner_whose_exercises_time_out_is_marked_timed_out():
                             ("not run: the total time limit (10 s) was reached", "timed out"),
                             ("returned the wrong shape", "graded")):
         report = GradeReport(path=Path("x.py"), results=[TestResult(ex, "c", 0.0, 1.0, Verdict(False, message))])
-        assert batch._row("x", report).status == status
+        assert batch._row("x", report, LABS[0]).status == status
     report = GradeReport(path=Path("x.py"), problem="could not import the file:\nSyntaxError")
-    assert batch._row("x", report).status == "could not be read"
+    assert batch._row("x", report, LABS[0]).status == "could not be read"
 
 
 def test_what_is_not_a_submission_is_skipped_with_a_reason(graded):

@@ -58,3 +58,23 @@ def test_a_lab_added_in_a_test_is_graded_end_to_end(tmp_path, sandbox, request):
     assert "you divided by d_k" in got["wrong.py"].to_text()
     assert got["cheat.py"].score == 0
     assert "This tiny lab scales scores by hand" in got["cheat.py"].to_text(), got["cheat.py"].to_text()
+
+
+@pytest.mark.subprocess
+def test_a_lab_added_in_a_test_grades_a_whole_class(tmp_path):
+    """Class mode passes the Lab object from the plan to every row and the report: the tiny
+    lab is registered nowhere, so a lookup by its name anywhere on the way would fail."""
+    from attnlab.grading.classroom import batch
+
+    cls = tmp_path / "class"
+    for learner, body in (("ann", "import math\n\ndef scale(scores, d_k):\n    return scores / math.sqrt(d_k)\n"),
+                          ("bob", "def scale(scores, d_k):\n    return scores / d_k\n")):
+        (cls / learner).mkdir(parents=True)
+        (cls / learner / "tiny.py").write_text(body)
+    result = batch.grade_class(cls, tmp_path / "out", sandbox="none", seed=1, lab=tiny_lab.LAB)
+    assert result.lab is tiny_lab.LAB
+    scores = {r.learner: (r.total, r.max_total, set(r.exercises)) for r in result.rows}
+    ids = {ex.id for ex in tiny_lab.LAB.exercises()}
+    assert scores == {"ann": (100, 100, ids), "bob": (0, 100, ids)}, scores
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "lab 99-tiny" in page and all(f"<td>{i}</td>" in page for i in ids)

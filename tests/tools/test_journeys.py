@@ -382,7 +382,7 @@ def test_the_class_report_lists_every_learner_sorts_and_fits_a_phone(tmp_path):
     rows = [row("Zoë Ångström", 40, mistakes=["mask_polarity", "off_by_one"]), row("amir", 100),
             row("Li Wei", 0, "could not be read", problem="could not import the file: SyntaxError at line 3"),
             row("<b>mallory</b>", 70, mistakes=["missing_scale"])]
-    result = batch.ClassResult(rows, [batch.Skipped("notes.txt", "not a .py file")], tmp_path, 12.0, "02-masks",
+    result = batch.ClassResult(rows, [batch.Skipped("notes.txt", "not a .py file")], tmp_path, 12.0, labs.find_lab("02-masks"),
                                "one OS sandbox per submission")
     page = tmp_path / "report.html"
     write_report(result, page)
@@ -521,5 +521,5 @@ def test_a_sandbox_that_cannot_start_is_the_graders_problem_not_the_learners(tmp
     assert report.score == 0 and report.environment_problem
     assert "not a mistake in your code" in report.problem and "--self-test" in report.problem
     assert "Fix the installation above" in report.to_text()
-    row = batch._row("ann", report)  # noqa: SLF001  (the gradebook's status of this report)
+    row = batch._row("ann", report, labs.LABS[0])  # noqa: SLF001  (the gradebook's status of this report)
     assert row.status == "grader environment"

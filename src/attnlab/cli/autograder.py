@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if args.test is not None and not Path(args.test).is_file():
         raise UsageError(f"--test {args.test!r}: no such file; give a submission's {lab.file}")
     try:
-        path = autograder.build_bundle(args.out, wheel=args.wheel, lab=lab.name)
+        path = autograder.build_bundle(args.out, wheel=args.wheel, lab=lab)
     except (RuntimeError, ValueError, OSError, subprocess.CalledProcessError) as exc:
         raise UsageError(str(exc)) from None
     print(f"wrote {path}: the autograder of lab {lab.name} (learners submit {lab.file}). Upload it on Gradescope "

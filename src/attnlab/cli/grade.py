@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = grade(path, limits=limits, total_timeout_s=args.total_timeout, progress=progress,
                        images_dir=None if args.no_images else args.images, seed=args.seed, sandbox=mode,
-                       untrusted=args.untrusted, checkpoint=results.checkpoint, lab=lab.name)
+                       untrusted=args.untrusted, checkpoint=results.checkpoint, lab=lab)
     except KeyboardInterrupt:
         if results.latest is not None:
             results.latest.problem = "grading was interrupted"
@@ -239,7 +239,7 @@ def _run_class(args: argparse.Namespace, mode: str, lab, folder: Path) -> int:
     if args.json:
         raise UsageError("--json is for one file; a folder's results.json files go under --out")
     try:
-        plan = batch.plan_class(folder, args.out, lab=lab.name if lab else None)
+        plan = batch.plan_class(folder, args.out, lab=lab)
     except batch.ClassRefused as exc:
         raise UsageError(str(exc)) from None
     limits = Limits(timeout_s=args.timeout, memory_mb=args.memory_mb, submission_memory_mb=args.memory_mb * 2)
@@ -267,7 +267,7 @@ def _run_class(args: argparse.Namespace, mode: str, lab, folder: Path) -> int:
     n = len(result.rows)
     mean = sum(r.total for r in result.rows) / n if n else 0.0
     statuses = {s: [r for r in result.rows if r.status == s] for s in batch.STATUSES}
-    print(f"graded {plural(n, 'learner')} of lab {result.lab} in {result.seconds:.0f} s (mean {mean:.1f}; "
+    print(f"graded {plural(n, 'learner')} of lab {result.lab.name} in {result.seconds:.0f} s (mean {mean:.1f}; "
           + ", ".join(f"{k}: {len(v)}" for k, v in statuses.items() if v) + f"); skipped {len(result.skipped)}"
           + (f" (see {out / 'skipped.txt'})" if result.skipped else ""))
     unread = statuses.get("could not be read") or []

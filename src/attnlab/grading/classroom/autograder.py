@@ -190,7 +190,7 @@ def build_wheel(dest: Path) -> Path:
     return wheels[-1]
 
 
-def build_bundle(out: os.PathLike, wheel: Optional[os.PathLike] = None, lab: str = "01") -> Path:
+def build_bundle(out: os.PathLike, wheel: Optional[os.PathLike] = None, lab: "labs.Lab | str" = "01") -> Path:
     """Write the autograder zip of lab ``lab`` (its name or number) to ``out``; returns its path."""
     from attnlab import labs
 

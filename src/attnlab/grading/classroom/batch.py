@@ -100,7 +100,7 @@ class ClassResult:
     skipped: list[Skipped]
     out: Path
     seconds: float
-    lab: str = "01-attention"
+    lab: "labs.Lab"  # the lab graded (the object: the report reads its exercises, no lookup by name)
     sandboxes: str = ""  # how each submission's sandbox was made, in words
 
 
@@ -194,7 +194,12 @@ def infer_lab(folder: os.PathLike) -> dict[str, list[str]]:
     """Which lab each entry of a class folder belongs to: lab name -> entries. A learner's
     folder counts for the lab whose file it holds; a ``<learner>.py`` for the lab whose
     functions it defines (:func:`attnlab.labs.lab_for_source`)."""
-    by_lab: dict[str, list[str]] = {}
+    return {lab.name: entries for lab, entries in _entries_by_lab(folder).items()}
+
+
+def _entries_by_lab(folder: os.PathLike) -> "dict[labs.Lab, list[str]]":
+    """:func:`infer_lab` with the :class:`~attnlab.labs.Lab` objects as keys."""
+    by_lab: "dict[labs.Lab, list[str]]" = {}
     for entry in sorted(Path(folder).iterdir(), key=lambda p: p.name):
         if entry.name.startswith(".") or entry.is_symlink():
             continue
@@ -208,7 +213,7 @@ def infer_lab(folder: os.PathLike) -> dict[str, list[str]]:
             except OSError:
                 found = None
         if found is not None:
-            by_lab.setdefault(found.name, []).append(entry.name)
+            by_lab.setdefault(found, []).append(entry.name)
     return by_lab
 
 
@@ -226,13 +231,13 @@ def plan_class(folder: os.PathLike, out: Optional[os.PathLike] = None, *,
     if lab is not None:
         the_lab = labs.find_lab(lab)
     else:
-        by_lab = infer_lab(folder)
+        by_lab = _entries_by_lab(folder)
         if len(by_lab) > 1:
-            counts = "; ".join(f"lab {name}: {len(v)} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
-                               for name, v in sorted(by_lab.items()))
+            counts = "; ".join(f"lab {lab.name}: {len(v)} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
+                               for lab, v in sorted(by_lab.items(), key=lambda item: item[0].name))
             raise ClassRefused(f"the submissions in {folder} mix labs ({counts}); grade one lab at a time with "
                                f"--lab NAME, or move the others away")
-        the_lab = labs.find_lab(next(iter(by_lab))) if by_lab else labs.LABS[0]
+        the_lab = next(iter(by_lab)) if by_lab else labs.LABS[0]
     submissions, skipped = find_submissions(folder, the_lab.file)
     if not submissions:
         why = "; ".join(f"{s.name}: {s.reason}" for s in skipped[:5]) or "the folder is empty"
@@ -252,8 +257,8 @@ def learner_seed(seed: int, learner: str) -> int:
     return zlib.crc32(f"{seed}:{learner}".encode()) & 0x7FFFFFFF
 
 
-def _row(learner: str, report: GradeReport, folder: str = "") -> Row:
-    exercise_list = labs.find_lab(report.lab).exercises()
+def _row(learner: str, report: GradeReport, lab: "labs.Lab", folder: str = "") -> Row:
+    exercise_list = lab.exercises()
     exercises: dict[str, float] = {ex.id: 0.0 for ex in exercise_list}
     for ex_id, (score, _) in report.exercise_scores().items():
         exercises[ex_id] = score
@@ -329,7 +334,7 @@ def _done_row(out: Path, sub: Submission, key: bytes, within: Optional[Path] = N
 def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: Optional[int] = None,
                 resume: bool = False, limits: Limits = Limits(), total_timeout_s: float = 60.0,
                 sandbox: str = "auto", progress: Optional[Callable[[int, int, str], None]] = None,
-                lab: Optional[str] = None, plan: Optional[ClassPlan] = None) -> ClassResult:
+                lab: "labs.Lab | str | None" = None, plan: Optional[ClassPlan] = None) -> ClassResult:
     """Grade every submission in ``folder`` into ``out`` (see the module docstring);
     ``plan``: :func:`plan_class`'s answer when the caller has it already (not found again).
 
@@ -384,7 +389,7 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
                        sandbox=sandbox, untrusted=sandbox != "none", checkpoint=checkpoint, lab=the_lab,
                        within=folder)
         checkpoint(report)
-        row = _row(sub.learner, report, sub.folder)
+        row = _row(sub.learner, report, the_lab, sub.folder)
         # signed over the digest of the bytes that were graded, never over a second read
         signed = {**asdict(row), "hmac": _signature(key, asdict(row), report.source_sha256)}
         write_atomically(folder_out / "row.json", json.dumps(signed, ensure_ascii=False) + "\n")
@@ -416,7 +421,7 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
     write_csv(ordered, out / "grades.csv", the_lab.exercises())
     from attnlab.grading.classroom.report import write_report
 
-    result = ClassResult(ordered, skipped, out, time.perf_counter() - t0, the_lab.name, sandboxes)
+    result = ClassResult(ordered, skipped, out, time.perf_counter() - t0, the_lab, sandboxes)
     write_report(result, out / "report.html")
     return result
 

@@ -115,7 +115,7 @@ def render_report(result) -> str:
            "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; style-src 'unsafe-inline'; "
            f"img-src data:; script-src 'sha256-{script_hash}'\">",
            f"<title>attnlab class report: {learners}</title><style>{_CSS}</style></head><body>",
-           f"<h1>attnlab class report: lab {_e(result.lab)}</h1><p>{learners} graded; mean {mean:.1f}/{max_total:g}; "
+           f"<h1>attnlab class report: lab {_e(result.lab.name)}</h1><p>{learners} graded; mean {mean:.1f}/{max_total:g}; "
            f"{full} with every check passing; {len(result.skipped)} entries skipped; "
            f"{result.seconds:.0f} s of grading.</p>",
            f"<p class='muted'>Sandboxes: {_e(result.sandboxes)}.</p>" if result.sandboxes else ""]
@@ -140,7 +140,7 @@ def render_report(result) -> str:
 
     out.append("<h2 id='exercises'>Exercises: pass rate</h2><div class='scroll'><table><tr><th>exercise</th><th>function</th>"
                "<th class='num'>full marks</th><th></th><th class='num'>mean points</th></tr>")
-    for ex in labs.find_lab(result.lab).exercises():
+    for ex in result.lab.exercises():
         pts = sum(ex.checks.values())
         passed = sum(1 for r in rows if r.exercises.get(ex.id, 0) >= pts)
         rate = passed / n if n else 0.0
