@@ -23,21 +23,31 @@ CODES: dict[str, str] = {
     # the softmax
     "unstable_softmax": "softmax overflows on large scores: subtract each row's maximum before exp",
     "softmax_dim": "softmax normalises the wrong axis: each query's row over the keys (dim=-1) must sum to 1",
+    "keepdim": "a reduction along a dim (sum, max, amax) drops that dim, so the result no longer broadcasts against "
+               "the scores: pass keepdim=True (x.sum(dim=dim, keepdim=True))",
     "fully_masked_nan": "a row whose keys are all masked must give 0, not NaN (or an average): "
                         "zero the weights of rows with no key left",
     # the values
     "value_swapped": "the weights must multiply V: Q or K is used where V belongs",
-    "order": "the results come back in the wrong order: return (Q, K, V) as the signature says",
+    "order": "the results come back in the wrong order, or two inputs are swapped: return them, and use them, "
+             "in the order the signature says",
     # masks
     "mask_polarity": "the bool mask is inverted: True means 'attend', so fill -inf where the mask is False",
+    "mask_dtype": "a mask must be a bool tensor (True = attend): a float 0/1 mask is *added* to the scores by SDPA, "
+                  "so build it with dtype=torch.bool",
+    "mask_ignored": "the mask (or is_causal) has no effect on the output: apply it to the scores, as -inf where it "
+                    "is False, before the softmax",
     "mask_after_softmax": "the mask is applied after softmax: mask the scores with -inf before softmax, "
                           "so each row still sums to 1",
     "mask_fill_zero": "masked scores are set to 0, which still gets weight after softmax: fill with -inf",
     "mask_fill_finite": "masked scores use a large finite number: use float('-inf'), so masked keys get exactly "
                         "0 weight and fully masked rows can be detected",
     "mask_multiplied": "the scores are multiplied by the mask: masking means -inf where the mask is False, not 0",
-    "off_by_one": "a boundary is off by one: a sequence of length n has positions 0..n-1 (use <, not <=)",
-    "causal_alignment": "the causal mask is misaligned: with is_causal=True query i sees keys 0..i "
+    "off_by_one": "a boundary is off by one: a sequence of length n has positions 0..n-1 (use <, not <=), and a "
+                  "causal mask keeps its diagonal (query i sees key i: tril(), not tril(-1) or tril(1))",
+    "causal_future": "the causal mask looks the wrong way: query i may see keys j <= i (the past, tril()), not "
+                     "j >= i (triu())",
+    "causal_alignment": "the causal mask is aligned to the wrong corner: with is_causal=True query i sees keys 0..i "
                         "(top-left, torch.ones(L, S).tril()), also when L != S; the L new queries of a KV "
                         "cache of S keys see 0..i + S - L (bottom-right, tril(S - L))",
     "padding_query_side": "the padding mask hides padded queries instead of padded keys: padding is a mask "
@@ -81,8 +91,9 @@ CODES: dict[str, str] = {
 
 # what the doctor can name from its probes (each has at least two buggy implementations in its tests)
 DOCTOR_CODES = ("missing_scale", "wrong_scale", "unstable_softmax", "softmax_dim", "wrong_transpose",
-                "value_swapped", "mask_polarity", "mask_after_softmax", "causal_alignment", "fully_masked_nan",
-                "dropout_scale", "shape_error", "unknown")
+                "value_swapped", "mask_polarity", "mask_after_softmax", "mask_fill_zero", "mask_fill_finite",
+                "mask_ignored", "causal_alignment", "causal_future", "off_by_one", "fully_masked_nan",
+                "gqa_group_mapping", "dropout_scale", "shape_error", "unknown")
 
 
 def hint(code: str) -> str:

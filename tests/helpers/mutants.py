@@ -61,6 +61,16 @@ def variant(**swaps):
     return fn
 
 
+def _gqa(expand):
+    """SDPA with ``enable_gqa``, its key/value heads expanded by ``expand(t, r)``."""
+    def fn(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if enable_gqa and k.shape[-3] != q.shape[-3]:
+            r = q.shape[-3] // k.shape[-3]
+            k, v = expand(k, r), expand(v, r)
+        return template(q, k, v, attn_mask, dropout_p, is_causal, scale)
+    return fn
+
+
 # ------------------------------------------------------------------ correct ones
 def torch_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
@@ -100,6 +110,9 @@ CORRECT = {
     "float64": float64_attention,
     "finfo_min": finfo_min_attention,
     "template": variant(),
+    "gqa_interleave": _gqa(lambda t, r: t.repeat_interleave(r, dim=1)),
+    "gqa_expand_reshape": _gqa(lambda t, r: t[:, :, None].expand(-1, -1, r, -1, -1).reshape(
+        t.shape[0], t.shape[1] * r, *t.shape[2:])),
 }
 
 
@@ -156,15 +169,30 @@ BUGGY = [
         mask_fn=lambda s, keep: (s, None if keep is None else (lambda w: w.masked_fill(~keep, 0.0))))),
     ("causal_alignment", "bottom_right", variant(
         causal_fn=lambda L, S: torch.ones(L, S, dtype=torch.bool).tril(S - L))),
-    ("causal_alignment", "no_diagonal", variant(causal_fn=lambda L, S: torch.ones(L, S, dtype=torch.bool).tril(-1))),
-    ("causal_alignment", "upper", variant(causal_fn=lambda L, S: torch.ones(L, S, dtype=torch.bool).triu())),
+    ("causal_alignment", "bottom_right_arange", variant(
+        causal_fn=lambda L, S: torch.arange(S)[None, :] <= torch.arange(L)[:, None] + (S - L))),
+    ("off_by_one", "no_diagonal", variant(causal_fn=lambda L, S: torch.ones(L, S, dtype=torch.bool).tril(-1))),
+    ("off_by_one", "sees_next", variant(causal_fn=lambda L, S: torch.ones(L, S, dtype=torch.bool).tril(1))),
+    ("causal_future", "upper", variant(causal_fn=lambda L, S: torch.ones(L, S, dtype=torch.bool).triu())),
+    ("causal_future", "arange_ge", variant(causal_fn=lambda L, S: torch.arange(S)[None, :] >= torch.arange(L)[:, None])),
+    ("mask_ignored", "mask_dropped", variant(mask_fn=lambda s, keep: (s, None))),
+    ("mask_ignored", "causal_dropped", variant(causal_fn=lambda L, S: torch.ones(L, S, dtype=torch.bool))),
+    ("mask_fill_zero", "fill_zero", variant(
+        mask_fn=lambda s, keep: (s if keep is None else s.masked_fill(~keep, 0.0), None))),
+    ("mask_fill_zero", "multiplied", variant(mask_fn=lambda s, keep: (s if keep is None else s * keep, None))),
     ("fully_masked_nan", "torch_softmax_nan", variant(softmax_fn=_torch_softmax)),
-    ("fully_masked_nan", "minus_1e9", variant(
+    ("fully_masked_nan", "no_empty_guard", variant(softmax_fn=lambda s: torch.exp(s - s.amax(-1, keepdim=True))
+                                                   / torch.exp(s - s.amax(-1, keepdim=True)).sum(-1, keepdim=True))),
+    ("mask_fill_finite", "minus_1e9", variant(
         mask_fn=lambda s, keep: (s if keep is None else s.masked_fill(~keep, -1e9), None))),
+    ("mask_fill_finite", "finfo_min", variant(
+        mask_fn=lambda s, keep: (s if keep is None else s.masked_fill(~keep, torch.finfo(s.dtype).min), None))),
     ("dropout_scale", "no_rescale", variant(dropout_fn=lambda w, p: w * (torch.rand_like(w) >= p))),
     ("dropout_scale", "dropout_ignored", variant(dropout_fn=lambda w, p: w)),
     ("shape_error", "only_3d", variant(scores_fn=_only_3d)),
     ("shape_error", "assumes_square", variant(scores_fn=_hard_square)),
+    ("gqa_group_mapping", "tiled_heads", _gqa(lambda t, r: t.repeat(1, r, 1, 1))),
+    ("gqa_group_mapping", "cat_heads", _gqa(lambda t, r: torch.cat([t] * r, dim=1))),
     ("unknown", "off_by_a_bit", variant(values_fn=lambda w, q, k, v: w @ v + 0.1)),
     ("unknown", "relu_weights", variant(softmax_fn=lambda s: torch.relu(s) / (torch.relu(s).sum(-1, keepdim=True) + 1))),
 ]
@@ -185,8 +213,8 @@ FITTED = [
      "is multiplied by d_k^1"),
     # so large that every core probe's softmax saturates (one-hot rows): only the small-score probes pin it
     ("wrong_scale", "cube_of_E", variant(scale_fn=lambda scale, q, k, v: float(q.shape[-1]) ** 3), "d_k^3 instead"),
-    ("causal_alignment", "tril_plus_two", variant(causal_fn=lambda L, S: torch.ones(L, S, dtype=torch.bool).tril(2)),
+    ("off_by_one", "tril_plus_two", variant(causal_fn=lambda L, S: torch.ones(L, S, dtype=torch.bool).tril(2)),
      "off by +2"),
-    ("causal_alignment", "tril_minus_two", variant(
+    ("off_by_one", "tril_minus_two", variant(
         causal_fn=lambda L, S: torch.ones(L, S, dtype=torch.bool).tril(-2)), "off by -2"),
 ]

@@ -153,3 +153,15 @@ def test_one_vocabulary_for_the_doctor_and_the_grader():
 
     with pytest.raises(KeyError, match="attnlab.mistakes.CODES"):  # the labs' checks cannot name one outside it
         mistake("made_up", "a message", None)
+
+
+def test_grouped_heads_are_probed_where_the_function_takes_enable_gqa():
+    """The doctor probes enable_gqa only where the function takes it, and says what it left out."""
+    from helpers.mutants import torch_sdpa
+
+    assert "gqa" in doctor.capabilities_of(CORRECT["gqa_interleave"])
+    assert "gqa" not in doctor.capabilities_of(torch_sdpa)
+    report = doctor.diagnose(torch_sdpa)
+    assert report.ok and "enable_gqa (grouped key/value heads)" in report.not_probed
+    assert "Not probed: enable_gqa" in str(report) and report.to_dict()["not_probed"] == report.not_probed
+    assert doctor.diagnose(CORRECT["gqa_interleave"]).not_probed == []

@@ -112,6 +112,8 @@ def tensor_verdict(got: Any, expected: Tensor, what: str,
         verdict = Verdict(False, f"{what}: expected a bool tensor (True = attend), got dtype {got.dtype}")
         if got.shape == expected.shape and torch.equal(got.bool(), expected):
             verdict.message += " (the values are right: add .bool() or build it with dtype=torch.bool)"
+            verdict.findings = [{"code": "mask_dtype", "message": f"the mask has dtype {got.dtype}; masks are bool "
+                                                                  "(True = attend)"}]
         return verdict
     for code, message, wrong in mistakes or []:
         if wrong is not None and got.shape == wrong.shape and (

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
+from attnlab.grading import errors
 from attnlab.grading.exercise import Exercise, Verdict, judge_outcome
 from attnlab import labs, mistakes
 from attnlab.grading.sandbox import pool
@@ -314,6 +315,8 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
             report.elapsed_s = time.perf_counter() - t0
             return report
         report.pending = list(EXERCISES)
+        tree = static.tree  # for reading tracebacks against the learner's own lines (errors.explain)
+        names = (path.name, the_lab.file)
         cpu_used = first.cpu_s  # the total budget is CPU time too; wall clock only as a backstop
         for i, ex in enumerate(EXERCISES):
             broken = static.for_exercise(ex.function, allow_attention=not ex.policy)
@@ -336,6 +339,10 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
                     verdicts = judge_outcome(ex, ctx, outcome, the_lab.rule)
                 except Exception as exc:  # a judge must never cost the learner their report
                     verdicts = {c: Verdict(False, f"could not be checked: {type(exc).__name__}") for c in ex.checks}
+                for v in verdicts.values():
+                    if not v.passed and not v.findings:
+                        v.findings = errors.explain(v.message, tree, names)
+                _blame_upstream(report, ex, verdicts, static)
                 for check, points in ex.checks.items():
                     v = verdicts.get(check) or Verdict(False, "not checked")
                     _keep_arrays_for_pictures(v, images_dir is not None)
@@ -349,6 +356,32 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         _save_pictures(report, Path(images_dir))
     report.elapsed_s = time.perf_counter() - t0
     return report
+
+
+def _blame_upstream(report: GradeReport, ex: Exercise, verdicts: dict[str, Verdict], static) -> None:
+    """An exercise whose function calls the learner's own function of an earlier exercise that
+    was found wrong (``self_attention`` calling ``attention_scores``) fails *because of* it, most
+    likely: its failed checks name the earlier exercise's mistakes and say to fix that first,
+    instead of a diagnosis of their own that would describe the same bug as another (Q and K
+    swapped in ex1 looks like transposed scores from ex8's side)."""
+    reach = static.reachable(ex.function) - {ex.function}
+    upstream: dict[str, list[dict]] = {}
+    for r in report.results:
+        if r.exercise.function in reach and r.exercise is not ex and not r.verdict.passed and r.verdict.findings:
+            found = upstream.setdefault(f"{r.exercise.id} {r.exercise.function}()", [])
+            found += [f for f in r.verdict.findings if f["code"] not in {g["code"] for g in found}
+                      and f["code"] not in ("policy", "not_implemented")]
+    upstream = {k: v for k, v in upstream.items() if v}
+    if not upstream:
+        return
+    where = " and ".join(upstream)
+    codes = ", ".join(sorted({f["code"] for v in upstream.values() for f in v}))
+    for v in verdicts.values():
+        if v.passed:
+            continue
+        v.message += (f"\n(this builds on your {where}, which failed with [{codes}]: fix that first, then grade "
+                      "again)")
+        v.findings = [f for found in upstream.values() for f in found]
 
 
 # what installs each module a lab's files may import (the static check's allow-list)

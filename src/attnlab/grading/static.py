@@ -51,7 +51,7 @@ from typing import Iterable, Optional
 
 from attnlab.grading.sandbox.recorder import BANNED_FRAGMENTS
 
-__all__ = ["ALLOWED_IMPORTS", "BANNED_BUILTINS", "Violation", "StaticReport", "check_source"]
+__all__ = ["ALLOWED_IMPORTS", "BANNED_BUILTINS", "Violation", "StaticReport", "check_source", "parse"]
 
 # ast.parse from two threads at once fails on CPython 3.11 ("SystemError: AST constructor
 # recursion depth mismatch", seen when two submissions were graded in parallel)
@@ -110,7 +110,7 @@ COMMON_ATTRIBUTES = frozenset({
     "prod", "pow", "square", "mul", "div", "add", "sub", "isnan", "isinf", "isposinf", "isfinite",
     "nan_to_num", "logical_not", "logical_and", "logical_or", "any", "all", "eq", "ne", "lt", "le", "gt", "ge",
     "allclose", "equal", "tolist", "device", "requires_grad", "grad", "backward", "float32", "float64",
-    "bfloat16", "float16", "long", "int", "int64", "finfo", "no_grad", "fill_", "zero_", "copy_", "add_", "mul_",
+    "bfloat16", "float16", "long", "int", "int64", "finfo", "tiny", "eps", "no_grad", "fill_", "zero_", "copy_", "add_", "mul_",
     "div_", "sub_", "values", "indices", "keys", "items", "pi", "inf", "nan", "ceil", "floor",
     # Python's list and dict methods
     "append", "extend", "pop", "insert", "index", "count", "get", "update", "copy", "sort", "reverse", "remove",
@@ -141,6 +141,7 @@ class StaticReport:
     calls: dict[str, set[str]]  # top-level function -> top-level functions it names
     syntax_error: str = ""
     imports: set[str] = field(default_factory=set)  # allowed top-level modules the file imports
+    tree: Optional[ast.Module] = None  # the parsed file (None where it did not parse), read again by the grader
 
     def reachable(self, function: str) -> set[str]:
         """``function`` and every top-level function it reaches by name."""
@@ -459,8 +460,7 @@ def check_source(source: str | bytes, filename: str = "attention.py",
     ``allowed_attributes``: the lab's own names beyond :data:`COMMON_ATTRIBUTES`
     (:attr:`attnlab.labs.Lab.allowed_names`)."""
     try:
-        with _PARSE_LOCK:  # CPython 3.11's AST builder is not thread-safe (class grading runs threads)
-            tree = ast.parse(source, filename=filename)
+        tree = parse(source, filename)
     except (RecursionError, MemoryError) as exc:
         return StaticReport([], {}, f"the file is too deeply nested or too large to parse ({type(exc).__name__})")
     except (SyntaxError, ValueError) as exc:
@@ -475,7 +475,14 @@ def check_source(source: str | bytes, filename: str = "attention.py",
         visitor.run(tree)
     except (RecursionError, MemoryError) as exc:  # never for a real lab file; a refusal, not a traceback
         return StaticReport([], {}, f"the file is too deeply nested or too large to check ({type(exc).__name__})")
-    return StaticReport(visitor.violations, visitor.calls, imports=visitor.imports)
+    return StaticReport(visitor.violations, visitor.calls, imports=visitor.imports, tree=tree)
+
+
+def parse(source: str | bytes, filename: str = "<submission>") -> ast.Module:
+    """``ast.parse`` under one lock: CPython 3.11's AST builder is not thread-safe, and class
+    grading parses submissions from several threads. Raises as ``ast.parse`` does."""
+    with _PARSE_LOCK:
+        return ast.parse(source, filename=filename)
 
 
 def describe(violations: Iterable[Violation], limit: int = 6) -> str:

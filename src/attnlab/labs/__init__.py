@@ -114,9 +114,11 @@ def lab_for_source(source: bytes) -> Optional[Lab]:
     or the file does not parse): how a ``DIR/<learner>.py`` submission names its lab."""
     import ast
 
+    from attnlab.grading.static import parse  # one lock for every parse (CPython 3.11's parser and threads)
+
     try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
+        tree = parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     best, best_n = None, 0

@@ -40,8 +40,9 @@ B, T, S, D, DK, DV = 3, 5, 7, 6, 4, 3
 NEG_INF = float("-inf")
 
 
-_SHAPE_ERRORS = ("must match the size", "cannot be multiplied", "Expected size for first two dimensions",
-                 "size mismatch", "shape mismatch")
+# a matmul's shape errors (K.T on a 3-D K gives a batch-broadcast error); a transpose on the learner's
+# failing line must be seen too
+_SHAPE_ERRORS = ("must match the size", "cannot be multiplied", "Expected size for first two dimensions", "size mismatch", "shape mismatch")
 
 
 def _transpose_hint(error: str, traceback: str = "") -> list[dict]:
@@ -54,7 +55,7 @@ def _transpose_hint(error: str, traceback: str = "") -> list[dict]:
     elif re.search(r"\.T\b|\.t\(\)", traceback) or not traceback:
         wrong = "K.T reverses all three dims ([d_k, S, B])"
     else:
-        wrong = "the transpose swaps the wrong dims"
+        return []  # a shape error elsewhere: no transpose on the learner's lines to blame
     return [{"code": "wrong_transpose",
              "message": f"a shape mismatch in Q @ K^T: on a [B, S, d_k] tensor {wrong}; use K.transpose(-2, -1) "
                         f"to get [B, d_k, S]"}]
@@ -184,9 +185,15 @@ def _judge_ex3(ctx, results, outcome):
         except CallFailed as exc:
             out[name] = Verdict(False, f"raised {exc.result['error']}\n{exc.result.get('traceback', '')}")
 
+    shifted = torch.exp(ordinary - ordinary.amax(dim=-1, keepdim=True))
     run("ordinary_scores", 0, stable_softmax(ordinary), [
         ("softmax_dim", "the rows do not sum to 1 over the keys: normalise over dim (-1 by default), "
-                        "not over the queries", stable_softmax(ordinary, dim=-2))])
+                        "not over the queries", stable_softmax(ordinary, dim=-2)),
+        ("softmax_dim", "the sum runs over the whole tensor, so no row sums to 1: sum along dim, "
+                        "e.sum(dim=dim, keepdim=True)", shifted / shifted.sum()),
+        ("softmax_dim", "the sum runs over the whole tensor, so no row sums to 1: sum along dim, "
+                        "e.sum(dim=dim, keepdim=True)", torch.exp(ordinary - ordinary.max()) / torch.exp(
+                            ordinary - ordinary.max()).sum())])
     got_large = results[1].get("value")
     large_mistakes = []
     if isinstance(got_large, Tensor) and not torch.isfinite(got_large).all():
@@ -230,12 +237,12 @@ def _judge_ex5(ctx, results, outcome):
     expected = masks.causal(6, 6)
     got = value(results, 0)
     mistakes = [
-        ("causal_alignment", "the mask is upper-triangular: position i would see the future (j > i); "
-                             "use .tril(), True on and below the diagonal", torch.ones(6, 6, dtype=torch.bool).triu()),
-        ("causal_alignment", "the diagonal is False: position i must also attend to itself (j <= i, tril())",
+        ("causal_future", "the mask is upper-triangular: position i would see the future (j > i); "
+                          "use .tril(), True on and below the diagonal", torch.ones(6, 6, dtype=torch.bool).triu()),
+        ("off_by_one", "the diagonal is False: position i must also attend to itself (j <= i, tril())",
          torch.ones(6, 6, dtype=torch.bool).tril(-1)),
-        ("mask_polarity", "True marks the *masked* positions here; in attnlab (and SDPA) True = attend",
-         ~expected),
+        ("mask_polarity", "True marks the *masked* positions here (~tril(), the same as triu(1)); in attnlab (and "
+                          "SDPA) True = attend", ~expected),
     ]
     shape = Verdict(isinstance(got, Tensor) and got.shape == (6, 6) and got.dtype == torch.bool,
                     f"causal_mask(6): expected a [6, 6] bool tensor, got {describe(got)}")
@@ -259,7 +266,7 @@ def _fitted_diagonal(got: Any) -> Optional[Verdict]:
             else:
                 message = (f"your mask hides position i's last {-d} key(s), itself included: the diagonal is off "
                            f"by {d}; use .tril() with no offset")
-            return Verdict(False, f"causal_mask(6): {message}", [{"code": "causal_alignment", "message": message}])
+            return Verdict(False, f"causal_mask(6): {message}", [{"code": "off_by_one", "message": message}])
     return None
 
 
@@ -287,6 +294,12 @@ def _judge_ex6(lengths, results, outcome):
     if isinstance(got, Tensor) and got.shape == (3, 7):
         shape.message += ": add the query dim with [:, None, :] so it broadcasts over [B, T, T] scores"
         got = got[:, None, :]
+    if isinstance(got, Tensor) and got.shape == (3, 7, 1):  # [B, T, 1]: it hides padded *queries*
+        message = ("the mask has shape [B, T, 1], so it hides padded queries (rows); padding hides keys "
+                   "(columns): shape [B, 1, T], built with [:, None, :]")
+        finding = [{"code": "padding_query_side", "message": message}]
+        return {"shape": Verdict(False, f"padding_mask: {message}", finding),
+                "values": Verdict(False, f"padding_mask: {message}", finding)}
     return {"shape": shape, "values": tensor_verdict(got, expected, "padding_mask", mistakes)}
 
 
@@ -316,11 +329,40 @@ def _judge_ex7(ctx, results, outcome):
              s * m),
         ]
         try:
-            out[name] = tensor_verdict(value(results, i), expected, f"apply_mask with a {list(m.shape)} mask",
-                                       mistakes)
+            got = value(results, i)
+            out[name] = _fill_verdict(got, s, m) or tensor_verdict(got, expected, f"apply_mask with a {list(m.shape)} "
+                                                                                  f"mask", mistakes)
         except CallFailed as exc:
             out[name] = Verdict(False, f"raised {exc.result['error']}\n{exc.result.get('traceback', '')}")
     return out
+
+
+def _fill_verdict(got: Any, s: Tensor, keep: Tensor) -> Optional[Verdict]:
+    """Two fills that the reference's mistake models cannot tell apart by value alone: any large
+    finite number (-1e9, finfo.min, -10000) at the masked places, and ``scores * mask``, whose
+    zeros carry the sign of the score (IEEE: -2.0 * 0 = -0.0) where masked_fill(~mask, 0) writes
+    +0.0."""
+    if not isinstance(got, Tensor) or not got.is_floating_point():
+        return None
+    try:
+        keep = keep.expand(s.shape)
+    except RuntimeError:
+        return None
+    if got.shape != s.shape or not close(got.where(keep, torch.zeros_like(got)), s.where(keep, torch.zeros_like(s))):
+        return None
+    masked = got[~keep].double()
+    if masked.numel() and torch.isfinite(masked).all() and bool((masked <= -1e4).all()):
+        message = (f"masked scores are set to a large finite number ({float(masked.max()):.3g}); use float('-inf'), "
+                   "so masked keys get exactly 0 weight and fully masked rows can be detected")
+        return Verdict(False, f"apply_mask: {message}", [{"code": "mask_fill_finite", "message": message}])
+    negative = (~keep) & (s < 0)
+    if masked.numel() and bool((masked == 0).all()) and bool(negative.any()) and bool(
+            torch.signbit(got[negative]).all()):
+        message = ("the scores are multiplied by the mask (a masked score becomes 0, or -0.0 where it was negative), "
+                   "which still gets weight after softmax; masking means -inf where the mask is False: "
+                   "scores.masked_fill(~mask, float('-inf'))")
+        return Verdict(False, f"apply_mask: {message}", [{"code": "mask_multiplied", "message": message}])
+    return None
 
 
 # --------------------------------------------------------------------------- #
@@ -357,6 +399,10 @@ def _probe_results(results: list[dict], probes: list) -> list["doctor.ProbeResul
     return made
 
 
+_EX8_CHECKS = {"output_shape": 2, "weights_shape": 2, "output_values": 5, "weights_values": 3, "padding_mask": 4,
+               "causal_mask": 2, "fully_masked_row": 2}
+
+
 def _judge_ex8(ctx, results, outcome):
     inp, pad, empty, probes = ctx
     out: dict[str, Verdict] = {}
@@ -370,6 +416,11 @@ def _judge_ex8(ctx, results, outcome):
 
     try:
         o, w = pair(0)
+        if (isinstance(o, Tensor) and isinstance(w, Tensor) and o.shape == ref_w.shape and w.shape == ref_out.shape
+                and close(o, ref_w) and close(w, ref_out)):
+            message = "it returns (weights, output); the signature says (output, weights)"
+            v = Verdict(False, message, [{"code": "order", "message": message}])
+            return all_checks(_EX8_CHECKS, v)
         out["output_shape"] = Verdict(isinstance(o, Tensor) and o.shape == ref_out.shape,
                                       f"output: expected [B, T, d_v] = {list(ref_out.shape)}, got {describe(o)}")
         out["weights_shape"] = Verdict(isinstance(w, Tensor) and w.shape == ref_w.shape,
@@ -530,9 +581,8 @@ EXERCISES: list[Exercise] = [
     Exercise("ex5", "causal_mask", "causal mask", {"shape_and_dtype": 2, "values": 4}, _prep_ex5, _judge_ex5),
     Exercise("ex6", "padding_mask", "padding mask", {"shape": 2, "values": 4}, _prep_ex6, _judge_ex6),
     Exercise("ex7", "apply_mask", "applying a mask", {"mask_T_S": 3, "mask_B_1_S": 3}, _prep_ex7, _judge_ex7),
-    Exercise("ex8", "self_attention", "the whole layer",
-             {"output_shape": 2, "weights_shape": 2, "output_values": 5, "weights_values": 3, "padding_mask": 4,
-              "causal_mask": 2, "fully_masked_row": 2}, _prep_ex8, _judge_ex8, on_error=_transpose_hint),
+    Exercise("ex8", "self_attention", "the whole layer", _EX8_CHECKS, _prep_ex8, _judge_ex8,
+             on_error=_transpose_hint),
     Exercise("ex9", "compare_with_sdpa", "parity with torch's SDPA", {"returns_max_diff": 5}, _prep_ex9, _judge_ex9,
              policy=False),
     Exercise("ex10", "exercise_1_shapes", "lesson exercise 1: shapes",

@@ -1,0 +1,103 @@
+"""What a learner's exception says about the mistake behind it, for every lab.
+
+A check that raised reports ``raised <Error>: <message>`` and the traceback the sandbox sent
+back (frames of the learner's file only). :func:`explain` reads the deepest frame in the
+learner's file, finds that function in the file's syntax tree (parsed here, in the grader:
+nothing of the learner's runs) and names the mistake when the error and the code agree:
+
+* a broadcast error (``The size of tensor a (7) must match the size of tensor b (5)``) in a
+  function that reduces along a dim without ``keepdim=True``: ``keepdim``;
+* a matmul shape error on a line that transposes with ``.T`` or ``transpose(0, 1)``:
+  ``wrong_transpose``.
+
+Anything else is left to the exercise's own checks.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from typing import Optional
+
+__all__ = ["frames", "explain", "REDUCTIONS"]
+
+# reductions that drop the dim they reduce unless keepdim=True
+REDUCTIONS = frozenset({"sum", "amax", "amin", "max", "min", "mean", "logsumexp", "prod", "norm", "nansum", "std",
+                        "var"})
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
+_BROADCAST = ("must match the size of tensor", "The size of tensor a")
+_MATMUL = ("cannot be multiplied", "Expected size for first two dimensions", "size mismatch", "shape mismatch",
+           "mat1 and mat2")
+
+
+def frames(text: str, file_names: "str | tuple[str, ...]") -> list[tuple[int, str]]:
+    """``(line, function)`` of each traceback frame in the learner's file (any of ``file_names``),
+    outermost first."""
+    names = (file_names,) if isinstance(file_names, str) else file_names
+    return [(int(line), func) for name, line, func in _FRAME.findall(text) if name.rsplit("/", 1)[-1] in names]
+
+
+def _function(tree: ast.Module, name: str) -> Optional[ast.FunctionDef]:
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+        if isinstance(node, ast.ClassDef):  # a method (lab 04's autograd Function)
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == name:
+                    return item
+    return None
+
+
+def _reductions_without_keepdim(func: ast.FunctionDef) -> list[ast.Call]:
+    """Calls such as ``x.sum(dim=-1)`` or ``torch.amax(x, -1)`` that reduce along a dim and
+    do not keep it."""
+    found = []
+    for node in ast.walk(func):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in REDUCTIONS):
+            continue
+        keywords = {k.arg: k.value for k in node.keywords}
+        keep = keywords.get("keepdim")
+        if keep is not None and not (isinstance(keep, ast.Constant) and keep.value is False):
+            continue  # keepdim=True (or a variable: not ours to guess)
+        on_module = isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+        has_dim = "dim" in keywords or len(node.args) >= (2 if on_module else 1)
+        if has_dim:
+            found.append(node)
+    return found
+
+
+def explain(text: str, tree: Optional[ast.Module], file_name: "str | tuple[str, ...]") -> list[dict]:
+    """The named mistake behind an exception, as findings (``{"code", "message"}``), or none.
+
+    ``text``: a failed check's message (the error and its traceback); ``tree``: the learner's
+    file, parsed; ``file_name``: its name as the traceback shows it.
+    """
+    if tree is None or "raised " not in text:
+        return []
+    where = frames(text, file_name)
+    if not where:
+        return []
+    line, name = where[-1]
+    func = _function(tree, name)
+    if func is None:
+        return []
+    if any(s in text for s in (*_BROADCAST, *_MATMUL)):
+        for node in ast.walk(func):
+            if getattr(node, "lineno", None) != line:
+                continue
+            transposes = (isinstance(node, ast.Attribute) and node.attr in ("T", "t")) or (
+                isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "transpose"
+                and [getattr(a, "value", None) for a in node.args] in ([0, 1], [1, 0]))
+            if transposes:
+                return [{"code": "wrong_transpose",
+                         "message": f"line {line} in {name}(): .T (or transpose(0, 1)) on a 3-D or 4-D tensor swaps "
+                                    "the wrong dims; transpose the last two with .transpose(-2, -1)"}]
+    if any(s in text for s in _BROADCAST):
+        calls = _reductions_without_keepdim(func)
+        if calls:
+            shown = ", ".join(f"line {c.lineno}: .{c.func.attr}(...)" for c in calls[:2])
+            return [{"code": "keepdim",
+                     "message": f"{name}() reduces along a dim without keepdim=True ({shown}), so the result "
+                                "loses that dim and no longer lines up with the tensor it divides or shifts"}]
+    return []

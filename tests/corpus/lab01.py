@@ -1,0 +1,122 @@
+"""Lab 01's mistakes, on the instructor's solution (``a``, matmul and masked_fill) and on an
+independent one (``b``, einsum, index comparisons and torch.where)."""
+
+from corpus import M
+
+LAB = "01-attention"
+SOLUTIONS = {"a": "labs/track1/01-attention/solutions/attention.py", "b": "tests/corpus/lab01_b.py"}
+
+A_SCORES = "return Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])"
+A_SUM = "total = e.sum(dim=dim, keepdim=True)"
+A_GUARD = "    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)\n"
+A_CAUSAL = "return torch.ones(T, T, dtype=torch.bool).tril()"
+A_PAD = "return (torch.arange(T) < lengths[:, None])[:, None, :]"
+A_FILL = "return scores.masked_fill(~mask, NEG_INF)"
+A_SOFTMAX8 = "    weights = stable_softmax(scores, dim=-1)\n    return attend(weights, V), weights"
+B_SCORES = 'return torch.einsum("bik,bjk->bij", Q, K) * d_k ** -0.5'
+B_TOP = "top = scores.max(dim=dim, keepdim=True).values"
+B_CAUSAL = "return i[:, None] >= i[None, :]"
+B_PAD = "return (positions < lengths.unsqueeze(1)).unsqueeze(1)  # [B, 1, T]"
+B_WHERE = 'return torch.where(mask, scores, torch.full_like(scores, float("-inf")))'
+B_LAYER = "    weights = stable_softmax(scores, dim=-1)\n    return attend(weights, V), weights"
+
+MUTANTS = [
+    # ------------------------------------------------------------------ a: the instructor's solution
+    M("a", "qkv_order", "return X @ W_Q, X @ W_K, X @ W_V", "return X @ W_K, X @ W_Q, X @ W_V", "ex1", "order"),
+    M("a", "kv_swapped", "return X @ W_Q, X @ W_K, X @ W_V", "return X @ W_Q, X @ W_V, X @ W_K", "ex1", "order"),
+    M("a", "no_scale", A_SCORES, "return Q @ K.transpose(-2, -1)", "ex2", "missing_scale"),
+    M("a", "divide_by_d_k", A_SCORES, "return Q @ K.transpose(-2, -1) / Q.shape[-1]", "ex2", "wrong_scale"),
+    M("a", "times_sqrt_d_k", A_SCORES, "return Q @ K.transpose(-2, -1) * math.sqrt(Q.shape[-1])", "ex2",
+      "wrong_scale"),
+    M("a", "sqrt_of_S", A_SCORES, "return Q @ K.transpose(-2, -1) / math.sqrt(K.shape[1])", "ex2", "wrong_scale"),
+    M("a", "K_dot_T", A_SCORES, "return Q @ K.T / math.sqrt(Q.shape[-1])", "ex2", "wrong_transpose"),
+    M("a", "transpose_0_1", A_SCORES, "return Q @ K.transpose(0, 1) / math.sqrt(Q.shape[-1])", "ex2",
+      "wrong_transpose"),
+    M("a", "K_Q_transposed", A_SCORES, "return K @ Q.transpose(-2, -1) / math.sqrt(Q.shape[-1])", "ex2",
+      "wrong_transpose"),
+    M("a", "no_max_shift", "e = torch.exp(scores - m)", "e = torch.exp(scores)", "ex3", "unstable_softmax"),
+    M("a", "sum_without_keepdim", A_SUM, "total = e.sum(dim=dim)", "ex3", "keepdim"),
+    M("a", "max_without_keepdim", "m = scores.amax(dim=dim, keepdim=True)", "m = scores.amax(dim=dim)", "ex3",
+      "keepdim"),
+    M("a", "dim_ignored", "m = scores.amax(dim=dim, keepdim=True)", "m = scores.amax(dim=-1, keepdim=True)", "ex3",
+      "softmax_dim", (A_SUM, "total = e.sum(dim=-1, keepdim=True)")),
+    M("a", "no_empty_guard", A_GUARD, "", "ex3", "fully_masked_nan",
+      ("return e / torch.where(total == 0, torch.ones_like(total), total)", "return e / total")),
+    M("a", "causal_triu", A_CAUSAL, "return torch.ones(T, T, dtype=torch.bool).triu()", "ex5", "causal_future"),
+    M("a", "causal_hides_diagonal", A_CAUSAL, "return torch.ones(T, T, dtype=torch.bool).tril(-1)", "ex5",
+      "off_by_one"),
+    M("a", "causal_sees_next", A_CAUSAL, "return torch.ones(T, T, dtype=torch.bool).tril(1)", "ex5", "off_by_one"),
+    M("a", "causal_inverted", A_CAUSAL, "return ~torch.ones(T, T, dtype=torch.bool).tril()", "ex5", "mask_polarity"),
+    M("a", "causal_float", A_CAUSAL, "return torch.ones(T, T).tril()", "ex5", "mask_dtype"),
+    M("a", "padding_le", A_PAD, "return (torch.arange(T) <= lengths[:, None])[:, None, :]", "ex6", "off_by_one"),
+    M("a", "padding_inverted", A_PAD, "return (torch.arange(T) >= lengths[:, None])[:, None, :]", "ex6",
+      "mask_polarity"),
+    M("a", "padding_query_side", A_PAD, "return (torch.arange(T) < lengths[:, None])[:, :, None]", "ex6",
+      "padding_query_side"),
+    M("a", "fill_where_true", A_FILL, "return scores.masked_fill(mask, NEG_INF)", "ex7", "mask_polarity"),
+    M("a", "fill_zero", A_FILL, "return scores.masked_fill(~mask, 0.0)", "ex7", "mask_fill_zero"),
+    M("a", "fill_minus_1e9", A_FILL, "return scores.masked_fill(~mask, -1e9)", "ex7", "mask_fill_finite"),
+    M("a", "mask_multiplied", A_FILL, "return scores * mask", "ex7", "mask_multiplied"),
+    M("a", "layer_softmax_over_queries", A_SOFTMAX8,
+      "    weights = stable_softmax(scores, dim=-2)\n    return attend(weights, V), weights", "ex8", "softmax_dim"),
+    M("a", "layer_attends_K", A_SOFTMAX8, "    weights = stable_softmax(scores, dim=-1)\n    return attend(weights, K), weights",
+      "ex8", "value_swapped"),
+    M("a", "layer_mask_ignored", "    if mask is not None:\n        scores = apply_mask(scores, mask)\n", "", "ex8",
+      "mask_ignored"),
+    M("a", "layer_mask_after_softmax", "    if mask is not None:\n        scores = apply_mask(scores, mask)\n    weights = stable_softmax(scores, dim=-1)\n",
+      "    weights = stable_softmax(scores, dim=-1)\n    if mask is not None:\n        weights = weights * mask\n",
+      "ex8", "mask_after_softmax"),
+    M("a", "layer_scaled_twice", "    scores = attention_scores(Q, K)\n",
+      "    scores = attention_scores(Q, K) / math.sqrt(Q.shape[-1])\n", "ex8", "wrong_scale"),
+    M("a", "first_column", "return weights[:, 0, :]", "return weights[:, :, 0]", "ex12", "wrong_axis"),
+    M("a", "first_batch_only", "return weights[:, 0, :]", "return weights[0]", "ex12", "batch_only"),
+    M("a", "ex2_divides_by_d_k", '"scaled": stable_softmax(unscaled / math.sqrt(d_k)),',
+      '"scaled": stable_softmax(unscaled / d_k),', "ex11", "wrong_scale"),
+    # ------------------------------------------------------------------ b: einsum and torch.where
+    M("b", "qk_swapped", "Q = torch.einsum(\"btd,dk->btk\", X, W_Q)", "Q = torch.einsum(\"btd,dk->btk\", X, W_K)",
+      "ex1", "order", ("K = torch.einsum(\"btd,dk->btk\", X, W_K)", "K = torch.einsum(\"btd,dk->btk\", X, W_Q)")),
+    M("b", "no_scale", B_SCORES, 'return torch.einsum("bik,bjk->bij", Q, K)', "ex2", "missing_scale"),
+    M("b", "times_sqrt_d_k", B_SCORES, 'return torch.einsum("bik,bjk->bij", Q, K) * d_k ** 0.5', "ex2",
+      "wrong_scale"),
+    M("b", "divide_by_d_k", B_SCORES, 'return torch.einsum("bik,bjk->bij", Q, K) / d_k', "ex2", "wrong_scale"),
+    M("b", "size_of_T", "d_k = Q.size(-1)", "d_k = Q.size(1)", "ex2", "wrong_scale"),
+    M("b", "scores_transposed", B_SCORES, 'return torch.einsum("bik,bjk->bji", Q, K) * d_k ** -0.5', "ex2",
+      "wrong_transpose"),
+    M("b", "max_without_keepdim", B_TOP, "top = scores.max(dim=dim).values", "ex3", "keepdim"),
+    M("b", "sum_without_keepdim", "denom = exps.sum(dim=dim, keepdim=True)", "denom = exps.sum(dim=dim)", "ex3",
+      "keepdim"),
+    M("b", "no_shift", "exps = (scores - top).exp()", "exps = scores.exp()", "ex3", "unstable_softmax"),
+    M("b", "no_empty_guard", '    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)\n', "", "ex3",
+      "fully_masked_nan", ("return exps / denom.clamp(min=torch.finfo(denom.dtype).tiny)", "return exps / denom")),
+    M("b", "sum_over_everything", "denom = exps.sum(dim=dim, keepdim=True)", "denom = exps.sum()", "ex3",
+      "softmax_dim"),
+    M("b", "causal_strict", B_CAUSAL, "return i[:, None] > i[None, :]", "ex5", "off_by_one"),
+    M("b", "causal_upper", B_CAUSAL, "return i[:, None] <= i[None, :]", "ex5", "causal_future"),
+    M("b", "padding_le", "return (positions < lengths", "return (positions <= lengths", "ex6", "off_by_one"),
+    M("b", "padding_inverted", "return (positions < lengths", "return (positions >= lengths", "ex6", "mask_polarity"),
+    M("b", "padding_query_side", B_PAD, "return (positions < lengths.unsqueeze(1)).unsqueeze(2)", "ex6",
+      "padding_query_side"),
+    M("b", "where_swapped", B_WHERE, 'return torch.where(mask, torch.full_like(scores, float("-inf")), scores)',
+      "ex7", "mask_polarity"),
+    M("b", "where_zero", B_WHERE, "return torch.where(mask, scores, torch.zeros_like(scores))", "ex7",
+      "mask_fill_zero"),
+    M("b", "where_finfo_min", B_WHERE,
+      "return torch.where(mask, scores, torch.full_like(scores, torch.finfo(scores.dtype).min))", "ex7",
+      "mask_fill_finite"),
+    M("b", "layer_softmax_dim_1", B_LAYER, "    weights = stable_softmax(scores, dim=1)\n    return attend(weights, V), weights",
+      "ex8", "softmax_dim"),
+    M("b", "layer_attends_Q", B_LAYER, "    weights = stable_softmax(scores, dim=-1)\n    return attend(weights, Q), weights",
+      "ex8", "value_swapped"),
+    M("b", "layer_mask_dropped", "        scores = apply_mask(scores, mask)\n", "        apply_mask(scores, mask)\n",
+      "ex8", "mask_ignored"),
+    M("b", "layer_zeroes_weights", B_LAYER,
+      "    weights = stable_softmax(scores, dim=-1)\n    if mask is not None:\n"
+      "        weights = torch.where(mask, weights, torch.zeros_like(weights))\n    return attend(weights, V), weights",
+      "ex8", "mask_after_softmax", ("        scores = apply_mask(scores, mask)\n", "        pass\n")),
+    M("b", "layer_returns_swapped", B_LAYER, "    weights = stable_softmax(scores, dim=-1)\n    return weights, attend(weights, V)",
+      "ex8", "order"),
+    M("b", "first_column", "return weights[:, 0]", "return weights[:, :, 0]", "ex12", "wrong_axis"),
+    M("b", "first_batch_only", "return weights[:, 0]", "return weights[0]", "ex12", "batch_only"),
+    M("b", "ex2_unscaled", '"scaled": stable_softmax(unscaled / math.sqrt(d_k))}', '"scaled": stable_softmax(unscaled)}',
+      "ex11", "missing_scale"),
+]
