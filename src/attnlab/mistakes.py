@@ -70,6 +70,8 @@ CODES: dict[str, str] = {
     "causal_block_skip": "under is_causal, skip only the key blocks wholly after the query block, and mask "
                          "inside the diagonal block (key j > query i gets -inf); skipping the diagonal block or "
                          "leaving it unmasked changes the answer",
+    "backward_scale": "the backward needs the softmax scale where the forward used it: P = exp(scale * Q K^T - lse), "
+                      "dQ = dS @ K * scale and dK = dS^T @ Q * scale (dV = P^T dO has none)",
     "backward_d_term": "dS = P * (dP - D) with D = rowsum(dO * O) per query row: without the D term the "
                        "gradients of Q and K are wrong (dV is not affected)",
     "scores_materialized": "an [L, S] tensor (the scores or the weights) is built or saved: tiled attention keeps "

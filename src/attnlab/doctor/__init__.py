@@ -31,9 +31,10 @@ from typing import Callable, Optional
 
 from attnlab.doctor.analysis import DoctorReport, Finding, analyze
 from attnlab.doctor.models import CODES
-from attnlab.doctor.probes import ALL_CAPABILITIES, FEATURES, Probe, ProbeResult, build_probes, run_probes
-from attnlab.doctor.self_attention import (SELF_ATTENTION_CAPABILITIES, FailedCall, adapt_self_attention,
-                                           self_attention_calls, self_attention_result)
+from attnlab.doctor.probes import (ALL_CAPABILITIES, FEATURES, FailedCall, Probe, ProbeResult, build_probes,
+                                   probe_arguments, probe_result, run_probes)
+from attnlab.doctor.self_attention import (SELF_ATTENTION_CAPABILITIES, adapt_self_attention, self_attention_calls,
+                                           self_attention_result)
 
 __all__ = [
     "CODES",
@@ -53,6 +54,8 @@ __all__ = [
     "SELF_ATTENTION_CAPABILITIES",
     "FEATURES",
     "capabilities_of",
+    "probe_arguments",
+    "probe_result",
 ]
 
 

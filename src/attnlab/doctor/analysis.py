@@ -68,7 +68,7 @@ class DoctorReport:
 
 
 _CORE_CHOICES = {
-    "scale": ["sdpa", "one", "inv_E", "inv_sqrt_Ev", "inv_sqrt_S", "ignore_arg"],
+    "scale": ["sdpa", "one", "inv_E", "inv_sqrt_Ev", "inv_sqrt_S", "inv_sqrt_L", "ignore_arg"],
     "softmax_dim": [-1, -2],
     "scores": ["q_kT", "q_k", "k_qT"],
     "values": ["v", "q", "k"],
@@ -116,8 +116,15 @@ def analyze(probes: list[Probe], results: list[ProbeResult]) -> DoctorReport:
         elif r.output is None or (exp is not None and r.output.shape != exp.shape):
             max_err = float("inf")
 
-    # 1. the core: the model that explains the most core probes, closest to SDPA on ties
+    names = {p.name for p in probes}
+    not_probed = [FEATURES[f] for f, probe in FEATURE_PROBE.items() if probe not in names]
     core = [(p, r) for p, r in zip(probes, results) if p.aspect == "core"]
+    hidden = _everything_hidden(probes, results, core)
+    if hidden is not None:
+        return DoctorReport(ok=False, max_abs_error=max_err, findings=[hidden], probes_run=len(probes),
+                            not_probed=not_probed)
+
+    # 1. the core: the model that explains the most core probes, closest to SDPA on ties
     best, best_hits = sdpa, -1
     for values in itertools.product(*_CORE_CHOICES.values()):
         m = BugModel(**dict(zip(_CORE_CHOICES, values)))
@@ -197,10 +204,23 @@ def analyze(probes: list[Probe], results: list[ProbeResult]) -> DoctorReport:
                                    "K.transpose(-2, -1)"))
         findings = _dedupe(findings)
     findings.sort(key=lambda f: _PRIORITY.index(f.code))
-    names = {p.name for p in probes}
-    not_probed = [FEATURES[f] for f, probe in FEATURE_PROBE.items() if probe not in names]
     return DoctorReport(ok=not findings, max_abs_error=max_err, findings=findings, probes_run=len(probes),
                         not_probed=not_probed)
+
+
+def _everything_hidden(probes: list[Probe], results: list[ProbeResult],
+                       core: list[tuple[Probe, ProbeResult]]) -> Optional[Finding]:
+    """Every output without a mask is exactly 0: every key is hidden even when no mask is given,
+    which is what an inverted mask does to a default all-True one. Named when the masked probes
+    match the inverted mask (the core probes alone cannot tell the rest apart)."""
+    if not core or not all(r.output is not None and r.output.numel() and bool((r.output == 0).all()) for _, r in core):
+        return None
+    masked = [(p, r) for p, r in zip(probes, results) if p.aspect == "mask"]
+    if masked and all(_matches(BugModel(mask="inverted"), p, r) for p, r in masked):
+        return Finding("mask_polarity", "the mask is inverted: with no mask every output is 0, because the default "
+                                        "all-True mask is inverted too (every key hidden), and a given mask hides "
+                                        "exactly the keys it should show")
+    return None
 
 
 def _non_finite(r: ProbeResult) -> bool:

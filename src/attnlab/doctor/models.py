@@ -27,7 +27,7 @@ CODES: dict[str, str] = {code: mistakes.CODES[code] for code in mistakes.DOCTOR_
 class BugModel:
     """Attention with each textbook choice made explicit; the defaults are SDPA."""
 
-    scale: str = "sdpa"  # sdpa | one | inv_E | inv_sqrt_Ev | inv_sqrt_S | ignore_arg | power | rel_power | const
+    scale: str = "sdpa"  # sdpa | one | inv_E | inv_sqrt_Ev | inv_sqrt_S | inv_sqrt_L | ignore_arg | power | rel_power | const
     softmax_dim: int = -1
     scores: str = "q_kT"  # q_kT | q_k (no transpose) | k_qT (scores transposed)
     values: str = "v"  # v | q | k
@@ -47,6 +47,7 @@ SCALE_TEXT = {
     "inv_E": "the scores are divided by d_k instead of sqrt(d_k)",
     "inv_sqrt_Ev": "the scores are divided by sqrt(d_v) instead of sqrt(d_k)",
     "inv_sqrt_S": "the scores are divided by sqrt(S) (the number of keys) instead of sqrt(d_k)",
+    "inv_sqrt_L": "the scores are divided by sqrt(L) (the number of queries) instead of sqrt(d_k)",
     "ignore_arg": "the `scale` argument is ignored (1/sqrt(d_k) is always used)",
 }
 
@@ -99,6 +100,7 @@ def model_attention(m: BugModel, q: Tensor, k: Tensor, v: Tensor, attn_mask: Opt
         "inv_E": 1 / E,
         "inv_sqrt_Ev": 1 / math.sqrt(Ev),
         "inv_sqrt_S": 1 / math.sqrt(S),
+        "inv_sqrt_L": 1 / math.sqrt(q.shape[-2]),
         "ignore_arg": 1 / math.sqrt(E),
         "power": float(E) ** m.power,
         "rel_power": (1 / math.sqrt(E) if scale is None else scale) * float(E) ** m.power,

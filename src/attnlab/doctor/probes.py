@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["Probe", "ProbeResult", "FEATURES", "FEATURE_PROBE", "ALL_CAPABILITIES", "build_probes", "run_probes", "short_error", "as_tensor"]
+__all__ = ["Probe", "ProbeResult", "FailedCall", "probe_arguments", "probe_result", "FEATURES", "FEATURE_PROBE", "ALL_CAPABILITIES", "build_probes", "run_probes", "short_error", "as_tensor"]
 
 
 @dataclass
@@ -46,6 +46,7 @@ class ProbeResult:
 # What a function may be probed with, in words (DoctorReport.not_probed names the ones left out)
 FEATURES = {
     "rect": "L != S and E != Ev",
+    "mask": "bool masks (attn_mask)",
     "scale": "an explicit scale",
     "float_mask": "additive float masks",
     "dropout": "dropout_p",
@@ -54,7 +55,7 @@ FEATURES = {
     "gqa": "enable_gqa (grouped key/value heads)",
 }
 # the probe that shows each feature was probed
-FEATURE_PROBE = {"rect": "basic", "scale": "explicit_scale", "float_mask": "float_mask", "dropout": "dropout",
+FEATURE_PROBE = {"rect": "basic", "mask": "bool_mask", "scale": "explicit_scale", "float_mask": "float_mask", "dropout": "dropout",
                  "rank2": "rank2", "causal": "causal_square", "gqa": "gqa"}
 # probed by default; "gqa" only where the function takes enable_gqa (attnlab.doctor.capabilities_of)
 ALL_CAPABILITIES = frozenset(FEATURES) - {"gqa"}
@@ -100,8 +101,10 @@ def build_probes(capabilities: frozenset[str] = ALL_CAPABILITIES, seed: int = 0)
     keep[..., 0] = True  # no empty rows here: that is a separate probe
     keep[..., 3, 0] = False
     keep[..., 3, 5] = True
-    probes.append(Probe("bool_mask", "L=S=8, random bool mask (True = attend), no fully masked row",
-                        rnd(B, H, T, T), rnd(B, H, T, T), rnd(B, H, T, T), {"attn_mask": keep}, aspect="mask"))
+    masked = Probe("bool_mask", "L=S=8, random bool mask (True = attend), no fully masked row",
+                   rnd(B, H, T, T), rnd(B, H, T, T), rnd(B, H, T, T), {"attn_mask": keep}, aspect="mask")
+    if "mask" in capabilities:
+        probes.append(masked)
     if "float_mask" in capabilities:
         probes.append(Probe("float_mask", "L=S=8, additive float mask", rnd(B, H, T, T), rnd(B, H, T, T),
                             rnd(B, H, T, T), {"attn_mask": rnd(T, T) * 2}, aspect="float_mask"))
@@ -115,14 +118,49 @@ def build_probes(capabilities: frozenset[str] = ALL_CAPABILITIES, seed: int = 0)
     empty[..., 0] = True
     empty[..., 2, :] = False  # query 2 sees no key at all
     empty[..., 6, :] = False
-    probes.append(Probe("fully_masked_rows", "L=S=8, bool mask with rows 2 and 6 fully masked",
-                        rnd(B, H, T, T), rnd(B, H, T, T), rnd(B, H, T, T) + 2, {"attn_mask": empty},
-                        aspect="empty"))
+    empty_rows = Probe("fully_masked_rows", "L=S=8, bool mask with rows 2 and 6 fully masked",
+                       rnd(B, H, T, T), rnd(B, H, T, T), rnd(B, H, T, T) + 2, {"attn_mask": empty}, aspect="empty")
+    if "mask" in capabilities:
+        probes.append(empty_rows)
     if "dropout" in capabilities:
         probes.append(Probe("dropout", "dropout_p=0.4, L=S=8, the mean of 200 calls",
                             rnd(1, 1, T, T), rnd(1, 1, T, T), rnd(1, 1, T, T) + 3, {"dropout_p": 0.4},
                             aspect="dropout", repeats=200))
     return probes
+
+
+@dataclass(frozen=True)
+class FailedCall:
+    """A call that raised, as the sandbox reports it: ``"ExceptionType: message"``."""
+
+    error: str
+
+
+def probe_arguments(probe: Probe, positional: tuple[str, ...] = ()) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` that make ``probe``'s call of a function whose signature takes the
+    keyword arguments ``positional`` by position after query, key and value (a lab's
+    ``masked_attention(Q, K, V, mask)``: ``("attn_mask",)``); the grader sends these to the
+    sandbox as a plain call and :func:`probe_result` reads the answer."""
+    kwargs = dict(probe.kwargs)
+    args = [probe.query, probe.key, probe.value]
+    for name in positional:
+        if name not in kwargs:
+            break
+        args.append(kwargs.pop(name))
+    return tuple(args), kwargs
+
+
+def probe_result(answer: Any) -> ProbeResult:
+    """One call's answer (a value, an exception or a :class:`FailedCall`) as a probe's result."""
+    if isinstance(answer, FailedCall):
+        first = answer.error.strip().splitlines()[0] if answer.error.strip() else "the call failed"
+        return ProbeResult(error=first[:400])
+    if isinstance(answer, BaseException):
+        return ProbeResult(error=short_error(answer))
+    try:
+        return ProbeResult(output=as_tensor(answer))
+    except Exception as exc:  # the learner's value: any type
+        return ProbeResult(error=short_error(exc))
 
 
 def short_error(exc: BaseException) -> str:

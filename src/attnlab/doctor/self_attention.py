@@ -9,20 +9,19 @@ calls), :func:`self_attention_result` joins the answers back into the probe's re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from attnlab import masks
-from attnlab.doctor.probes import Probe, ProbeResult, as_tensor, short_error
+from attnlab.doctor.probes import FailedCall, Probe, ProbeResult, as_tensor, short_error
 
 __all__ = ["SELF_ATTENTION_CAPABILITIES", "self_attention_calls", "FailedCall", "self_attention_result",
            "adapt_self_attention"]
 
 # what the lab's self_attention signature can take: square, default scale, bool masks, no dropout
-SELF_ATTENTION_CAPABILITIES = frozenset({"causal"})
+SELF_ATTENTION_CAPABILITIES = frozenset({"causal", "mask"})
 
 
 def self_attention_calls(probe: Probe) -> list[tuple]:
@@ -46,13 +45,6 @@ def self_attention_calls(probe: Probe) -> list[tuple]:
         m = None if mask is None else (mask if mask.dim() == 2 else mask[i])[None]  # (1, T, T)
         calls.append((eye, q[i], k[i], v[i], m) if m is not None else (eye, q[i], k[i], v[i]))
     return calls * probe.repeats
-
-
-@dataclass(frozen=True)
-class FailedCall:
-    """A call that raised, as the sandbox reports it: ``"ExceptionType: message"``."""
-
-    error: str
 
 
 def self_attention_result(probe: Probe, answers: list) -> ProbeResult:

@@ -8,7 +8,9 @@ nothing of the learner's runs) and names the mistake when the error and the code
 * a broadcast error (``The size of tensor a (7) must match the size of tensor b (5)``) in a
   function that reduces along a dim without ``keepdim=True``: ``keepdim``;
 * a matmul shape error on a line that transposes with ``.T`` or ``transpose(0, 1)``:
-  ``wrong_transpose``.
+  ``wrong_transpose``;
+* autograd's "returned an invalid gradient at index i": backward's gradients are not in the
+  order of forward's inputs: ``order``.
 
 Anything else is left to the exercise's own checks.
 """
@@ -67,6 +69,10 @@ def _reductions_without_keepdim(func: ast.FunctionDef) -> list[ast.Call]:
     return found
 
 
+_GRADIENT_SHAPE = re.compile(r"returned an invalid gradient at index (\d+) - got (\[[\d, ]*\]) but expected shape "
+                             r"compatible with (\[[\d, ]*\])")
+
+
 def explain(text: str, tree: Optional[ast.Module], file_name: "str | tuple[str, ...]") -> list[dict]:
     """The named mistake behind an exception, as findings (``{"code", "message"}``), or none.
 
@@ -75,6 +81,13 @@ def explain(text: str, tree: Optional[ast.Module], file_name: "str | tuple[str, 
     """
     if tree is None or "raised " not in text:
         return []
+    wrong_grad = _GRADIENT_SHAPE.search(text)
+    if wrong_grad:  # autograd's own check: backward's i-th gradient has another input's shape
+        i, got, want = wrong_grad.groups()
+        return [{"code": "order",
+                 "message": f"backward's gradient number {i} has shape {got}, but input {i} of forward has {want}: "
+                            "backward returns one gradient per input of forward, in the same order "
+                            "(dq, dk, dv, then None for is_causal)"}]
     where = frames(text, file_name)
     if not where:
         return []

@@ -23,7 +23,7 @@ from attnlab.grading.sandbox import Call, Outcome, Unsupported
 from attnlab.testing import max_abs_diff, tolerance
 
 __all__ = ["Verdict", "Exercise", "CallFailed", "mistake", "value", "describe", "close", "tensor_verdict",
-           "all_checks", "judge_outcome"]
+           "all_checks", "judge_outcome", "probe_calls", "doctor_findings"]
 
 
 @dataclass
@@ -100,6 +100,20 @@ def close(got: Tensor, expected: Tensor) -> bool:
     return bool(ok.all())
 
 
+def _resembles(got: Tensor, wrong: Tensor) -> bool:
+    """``got`` is what a mistake returns: within the float32 tolerance element by element, or
+    within 1e-4 of the mistake's largest value (a wrong formula can grow values to ~1e4, whose
+    float32 rounding then exceeds the elementwise tolerance on its small entries; 1e-4 is the
+    doctor's own bar, :class:`attnlab.doctor.Probe`)."""
+    if close(got, wrong):
+        return True
+    w = wrong.double()
+    finite = torch.isfinite(w)
+    if not bool(finite.all()) or not got.is_floating_point():
+        return False
+    return max_abs_diff(got, w) <= 1e-4 * max(1.0, float(w.abs().max()) if w.numel() else 1.0)
+
+
 def tensor_verdict(got: Any, expected: Tensor, what: str,
                    mistakes: Optional[list[tuple[str, str, Optional[Tensor]]]] = None) -> Verdict:
     """Compare one returned tensor; on a mismatch try to name the mistake.
@@ -117,7 +131,7 @@ def tensor_verdict(got: Any, expected: Tensor, what: str,
         return verdict
     for code, message, wrong in mistakes or []:
         if wrong is not None and got.shape == wrong.shape and (
-                torch.equal(got, wrong) if wrong.dtype == torch.bool else close(got, wrong)):
+                torch.equal(got, wrong) if wrong.dtype == torch.bool else _resembles(got, wrong)):
             if got.shape == expected.shape and close(got, expected):
                 break  # indistinguishable on these inputs: it is right
             return Verdict(False, f"{what}: {message}", [{"code": code, "message": message}], (got, expected))
@@ -135,6 +149,34 @@ def tensor_verdict(got: Any, expected: Tensor, what: str,
         return Verdict(False, f"{what}: contains NaN/inf where the reference is finite", arrays=(got, expected))
     return Verdict(False, f"{what}: values differ from the reference by up to {max_abs_diff(got, expected):.3g}",
                    arrays=(got, expected))
+
+
+def probe_calls(function: str, capabilities: frozenset[str], positional: tuple[str, ...] = (),
+                implied: tuple[str, ...] = ()) -> tuple[list[Call], list]:
+    """The doctor's probes (:func:`attnlab.doctor.build_probes`) as plain calls of the learner's
+    SDPA-like ``function``, for an exercise to append to its own calls; ``positional``: the
+    keyword arguments the function takes by position after Q, K, V (``("attn_mask",)``);
+    ``implied``: those it does not take because it always does that (``gqa_attention`` always
+    groups heads: ``("enable_gqa",)``). The sandbox only calls; :func:`doctor_findings` judges
+    the answers here."""
+    from attnlab import doctor
+
+    probes = doctor.build_probes(capabilities)
+    calls = []
+    for p in probes:
+        args, kwargs = doctor.probe_arguments(p, positional)
+        calls.append(Call(function, args, {k: v for k, v in kwargs.items() if k not in implied}))
+    return calls, probes
+
+
+def doctor_findings(probes: list, results: list[dict]) -> list[dict]:
+    """What the doctor names from the answers to :func:`probe_calls` (one result per probe)."""
+    from attnlab import doctor
+
+    answers = [doctor.probe_result(r["value"] if "value" in r else doctor.FailedCall(r.get("error", "")))
+               for r in results]
+    report = doctor.analyze(probes, answers)
+    return [{"code": f.code, "message": f"{f.message}. Hint: {doctor.CODES[f.code]}"} for f in report.findings]
 
 
 def all_checks(names, verdict: Verdict) -> dict[str, Verdict]:

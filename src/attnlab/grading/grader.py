@@ -342,6 +342,7 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
                 for v in verdicts.values():
                     if not v.passed and not v.findings:
                         v.findings = errors.explain(v.message, tree, names)
+                _share_within(verdicts)
                 _blame_upstream(report, ex, verdicts, static)
                 for check, points in ex.checks.items():
                     v = verdicts.get(check) or Verdict(False, "not checked")
@@ -356,6 +357,25 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         _save_pictures(report, Path(images_dir))
     report.elapsed_s = time.perf_counter() - t0
     return report
+
+
+_SYMPTOMS = ("unknown", "shape_error")
+# findings about an exercise's own code (what it keeps, what it calls), not about the values it
+# returns: an upstream mistake cannot cause them
+_STRUCTURAL = ("scores_materialized", "policy", "not_implemented")
+
+
+def _share_within(verdicts: dict[str, Verdict]) -> None:
+    """One function, one diagnosis: a failed check of an exercise that found no named mistake
+    of its own (nothing, or only a symptom) takes what its sibling checks named: the inverted
+    mask that one check names also explains the zeros another returns."""
+    named = [f for v in verdicts.values() if not v.passed for f in v.findings if f["code"] not in _SYMPTOMS]
+    if not named:
+        return
+    unique = list({f["code"]: f for f in named}.values())
+    for v in verdicts.values():
+        if not v.passed and all(f["code"] in _SYMPTOMS for f in v.findings):
+            v.findings = unique
 
 
 def _blame_upstream(report: GradeReport, ex: Exercise, verdicts: dict[str, Verdict], static) -> None:
@@ -377,8 +397,8 @@ def _blame_upstream(report: GradeReport, ex: Exercise, verdicts: dict[str, Verdi
     where = " and ".join(upstream)
     codes = ", ".join(sorted({f["code"] for v in upstream.values() for f in v}))
     for v in verdicts.values():
-        if v.passed:
-            continue
+        if v.passed or any(f["code"] in _STRUCTURAL for f in v.findings):
+            continue  # a check of the exercise's own structure (what it saves, how much memory) stands
         v.message += (f"\n(this builds on your {where}, which failed with [{codes}]: fix that first, then grade "
                       "again)")
         v.findings = [f for found in upstream.values() for f in found]

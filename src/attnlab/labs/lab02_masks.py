@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 
 from attnlab.functional import scaled_dot_product_attention
-from attnlab.grading.exercise import CallFailed, Exercise, Verdict, mistake, tensor_verdict, value
+from attnlab.grading.exercise import (CallFailed, Exercise, Verdict, doctor_findings, mistake, probe_calls,
+                                     tensor_verdict, value)
 from attnlab.grading.sandbox import Call
 from attnlab.labs import Lab
 
@@ -43,7 +44,7 @@ def _prep_ex1(g):
 def _causal_mistakes(L: int, S: int, expected: Tensor) -> list:
     return [
         mistake("mask_polarity", "True marks the hidden keys here; in SDPA True = attend (j <= i)", ~expected),
-        mistake("causal_alignment", "the mask is upper-triangular: query i would see the future; use .tril()",
+        mistake("causal_future", "the mask is upper-triangular: query i would see the future; use .tril()",
                 _ones(L, S).triu()),
         mistake("off_by_one", "the diagonal is hidden: query i must see key i too (tril(), not tril(-1))",
                 _ones(L, S).tril(-1)),
@@ -89,6 +90,11 @@ def _judge_ex2(ctx, results, outcome):
             mistake("off_by_one", "the diagonal is off by one: query i would see one key past its own position "
                                   "(tril(S - L), not tril(S - L + 1))", _ones(L, S).tril(S - L + 1)),
             mistake("mask_polarity", "True marks the hidden keys here; True = attend", ~expected),
+            mistake("causal_alignment", "the offset is L - S: the S - L cached keys come *before* the new queries, "
+                                        "so query i sees keys 0..i + (S - L): tril(diagonal=S - L)",
+                    _ones(L, S).tril(L - S)),
+            mistake("causal_future", "the mask is upper-triangular: query i would see later keys; use "
+                                     "tril(diagonal=S - L)", _ones(L, S).triu(S - L)),
         ]
         out.append(tensor_verdict(value(results, i), expected, f"decoding_mask({L}, {S})", mistakes))
     values = next((v for v in out[:2] if not v.passed), out[0])
@@ -169,6 +175,9 @@ def _ex5_mistakes(s: Tensor, mask: Tensor) -> list:
         mistake("mask_polarity", "-inf is placed where the mask is True; True = attend", _softmax(s.masked_fill(mask, NEG_INF))),
         mistake("fully_masked_nan", "a row whose keys are all masked gives NaN: 0/0. Return zeros there (divide "
                                     "by 1 where the sum is 0)", naive / naive.sum(-1, keepdim=True)),
+        mistake("mask_fill_finite", "masked scores are set to a large finite number (-1e9): a row whose keys are all "
+                                    "masked then averages them instead of giving 0; fill with float('-inf')",
+                _softmax(s.masked_fill(~mask, -1e9))),
     ]
 
 
@@ -176,7 +185,14 @@ def _judge_ex5(ctx, results, outcome):
     scores, mask, big = ctx
     s = scores.double()
     got = value(results, 0)
-    values = tensor_verdict(got, _softmax(s.masked_fill(~mask, NEG_INF)), "masked_softmax", _ex5_mistakes(s, mask))
+    expected = _softmax(s.masked_fill(~mask, NEG_INF))
+    values = tensor_verdict(got, expected, "masked_softmax", _ex5_mistakes(s, mask))
+    seen = mask.any(-1)  # rows with a visible key: a mistake shows there whatever the empty rows give
+    if not values.passed and not values.findings and isinstance(got, Tensor) and got.shape == mask.shape:
+        rows = tensor_verdict(got[seen], expected[seen], "masked_softmax (rows with a visible key)",
+                              [mistake(c, m, w[seen]) for c, m, w in _ex5_mistakes(s, mask) if w is not None])
+        if rows.findings:
+            values = rows
     ok = isinstance(got, Tensor) and got.shape == mask.shape
     empty_ok = ok and bool(torch.isfinite(got[1, 3]).all() and (got[1, 3] == 0).all())
     empty = Verdict(empty_ok, "masked_softmax: a row whose keys are all masked must give zeros, not NaN")
@@ -203,7 +219,9 @@ def _judge_ex6(kpm, results, outcome):
     expected = (~kpm)[:, None, None, :]
     mistakes = [mistake("mask_polarity", "nn.MultiheadAttention's key_padding_mask is True where a key is "
                                          "*ignored*; SDPA's mask is True where it is *attended*: invert it (~)",
-                        kpm[:, None, None, :])]
+                        kpm[:, None, None, :]),
+                mistake("padding_query_side", "the mask has shape [B, 1, S, 1], so it hides padded *queries*; padding "
+                                              "hides keys: [B, 1, 1, S] ([:, None, None, :])", (~kpm)[:, None, :, None])]
     got = value(results, 0)
     if isinstance(got, Tensor) and got.shape == (3, 6):
         return {"values": Verdict(False, "from_key_padding_mask: expected shape [B, 1, 1, S] = [3, 1, 1, 6], got "
@@ -222,11 +240,18 @@ def _prep_ex7(g):
     empty[:, :, 1] = False  # query 1 sees nothing
     calls = [Call("masked_attention", (Q, K, V)), Call("masked_attention", (Q, K, V, both)),
              Call("masked_attention", (Q, K, V, empty))]
-    return calls, (Q, K, V, both, empty)
+    # then the doctor's probes, as plain calls (judged here if a check fails)
+    more, probes = probe_calls("masked_attention", _DOCTOR_CAPABILITIES, positional=("attn_mask",))
+    return calls + more, (Q, K, V, both, empty, probes)
+
+
+# what masked_attention(Q, K, V, mask) takes of SDPA's signature: L != S, E != Ev, bool masks
+_DOCTOR_CAPABILITIES = frozenset({"rect", "mask"})
 
 
 def _judge_ex7(ctx, results, outcome):
-    Q, K, V, both, empty = (t.double() if t.is_floating_point() else t for t in ctx)
+    Q, K, V, both, empty = (t.double() if t.is_floating_point() else t for t in ctx[:5])
+    probes = ctx[5]
     out = {}
     for name, i, mask in (("no_mask", 0, None), ("padding_and_causal", 1, both), ("fully_masked_row", 2, empty)):
         expected = scaled_dot_product_attention(Q, K, V, attn_mask=mask)
@@ -250,6 +275,11 @@ def _judge_ex7(ctx, results, outcome):
                 out["fully_masked_row"] = Verdict(False, message, [{"code": "fully_masked_nan", "message": message}])
         except CallFailed:
             pass
+    if any(not v.passed and not v.findings for v in out.values()):
+        findings = doctor_findings(probes, results[3:])
+        for v in out.values():
+            if not v.passed and not v.findings:
+                v.findings = findings
     return out
 
 

@@ -14,9 +14,10 @@ import torch
 from torch import Tensor
 
 from attnlab.functional import scaled_dot_product_attention
-from attnlab.grading.exercise import Exercise, Verdict, mistake, tensor_verdict, value
+from attnlab.grading.exercise import Exercise, Verdict, doctor_findings, mistake, probe_calls, tensor_verdict, value
 from attnlab.grading.sandbox import Call
 from attnlab.labs import Lab
+from attnlab.softmax import stable_softmax
 
 __all__ = ["LAB", "EXERCISES"]
 
@@ -74,7 +75,10 @@ def _prep_ex2(g):
 def _judge_ex2(x, results, outcome):
     xd = x.double()
     mistakes = [mistake("heads_mixed", "reshaped [B, H, L, E] straight to [B, L, D] without transpose(1, 2) "
-                                       "first: positions and heads are mixed", xd.reshape(B, L, D))]
+                                       "first: positions and heads are mixed", xd.reshape(B, L, D)),
+                mistake("heads_mixed", "the heads end up last ([B, L, E, H] flattened), so each head's features are "
+                                       "interleaved with the others': transpose(1, 2) gives [B, L, H, E]",
+                        xd.permute(0, 2, 3, 1).reshape(B, L, D))]
     return {"values": tensor_verdict(value(results, 0), _merge(xd), "merge_heads", mistakes)}
 
 
@@ -86,9 +90,18 @@ def _prep_ex3(g):
     return [Call("multi_head_attention", (x, *W, H)), Call("multi_head_attention", (x, *W, H, causal))], (x, W, causal)
 
 
-def _mha(x: Tensor, W: list[Tensor], mask=None, scale=None, out_proj=True, split=_split) -> Tensor:
-    q, k, v = (split(x @ w, H) for w in W[:3])
-    y = _merge(_attend(q, k, v, mask, scale))
+def _attend_rows(q: Tensor, k: Tensor, v: Tensor, mask=None, scale=None, dim: int = -1) -> Tensor:
+    """Attention with the softmax along ``dim`` (-2: over the queries, a learner's mistake)."""
+    s = q @ k.transpose(-2, -1) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return stable_softmax(s, dim=dim) @ v
+
+
+def _mha(x: Tensor, W: list[Tensor], mask=None, scale=None, out_proj=True, split=_split, order=(0, 1, 2),
+         dim: int = -1) -> Tensor:
+    q, k, v = (split(x @ W[i], H) for i in order)
+    y = _merge(_attend(q, k, v, mask, scale) if dim == -1 else _attend_rows(q, k, v, mask, scale, dim))
     return y @ W[3] if out_proj else y
 
 
@@ -106,7 +119,22 @@ def _judge_ex3(ctx, results, outcome):
                     _mha(xd, Wd, mask, scale=1 / math.sqrt(D))),
             mistake("heads_mixed", "the heads are split by a reshape without the transpose, so each head mixes "
                                    "positions", _mha(xd, Wd, mask, split=lambda t, h: t.reshape(B, h, L, D // h))),
+            mistake("missing_scale", "the scores are not scaled: divide each head's Q @ K^T by sqrt(E), E = D // H",
+                    _mha(xd, Wd, mask, scale=1.0)),
+            mistake("order", "the keys and values come from each other's weights: k = x @ W_K, v = x @ W_V",
+                    _mha(xd, Wd, mask, order=(0, 2, 1))),
+            mistake("value_swapped", "the values are projected with W_K: v = x @ W_V", _mha(xd, Wd, mask, order=(0, 1, 1))),
+            mistake("value_swapped", "the values are projected with W_Q: v = x @ W_V", _mha(xd, Wd, mask, order=(0, 1, 0))),
+            mistake("softmax_dim", "the softmax runs over the queries: each query's row over the keys must sum to 1",
+                    _mha(xd, Wd, mask, dim=-2)),
         ]
+        if mask is not None:
+            mistakes += [
+                mistake("mask_polarity", "the mask is inverted: True = attend, so fill -inf where it is False",
+                        _mha(xd, Wd, ~mask)),
+                mistake("mask_ignored", "the mask has no effect: fill the scores with -inf where it is False, "
+                                        "before the softmax", _mha(xd, Wd, None)),
+            ]
         out[name] = tensor_verdict(value(results, i), expected, f"multi_head_attention ({name.replace('_', ' ')})",
                                    mistakes)
     # parity with torch's own layer, weights copied in (torch's weights act on the left: W^T)
@@ -136,15 +164,20 @@ def _judge_ex4(kv, results, outcome):
     return {"values": tensor_verdict(value(results, 0), kd.repeat_interleave(3, dim=1), "repeat_kv", mistakes)}
 
 
+# what gqa_attention(q, k, v) takes of SDPA's signature: L != S, E != Ev, and it always groups the heads
+_DOCTOR_CAPABILITIES = frozenset({"rect", "gqa"})
+
+
 def _prep_ex5(g):
     q = torch.randn(2, 6, 4, 8, generator=g)
     k = torch.randn(2, 2, 7, 8, generator=g)
     v = torch.randn(2, 2, 7, 5, generator=g)
-    return [Call("gqa_attention", (q, k, v))], (q, k, v)
+    more, probes = probe_calls("gqa_attention", _DOCTOR_CAPABILITIES, implied=("enable_gqa",))
+    return [Call("gqa_attention", (q, k, v)), *more], (q, k, v, probes)
 
 
 def _judge_ex5(ctx, results, outcome):
-    q, k, v = (t.double() for t in ctx)
+    q, k, v = (t.double() for t in ctx[:3])
     expected = _attend(q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1))
     mistakes = [
         mistake("gqa_group_mapping", "query head h must use key/value head h // groups (repeat_interleave), not "
@@ -152,7 +185,10 @@ def _judge_ex5(ctx, results, outcome):
         mistake("missing_scale", "the scores are not divided by sqrt(E)",
                 _attend(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), scale=1.0)),
     ]
-    return {"values": tensor_verdict(value(results, 0), expected, "gqa_attention", mistakes)}
+    verdict = tensor_verdict(value(results, 0), expected, "gqa_attention", mistakes)
+    if not verdict.passed and not verdict.findings:
+        verdict.findings = doctor_findings(ctx[3], results[1:])
+    return {"values": verdict}
 
 
 # --------------------------------------------------------------------------- ex6: the KV cache
@@ -188,8 +224,18 @@ def _judge_ex6(ctx, results, outcome):
         mistake("causal_alignment", "the causal mask ignores the cache's offset: new query i sits at position "
                                     "P + i and sees keys 0 .. P + i (tril(diagonal=P)), not 0 .. i",
                 _attend(qn, kk, vv, torch.ones(n, P + n, dtype=torch.bool).tril())),
-        mistake("causal_alignment", "no causal mask among the new tokens: query i must not see the new tokens "
-                                    "after it (tril(diagonal=P))", _attend(qn, kk, vv)),
+        mistake("mask_ignored", "no causal mask among the new tokens: query i must not see the new tokens "
+                                "after it (tril(diagonal=P))", _attend(qn, kk, vv)),
+        mistake("off_by_one", "the mask's diagonal is off by one: query i sits at position P + i and sees keys "
+                              "0 .. P + i (tril(diagonal=P), not P - 1)",
+                _attend(qn, kk, vv, torch.ones(n, P + n, dtype=torch.bool).tril(P - 1))),
+        mistake("off_by_one", "the mask's diagonal is off by one: query i would see the key after its own "
+                              "position (tril(diagonal=P), not P + 1)",
+                _attend(qn, kk, vv, torch.ones(n, P + n, dtype=torch.bool).tril(P + 1))),
+        mistake("mask_polarity", "the mask is inverted: True = attend",
+                _attend(qn, kk, vv, ~torch.ones(n, P + n, dtype=torch.bool).tril(P))),
+        mistake("causal_future", "the mask is upper-triangular: query i would see later keys; tril(diagonal=P)",
+                _attend(qn, kk, vv, torch.ones(n, P + n, dtype=torch.bool).triu(P))),
     ]
     output = tensor_verdict(out, full[:, :, P:P + n], "decode_step output (a cache of 4, 3 new tokens)", mistakes)
     equal = Verdict(True)

@@ -50,7 +50,8 @@ def _safe(m: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- the mistakes, simulated
 def _stream_stats(x: Tensor, block: int, bug: str = "") -> tuple[Tensor, Tensor]:
     """ex1's loop; ``bug``: 'no_rescale' (l_i not rescaled), 'inverted' (exp(m_new - m_old)),
-    'unsafe' (exp(-inf - -inf) = NaN on a row that has seen only -inf)."""
+    'unsafe' (exp(-inf - -inf) = NaN on a row that has seen only -inf), 'stale' (m_i never
+    updated: each block is summed under its own max, and what came before is dropped)."""
     R, S = x.shape
     m_i = torch.full((R,), NEG_INF, dtype=x.dtype)
     l_i = torch.zeros(R, dtype=x.dtype)
@@ -65,15 +66,16 @@ def _stream_stats(x: Tensor, block: int, bug: str = "") -> tuple[Tensor, Tensor]
         else:
             alpha = torch.exp(m_i - m_ref)
         l_i = l_i * alpha + torch.exp(chunk - m_ref[:, None]).sum(-1)
-        m_i = m_new
+        m_i = m_i if bug == "stale" else m_new
     return m_i, l_i
 
 
 def _tiled(q: Tensor, k: Tensor, v: Tensor, causal: bool, bq: int, bk: int, bug: str = "") -> tuple[Tensor, Tensor]:
     """The lab's forward in float64 with one step broken (``bug``): 'acc' (acc not rescaled),
-    'l' (l_i not rescaled), 'diag_unmasked' (causal blocks kept whole), 'diag_skipped' (the
-    diagonal block skipped), 'off_by_one' (key j < query i), 'lse_log2' ((m_i + ln l_i) / ln 2),
-    'lse_log2_sum' (m_i + log2 l_i), 'lse_max' (lse = m_i)."""
+    'l' (l_i not rescaled), 'stale' (P = exp(s - m_old): the tile's weights under the max
+    before it), 'diag_unmasked' (causal blocks kept whole), 'diag_skipped' (the diagonal block
+    skipped), 'off_by_one' (key j < query i), 'lse_log2' ((m_i + ln l_i) / ln 2), 'lse_log2_sum'
+    (m_i + log2 l_i), 'lse_max' (lse = m_i), 'lse_no_max' (lse = ln l_i)."""
     B, H, L, E = q.shape
     S, Ev = k.shape[-2], v.shape[-1]
     o = torch.empty(B, H, L, Ev, dtype=q.dtype)
@@ -93,33 +95,44 @@ def _tiled(q: Tensor, k: Tensor, v: Tensor, causal: bool, bq: int, bk: int, bug:
                 s = s.masked_fill(~(cols < rows if bug == "off_by_one" else cols <= rows), NEG_INF)
             m_new = torch.maximum(m_i, s.amax(-1))
             m_safe = _safe(m_new)
-            p = torch.exp(s - m_safe[..., None])
+            p = torch.exp(s - (_safe(m_i) if bug == "stale" else m_safe)[..., None])
             alpha = torch.exp(m_i - m_safe)
             l_i = (l_i if bug == "l" else l_i * alpha) + p.sum(-1)
             acc = (acc if bug == "acc" else acc * alpha[..., None]) + p @ v[:, :, ks:ke]
             m_i = m_new
         o[:, :, qs:qe] = acc / l_i[..., None]
         lse[:, :, qs:qe] = {"lse_log2": (m_i + torch.log(l_i)) / math.log(2), "lse_log2_sum": m_i + torch.log2(l_i),
-                            "lse_max": m_i}.get(bug, m_i + torch.log(l_i))
+                            "lse_max": m_i, "lse_no_max": torch.log(l_i)}.get(bug, m_i + torch.log(l_i))
     return o, lse
 
 
 def _grads(q: Tensor, k: Tensor, v: Tensor, do: Tensor, mask: Optional[Tensor], bug: str = "",
-           p_mask: Optional[Tensor] = None) -> tuple:
+           p_mask: Optional[Tensor] = None, bk: int = 16) -> tuple:
     """dq, dk, dv in float64 from the formulas; ``bug``: 'no_d' (the D term dropped),
-    'no_scale' (dq, dk without the scale); ``p_mask``: the mask the backward rebuilds P with,
-    where it differs from the forward's ``mask`` (the causal mask forgotten in the backward)."""
+    'd_tile' (D = rowsum(P * dP) of each ``bk``-key tile, not of the whole row), 'no_scale' (dq, dk
+    without the scale), 'no_scale_dq', 'no_scale_dk' (one of them),
+    'p_unscaled' (P rebuilt from unscaled scores); ``p_mask``: the mask the backward rebuilds P
+    with, where it differs from the forward's ``mask`` (the causal mask forgotten in the
+    backward)."""
     scale = 1 / math.sqrt(q.shape[-1])
     s = (q @ k.transpose(-2, -1)) * scale
     masked = s if mask is None else s.masked_fill(~mask, NEG_INF)
     lse = masked.logsumexp(-1, keepdim=True)  # [B, H, L, 1]
-    p = torch.exp((masked if p_mask is None else s.masked_fill(~p_mask, NEG_INF)) - lse)
+    rebuilt = s / scale if bug == "p_unscaled" else s
+    p = torch.exp((masked if p_mask is None and bug != "p_unscaled" else
+                   rebuilt.masked_fill(~(mask if p_mask is None else p_mask), NEG_INF) if (
+                       p_mask is not None or mask is not None) else rebuilt) - lse)
     o = torch.exp(masked - lse) @ v
     dv = p.transpose(-2, -1) @ do
     dp = do @ v.transpose(-2, -1)
-    ds = p * dp if bug == "no_d" else p * (dp - (do * o).sum(-1, keepdim=True))
-    sc = 1.0 if bug == "no_scale" else scale
-    return ds @ k * sc, ds.transpose(-2, -1) @ q * sc, dv
+    D = (do * o).sum(-1, keepdim=True)
+    if bug == "d_tile":  # each key tile's own rowsum(P * dP): the row's D only when one tile holds every key
+        D = torch.cat([(p[..., j:j + bk] * dp[..., j:j + bk]).sum(-1, keepdim=True).expand(*p.shape[:-1],
+                       min(bk, p.shape[-1] - j)) for j in range(0, p.shape[-1], bk)], dim=-1)
+    ds = p * dp if bug == "no_d" else p * (dp - D)
+    sq = 1.0 if bug in ("no_scale", "no_scale_dq") else scale
+    sk = 1.0 if bug in ("no_scale", "no_scale_dk") else scale
+    return ds @ k * sq, ds.transpose(-2, -1) @ q * sk, dv
 
 
 def _causal(L: int, S: int) -> Tensor:
@@ -172,7 +185,13 @@ def _judge_ex1(x, results, outcome):
         mistake("online_rescale", "the rescale factor is upside down: exp(m_old - m_new) (<= 1), not "
                                   "exp(m_new - m_old)", _stream_stats(xd, EX1_BLOCK, "inverted")[1]),
     ]
-    out = {"m": tensor_verdict(m, m_ref, "m_i (the running max)")}
+    stale = _stream_stats(xd, EX1_BLOCK, "stale")
+    rescale.append(mistake("online_rescale", "m_i is never updated: after each block the running max must become "
+                                             "m_new (m_i = m_new), or the next block's rescale starts from the wrong "
+                                             "max", stale[1]))
+    out = {"m": tensor_verdict(m, m_ref, "m_i (the running max)", [
+        mistake("online_rescale", "m_i is never updated: after each block the running max must become m_new "
+                                  "(m_i = m_new)", stale[0])])}
     if isinstance(l_, Tensor) and l_.shape == l_ref.shape:
         out["l"] = tensor_verdict(l_[keep], l_ref[keep], "l_i (the running sum)", [
             (c, msg, w[keep]) for c, msg, w in rescale])
@@ -243,6 +262,17 @@ def _judge_ex2(ctx, results, outcome):
                                   "adding P @ V", _tiled(q, k, v, False, bq, bk, "acc")[0]),
         mistake("online_rescale", "l_i is not rescaled when the running max grows: l_i * exp(m_old - m_new) before "
                                   "adding the tile's row sums", _tiled(q, k, v, False, bq, bk, "l")[0]),
+        mistake("online_rescale", "a stale max: the tile's weights are exp(s - m_old), taken before the running max "
+                                  "was updated; compute m_new first, then P = exp(s - m_new) and rescale l_i and acc "
+                                  "by exp(m_old - m_new)", _tiled(q, k, v, False, bq, bk, "stale")[0]),
+        mistake("missing_scale", "the scores are not scaled: multiply q (or each tile's Q K^T) by 1/sqrt(E)",
+                scaled_dot_product_attention(q, k, v, scale=1.0)),
+        mistake("wrong_scale", "the scores are divided by E; the scale is 1/sqrt(E)",
+                scaled_dot_product_attention(q, k, v, scale=1 / q.shape[-1])),
+        mistake("wrong_scale", "the scores are scaled by 1/sqrt(Ev), the value size; the scale is 1/sqrt(E), the "
+                               "query/key size", scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(v.shape[-1]))),
+        mistake("wrong_scale", "the scores are multiplied by sqrt(E) instead of divided by it",
+                scaled_dot_product_attention(q, k, v, scale=math.sqrt(q.shape[-1]))),
     ])
     out["lse"] = tensor_verdict(lse, ref_lse, "lse (natural log-sum-exp of each row's scaled scores)", [
         mistake("lse_saved", "lse is in base 2: use torch.log (natural log), lse = m_i + log(l_i)",
@@ -251,6 +281,8 @@ def _judge_ex2(ctx, results, outcome):
                 _tiled(q, k, v, False, bq, bk, "lse_log2_sum")[1]),
         mistake("lse_saved", "lse is m_i alone: add log(l_i), the log of the running sum",
                 _tiled(q, k, v, False, bq, bk, "lse_max")[1]),
+        mistake("lse_saved", "lse is log(l_i) alone: l_i was summed under the running max, so add it back: "
+                             "lse = m_i + log(l_i)", _tiled(q, k, v, False, bq, bk, "lse_no_max")[1]),
         mistake("lse_saved", "the returned second value is l_i, the sum: lse = m_i + log(l_i)",
                 torch.exp(ref_lse - _tiled(q, k, v, False, bq, bk, "lse_max")[1])),
     ])
@@ -342,7 +374,9 @@ def _judge_ex4(ctx, results, outcome):
             out.update({"dv": bad, "dq_dk": bad} if not causal else {"causal": bad})
             continue
         dq, dk, dv = _grads(q, k, v, do, mask)
-        no_d, no_scale = (_grads(q, k, v, do, mask, bug) for bug in ("no_d", "no_scale"))
+        no_d, d_tile, no_scale, no_scale_dq, no_scale_dk, p_unscaled = (
+            _grads(q, k, v, do, mask, bug, bk=bk) for bug in ("no_d", "d_tile", "no_scale", "no_scale_dq",
+                                                              "no_scale_dk", "p_unscaled"))
         # P rebuilt without the causal mask: in every tile (no skipping either), or in the tiles visited
         unmasked = [_grads(q, k, v, do, mask, p_mask=m) for m in (torch.ones(L, S, dtype=torch.bool),
                                                                    _tiles_kept(L, S, bq, bk))] if causal else []
@@ -351,15 +385,24 @@ def _judge_ex4(ctx, results, outcome):
         qk_mistakes = [
             mistake("backward_d_term", "dS = P * dP is missing the D term: dS = P * (dP - D) with D = "
                                        "rowsum(dO * O)", both(no_d)),
-            mistake("missing_scale", "dQ and dK miss the softmax scale: dQ = dS @ K * scale, dK = dS^T @ Q * scale",
+            mistake("backward_d_term", "D is taken from each tile (rowsum(P * dP) over its keys): it is one number "
+                                       "per query row over all the keys, D = rowsum(dO * O), computed once before "
+                                       "the loops", both(d_tile)),
+            mistake("backward_scale", "dQ and dK miss the softmax scale: dQ = dS @ K * scale, dK = dS^T @ Q * scale",
                     both(no_scale)),
+            mistake("backward_scale", "dQ misses the softmax scale: dQ = dS @ K * scale", both(no_scale_dq)),
+            mistake("backward_scale", "dK misses the softmax scale: dK = dS^T @ Q * scale", both(no_scale_dk)),
+            mistake("backward_scale", "P is rebuilt from unscaled scores: the forward's lse is of the scaled "
+                                      "scores, so P = exp(Q K^T * scale - lse)", both(p_unscaled)),
         ] + [mistake("causal_block_skip", "the backward rebuilds P without the causal mask: mask the tile's "
                                           "scores as the forward does before exp(scores - lse)", both(u))
              for u in unmasked]
         where = f"(L = {L}, S = {S}{', is_causal' if causal else ''})"
         qk = tensor_verdict(got_qk, both((dq, dk)), f"dq and dk {where}", qk_mistakes)
         dv_v = tensor_verdict(got[2], dv, f"dv {where}", [
-            mistake("causal_block_skip", "dV is built from P without the causal mask", u[2]) for u in unmasked])
+            mistake("causal_block_skip", "dV is built from P without the causal mask", u[2]) for u in unmasked] + [
+            mistake("backward_scale", "P is rebuilt from unscaled scores: the forward's lse is of the scaled scores, "
+                                      "so P = exp(Q K^T * scale - lse)", p_unscaled[2])])
         if causal:
             out["causal"] = dv_v if not dv_v.passed else qk
         else:
@@ -395,9 +438,12 @@ def _judge_ex5(ctx, results, outcome):
         if outputs.passed:
             outputs = tensor_verdict(got[0], scaled_dot_product_attention(q, k, v, attn_mask=mask),
                                      f"tiled_attention output {where}")
-        for name, g_, e_ in zip(("dq", "dk", "dv"), got[1:4], _grads(q, k, v, do, mask)):
+        unmasked = _grads(q, k, v, do, mask, p_mask=torch.ones(L, S, dtype=torch.bool)) if causal else (None,) * 3
+        for name, g_, e_, u in zip(("dq", "dk", "dv"), got[1:4], _grads(q, k, v, do, mask), unmasked):
             if grads.passed:
-                grads = tensor_verdict(g_, e_, f"{name} through TiledAttention.backward {where}")
+                grads = tensor_verdict(g_, e_, f"{name} through TiledAttention.backward {where}", [
+                    mistake("causal_block_skip", "the backward runs without the causal mask: pass is_causal on "
+                                                 "(keep it on ctx in forward)", u)])
         shapes = got[4] if isinstance(got[4], list) else []
         big = [s for s in shapes if isinstance(s, list) and len(s) >= 2 and s[-2:] == [L, S]]
         if big and saved_v.passed:

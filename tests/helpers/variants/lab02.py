@@ -4,7 +4,7 @@ twice over all variants (:data:`NAMED`: the codes the lab must name)."""
 
 LAB = "02-masks"
 SEED = 11
-NAMED = {"mask_polarity", "off_by_one", "causal_alignment", "mask_after_softmax", "fully_masked_nan",
+NAMED = {"mask_polarity", "off_by_one", "causal_alignment", "causal_future", "mask_after_softmax", "fully_masked_nan",
          "padding_query_side", "mask_combined_or"}
 # printed by the walkthrough run on the solution
 WALKTHROUGH = ("# # # . .", "max |yours - torch SDPA|")
@@ -37,7 +37,7 @@ VARIANTS = {
            (EX3, "return (torch.arange(S) <= lengths[:, None])[:, None, None, :]"),
            (EX4, "return torch.logical_or(a, b)"),
            (EX5_GUARD, ""), (EX5_DIV, "return e / total")],
-          [("ex1", "causal_alignment"), ("ex2", "off_by_one"), ("ex3", "off_by_one"), ("ex4", "mask_combined_or"),
+          [("ex1", "causal_future"), ("ex2", "off_by_one"), ("ex3", "off_by_one"), ("ex4", "mask_combined_or"),
            ("ex5", "fully_masked_nan")]),
     "C": ([(EX1, "return torch.ones(L, S, dtype=torch.bool).tril(-1)"),
            (EX2, "return ~torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)"),
@@ -46,9 +46,11 @@ VARIANTS = {
            (EX6, "return key_padding_mask.unsqueeze(1).unsqueeze(1)")],
           [("ex1", "off_by_one"), ("ex2", "mask_polarity"), ("ex3", "padding_query_side"),
            ("ex5", "mask_after_softmax"), ("ex6", "mask_polarity")]),
-    "D": ([(EX1, "return torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)"),
+    "D": ([(EX2, "return torch.ones(L, S, dtype=torch.bool).triu(diagonal=S - L)"),
+           (EX1, "return torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)"),
            (EX3, "return (torch.arange(S) >= lengths[:, None])[:, None, None, :]"),
            (EX5_DIV, "return e / total"), (EX5_GUARD, ""),
            (EX7, "scores = Q @ K.transpose(-2, -1)")],
-          [("ex1", "causal_alignment"), ("ex3", "mask_polarity"), ("ex5", "fully_masked_nan")]),
+          [("ex1", "causal_alignment"), ("ex2", "causal_future"), ("ex3", "mask_polarity"),
+           ("ex5", "fully_masked_nan")]),
 }

@@ -28,7 +28,7 @@ VARIANTS = {
           [("ex1", "heads_mixed"), ("ex2", "heads_mixed"), ("ex4", "gqa_group_mapping"), ("ex6", "causal_alignment")]),
     "B": ([(OUT_PROJ, "return merge_heads(softmax_last(scores) @ v)"),
            (GQA_REPEAT, "k, v = k.repeat(1, groups, 1, 1), v.repeat(1, groups, 1, 1)"),
-           (CACHE_MASK, "mask = torch.ones(L, P + L, dtype=torch.bool)")],
+           (CACHE_MASK, "mask = torch.ones(L, P + L, dtype=torch.bool).tril(diagonal=0)")],
           [("ex3", "missing_out_proj"), ("ex5", "gqa_group_mapping"), ("ex6", "causal_alignment")]),
     "C": ([(MHA_SCALE, "    scores = q @ k.transpose(-2, -1) / math.sqrt(x.shape[-1])"),
            (CACHE_CAT, "k = torch.cat([k_new, k_cache], dim=2)"),

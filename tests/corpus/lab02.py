@@ -1,0 +1,111 @@
+"""Lab 02's mistakes, on the instructor's solution (``a``: tril with offsets, masked_fill)
+and on an independent one (``b``: index comparisons, torch.where, einsum)."""
+
+from corpus import M
+
+LAB = "02-masks"
+SOLUTIONS = {"a": "labs/track1/02-masks/solutions/masks.py", "b": "tests/corpus/lab02_b.py"}
+
+A1 = "    return torch.ones(L, S, dtype=torch.bool).tril()\n"
+A2 = "return torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)"
+A3 = "return (torch.arange(S) < lengths[:, None])[:, None, None, :]"
+A5_FILL = 's = scores.masked_fill(~mask, float("-inf"))'
+A5_GUARD = "    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # an empty row: no -inf - -inf\n"
+A5_DIV = "return e / torch.where(total == 0, torch.ones_like(total), total)"
+A7 = "scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])"
+B_NEG = 'neg = torch.full_like(scores, float("-inf"))'
+B_TOP = "top = torch.where(any_visible, s.max(dim=-1, keepdim=True).values, torch.zeros_like(scores[..., :1]))"
+B7 = 'scores = torch.einsum("bhle,bhse->bhls", Q, K) / math.sqrt(E)'
+
+MUTANTS = [
+    # ------------------------------------------------------------------ a
+    M("a", "causal_triu", A1, "    return torch.ones(L, S, dtype=torch.bool).triu()\n", "ex1", "causal_future"),
+    M("a", "causal_hides_diagonal", A1, "    return torch.ones(L, S, dtype=torch.bool).tril(-1)\n", "ex1",
+      "off_by_one"),
+    M("a", "causal_sees_next", A1, "    return torch.ones(L, S, dtype=torch.bool).tril(1)\n", "ex1", "off_by_one"),
+    M("a", "causal_inverted", A1, "    return ~torch.ones(L, S, dtype=torch.bool).tril()\n", "ex1", "mask_polarity"),
+    M("a", "causal_bottom_right", A1, "    return torch.ones(L, S, dtype=torch.bool).tril(S - L)\n", "ex1",
+      "causal_alignment"),
+    M("a", "causal_float", A1, "    return torch.ones(L, S).tril()\n", "ex1", "mask_dtype"),
+    M("a", "decoding_top_left", A2, "return torch.ones(L, S, dtype=torch.bool).tril()", "ex2", "causal_alignment"),
+    M("a", "decoding_L_minus_S", A2, "return torch.ones(L, S, dtype=torch.bool).tril(diagonal=L - S)", "ex2",
+      "causal_alignment"),
+    M("a", "decoding_off_by_one", A2, "return torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L - 1)", "ex2",
+      "off_by_one"),
+    M("a", "decoding_inverted", A2, "return ~torch.ones(L, S, dtype=torch.bool).tril(diagonal=S - L)", "ex2",
+      "mask_polarity"),
+    M("a", "decoding_triu", A2, "return torch.ones(L, S, dtype=torch.bool).triu(diagonal=S - L)", "ex2",
+      "causal_future"),
+    M("a", "padding_le", A3, "return (torch.arange(S) <= lengths[:, None])[:, None, None, :]", "ex3", "off_by_one"),
+    M("a", "padding_inverted", A3, "return (torch.arange(S) >= lengths[:, None])[:, None, None, :]", "ex3",
+      "mask_polarity"),
+    M("a", "padding_query_side", A3, "return (torch.arange(S) < lengths[:, None])[:, None, :, None]", "ex3",
+      "padding_query_side"),
+    M("a", "combine_or", "return a & b", "return a | b", "ex4", "mask_combined_or"),
+    M("a", "softmax_then_mask", A5_FILL, "s = scores", "ex5", "mask_after_softmax",
+      ("return e / torch.where(total == 0, torch.ones_like(total), total)",
+       "return e / torch.where(total == 0, torch.ones_like(total), total) * mask")),
+    M("a", "fill_zero", A5_FILL, "s = scores.masked_fill(~mask, 0.0)", "ex5", "mask_fill_zero"),
+    M("a", "fill_where_true", A5_FILL, 's = scores.masked_fill(mask, float("-inf"))', "ex5", "mask_polarity"),
+    M("a", "fill_minus_1e9", A5_FILL, "s = scores.masked_fill(~mask, -1e9)", "ex5", "mask_fill_finite"),
+    M("a", "no_empty_guard", A5_GUARD, "", "ex5", "fully_masked_nan", (A5_DIV, "return e / total")),
+    M("a", "no_max_shift", "e = torch.exp(s - m)", "e = torch.exp(s)", "ex5", "unstable_softmax"),
+    M("a", "sum_without_keepdim", "total = e.sum(dim=-1, keepdim=True)", "total = e.sum(dim=-1)", "ex5", "keepdim"),
+    M("a", "max_without_keepdim", "m = s.amax(dim=-1, keepdim=True)", "m = s.amax(dim=-1)", "ex5", "keepdim"),
+    M("a", "kpm_not_inverted", "return (~key_padding_mask)[:, None, None, :]",
+      "return key_padding_mask[:, None, None, :]", "ex6", "mask_polarity"),
+    M("a", "kpm_query_side", "return (~key_padding_mask)[:, None, None, :]",
+      "return (~key_padding_mask)[:, None, :, None]", "ex6", "padding_query_side"),
+    M("a", "attention_no_scale", A7, "scores = Q @ K.transpose(-2, -1)", "ex7", "missing_scale"),
+    M("a", "attention_sqrt_Ev", A7, "scores = Q @ K.transpose(-2, -1) / math.sqrt(V.shape[-1])", "ex7",
+      "wrong_scale"),
+    M("a", "attention_times_sqrt_E", A7, "scores = Q @ K.transpose(-2, -1) * math.sqrt(Q.shape[-1])", "ex7",
+      "wrong_scale"),
+    M("a", "attention_mask_inverted", "return masked_softmax(scores, mask.expand_as(scores)) @ V",
+      "return masked_softmax(scores, ~mask.expand_as(scores)) @ V", "ex7", "mask_polarity"),
+    M("a", "attention_mask_ignored", "return masked_softmax(scores, mask.expand_as(scores)) @ V",
+      "return masked_softmax(scores, torch.ones_like(scores, dtype=torch.bool)) @ V", "ex7", "mask_ignored"),
+    # ------------------------------------------------------------------ b
+    M("b", "causal_strict", "    return k <= q\n\n\ndef decoding_mask", "    return k < q\n\n\ndef decoding_mask", "ex1",
+      "off_by_one"),
+    M("b", "causal_future", "    return k <= q\n\n\ndef decoding_mask", "    return k >= q\n\n\ndef decoding_mask", "ex1",
+      "causal_future"),
+    M("b", "causal_inverted", "    return k <= q\n\n\ndef decoding_mask", "    return k > q\n\n\ndef decoding_mask", "ex1",
+      "mask_polarity"),
+    M("b", "decoding_L_minus_S", "offset = S - L", "offset = L - S", "ex2", "causal_alignment"),
+    M("b", "decoding_no_offset", "offset = S - L", "offset = 0", "ex2", "causal_alignment"),
+    M("b", "decoding_off_by_one", "offset = S - L", "offset = S - L + 1", "ex2", "off_by_one"),
+    M("b", "padding_le", "real = torch.arange(S).unsqueeze(0) < lengths", "real = torch.arange(S).unsqueeze(0) <= lengths",
+      "ex3", "off_by_one"),
+    M("b", "padding_inverted", "real = torch.arange(S).unsqueeze(0) < lengths",
+      "real = torch.arange(S).unsqueeze(0) >= lengths", "ex3", "mask_polarity"),
+    M("b", "padding_query_side", "return real.view(-1, 1, 1, S)", "return real.view(-1, 1, S, 1)", "ex3",
+      "padding_query_side"),
+    M("b", "combine_or", "return torch.logical_and(a, b)", "return torch.logical_or(a, b)", "ex4", "mask_combined_or"),
+    M("b", "combine_added", "return torch.logical_and(a, b)", "return a + b", "ex4", "mask_combined_or"),
+    M("b", "fill_zero", B_NEG, "neg = torch.zeros_like(scores)", "ex5", "mask_fill_zero"),
+    M("b", "where_swapped", "s = torch.where(mask, scores, neg)", "s = torch.where(mask, neg, scores)", "ex5",
+      "mask_polarity"),
+    # (-1e9 instead of -inf is harmless here: b finds empty rows from the mask, and exp(-1e9 - max) is 0.0)
+    M("b", "no_empty_guard", B_TOP, "top = s.max(dim=-1, keepdim=True).values", "ex5", "fully_masked_nan",
+      ("return torch.where(any_visible, e / torch.where(any_visible, z, torch.ones_like(z)), torch.zeros_like(e))",
+       "return e / z")),
+    M("b", "sum_without_keepdim", "z = e.sum(dim=-1, keepdim=True)", "z = e.sum(dim=-1)", "ex5", "keepdim"),
+    M("b", "max_without_keepdim", B_TOP,
+      "top = torch.where(any_visible, s.max(dim=-1).values, torch.zeros_like(scores[..., :1]))", "ex5", "keepdim"),
+    M("b", "no_shift", "e = torch.exp(s - top)", "e = torch.exp(s)", "ex5", "unstable_softmax"),
+    M("b", "mask_after_softmax", "s = torch.where(mask, scores, neg)", "s = scores", "ex5", "mask_after_softmax",
+      ("return torch.where(any_visible, e / torch.where(any_visible, z, torch.ones_like(z)), torch.zeros_like(e))",
+       "return torch.where(mask, e / z, torch.zeros_like(e))")),
+    M("b", "kpm_not_inverted", "keep = torch.logical_not(key_padding_mask)", "keep = key_padding_mask", "ex6",
+      "mask_polarity"),
+    M("b", "kpm_query_side", "return keep.unsqueeze(1).unsqueeze(2)", "return keep.unsqueeze(1).unsqueeze(-1)", "ex6",
+      "padding_query_side"),
+    M("b", "attention_no_scale", B7, 'scores = torch.einsum("bhle,bhse->bhls", Q, K)', "ex7", "missing_scale"),
+    M("b", "attention_sqrt_Ev", "E = Q.shape[-1]", "E = V.shape[-1]", "ex7", "wrong_scale"),
+    M("b", "attention_divide_by_E", B7, 'scores = torch.einsum("bhle,bhse->bhls", Q, K) / E', "ex7", "wrong_scale"),
+    M("b", "attention_mask_inverted", "weights = masked_softmax(scores, mask.expand(scores.shape))",
+      "weights = masked_softmax(scores, ~mask.expand(scores.shape))", "ex7", "mask_polarity"),
+    M("b", "attention_mask_ignored", "    if mask is None:\n        mask", "    if True:\n        mask", "ex7",
+      "mask_ignored"),
+]

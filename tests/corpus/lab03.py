@@ -1,0 +1,109 @@
+"""Lab 03's mistakes, on the instructor's solution (``a``: view/transpose, repeat_interleave,
+tril(diagonal=P)) and on an independent one (``b``: permute, einsum, expand + reshape, index
+comparisons)."""
+
+from corpus import M
+
+LAB = "03-multi-head"
+SOLUTIONS = {"a": "labs/track1/03-multi-head/solutions/multihead.py", "b": "tests/corpus/lab03_b.py"}
+
+A_SPLIT = "return x.view(B, L, H, D // H).transpose(1, 2)"
+A_MERGE = "return x.transpose(1, 2).reshape(B, L, H * E)"
+A_QKV = "q, k, v = (split_heads(x @ W, H) for W in (W_Q, W_K, W_V))"
+A_SCORES3 = "    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [B, H, L, L]\n"
+A_MASK3 = '        scores = scores.masked_fill(~mask, float("-inf"))\n    return merge_heads'
+A_OUT3 = "return merge_heads(softmax_last(scores) @ v) @ W_O"
+A_GQA = "    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])\n    return softmax_last(scores) @ v\n"
+A_CACHE = "mask = torch.ones(L, P + L, dtype=torch.bool).tril(diagonal=P)"
+B_SPLIT = "return x.reshape(B, L, H, E).permute(0, 2, 1, 3)"
+B_MERGE = "return x.permute(0, 2, 1, 3).reshape(B, L, H * E)"
+B_SCORES3 = 'scores = torch.einsum("bhle,bhse->bhls", q, k) / math.sqrt(head_dim)'
+B_WHERE3 = 'scores = torch.where(mask, scores, torch.full_like(scores, float("-inf")))'
+B_GQA = 'scores = torch.einsum("bhle,bhse->bhls", q, k) * q.size(-1) ** -0.5'
+B_POS = "position = torch.arange(L)[:, None] + P"
+
+MUTANTS = [
+    # ------------------------------------------------------------------ a
+    M("a", "split_without_transpose", A_SPLIT, "return x.reshape(B, H, L, D // H)", "ex1", "heads_mixed"),
+    M("a", "split_strided", A_SPLIT, "return x.view(B, L, D // H, H).permute(0, 3, 1, 2)", "ex1", "heads_mixed"),
+    M("a", "merge_without_transpose", A_MERGE, "return x.reshape(B, L, H * E)", "ex2", "heads_mixed"),
+    M("a", "merge_head_last", A_MERGE, "return x.permute(0, 2, 3, 1).reshape(B, L, H * E)", "ex2", "heads_mixed"),
+    M("a", "no_out_proj", A_OUT3, "return merge_heads(softmax_last(scores) @ v)", "ex3", "missing_out_proj"),
+    M("a", "scale_by_model_size", A_SCORES3, "    scores = q @ k.transpose(-2, -1) / math.sqrt(x.shape[-1])\n",
+      "ex3", "wrong_scale"),
+    M("a", "no_scale", A_SCORES3, "    scores = q @ k.transpose(-2, -1)\n", "ex3", "missing_scale"),
+    M("a", "mask_inverted", A_MASK3, '        scores = scores.masked_fill(mask, float("-inf"))\n    return merge_heads',
+      "ex3", "mask_polarity"),
+    M("a", "mask_ignored", "    if mask is not None:\n        scores = scores.masked_fill", "    if False:\n        scores = scores.masked_fill",
+      "ex3", "mask_ignored"),
+    M("a", "k_v_projections_swapped", A_QKV, "q, k, v = (split_heads(x @ W, H) for W in (W_Q, W_V, W_K))", "ex3",
+      "order"),
+    M("a", "values_from_W_K", A_QKV, "q, k, v = (split_heads(x @ W, H) for W in (W_Q, W_K, W_K))", "ex3",
+      "value_swapped"),
+    M("a", "layer_softmax_over_queries", A_OUT3,
+      "return merge_heads(softmax_last(scores.transpose(-2, -1)).transpose(-2, -1) @ v) @ W_O", "ex3", "softmax_dim"),
+    M("a", "repeat_tiles", "return kv.repeat_interleave(groups, dim=1)", "return kv.repeat(1, groups, 1, 1)", "ex4",
+      "gqa_group_mapping"),
+    M("a", "cat_tiles", "return kv.repeat_interleave(groups, dim=1)", "return torch.cat([kv] * groups, dim=1)", "ex4",
+      "gqa_group_mapping"),
+    M("a", "gqa_tiled_inline", "k, v = repeat_kv(k, groups), repeat_kv(v, groups)",
+      "k, v = k.repeat(1, groups, 1, 1), v.repeat(1, groups, 1, 1)", "ex5", "gqa_group_mapping"),
+    M("a", "gqa_no_scale", A_GQA, "    scores = q @ k.transpose(-2, -1)\n    return softmax_last(scores) @ v\n", "ex5",
+      "missing_scale"),
+    M("a", "gqa_scale_by_Ev", A_GQA, "    scores = q @ k.transpose(-2, -1) / math.sqrt(v.shape[-1])\n"
+      "    return softmax_last(scores) @ v\n", "ex5", "wrong_scale"),
+    M("a", "gqa_softmax_over_queries", A_GQA, "    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])\n"
+      "    return softmax_last(scores.transpose(-2, -1)).transpose(-2, -1) @ v\n", "ex5", "softmax_dim"),
+    M("a", "cache_appended_first", "k = torch.cat([k_cache, k_new], dim=2)", "k = torch.cat([k_new, k_cache], dim=2)",
+      "ex6", "kv_cache_order", ("v = torch.cat([v_cache, v_new], dim=2)", "v = torch.cat([v_new, v_cache], dim=2)")),
+    M("a", "cache_mask_top_left", A_CACHE, "mask = torch.ones(L, P + L, dtype=torch.bool).tril()", "ex6",
+      "causal_alignment"),
+    M("a", "cache_mask_off_by_one", A_CACHE, "mask = torch.ones(L, P + L, dtype=torch.bool).tril(diagonal=P - 1)",
+      "ex6", "off_by_one"),
+    M("a", "cache_mask_sees_next", A_CACHE, "mask = torch.ones(L, P + L, dtype=torch.bool).tril(diagonal=P + 1)",
+      "ex6", "off_by_one"),
+    M("a", "cache_mask_inverted", A_CACHE, "mask = ~torch.ones(L, P + L, dtype=torch.bool).tril(diagonal=P)", "ex6",
+      "mask_polarity"),
+    M("a", "cache_mask_triu", A_CACHE, "mask = torch.ones(L, P + L, dtype=torch.bool).triu(diagonal=P)", "ex6",
+      "causal_future"),
+    M("a", "cache_no_mask", '.masked_fill(~mask, float("-inf"))\n    return softmax_last', "\n    return softmax_last",
+      "ex6", "mask_ignored"),
+    # ------------------------------------------------------------------ b
+    M("b", "split_without_permute", B_SPLIT, "return x.reshape(B, H, L, E)", "ex1", "heads_mixed"),
+    M("b", "split_strided", B_SPLIT, "return x.reshape(B, L, E, H).permute(0, 3, 1, 2)", "ex1", "heads_mixed"),
+    M("b", "merge_without_permute", B_MERGE, "return x.reshape(B, L, H * E)", "ex2", "heads_mixed"),
+    M("b", "merge_head_last", B_MERGE, "return x.permute(0, 2, 3, 1).reshape(B, L, H * E)", "ex2", "heads_mixed"),
+    M("b", "scale_by_model_size", "head_dim = q.shape[-1]", "head_dim = x.shape[-1]", "ex3", "wrong_scale"),
+    M("b", "no_out_proj", "return merge_heads(heads) @ W_O", "return merge_heads(heads)", "ex3", "missing_out_proj"),
+    M("b", "mask_where_swapped", B_WHERE3, 'scores = torch.where(mask, torch.full_like(scores, float("-inf")), scores)',
+      "ex3", "mask_polarity"),
+    M("b", "no_scale", B_SCORES3, 'scores = torch.einsum("bhle,bhse->bhls", q, k)', "ex3", "missing_scale"),
+    M("b", "mask_dropped", B_WHERE3, "pass", "ex3", "mask_ignored"),
+    M("b", "values_from_W_K", "v = split_heads(x @ W_V, H)", "v = split_heads(x @ W_K, H)", "ex3", "value_swapped"),
+    M("b", "values_from_W_Q", "v = split_heads(x @ W_V, H)", "v = split_heads(x @ W_Q, H)", "ex3", "value_swapped"),
+    M("b", "k_v_projections_swapped", "k = split_heads(x @ W_K, H)", "k = split_heads(x @ W_V, H)", "ex3", "order",
+      ("v = split_heads(x @ W_V, H)", "v = split_heads(x @ W_K, H)")),
+    M("b", "softmax_over_queries", 'heads = torch.einsum("bhls,bhse->bhle", softmax_last(scores), v)',
+      'heads = torch.einsum("bhls,bhse->bhle", softmax_last(scores.transpose(-1, -2)).transpose(-1, -2), v)', "ex3",
+      "softmax_dim"),
+    M("b", "repeat_expands_groups_first", "return kv[:, :, None, :, :].expand(B, Hkv, groups, S, E)",
+      "return kv[:, None, :, :, :].expand(B, groups, Hkv, S, E)", "ex4", "gqa_group_mapping"),
+    M("b", "repeat_tiles", "return kv[:, :, None, :, :].expand(B, Hkv, groups, S, E).reshape(B, Hkv * groups, S, E)",
+      "return kv.repeat(1, groups, 1, 1)", "ex4", "gqa_group_mapping"),
+    M("b", "gqa_no_scale", B_GQA, 'scores = torch.einsum("bhle,bhse->bhls", q, k)', "ex5", "missing_scale"),
+    M("b", "gqa_times_sqrt_E", B_GQA, 'scores = torch.einsum("bhle,bhse->bhls", q, k) * q.size(-1) ** 0.5', "ex5",
+      "wrong_scale"),
+    M("b", "gqa_scale_by_L", B_GQA, 'scores = torch.einsum("bhle,bhse->bhls", q, k) * q.size(-2) ** -0.5', "ex5",
+      "wrong_scale"),
+    M("b", "gqa_tiled_inline", "    k = repeat_kv(k, groups)\n    v = repeat_kv(v, groups)\n",
+      "    k = torch.cat([k] * groups, dim=1)\n    v = torch.cat([v] * groups, dim=1)\n", "ex5", "gqa_group_mapping"),
+    M("b", "cache_no_offset", B_POS, "position = torch.arange(L)[:, None]", "ex6", "causal_alignment"),
+    M("b", "cache_strict", "visible = torch.arange(S)[None, :] <= position",
+      "visible = torch.arange(S)[None, :] < position", "ex6", "off_by_one"),
+    M("b", "cache_one_ahead", B_POS, "position = torch.arange(L)[:, None] + P + 1", "ex6", "off_by_one"),
+    M("b", "cache_appended_first", "k = torch.cat((k_cache, k_new), dim=-2)", "k = torch.cat((k_new, k_cache), dim=-2)",
+      "ex6", "kv_cache_order", ("v = torch.cat((v_cache, v_new), dim=-2)", "v = torch.cat((v_new, v_cache), dim=-2)")),
+    M("b", "cache_mask_inverted", 'scores = scores.masked_fill(~visible, float("-inf"))',
+      'scores = scores.masked_fill(visible, float("-inf"))', "ex6", "mask_polarity"),
+    M("b", "cache_no_mask", '    scores = scores.masked_fill(~visible, float("-inf"))\n', "", "ex6", "mask_ignored"),
+]

@@ -1,0 +1,121 @@
+"""Lab 04's mistakes, on the instructor's solution (``a``: per-head tiles, alpha, masked_fill)
+and on an independent one (``b``: heads flattened, einsum, a correction factor, the backward's
+loops the other way round)."""
+
+from corpus import M
+
+LAB = "04-flash-attention"
+SOLUTIONS = {"a": "labs/track1/04-flash-attention/solutions/flash.py", "b": "tests/corpus/lab04_b.py"}
+
+A1_L = "l_i = l_i * torch.exp(m_i - m_safe) + torch.exp(chunk - m_safe[:, None]).sum(dim=-1)"
+A2_P = "p = torch.exp(s - m_safe[..., None])  # [B, H, bq, bk]"
+A2_L = "l_i = l_i * alpha + p.sum(dim=-1)"
+A2_ACC = "acc = acc * alpha[..., None] + p @ v[:, :, ks:ke]"
+A2_LSE = "lse[:, :, qs:qe] = m_i + torch.log(l_i)"
+A2_Q = "q_i = q[:, :, qs:qe] * scale  # [B, H, bq, E]"
+A2_STOP = "k_stop = min(S, qe) if is_causal else S"
+A2_MASK = ("            if is_causal:\n                mask = causal_block_mask(qs, qe, ks, ke)\n                if mask is not None:\n"
+           "                    s = s.masked_fill(~mask, float(\"-inf\"))\n            m_new")
+A4_DS = "ds = p * (dp - D[:, :, qs:qe, None])"
+A4_DQ = "dq[:, :, qs:qe] += (ds @ k_j) * scale"
+A4_DK = "dk[:, :, ks:ke] += (ds.transpose(-2, -1) @ q_i) * scale"
+A4_S = "s = (q_i @ k_j.transpose(-2, -1)) * scale  # [B, H, bq, bk]"
+A4_MASK = ("            if is_causal:\n                mask = causal_block_mask(qs, qe, ks, ke)\n                if mask is not None:\n"
+           "                    s = s.masked_fill(~mask, float(\"-inf\"))\n            p = torch.exp")
+B1_SUM = "running_sum = running_sum * correction + torch.exp(chunk - shift.unsqueeze(1)).sum(dim=1)"
+B2_P = "p = torch.exp(s - shift[..., None])"
+B2_L = "l_i = correction * l_i + p.sum(dim=-1)"
+B2_ACC = 'acc = correction[..., None] * acc + torch.einsum("nqk,nkv->nqv", p, vf[:, k0:k1])'
+B2_LSE = "lse[:, q0:q1] = m_i + torch.log(l_i)"
+B2_S = 's = torch.einsum("nqe,nke->nqk", qb, kf[:, k0:k1]) * sm_scale'
+B2_WHERE = ('                if keep is not None:\n                    s = torch.where(keep, s, torch.full_like(s, float("-inf")))\n'
+            '            m_new')
+B4_DS = "ds = p * (dp - D[:, :, q0:q1, None])"
+B4_DQ = 'dq[:, :, q0:q1] += torch.einsum("bhqk,bhke->bhqe", ds, kb) * sm_scale'
+B4_DK = 'dk[:, :, k0:k1] += torch.einsum("bhqk,bhqe->bhke", ds, qb) * sm_scale'
+B4_S = 's = torch.einsum("bhqe,bhke->bhqk", qb, kb) * sm_scale\n            if is_causal:\n                keep = causal_block_mask(q0, q1, k0, k1)\n                if keep is not None:\n                    s = torch.where(keep, s, torch.full_like(s, float("-inf")))\n            p = torch.exp'
+
+MUTANTS = [
+    # ------------------------------------------------------------------ a
+    M("a", "stream_l_not_rescaled", A1_L, "l_i = l_i + torch.exp(chunk - m_safe[:, None]).sum(dim=-1)", "ex1",
+      "online_rescale"),
+    M("a", "stream_rescale_inverted", A1_L, "l_i = l_i * torch.exp(m_safe - m_i) + torch.exp(chunk - m_safe[:, None]).sum(dim=-1)",
+      "ex1", "online_rescale"),
+    M("a", "stream_unsafe_max", "        m_safe = safe_max(m_new)\n        # what was summed", "        m_safe = m_new\n        # what was summed",
+      "ex1", "online_rescale"),
+    M("a", "stream_max_never_updated", "        m_i = m_new\n    return m_i, l_i", "    return m_i, l_i", "ex1",
+      "online_rescale"),
+    M("a", "acc_not_rescaled", A2_ACC, "acc = acc + p @ v[:, :, ks:ke]", "ex2", "online_rescale"),
+    M("a", "l_not_rescaled", A2_L, "l_i = l_i + p.sum(dim=-1)", "ex2", "online_rescale"),
+    M("a", "stale_max", A2_P, "p = torch.exp(s - safe_max(m_i)[..., None])", "ex2", "online_rescale"),
+    M("a", "lse_log2", A2_LSE, "lse[:, :, qs:qe] = m_i + torch.log2(l_i)", "ex2", "lse_saved"),
+    M("a", "lse_without_max", A2_LSE, "lse[:, :, qs:qe] = torch.log(l_i)", "ex2", "lse_saved"),
+    M("a", "lse_is_max", A2_LSE, "lse[:, :, qs:qe] = m_i", "ex2", "lse_saved"),
+    M("a", "diagonal_unmasked", A2_MASK, "            m_new", "ex2", "causal_block_skip"),
+    M("a", "diagonal_skipped", A2_STOP, "k_stop = min(S, qs) if is_causal else S", "ex2", "causal_block_skip"),
+    M("a", "future_tiles_computed", A2_STOP, "k_stop = S", "ex2", "causal_block_skip"),
+    M("a", "forward_no_scale", A2_Q, "q_i = q[:, :, qs:qe]  # [B, H, bq, E]", "ex2", "missing_scale"),
+    M("a", "forward_divides_by_E", "    scale = 1.0 / math.sqrt(E)\n    o = torch.empty", "    scale = 1.0 / E\n    o = torch.empty",
+      "ex2", "wrong_scale"),
+    M("a", "forward_scale_by_Ev", "    scale = 1.0 / math.sqrt(E)\n    o = torch.empty", "    scale = 1.0 / math.sqrt(Ev)\n    o = torch.empty",
+      "ex2", "wrong_scale"),
+    M("a", "full_scores_for_the_max", "    scale = 1.0 / math.sqrt(E)\n    o = torch.empty",
+      "    scale = 1.0 / math.sqrt(E)\n    row_max = (q @ k.transpose(-2, -1)).amax(dim=-1)  # [B, H, L]\n    o = torch.empty",
+      "ex3", "scores_materialized"),
+    M("a", "no_D_term", A4_DS, "ds = p * dp", "ex4", "backward_d_term"),
+    M("a", "D_of_the_tile", A4_DS, "ds = p * (dp - (dp * p).sum(-1, keepdim=True))", "ex4", "backward_d_term"),
+    M("a", "dq_dk_without_scale", A4_DQ, "dq[:, :, qs:qe] += ds @ k_j", "ex4", "backward_scale",
+      (A4_DK, "dk[:, :, ks:ke] += ds.transpose(-2, -1) @ q_i")),
+    M("a", "dq_without_scale", A4_DQ, "dq[:, :, qs:qe] += ds @ k_j", "ex4", "backward_scale"),
+    M("a", "P_rebuilt_unscaled", A4_S, "s = q_i @ k_j.transpose(-2, -1)  # [B, H, bq, bk]", "ex4", "backward_scale"),
+    M("a", "backward_unmasked", A4_MASK, "            p = torch.exp", "ex4", "causal_block_skip"),
+    M("a", "function_grads_swapped", "        return dq, dk, dv, None  # no gradient for is_causal",
+      "        return dk, dq, dv, None", "ex5", "order"),
+    M("a", "function_saves_weights", "ctx.save_for_backward(q, k, v, o, lse)",
+      "ctx.save_for_backward(q, k, v, o, lse, torch.exp(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) - lse[..., None]))",
+      "ex5", "scores_materialized", ("q, k, v, o, lse = ctx.saved_tensors", "q, k, v, o, lse, weights = ctx.saved_tensors")),
+    M("a", "function_backward_not_causal", "dq, dk, dv = flash_backward(q, k, v, o, lse, do, ctx.is_causal)",
+      "dq, dk, dv = flash_backward(q, k, v, o, lse, do)", "ex5", "causal_block_skip"),
+    # ------------------------------------------------------------------ b
+    M("b", "stream_no_correction", B1_SUM, "running_sum = running_sum + torch.exp(chunk - shift.unsqueeze(1)).sum(dim=1)",
+      "ex1", "online_rescale"),
+    M("b", "stream_correction_inverted", "correction = torch.exp(running_max - shift)",
+      "correction = torch.exp(shift - running_max)", "ex1", "online_rescale"),
+    M("b", "stream_unsafe_shift", "        shift = safe_max(new_max)\n        correction = torch.exp(running_max",
+      "        shift = new_max\n        correction = torch.exp(running_max", "ex1", "online_rescale"),
+    M("b", "acc_not_rescaled", B2_ACC, 'acc = acc + torch.einsum("nqk,nkv->nqv", p, vf[:, k0:k1])', "ex2",
+      "online_rescale"),
+    M("b", "l_not_rescaled", B2_L, "l_i = l_i + p.sum(dim=-1)", "ex2", "online_rescale"),
+    M("b", "stale_max", B2_P, "p = torch.exp(s - safe_max(m_i)[..., None])", "ex2", "online_rescale"),
+    M("b", "lse_log2", B2_LSE, "lse[:, q0:q1] = m_i + torch.log2(l_i)", "ex2", "lse_saved"),
+    M("b", "lse_without_max", B2_LSE, "lse[:, q0:q1] = torch.log(l_i)", "ex2", "lse_saved"),
+    M("b", "lse_base_2_whole", B2_LSE, "lse[:, q0:q1] = (m_i + torch.log(l_i)) / math.log(2)", "ex2", "lse_saved"),
+    M("b", "diagonal_unmasked", B2_WHERE, "            m_new", "ex2", "causal_block_skip"),
+    M("b", "diagonal_skipped", "last_key = min(S, q1) if is_causal else S", "last_key = min(S, q0) if is_causal else S",
+      "ex2", "causal_block_skip"),
+    M("b", "future_tiles_computed", "last_key = min(S, q1) if is_causal else S", "last_key = S", "ex2",
+      "causal_block_skip"),
+    M("b", "forward_no_scale", B2_S, 's = torch.einsum("nqe,nke->nqk", qb, kf[:, k0:k1])', "ex2", "missing_scale"),
+    M("b", "forward_times_sqrt_E", "sm_scale = E ** -0.5", "sm_scale = E ** 0.5", "ex2", "wrong_scale"),
+    M("b", "forward_scale_by_Ev", "sm_scale = E ** -0.5", "sm_scale = Ev ** -0.5", "ex2", "wrong_scale"),
+    M("b", "full_scores_for_the_max", "    out = qf.new_zeros(B * H, L, Ev)\n",
+      '    row_max = torch.einsum("nqe,nke->nqk", qf, kf).amax(dim=-1)  # [B * H, L]\n    out = qf.new_zeros(B * H, L, Ev)\n',
+      "ex3", "scores_materialized"),
+    M("b", "no_D_term", B4_DS, "ds = p * dp", "ex4", "backward_d_term"),
+    M("b", "D_of_the_tile", B4_DS, "ds = p * (dp - torch.einsum(\"bhqk,bhqk->bhq\", p, dp)[..., None])", "ex4",
+      "backward_d_term"),
+    M("b", "dq_dk_without_scale", B4_DQ, 'dq[:, :, q0:q1] += torch.einsum("bhqk,bhke->bhqe", ds, kb)', "ex4",
+      "backward_scale", (B4_DK, 'dk[:, :, k0:k1] += torch.einsum("bhqk,bhqe->bhke", ds, qb)')),
+    M("b", "dk_without_scale", B4_DK, 'dk[:, :, k0:k1] += torch.einsum("bhqk,bhqe->bhke", ds, qb)', "ex4",
+      "backward_scale"),
+    M("b", "P_rebuilt_unscaled", 's = torch.einsum("bhqe,bhke->bhqk", qb, kb) * sm_scale',
+      's = torch.einsum("bhqe,bhke->bhqk", qb, kb)', "ex4", "backward_scale"),
+    M("b", "backward_unmasked", B4_S, 's = torch.einsum("bhqe,bhke->bhqk", qb, kb) * sm_scale\n            p = torch.exp',
+      "ex4", "causal_block_skip"),
+    M("b", "function_grads_swapped", "        return dq, dk, dv, None", "        return dk, dq, dv, None", "ex5", "order"),
+    M("b", "function_saves_weights", "ctx.save_for_backward(q, k, v, out, lse)",
+      "ctx.save_for_backward(q, k, v, out, lse, torch.exp(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 - lse[..., None]))",
+      "ex5", "scores_materialized", ("q, k, v, out, lse = ctx.saved_tensors", "q, k, v, out, lse, p = ctx.saved_tensors")),
+    M("b", "function_backward_not_causal", "dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal)",
+      "dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out)", "ex5", "causal_block_skip"),
+]
