@@ -51,6 +51,45 @@ def broadcast_shapes(*shapes) -> torch.Size:
     return torch.Size(out)
 
 
+def _type_name(x) -> str:
+    module = type(x).__module__
+    return type(x).__name__ if module == "builtins" else f"{module.split('.')[0]}.{type(x).__name__}"
+
+
+def takes_arguments(fn, n: int) -> bool:
+    """Whether ``fn`` can be called with ``n`` positional arguments (True where its signature
+    cannot be read: a builtin, a compiled function)."""
+    import inspect
+
+    try:
+        inspect.signature(fn).bind(*range(n))
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
+
+
+def describe_signature(fn) -> str:
+    """``name(a, b)``: a callable as its signature reads, for an error message."""
+    import inspect
+
+    try:
+        return f"{getattr(fn, '__name__', type(fn).__name__)}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return repr(fn)
+
+
+def require_tensors(fn: str, **named) -> None:
+    """``TypeError`` naming the first argument that is not a torch.Tensor (a NumPy array gets
+    the conversion to use)."""
+    for name, t in named.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {_type_name(t)}"
+                            + (": convert it with torch.from_numpy(x) (or torch.as_tensor(x))"
+                               if type(t).__module__.startswith("numpy") else ""))
+
+
 def validate(
     query: Tensor,
     key: Tensor,
@@ -69,9 +108,7 @@ def validate(
     (with ``enable_gqa``, the query's head count in the head position).
     """
     named = [("query", query), ("key", key)] + ([("value", value)] if value is not None else [])
-    for name, t in named:
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    require_tensors(fn, **dict(named))
     if not query.is_floating_point():
         raise TypeError(f"{fn}: query must have a floating dtype (float16/bfloat16/float32/float64), "
                         f"got {query.dtype}")

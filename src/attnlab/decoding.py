@@ -68,6 +68,11 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool 
     batch = validate(query, key, value, None, 0.0, is_causal, scale, enable_gqa, fn=fn)
     _check_align(causal_align, fn)
     _refuse_grad(fn, query, key, value)
+    if any(t.is_meta for t in (query, key, value)):  # shapes only: the reference's rules (no cache is read)
+        from attnlab import functional
+
+        return functional.scaled_dot_product_attention(query, key, value, None, 0.0, is_causal, scale,
+                                                       enable_gqa=enable_gqa)
     L, E, S = query.shape[-2], query.shape[-1], key.shape[-2]
     if enable_gqa and key.shape[-3] != value.shape[-3]:
         H = query.shape[-3]  # K and V grouped differently: each is repeated up to the query heads

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from attnlab import functional, masks, tiled
+from attnlab._validation import require_tensors
 
 __all__ = ["attention", "use_impl", "IMPLS", "AUTO_TILED_MIN_SCORES", "DECODE_MAX_L", "DECODE_MIN_S", "choose_impl"]
 
@@ -202,6 +203,7 @@ def attention(
     if (causal_align == "bottom_right" and isinstance(query, Tensor) and isinstance(key, Tensor)
             and query.dim() >= 2 and key.dim() >= 2 and query.shape[-2] == key.shape[-2]):
         causal_align = "top_left"  # L == S: the two alignments are one mask
+    require_tensors("attention", query=query, key=key, value=value)
     which = choose_impl(query, key, value, attn_mask, dropout_p, enable_gqa=enable_gqa, impl=impl,
                         is_causal=is_causal, score_mod=score_mod)
     if which == "decode":

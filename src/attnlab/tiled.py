@@ -103,6 +103,11 @@ def flash_attention(
         ``E == 0`` gives the mean of the values, as torch does.
     """
     batch = validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, fn="flash_attention")
+    if any(t.is_meta for t in (query, key, value)):  # shapes only: the reference's rules (the alignment moves no shape)
+        from attnlab import functional
+
+        return functional.scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale,
+                                                       enable_gqa=enable_gqa)
     bq = block_size(block_q, DEFAULT_BLOCK_Q, "block_q")
     bk = block_size(block_k, DEFAULT_BLOCK_K, "block_k")
     if enable_gqa and key.shape[-3] != value.shape[-3]:

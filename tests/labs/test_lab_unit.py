@@ -29,6 +29,8 @@ def test_every_lab_folder_has_a_module_and_data_files():
         assert lab.rule and lab.rule != labs.LABS[0].rule or lab is labs.LABS[0], lab.name  # its own rule
         shipped = data[f"share/attnlab/labs/track1/{lab.name}"]
         assert sorted(shipped) == sorted(f"labs/track1/{lab.name}/{f}" for f in lab.files), lab.name
+        # the solution ships apart (for 'labs get NN --solution' only), never among what a learner gets
+        assert data[f"share/attnlab/labs/track1/{lab.name}/solutions"] == [f"labs/track1/{lab.name}/solutions/{lab.file}"]
 
 
 def test_no_module_under_grading_belongs_to_a_lab():

@@ -73,6 +73,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BrokenPipeError:  # e.g. `attnlab example | head`: the reader left, that is fine
         sys.stderr.close()
         return 0
+    except MemoryError:  # sizes a user asked for that this machine cannot hold: theirs to change, not a crash
+        print(f"attnlab {args.command}: out of memory: the sizes asked for do not fit in this machine's memory; "
+              "try smaller ones", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -71,6 +71,28 @@ def int_at_least(min_value: int) -> Callable[[str], int]:
 
 
 positive_int = int_at_least(1)
+
+def seed(text: str) -> int:
+    """An argparse type: a seed torch's generators take, 0 <= seed < 2**63."""
+    value = int_at_least(0)(text)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"expected a seed below 2**63 ({2**63 - 1}), got {value}")
+    return value
+
+
+# the smallest --memory-mb a sandbox starts with: the whole submission gets twice it, and the server's
+# torch alone took 128-160 MB (--memory-mb 64 was killed at start, 80 graded; 2026-12-02, torch 2.13)
+MIN_MEMORY_MB = 128
+
+
+def memory_mb(text: str) -> int:
+    """An argparse type: --memory-mb, an integer the sandbox can start with."""
+    value = int_at_least(1)(text)
+    if value < MIN_MEMORY_MB:
+        raise argparse.ArgumentTypeError(
+            f"{value} MB is too small for the sandbox to start: its torch alone takes about 150 MB (the whole "
+            f"submission may use twice --memory-mb); use {MIN_MEMORY_MB} or more (default 1024)")
+    return value
 non_negative_int = int_at_least(0)
 
 
@@ -131,7 +153,7 @@ def new_folder(text: str) -> str:
 
 def add_example_options(p: argparse.ArgumentParser) -> None:
     """The worked example's options, shared by ``example``, ``plot example`` and ``explain``."""
-    p.add_argument("--seed", type=int, default=42, help="random seed for X and the weights (default: 42)")
+    p.add_argument("--seed", type=seed, default=42, help="random seed for X and the weights (default: 42)")
     p.add_argument("--batch", type=positive_int, default=1, metavar="B", help="batch size B (default: 1)")
     p.add_argument("--seq-len", type=positive_int, default=4, metavar="T", help="sequence length T (default: 4)")
     p.add_argument("--d-model", type=positive_int, default=8, metavar="d", help="embedding size d (default: 8)")

@@ -33,7 +33,8 @@ def add(sub) -> argparse.ArgumentParser:
                    help="the zip to write, e.g. autograder.zip")
     p.add_argument("--lab", default="01", metavar="NAME", help="which lab (default: 01; see 'attnlab labs')")
     p.add_argument("--wheel", default=None, metavar="WHL",
-                   help="the attnlab wheel to bundle (default: built from this source checkout)")
+                   help="the attnlab wheel to bundle (default: built from this checkout, or packed from the "
+                        "installed attnlab)")
     p.add_argument("--test", default=None, metavar="FILE",
                    help="then run the bundle on this submission in a simulated Gradescope root and print the score")
     p.set_defaults(func=run)
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyError as exc:
         raise UsageError(f"--lab: {exc.args[0]}") from None
     if args.wheel is not None and not Path(args.wheel).is_file():
-        raise UsageError(f"--wheel {args.wheel!r}: no such file (build one with: pip wheel --no-deps -w dist .)")
+        raise UsageError(f"--wheel {args.wheel!r}: no such file (leave --wheel out: the installed attnlab is packed)")
     if args.test is not None and not Path(args.test).is_file():
         raise UsageError(f"--test {args.test!r}: no such file; give a submission's {lab.file}")
     try:
@@ -70,4 +71,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"simulated Gradescope run of {args.test}: score {data['score']:g}/{data['max_score']:g}")
     for t in data.get("tests", []):
         print(f"  {t['score']:>4g}/{t['max_score']:<3g} {t['name']}")
+    print("\nwhat the learner reads on Gradescope (the submission's output, then each failed test's):")
+    print("  " + data.get("output", "").replace("\n", "\n  "))
+    for t in data.get("tests", []):
+        if t.get("score", 0) < t.get("max_score", 0) and t.get("output"):
+            print(f"  [{t['name']}]\n    " + str(t["output"]).replace("\n", "\n    "))
     return 0

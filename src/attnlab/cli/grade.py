@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from attnlab.grading.submission import printable
-from attnlab.cli._args import UsageError, new_folder, output_file, plural, positive_float, positive_int
+from attnlab.cli._args import UsageError, memory_mb, new_folder, output_file, plural, positive_float, positive_int, seed
 
 HELP = """\
 Grade a learner's file for one of the labs (attnlab labs lists them). With no path it
@@ -48,7 +48,7 @@ A failed check says why, and names the mistake when it recognises one
 
 A whole class: 'attnlab grade DIR --out OUTDIR [--jobs N]'. DIR holds one submission
 per learner, as DIR/<learner>/<lab file> or DIR/<learner>.py; the lab is found from
-the files the folders hold (--lab overrides; a class that mixes labs is refused).
+the files the folders hold (--lab overrides; in a class that mixes labs, the lab most learners hold).
 Learners' names may use any letters and digits, spaces and . , ' - _ @ + ( ); their
 outputs go to a plain-ASCII folder name, and grades.csv keeps the real name. Anything
 else (hidden entries, symbolic links, other files, folders without the lab's file, a
@@ -101,14 +101,14 @@ def add(sub) -> argparse.ArgumentParser:
                         "as much wall-clock time. A loaded machine does not shrink the budget")
     p.add_argument("--total-timeout", type=positive_float, default=60.0, metavar="S",
                    help="CPU time for the whole file (default: 60; 3x as much wall clock at most)")
-    p.add_argument("--memory-mb", type=positive_int, default=1024, metavar="MB",
+    p.add_argument("--memory-mb", type=memory_mb, default=1024, metavar="MB",
                    help="memory an exercise may allocate (default: 1024)")
     p.add_argument("--no-colour", "--no-color", action="store_true", help="plain text even on a terminal")
     p.add_argument("--images", default="attnlab-grade-images", metavar="DIR",
                    help="where to save a yours/reference/difference picture for each failed numeric check "
                         "(default: ./attnlab-grade-images; needs matplotlib)")
     p.add_argument("--no-images", action="store_true", help="save no pictures")
-    p.add_argument("--seed", type=int, default=None, metavar="N",
+    p.add_argument("--seed", type=seed, default=None, metavar="N",
                    help="seed of the inputs (default: drawn per run and printed; pass it to reproduce a run)")
     p.add_argument("--untrusted", action="store_true",
                    help="the file is someone else's: refuse to run it without the bwrap OS sandbox")
@@ -270,6 +270,10 @@ def _run_class(args: argparse.Namespace, mode: str, lab, folder: Path) -> int:
     print(f"graded {plural(n, 'learner')} of lab {result.lab.name} in {result.seconds:.0f} s (mean {mean:.1f}; "
           + ", ".join(f"{k}: {len(v)}" for k, v in statuses.items() if v) + f"); skipped {len(result.skipped)}"
           + (f" (see {out / 'skipped.txt'})" if result.skipped else ""))
+    for s in result.skipped[:10]:
+        print(f"  skipped {s.name}: {s.reason}")
+    if len(result.skipped) > 10:
+        print(f"  ... and {len(result.skipped) - 10} more in {out / 'skipped.txt'}")
     unread = statuses.get("could not be read") or []
     if unread:
         print("could not be read: " + ", ".join(r.learner for r in unread))

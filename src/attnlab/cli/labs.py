@@ -28,10 +28,13 @@ def add(sub) -> argparse.ArgumentParser:
     p_sub = p.add_subparsers(dest="labs_command", metavar="get")
     g = p_sub.add_parser("get", help="copy a lab's brief, stubs and walkthrough into a folder",
                          description="Copy a lab's brief, stubs and walkthrough (never its solutions) into a folder.",
-                         epilog="examples:\n  attnlab labs get 01\n  attnlab labs get 03-multi-head my-lab-03",
+                         epilog="examples:\n  attnlab labs get 01\n  attnlab labs get 03-multi-head my-lab-03\n"
+                                "  attnlab labs get 01 --solution instructor-01   (the solution, for instructors)",
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("name", help="the lab's name or number (e.g. 01-attention or 01)")
     g.add_argument("dir", nargs="?", default=None, help="where to put it (default: ./NAME)")
+    g.add_argument("--solution", action="store_true",
+                   help="for instructors: copy the lab's solution instead (a warning says so; never hand it out)")
     p.set_defaults(func=run)
     return p
 
@@ -44,6 +47,15 @@ def run(args: argparse.Namespace) -> int:
             lab = labs.find_lab(args.name)
         except KeyError as exc:
             raise UsageError(exc.args[0]) from None
+        if args.solution:
+            try:
+                path = labs.get_solution(args.name, args.dir)
+            except OSError as exc:
+                raise UsageError(str(exc.args[0]) if len(exc.args) == 1 else str(exc)) from None
+            print(f"copied the SOLUTION of lab {lab.name} to {path}", file=sys.stdout)
+            print(f"warning: {path.name} is the instructor's solution: it scores 100. Keep it away from learners "
+                  f"(not in a shared folder or a repository they can read).", file=sys.stderr)
+            return 0
         try:
             dest = labs.get_lab(args.name, args.dir)
         except OSError as exc:  # get_lab's own messages: not installed, not overwriting, cannot be made

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from attnlab._validation import default_scale
+from attnlab._validation import default_scale, describe_signature, require_tensors, takes_arguments
 from attnlab.kernels import block_sparse as kernels  # the block-sparse tile source
 from attnlab.kernels import native, online
 from attnlab.flex import mods
@@ -319,9 +319,8 @@ class _QueryBlock:
 
 def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa) -> None:
     fn = "flex_attention"
+    require_tensors(fn, query=query, key=key, value=value)
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{fn}: {name} must be 4-D (B, H, L/S, E), got shape {tuple(t.shape)}")
     if not query.is_floating_point() or key.dtype != query.dtype or value.dtype != query.dtype:
@@ -343,6 +342,10 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa) -> No
         raise ValueError(f"{fn}: the query heads ({H}) must be a multiple of the key/value heads ({Hkv})")
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"{fn}: score_mod must be callable, got {type(score_mod).__name__}")
+    if score_mod is not None and not takes_arguments(score_mod, 5):
+        raise TypeError(f"{fn}: score_mod must take five arguments, score_mod(score, b, h, q_idx, kv_idx) -> score "
+                        f"(FlexAttention's signature), got {describe_signature(score_mod)}; a mask belongs in "
+                        "create_block_mask's mask_mod(b, h, q_idx, kv_idx)")
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
             raise TypeError(f"{fn}: block_mask must be an attnlab.flex.BlockMask (from attnlab.flex."

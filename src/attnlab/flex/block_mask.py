@@ -36,11 +36,12 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
+from attnlab._validation import describe_signature, takes_arguments
 from attnlab.kernels import mask_blocks
-from attnlab.kernels.mask_blocks import (CHUNK_ELEMENTS, CHUNK_KEYS, EMPTY, FULL, PARTIAL, MaskBlocks, pack_bits,
-                                         unpack_bits)
+from attnlab.kernels.mask_blocks import (CHUNK_ELEMENTS, CHUNK_KEYS, EMPTY, FULL, PARTIAL, MaskBlocks, pack_bits)
 
-__all__ = ["BlockMask", "create_block_mask", "create_mask", "EMPTY", "PARTIAL", "FULL", "CHUNK_KEYS", "MaskMod"]
+__all__ = ["BlockMask", "create_block_mask", "create_mask", "EMPTY", "PARTIAL", "FULL", "CHUNK_KEYS", "CHUNK_ELEMENTS",
+           "MaskMod"]
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 # the block building, the kinds and the bit packing are the kernel layer's (attnlab.kernels.mask_blocks)
@@ -367,6 +368,9 @@ def create_block_mask(mask_mod: MaskMod, B: Optional[int], H: Optional[int], Q_L
     """
     if not callable(mask_mod):
         raise TypeError(f"create_block_mask: mask_mod must be callable, got {type(mask_mod).__name__}")
+    if not takes_arguments(mask_mod, 4):
+        raise TypeError(f"create_block_mask: mask_mod must take four arguments, mask_mod(b, h, q_idx, kv_idx) -> bool "
+                        f"(FlexAttention's signature), got {describe_signature(mask_mod)}")
     for name, v in (("B", B), ("H", H)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"create_block_mask: {name} must be None or a positive int, got {v!r}")

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from attnlab._validation import default_scale
 from attnlab.flex.attention import flex_attention
+from attnlab._validation import require_tensors
 from attnlab.flex.block_mask import create_block_mask
 
 __all__ = ["varlen_attention", "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
@@ -75,6 +76,14 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     """
     _refuse(dropout_p, block_table)
     scale = _one_scale(scale, softmax_scale)
+    if any(isinstance(t, Tensor) and t.is_meta for t in (q, k, v)):  # shapes only: nothing about the lengths is read
+        require_tensors(FN, q=q, k=k, v=v)
+        out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype, device="meta")
+        if not return_attn_probs:
+            return out
+        n = cu_seqlens_q.numel() - 1 if isinstance(cu_seqlens_q, Tensor) else 0
+        return (out, torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device="meta"),
+                torch.empty(n, q.shape[1], max_seqlen_q or 0, max_seqlen_k or 0, dtype=q.dtype, device="meta"))
     cq, ck = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     left, right = _window(window_size, is_causal)
     if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or softcap < 0:

@@ -25,12 +25,12 @@ from typing import Callable, Optional
 
 import torch
 
-from attnlab.grading import errors
+from attnlab.grading import errors, intake
 from attnlab.grading.exercise import Exercise, Verdict, judge_outcome
 from attnlab import labs, mistakes
 from attnlab.grading.sandbox import pool
-from attnlab.grading.sandbox import Limits, Outcome, Sandbox, clean_text, printable
-from attnlab.grading.static import check_source, describe
+from attnlab.grading.sandbox import Limits, Outcome, Sandbox, clean_text, printable, submission_name
+from attnlab.grading.static import check_source, describe, shape_digest
 from attnlab.grading.submission import SubmissionBytes, Unreadable, read_submission
 
 __all__ = ["not_graded", "grade", "GradeReport", "TestResult", "default_lab_path", "Limits", "write_atomically", "ResultsFile"]
@@ -93,6 +93,8 @@ class GradeReport:
     environment_problem: str = ""  # the grader's installation lacks a module the lab allows (not scored)
     lab: str = "01-attention"  # which lab's checks graded it
     source_sha256: str = ""  # SHA-256 of the bytes that were checked and run (the one read)
+    notes: list[str] = field(default_factory=list)  # how the submission was taken (a notebook, a zip, a name)
+    shape_sha256: str = ""  # its syntax tree's shape: names, strings and comments aside (static.shape_digest)
 
     @property
     def score(self) -> float:
@@ -121,17 +123,22 @@ class GradeReport:
                                                 if colour else ("",) * 6)
         shown = printable(self.path)  # a learner names the file: no escape sequence reaches the terminal
         lines = [f"{bold}attnlab grade{reset} (lab {self.lab}): {shown}", ""]
+        lines += [f"{dim}note: {n}{reset}" for n in self.notes] + ([""] if self.notes else [])
         if self.problem:
             lines += [f"{red}{self.problem}{reset}", ""]
         by_ex: dict[str, list[TestResult]] = {}
         for r in self.results:
             by_ex.setdefault(r.exercise.id, []).append(r)
+        whole_file = self.problem.strip()  # said once above: every exercise failing for it says no more
+        stubs = 0
         for ex_id, rs in by_ex.items():
             ex = rs[0].exercise
             s, m = sum(r.score for r in rs), sum(r.max_score for r in rs)
             mark = f"{green}PASS{reset}" if s == m else (f"{yellow}PART{reset}" if s > 0 else f"{red}FAIL{reset}")
             lines.append(f"{mark} {ex_id:<5} {ex.function:<22} {s:>4g}/{m:<3g} {dim}{ex.title}{reset}")
             failed = [r for r in rs if not r.verdict.passed]
+            if whole_file and failed and all(r.verdict.message.strip() == whole_file for r in failed):
+                continue
             messages = list(dict.fromkeys(r.verdict.message.strip() or "failed" for r in failed))
             labelled = len(messages) > 1
             for r in failed:
@@ -145,6 +152,9 @@ class GradeReport:
                 for i, line in enumerate(msg.splitlines()):
                     lines.append(f"      {label if i == 0 else ''}{line}")
             findings = {(f["code"], f["message"]): f for r in failed for f in r.verdict.findings}
+            if findings and all(code == "not_implemented" for code, _ in findings):
+                stubs += 1  # its TODO line is above; the hint comes once, after the list
+                continue
             named: set[str] = set()
             for (code, message), _ in findings.items():
                 if any(message in r.verdict.message for r in failed):
@@ -157,10 +167,17 @@ class GradeReport:
             for r in failed:
                 if r.image:
                     lines.append(f"      {dim}picture: {r.image}{reset}")
+        if whole_file and self.results and all(not r.verdict.passed for r in self.results):
+            lines.append(f"      {dim}(no exercise ran: the problem above stops the whole file){reset}")
+        if stubs:
+            lines.append(f"{yellow}-> [not_implemented] {stubs} exercise{'s' if stubs > 1 else ''} still "
+                         f"raise{'' if stubs > 1 else 's'} NotImplementedError: replace each raise line with your "
+                         f"code, one exercise at a time{reset}")
         total = f"{self.score:g}/{self.max_score:g}"
         where = ("in the OS sandbox" if self.sandboxed else "as an unprivileged user of its own, without an OS "
                  "sandbox" if self.launcher == "user" else "not in an OS sandbox")
-        lines += ["", f"{bold}Score: {total}{reset}   ({self.elapsed_s:.1f} s; seed {self.seed}; {where})"]
+        lines += ["", f"{bold}Score: {total}{reset}   ({self.elapsed_s:.1f} s of grading, wall clock; seed {self.seed}; "
+                      f"{where})"]
         nxt = self.first_unfinished()
         again = f"then run 'attnlab grade' again (graded: {shown})"
         if self.environment_problem:
@@ -195,7 +212,7 @@ class GradeReport:
             "score": self.score,
             "max_score": sum(r.max_score for r in results),
             "execution_time": round(self.elapsed_s, 3),
-            "output": (self.problem + "\n" if self.problem else "")
+            "output": "".join(f"Note: {n}\n" for n in self.notes) + (self.problem + "\n" if self.problem else "")
             + f"Score {self.score:g}/{sum(r.max_score for r in results):g}",
             "visibility": "visible",
             "tests": tests,
@@ -217,7 +234,8 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
           progress: Optional[Callable[[str], None]] = None, seed: Optional[int] = None,
           images_dir: Optional[os.PathLike] = None, sandbox: str = "auto", untrusted: bool = False,
           checkpoint: Optional[Callable[["GradeReport"], None]] = None, lab: "labs.Lab | str | None" = None,
-          within: Optional[os.PathLike] = None, source: Optional[SubmissionBytes] = None) -> GradeReport:
+          within: Optional[os.PathLike] = None, source: Optional[SubmissionBytes] = None,
+          note: str = "") -> GradeReport:
     """Grade a learner's file. Never raises because of the learner's code.
 
     Args:
@@ -244,6 +262,8 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
             symbolic link below it is followed (:func:`.submission.read_submission`).
         source: the submission's bytes when the caller has read them already (one read:
             :class:`.submission.SubmissionBytes`); the path is then not opened at all.
+        note: how the caller chose this file in the learner's folder (another case, an LMS
+            re-download, the only .py file: :func:`.intake.choose`), said in the report.
 
     Raises:
         SandboxUnavailable: ``sandbox='bwrap'``, or ``untrusted`` with ``sandbox='auto'``,
@@ -264,25 +284,66 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
     path = Path(path) if path is not None else default_lab_path()
     # One read (:mod:`.submission`): these bytes, and only these, are checked, run, hashed and signed.
     try:
-        read = read_submission(path, within=within) if source is None else source
+        read = read_submission(path, within=within, max_bytes=intake.read_cap(path)) if source is None else source
         problem = ""
     except Unreadable as exc:
         read, problem = None, str(exc)
-    the_lab = _lab(lab, path, read.data if read else b"")
+    prepared = None
+    if read is not None:  # a notebook's code cells, the file inside a zip: the Python to grade, from that one read
+        try:
+            hint = labs.find_lab(lab) if lab is not None else labs.lab_for_path(path, b"")
+            prepared = intake.prepare(path.name, read.data, hint.file,
+                                      tuple(f for f in labs.LAB_FILES if f != hint.file))
+        except Unreadable as exc:
+            problem = str(exc)
+    the_lab = _lab(lab, path, prepared.source if prepared else b"")
     EXERCISES = the_lab.exercises()  # noqa: N806  (the lab's exercise list, in order)
     report = GradeReport(path=path, seed=seed, sandboxed=pool.resolve_mode(sandbox) is not None,
                          lab=the_lab.name)
-    if read is None:
-        report.problem = (f"no file at {printable(path)}" if not os.path.lexists(path)
+    if read is None or prepared is None:
+        report.problem = (f"no file at {printable(path)}" if not os.path.lexists(path) and source is None
                           else f"could not read {printable(path)}: {clean_text(problem, 600)}")
         _fail_all(report, EXERCISES, Verdict(False, report.problem))
         report.elapsed_s = time.perf_counter() - t0
         return report
-    source_bytes = read.data
+    source_bytes = prepared.source
     report.source_sha256 = read.sha256
+    report.notes = ([note] if note else []) + prepared.notes
+    if prepared.refused:  # a magic, a shell line, a cell that does not parse: refused before anything runs
+        report.problem = ("the notebook has lines the grader cannot run as Python, so none of it was run:\n"
+                          + "\n".join(prepared.refused[:6]))
+        _fail_all(report, EXERCISES, Verdict(False, report.problem, [{"code": "policy", "message": r}
+                                                                      for r in prepared.refused[:6]]))
+        report.elapsed_s = time.perf_counter() - t0
+        return report
+    report = _graded(report, path, source_bytes, prepared, the_lab, EXERCISES, limits, total_timeout_s, progress,
+                     seed, images_dir, sandbox, checkpoint, t0)
+    if prepared.lines is not None:  # a notebook: every 'line N' of its Python said as 'cell C, line M'
+        _map_lines(report, prepared.lines, the_lab.file)
+    return report
+
+
+def _map_lines(report: GradeReport, lines: "intake.LineMap", file_name: str) -> None:
+    report.problem = lines.rewrite(report.problem, file_name)
+    seen: set[int] = set()
+    for r in report.results:
+        if id(r.verdict) in seen:  # one Verdict stands for several checks (a failed call): rewritten once
+            continue
+        seen.add(id(r.verdict))
+        r.verdict.message = lines.rewrite(r.verdict.message, file_name)
+        r.verdict.findings = [{**f, "message": lines.rewrite(f.get("message", ""), file_name)}
+                              for f in r.verdict.findings]
+
+
+def _graded(report: GradeReport, path: Path, source_bytes: bytes, prepared: "intake.Prepared", the_lab: "labs.Lab",
+            EXERCISES: list, limits: Limits, total_timeout_s: float, progress, seed: int, images_dir,  # noqa: N803
+            sandbox: str, checkpoint, t0: float) -> GradeReport:
+    """The static check, then every exercise in the sandbox (what :func:`grade` does once the
+    submission is read and prepared)."""
 
     # The from-scratch rule on the text, before any of it runs.
-    static = check_source(source_bytes, path.name, the_lab.allowed_names)
+    static = check_source(source_bytes, path.name if prepared.kind == "py" else the_lab.file, the_lab.allowed_names)
+    report.shape_sha256 = shape_digest(static.tree)
     missing = missing_modules(static.imports)
     if missing and not static.syntax_error:  # the grader's installation, not the learner's code
         return _environment_problem(report, EXERCISES, t0,
@@ -298,7 +359,10 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         report.elapsed_s = time.perf_counter() - t0
         return report
 
-    with Sandbox(path, limits, mode=sandbox, source=source_bytes) as box:
+    # the copy in the sandbox is named like the learner's file, or like the lab's where that is not a
+    # plain .py name (a notebook, 'attention (1).py'): tracebacks then say attention.py, not submission.py
+    box_path = path if prepared.kind == "py" and submission_name(path) == path.name else path.with_name(the_lab.file)
+    with Sandbox(box_path, limits, mode=sandbox, source=source_bytes) as box:
         # First: does the file import at all? One child, so a broken file fails fast and once.
         first = box.run([], policy=True)
         report.sandboxed, report.memory_fence, report.launcher = box.sandboxed, box.memory_fence, box.launcher
@@ -316,7 +380,7 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
             return report
         report.pending = list(EXERCISES)
         tree = static.tree  # for reading tracebacks against the learner's own lines (errors.explain)
-        names = (path.name, the_lab.file)
+        names = (path.name, box_path.name, the_lab.file)
         cpu_used = first.cpu_s  # the total budget is CPU time too; wall clock only as a backstop
         for i, ex in enumerate(EXERCISES):
             broken = static.for_exercise(ex.function, allow_attention=not ex.policy)

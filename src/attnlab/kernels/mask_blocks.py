@@ -162,7 +162,11 @@ class _Builder:
         beyond = bool(q_idx.max() >= self.Q_LEN) or bool(kv_idx.max() >= self.KV_LEN)
         if beyond:
             q_idx, kv_idx = q_idx.clamp(max=max(self.Q_LEN - 1, 0)), kv_idx.clamp(max=max(self.KV_LEN - 1, 0))
-        keep = torch.as_tensor(self.mod(b_idx, h_idx, q_idx, kv_idx)).to(torch.bool)
+        keep = torch.as_tensor(self.mod(b_idx, h_idx, q_idx, kv_idx))
+        if keep.dtype != torch.bool:
+            raise TypeError(f"create_block_mask: mask_mod must return a bool tensor (True = attend), got dtype "
+                            f"{keep.dtype}: compare instead (q_idx >= kv_idx), or combine bools with & and |; a "
+                            "float belongs in a score_mod")
         keep = keep.expand(torch.broadcast_shapes(q_idx.shape, kv_idx.shape, keep.shape))
         return keep & (q_idx < self.Q_LEN) & (kv_idx < self.KV_LEN) if beyond else keep
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["Lab", "LABS", "LAB_MODULES", "LAB_FILES", "labs_root", "find_lab", "get_lab", "lab_for_path", "lab_for_source",
-           "lab_file_in", "NoLabFile"]
+__all__ = ["Lab", "LABS", "LAB_MODULES", "LAB_FILES", "labs_root", "find_lab", "get_lab", "get_solution",
+           "lab_for_path", "lab_for_source", "lab_file_in", "NoLabFile"]
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,29 @@ def get_lab(name: str, dest: Optional[os.PathLike] = None) -> Path:
     except OSError as exc:  # a folder that cannot be made here (/proc/..., read-only, a file in the way)
         raise OSError(f"cannot put the lab in {dest}: {exc.strerror or exc}; choose a folder you can write") from None
     return dest
+
+
+def get_solution(name: str, dest: Optional[os.PathLike] = None) -> Path:
+    """Copy a lab's solution (for instructors: ``attnlab labs get NN --solution``) into ``dest``
+    (default ``./<lab name>-solution``) as ``<lab file>``; refuses to overwrite a file. The
+    wheel ships the solutions under ``share/attnlab/labs/.../solutions`` for this; ``labs get``
+    without ``--solution`` never copies them."""
+    lab = find_lab(name)
+    root = labs_root()
+    source = root / lab.name / "solutions" / lab.file if root is not None else None
+    if source is None or not source.is_file():
+        raise FileNotFoundError(f"the solution of lab {lab.name} is not installed (looked in the checkout's labs/ and "
+                                f"in {Path(sys.prefix) / 'share' / 'attnlab'}); reinstall attnlab")
+    dest = Path(dest) if dest is not None else Path.cwd() / f"{lab.name}-solution"
+    target = dest / lab.file
+    if target.exists():
+        raise FileExistsError(f"not overwriting {target}: choose another folder or move it away")
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+    except OSError as exc:
+        raise OSError(f"cannot put the solution in {dest}: {exc.strerror or exc}; choose a folder you can write") from None
+    return target
 
 
 LABS = tuple(importlib.import_module(f"{__name__}.{m}").LAB for m in LAB_MODULES)

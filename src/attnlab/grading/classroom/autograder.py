@@ -39,9 +39,12 @@ import tempfile
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import attnlab
+
+if TYPE_CHECKING:
+    from attnlab.labs import Lab
 
 __all__ = ["build_bundle", "try_bundle", "SimulatedRoot", "SETUP_SH", "RUN_AUTOGRADER", "run_gradescope",
            "choose_sandbox", "find_submission", "out_of_reach"]
@@ -105,16 +108,24 @@ def choose_sandbox() -> tuple[str, str]:
 
 
 def find_submission(folder: Path, file: str) -> Path:
-    """``folder/file``, else the only ``.py`` file within two levels, else ``folder/file``
-    (which then does not exist, and is graded as 'no file'). Looks only (``lstat``): a link is
-    never taken for a file, and the one read (:func:`attnlab.grading.submission.read_submission`,
-    no link followed below ``folder``) refuses whatever is not a regular file."""
+    """The learner's file in Gradescope's ``submission/`` by the rule class grading uses
+    (:func:`attnlab.grading.intake.choose`: the lab's file, another case, an LMS re-download, a
+    notebook, the only .py file, a zip archive), else ``folder/file`` (which then does not
+    exist, and is graded as 'no file'). Looks only (``lstat``): a link is never taken for a
+    file, and the one read (no link followed below ``folder``) refuses what is not a regular file."""
+    return choose_submission(folder, file)[0]
+
+
+def choose_submission(folder: Path, file: str) -> tuple[Path, str]:
+    """:func:`find_submission` and how the file was chosen, in words ('' for the lab's file)."""
+    from attnlab import labs
+    from attnlab.grading import intake
+
     wanted = folder / file
     if os.path.lexists(wanted):
-        return wanted
-    found = [p for p in sorted(folder.glob("*.py")) + sorted(folder.glob("*/*.py"))
-             if not p.is_symlink() and not p.parent.is_symlink() and p.is_file()]
-    return found[0] if len(found) == 1 else wanted
+        return wanted, ""
+    choice = intake.choose(folder, file, tuple(f for f in labs.LAB_FILES if f != file))
+    return (choice.path, choice.how) if choice.path is not None else (wanted, "")
 
 
 @contextmanager
@@ -145,7 +156,7 @@ def run_gradescope(root: os.PathLike, lab: str) -> dict:
     the_lab = labs.find_lab(lab)
     results = root / "results"
     results.mkdir(parents=True, exist_ok=True)
-    submission = find_submission(root / "submission", the_lab.file)
+    submission, chosen_as = choose_submission(root / "submission", the_lab.file)
     mode, how = choose_sandbox()
     if not mode:
         report = not_graded(submission, f"the grader cannot isolate learner code in this container: {how}. For the "
@@ -155,8 +166,8 @@ def run_gradescope(root: os.PathLike, lab: str) -> dict:
         hidden = [results, root / "source", Path(attnlab.__file__).resolve().parent] if mode == "user" else []
         with out_of_reach(hidden):
             # root opens the learner's file only through read_submission: beneath submission/, no link followed
-            report = grade(submission, lab=the_lab, sandbox=mode, untrusted=True,
-                           within=root / "submission")  # its processes: all dead now
+            report = grade(submission, lab=the_lab, sandbox=mode, untrusted=True, within=root / "submission",
+                           note=f"graded {chosen_as}" if chosen_as else "")  # its processes: all dead now
     data = report.to_gradescope()
     data["extra_data"]["sandbox"]["chosen"] = how
     write_atomically(results / "results.json", json.dumps(data, indent=1, ensure_ascii=False))
@@ -177,11 +188,12 @@ def _project_root() -> Optional[Path]:
 
 
 def build_wheel(dest: Path) -> Path:
-    """Build attnlab's wheel from its source checkout into ``dest``."""
+    """attnlab's wheel in ``dest``: built from its source checkout, or, in a plain ``pip install``
+    (no checkout), packed again from the installed distribution's own files
+    (:func:`repack_installed`)."""
     root = _project_root()
     if root is None:
-        raise RuntimeError("attnlab autograder: attnlab is not installed from a source checkout; pass --wheel "
-                           "with the attnlab wheel to bundle")
+        return repack_installed(dest)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                     "-w", str(dest), str(root)], check=True, capture_output=True, text=True)
     wheels = sorted(dest.glob("attnlab-*.whl"))
@@ -190,7 +202,49 @@ def build_wheel(dest: Path) -> Path:
     return wheels[-1]
 
 
-def build_bundle(out: os.PathLike, wheel: Optional[os.PathLike] = None, lab: "labs.Lab | str" = "01") -> Path:
+def repack_installed(dest: Path) -> Path:
+    """A wheel of the installed attnlab, made from the files its RECORD lists (the package, the
+    labs' materials under ``share/``, the dist-info), with a fresh RECORD: what an instructor who
+    only ran ``pip install attnlab`` bundles. Compiled caches (``__pycache__``) are left out."""
+    import base64
+    import hashlib
+
+    dist = importlib.metadata.distribution("attnlab")
+    name, version = "attnlab", dist.version
+    info, data = f"{name}-{version}.dist-info", f"{name}-{version}.data"
+    wheel = dest / f"{name}-{version}-py3-none-any.whl"
+    record: list[str] = []
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as z:
+        for f in dist.files or []:
+            rel = f.as_posix()
+            if "__pycache__" in rel or rel.endswith((".pyc", "RECORD", "INSTALLER", "direct_url.json", "REQUESTED")):
+                continue
+            path = Path(dist.locate_file(f)).resolve()
+            if not path.is_file():
+                continue
+            if rel.startswith("../"):  # data files: <prefix>/share/... is ../../../share/... from site-packages
+                parts = Path(rel).parts
+                if "share" not in parts:
+                    continue
+                arc = f"{data}/data/" + "/".join(parts[parts.index("share"):])
+            elif rel.startswith((f"{name}/", f"{info}/")):
+                arc = rel
+            else:
+                continue
+            body = path.read_bytes()
+            z.writestr(arc, body)
+            h = base64.urlsafe_b64encode(hashlib.sha256(body).digest()).rstrip(b"=").decode()
+            record.append(f"{arc},sha256={h},{len(body)}")
+        record.append(f"{info}/RECORD,,")
+        z.writestr(f"{info}/RECORD", "\n".join(record) + "\n")
+    if not any(r.startswith(f"{name}/__init__.py,") for r in record):
+        wheel.unlink()
+        raise RuntimeError("attnlab autograder: this attnlab install has no package files to pack (an editable "
+                           "install without its checkout?); pass --wheel with the attnlab wheel to bundle")
+    return wheel
+
+
+def build_bundle(out: os.PathLike, wheel: Optional[os.PathLike] = None, lab: "Lab | str" = "01") -> Path:
     """Write the autograder zip of lab ``lab`` (its name or number) to ``out``; returns its path."""
     from attnlab import labs
 

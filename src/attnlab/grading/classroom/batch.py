@@ -15,9 +15,12 @@ What comes out, in ``OUTDIR``:
 * ``report.html``: one self-contained page (:mod:`attnlab.grading.classroom.report`);
 * ``skipped.txt``: what in ``DIR`` was not a submission, and why.
 
-Layouts recognised (:func:`find_submissions`): ``DIR/<learner>/attention.py`` (the lab's
-file: ``masks.py`` for lab 02) and ``DIR/<learner>.py``. Hidden entries, symbolic links, other files, folders without an
-``attention.py`` and a learner present twice are skipped with a reason.
+Layouts recognised (:func:`find_submissions`): ``DIR/<learner>/`` holding the lab's file
+(``attention.py``; ``masks.py`` for lab 02), chosen by :func:`attnlab.grading.intake.choose`
+(another case, an LMS re-download, a notebook, the only .py file, a zip archive; the report
+says which was taken), and ``DIR/<learner>.py`` (``.ipynb``, ``.zip``). Hidden entries, symbolic
+links, other files, empty folders, another lab's submissions (in a mixed class: the lab most
+learners hold is graded) and a learner present twice are skipped with a reason.
 
 Seeds: with ``seed`` each learner's inputs come from ``crc32(f"{seed}:{learner}")``, so a
 rerun with the same seed gives the same grades; without, a seed is drawn and recorded.
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from attnlab import labs
+from attnlab.grading import intake
 from attnlab.grading.grader import GradeReport, grade, write_atomically
 from attnlab.grading.sandbox import Limits, pool, printable
 from attnlab.grading.submission import read_submission
@@ -69,6 +73,7 @@ class Submission:
     learner: str  # the learner's name as in DIR (NFC), kept in grades.csv
     path: Path
     folder: str = ""  # the learner's output folder under OUT: plain ASCII, unique in the class
+    how: str = ""  # how the file was chosen in the learner's folder (attnlab.grading.intake), '' for the lab's file
 
 
 @dataclass(frozen=True)
@@ -90,8 +95,11 @@ class Row:
     seconds: float
     status: str  # one of STATUSES; 'grader environment': a module the lab needs is missing where it runs
     messages: dict[str, str] = field(default_factory=dict)  # mistake code -> one message that named it
-    folder: str = ""  # where under OUT its results.json is
-    problem: str = ""  # why a file could not be read, in one line
+    folder: str = ""  # where under OUT its results.json and feedback.html are
+    problem: str = ""  # why a file could not be read: the whole reason, bounded
+    sha256: str = ""  # the graded bytes' SHA-256 (identical submissions share it)
+    shape: str = ""  # the syntax tree's shape (grading.static.shape_digest): near-identical ones share it
+    similar: list[str] = field(default_factory=list)  # the other learners with the same or near-identical file
 
 
 @dataclass
@@ -146,33 +154,43 @@ def folder_name(learner: str) -> str:
     return f"{plain[:80]}-{zlib.crc32(learner.encode()) & 0xFFFFFF:06x}"
 
 
-def find_submissions(folder: os.PathLike, file: str = SUBMISSION_FILE) -> tuple[list[Submission], list[Skipped]]:
+SUFFIXES = (".py", ".ipynb", ".zip")  # what a DIR/<learner>.<suffix> submission may be
+
+
+def find_submissions(folder: os.PathLike, file: str = SUBMISSION_FILE,
+                     exclude: "dict[str, str] | None" = None) -> tuple[list[Submission], list[Skipped]]:
     """The submissions in ``folder`` (sorted by learner) and what was skipped, with why;
-    ``file`` is the lab's file name inside a learner's folder."""
+    ``file`` is the lab's file name: inside a learner's folder the rule of
+    :func:`attnlab.grading.intake.choose` picks it (another case, an LMS re-download, a
+    notebook, the only .py file, a zip archive). ``exclude``: entry name -> the reason it is
+    skipped (another lab's submissions in a mixed class)."""
     folder = Path(folder)
     found: dict[str, Submission] = {}
     skipped: list[Skipped] = []
     folders: set[str] = set()
+    others = tuple(f for f in labs.LAB_FILES if f != file)
     for entry in sorted(folder.iterdir(), key=lambda p: p.name):
         name = entry.name
         if name.startswith("."):
             skipped.append(Skipped(printable(name), "hidden"))
             continue
+        if exclude and name in exclude:
+            skipped.append(Skipped(printable(name), exclude[name]))
+            continue
         if entry.is_symlink():
             skipped.append(Skipped(printable(name), "a symbolic link (not followed)"))
             continue
+        how = ""
         if entry.is_dir():
-            learner, path = name, entry / file
-            if path.is_symlink() or not path.is_file():
-                others = [f for f in labs.LAB_FILES if f != file and (entry / f).is_file()]
-                skipped.append(Skipped(printable(name), f"a folder without a regular {file}"
-                                       + (f" (it holds {', '.join(others)}: another lab's file; see --lab)"
-                                          if others else "")))
+            choice = intake.choose(entry, file, others)
+            if choice.path is None:
+                skipped.append(Skipped(printable(name), choice.why))
                 continue
-        elif entry.is_file() and entry.suffix == ".py":
+            learner, path, how = name, choice.path, choice.how
+        elif entry.is_file() and entry.suffix.lower() in SUFFIXES:
             learner, path = entry.stem, entry
         else:
-            skipped.append(Skipped(printable(name), f"not a .py file nor a folder with {file}"))
+            skipped.append(Skipped(printable(name), f"not a .py, .ipynb or .zip file, nor a folder with {file}"))
             continue
         learner = unicodedata.normalize("NFC", learner)
         problem = name_problem(learner)
@@ -186,7 +204,7 @@ def find_submissions(folder: os.PathLike, file: str = SUBMISSION_FILE) -> tuple[
             while out_name.lower() in folders:  # case-insensitive file systems too
                 out_name, n = f"{base}-{n}", n + 1
             folders.add(out_name.lower())
-            found[learner] = Submission(learner, path, out_name)
+            found[learner] = Submission(learner, path, out_name, how)
     return sorted(found.values(), key=lambda s: s.learner), skipped
 
 
@@ -205,16 +223,31 @@ def _entries_by_lab(folder: os.PathLike) -> "dict[labs.Lab, list[str]]":
             continue
         found = None
         if entry.is_dir():
-            held = [lab for lab in labs.LABS if (entry / lab.file).is_file() and not (entry / lab.file).is_symlink()]
+            held = [lab for lab in labs.LABS if any(intake.is_variant(p.name, lab.file, (".py", ".ipynb"))
+                                                    for p in _files(entry))]
             found = held[0] if len(held) == 1 else None
-        elif entry.is_file() and entry.suffix == ".py":
-            try:  # one bounded read that follows no link and opens no FIFO
-                found = labs.lab_for_source(read_submission(entry, within=folder).data)
-            except OSError:
-                found = None
+        elif entry.is_file() and entry.suffix.lower() in (".py", ".ipynb"):
+            found = _lab_of_file(entry, folder)
         if found is not None:
             by_lab.setdefault(found, []).append(entry.name)
     return by_lab
+
+
+def _files(folder: Path) -> list[Path]:
+    try:
+        return [p for p in folder.iterdir() if not p.is_symlink() and p.is_file()]
+    except OSError:
+        return []
+
+
+def _lab_of_file(entry: Path, folder: os.PathLike) -> "labs.Lab | None":
+    """The lab whose functions a DIR/<learner>.py (or .ipynb) defines: one bounded read that
+    follows no link and opens no FIFO, and nothing of it runs."""
+    try:
+        data = read_submission(entry, within=folder, max_bytes=intake.read_cap(entry)).data
+        return labs.lab_for_source(intake.prepare(entry.name, data).source)
+    except OSError:
+        return None
 
 
 def plan_class(folder: os.PathLike, out: Optional[os.PathLike] = None, *,
@@ -228,22 +261,26 @@ def plan_class(folder: os.PathLike, out: Optional[os.PathLike] = None, *,
     folder = Path(folder)
     if not folder.is_dir():
         raise ClassRefused(f"{folder} is not a folder of submissions")
+    exclude: dict[str, str] = {}
     if lab is not None:
         the_lab = labs.find_lab(lab)
     else:
         by_lab = _entries_by_lab(folder)
-        if len(by_lab) > 1:
-            counts = "; ".join(f"lab {lab.name}: {len(v)} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
-                               for lab, v in sorted(by_lab.items(), key=lambda item: item[0].name))
-            raise ClassRefused(f"the submissions in {folder} mix labs ({counts}); grade one lab at a time with "
-                               f"--lab NAME, or move the others away")
-        the_lab = next(iter(by_lab)) if by_lab else labs.LABS[0]
-    submissions, skipped = find_submissions(folder, the_lab.file)
+        # a mixed class: the lab most learners hold is graded; the others are skipped, each saying its lab
+        # and the command that grades it
+        ranked = sorted(by_lab.items(), key=lambda item: (-len(item[1]), labs.LABS.index(item[0])))
+        the_lab = ranked[0][0] if ranked else labs.LABS[0]
+        for other, entries in ranked[1:]:
+            for name in entries:
+                exclude[name] = (f"a lab {other.name} submission, not lab {the_lab.name} (most of this class): grade "
+                                 f"those with 'attnlab grade {printable(folder)} --lab {other.name.split('-')[0]} "
+                                 f"--out OUT-{other.name.split('-')[0]}'")
+    submissions, skipped = find_submissions(folder, the_lab.file, exclude)
     if not submissions:
         why = "; ".join(f"{s.name}: {s.reason}" for s in skipped[:5]) or "the folder is empty"
         raise ClassRefused(f"nothing to grade in {folder} for lab {the_lab.name} ({why}). A class folder holds "
-                           f"DIR/<learner>/{the_lab.file} or DIR/<learner>.py; for another lab pass --lab NAME "
-                           f"(see 'attnlab labs')")
+                           f"DIR/<learner>/{the_lab.file} (or a notebook, a zip, another spelling of it) or "
+                           f"DIR/<learner>.py (.ipynb, .zip); for another lab pass --lab NAME (see 'attnlab labs')")
     if out is not None:
         o, f = Path(out).resolve(), folder.resolve()
         if o == f or f in o.parents or o in f.parents:
@@ -278,7 +315,27 @@ def _row(learner: str, report: GradeReport, lab: "labs.Lab", folder: str = "") -
         status = "graded"
     return Row(learner, report.score, report.max_score or sum(ex.max_score for ex in exercise_list),
                exercises, sorted(messages), report.seed, round(report.elapsed_s, 2), status, messages,
-               folder or learner, problem.splitlines()[0][:300] if status != "graded" and problem else "")
+               folder or learner, problem.strip()[:PROBLEM_CHARS] if status != "graded" and problem else "",
+               report.source_sha256, report.shape_sha256)
+
+
+PROBLEM_CHARS = 2000  # of a whole-file problem kept in the gradebook (a SyntaxError with its line is ~200)
+
+
+def flag_similar(rows: list[Row], stub_shape: str = "") -> None:
+    """Mark each row with the learners whose submission is byte-identical or near-identical
+    (the same :func:`~attnlab.grading.static.shape_digest`: only names, strings, comments and
+    docstrings differ). The lab's own stub (``stub_shape``), which everyone starts from, is
+    not a match."""
+    by_key: dict[str, list[Row]] = {}
+    for r in rows:
+        key = r.shape or r.sha256
+        if key and key != stub_shape:
+            by_key.setdefault(key, []).append(r)
+    for group in by_key.values():
+        if len(group) > 1:
+            for r in group:
+                r.similar = sorted(o.learner for o in group if o is not r)
 
 
 KEY_FILE = ".attnlab-resume-key"  # in OUT: the HMAC key of this gradebook's rows (never in a learner's reach)
@@ -311,7 +368,7 @@ def _signature(key: bytes, row: dict, source_digest: str) -> str:
 def _source_digest(path: Path, within: Optional[Path] = None) -> str:
     """The SHA-256 of the submission as it is now (one read, as the grader reads it); '' if unreadable."""
     try:
-        return read_submission(path, within=within).sha256
+        return read_submission(path, within=within, max_bytes=intake.read_cap(path)).sha256
     except OSError:
         return ""
 
@@ -387,8 +444,9 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
 
         report = grade(sub.path, limits=limits, total_timeout_s=total_timeout_s, seed=learner_seed(base, sub.learner),
                        sandbox=sandbox, untrusted=sandbox != "none", checkpoint=checkpoint, lab=the_lab,
-                       within=folder)
+                       within=folder, note=f"graded {sub.how}" if sub.how else "")
         checkpoint(report)
+        write_feedback(folder_out / "feedback.html", sub.learner, report)
         row = _row(sub.learner, report, the_lab, sub.folder)
         # signed over the digest of the bytes that were graded, never over a second read
         signed = {**asdict(row), "hmac": _signature(key, asdict(row), report.source_sha256)}
@@ -418,6 +476,7 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
         finally:
             pool.keep_spare(False)
     ordered = [rows[s.learner] for s in submissions if s.learner in rows]
+    flag_similar(ordered, _stub_shape(the_lab))
     write_csv(ordered, out / "grades.csv", the_lab.exercises())
     from attnlab.grading.classroom.report import write_report
 
@@ -426,17 +485,47 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
     return result
 
 
+def _stub_shape(lab: "labs.Lab") -> str:
+    """The shape of the lab's stub file (every learner starts from it), '' where it is not here."""
+    from attnlab.grading.static import check_source, shape_digest
+
+    root = labs.labs_root()
+    stub = root / lab.name / lab.file if root is not None else None
+    try:
+        return shape_digest(check_source(stub.read_bytes()).tree) if stub is not None else ""
+    except OSError:
+        return ""
+
+
+def write_feedback(path: Path, learner: str, report: GradeReport) -> None:
+    """The learner's own page: what ``attnlab grade`` prints them (and Gradescope shows them),
+    escaped, for the class report to link to."""
+    import html
+
+    text = html.escape(report.to_text())
+    write_atomically(path, "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+                           "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; style-src "
+                           "'unsafe-inline'\"><title>feedback: " + html.escape(learner) + "</title><style>body{font:14px/"
+                           "1.45 system-ui,sans-serif;margin:2em auto;max-width:60em;padding:0 1em}pre{white-space:"
+                           "pre-wrap;overflow-wrap:anywhere;font:13px/1.4 ui-monospace,monospace}</style></head><body>"
+                           f"<h1>{html.escape(learner)}: {report.score:g}/{report.max_score:g}</h1>"
+                           "<p>What this learner reads (attnlab grade's report, as Gradescope shows it).</p>"
+                           f"<pre>{text}</pre><p><a href='../report.html'>back to the class</a></p></body></html>\n")
+
+
 def write_csv(rows: list[Row], path: Path, exercises: list) -> None:
     """The gradebook: one row per learner, sorted; points per exercise as columns."""
     ex_ids = [ex.id for ex in exercises]
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["learner", "total", "max", *ex_ids, "mistakes", "seed", "seconds", "status", "folder"])
+        w.writerow(["learner", "total", "max", *ex_ids, "mistakes", "seed", "seconds", "status", "folder",
+                    "similar_to"])
         for r in sorted(rows, key=lambda r: r.learner):
             w.writerow([csv_cell(r.learner), f"{r.total:g}", f"{r.max_total:g}",
                         *(f"{r.exercises.get(e, 0):g}" for e in ex_ids), " ".join(r.mistakes), r.seed,
-                        f"{r.seconds:.2f}", r.status, csv_cell(r.folder or r.learner)])
+                        f"{r.seconds:.2f}", r.status, csv_cell(r.folder or r.learner),
+                        csv_cell(" ".join(r.similar))])
     os.replace(tmp, path)
 
 

@@ -22,7 +22,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from attnlab import labs, mistakes
+from attnlab import mistakes
 
 __all__ = ["render_report", "write_report"]
 
@@ -125,15 +125,26 @@ def render_report(result) -> str:
                "<th class='num'><button data-key='score'>score</button></th>"
                "<th><button data-key='status'>status</button></th><th>mistakes named</th></tr></thead><tbody>")
     for r in sorted(rows, key=lambda r: r.learner):
+        link = f"<a href='{_e(r.folder)}/feedback.html'>{_e(r.learner)}</a>" if r.folder else _e(r.learner)
         out.append(f"<tr data-name='{_e(r.learner.casefold())}' data-score='{r.total:g}' data-status='{_e(r.status)}'>"
-                   f"<td>{_e(r.learner)}</td><td class='num'>{r.total:g}/{r.max_total:g}</td><td>{_e(r.status)}</td>"
+                   f"<td>{link}</td><td class='num'>{r.total:g}/{r.max_total:g}</td><td>{_e(r.status)}</td>"
                    f"<td class='codes'>{' '.join(f'<code>{_e(c)}</code>' for c in r.mistakes) or '-'}</td></tr>")
     out.append("</tbody></table></div>")
     unread = [r for r in rows if r.status in ("could not be read", "grader error", "grader environment")]
     if unread:
         out.append(f"<h2 id='unread'>Not graded normally ({len(unread)})</h2><ul>"
-                   + "".join(f"<li><b>{_e(r.learner)}</b> ({_e(r.status)}): {_e(r.problem or 'no reason recorded')}"
-                             f"</li>" for r in unread) + "</ul>")
+                   + "".join(f"<li><b>{_e(r.learner)}</b> ({_e(r.status)}):<div class='ex'>"
+                             f"{_e(r.problem or 'no reason recorded')}</div></li>" for r in unread) + "</ul>")
+    similar = [r for r in rows if getattr(r, "similar", None)]
+    out.append("<h2 id='similar'>Identical or near-identical submissions</h2>")
+    if similar:
+        groups = {tuple(sorted([r.learner, *r.similar])) for r in similar}
+        out.append("<p class='muted'>The same file, or one that differs only in names, strings, comments and "
+                   "docstrings (the shape of its syntax tree). A hint to look, not a verdict: short solutions can "
+                   "coincide.</p><ul>" + "".join(f"<li>{', '.join(_e(n) for n in g)}</li>" for g in sorted(groups))
+                   + "</ul>")
+    else:
+        out.append("<p class='muted'>None: no two submissions share a file or its shape.</p>")
 
     out.append("<h2 id='distribution'>Score distribution</h2>")
     out.append(_histogram(totals, max_total) if n else "<p class='muted'>no learners</p>")
@@ -177,8 +188,8 @@ def render_report(result) -> str:
     if result.skipped:
         out.append("<h2 id='skipped'>Skipped</h2><ul>" + "".join(f"<li><code>{_e(s.name)}</code>: {_e(s.reason)}</li>"
                                                                    for s in result.skipped) + "</ul>")
-    out.append("<p class='muted'>grades.csv and each learner's results.json (in the folder its row names) are beside "
-               "this page.</p>")
+    out.append("<p class='muted'>grades.csv and each learner's results.json and feedback.html (in the folder its row "
+               "names; the learner's name links to it) are beside this page.</p>")
     out.append(f"<script>{_SCRIPT}</script></body></html>")
     return "\n".join(out)
 

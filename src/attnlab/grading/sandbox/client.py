@@ -42,7 +42,7 @@ from attnlab.grading.sandbox import pool, seccomp
 from attnlab.grading.sandbox.frames import Deadline, read_frame, write_frame
 from attnlab.grading.sandbox.protocol import BadPayload, bounded_json, decode_message, encode_request
 from attnlab.grading.submission import MAX_SOURCE_BYTES, printable
-from attnlab.grading.sandbox.server import MAX_RESULT_BYTES, MAX_TEXT, SUBMISSION_NAME, submission_name
+from attnlab.grading.sandbox.server import MAX_RESULT_BYTES, MAX_TEXT, STUCK_MARK, SUBMISSION_NAME, submission_name
 
 __all__ = ["Limits", "Call", "Outcome", "Sandbox", "Unsupported", "validate_message", "clean_text", "printable",
            "self_test",
@@ -220,6 +220,23 @@ def validate_message(msg: Any, n_calls: int) -> None:
 # --------------------------------------------------------------------------- #
 
 
+_STUCK = re.compile(re.escape(STUCK_MARK) + r"(\d{1,7}):(\w{1,100}):([^\n]{0,160})\n?")
+
+
+def stuck_at(output: str, file_name: str) -> tuple[str, str]:
+    """``(output without the marker, where it was stuck)``: the line the child said it was
+    running when its CPU budget ran out (:data:`.server.STUCK_MARK`), as ' when the budget ran
+    out it was running line N of FILE, in f(): `code`', or '' when it said nothing. The child
+    is the learner's process: this is what it printed, shown as such."""
+    found = list(_STUCK.finditer(output))
+    if not found:
+        return output, ""
+    line, func, code = found[-1].groups()
+    rest = _STUCK.sub("", output).strip("\n")
+    return rest, (f"; when the budget ran out it was running line {line} of {file_name}, in {func}(): "
+                  f"{code.strip()}")
+
+
 class Sandbox:
     """Runs tasks on one submission in children of its own sandbox server.
 
@@ -357,7 +374,8 @@ class Sandbox:
         cg = self._cgroup_cpu(server)
         if cg is not None and self._cpu0 is not None:
             cpu_s = max(cpu_s, cg - self._cpu0)  # the cgroup's count, where there is one, is the grader's own
-        if status == "ok" and cpu_s > timeout:  # over the budget, whatever its exit status
+        own_budget = header["code"] in (-signal.SIGPROF, -signal.SIGXCPU)  # the child's own CPU ran out: _failure says
+        if status == "ok" and cpu_s > timeout and not own_budget:  # over the budget, whatever its exit status
             return Outcome("timeout", message=f"did not finish within {timeout:g} s of CPU time: its processes "
                                               f"used {cpu_s:.1f} s together (work spread over several processes, "
                                               "or the CPU limit's signals ignored?)", output=output,
@@ -434,8 +452,9 @@ class Sandbox:
             # CPU read back can be a few ticks short of it
             if sig in (signal.SIGPROF, signal.SIGXCPU) or (sig == signal.SIGKILL and timeout
                                                             and cpu_s >= 0.95 * math.ceil(timeout)):
+                output, where = stuck_at(output, submission_name(self.path))
                 return Outcome("timeout", message=f"did not finish within {timeout:g} s of CPU time (an endless "
-                                                  f"loop?)", output=output, elapsed_s=elapsed)
+                                                  f"loop?){where}", output=output, elapsed_s=elapsed)
             if sig == signal.SIGXFSZ:
                 return Outcome("crash", message=f"wrote a file larger than {self.limits.file_mb} MB",
                                output=output, elapsed_s=elapsed)

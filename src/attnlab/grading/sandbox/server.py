@@ -55,6 +55,9 @@ __all__ = ["serve", "submission_name", "MAX_RESULT_BYTES", "MAX_TEXT", "SUBMISSI
 
 MAX_RESULT_BYTES = 64 * 1024 * 1024  # one child's message
 MAX_TEXT = 4000  # characters of learner text kept per message field
+# what the child prints when its CPU budget runs out (SIGPROF), before it ends: the learner's line it was
+# running. Learner-controlled output like any other, so the grader shows it as evidence, never trusts it.
+STUCK_MARK = "@@attnlab-stuck-at:"
 SUBMISSION_NAME = "submission.py"  # the copy's name inside the sandbox when the learner's own is not plain
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,60}\.py$")
 
@@ -126,7 +129,9 @@ def _set_limits(limits: SimpleNamespace, sandboxed: bool, vm_kb: Optional[int] =
     # The budget is CPU time, so a loaded machine does not shrink it: SIGPROF after exactly
     # timeout_s of this process's CPU (all its threads), and RLIMIT_CPU a second later as the
     # fence a learner cannot lift (SIGPROF can be ignored; the hard limit is SIGKILL).
-    signal.setitimer(signal.ITIMER_PROF, limits.timeout_s)
+    # SIGPROF a little before the budget (50 ms, or 5% of a short one): its handler (_stuck) says which
+    # line was running, which it cannot once RLIMIT_CPU's SIGKILL at the whole second has come
+    signal.setitimer(signal.ITIMER_PROF, max(limits.timeout_s - 0.05, 0.95 * limits.timeout_s))
     # the hard limit is the budget (whole seconds: what RLIMIT_CPU counts in), soft = hard: raising
     # the soft limit or ignoring SIGXCPU buys nothing. Past it the kernel's SIGKILL; and whatever
     # the exit, a task whose processes used more CPU than the budget is a timeout (_run_task's count)
@@ -184,6 +189,26 @@ def _call_one(module: Any, call: dict, path: str, message: dict) -> None:
                                    and "memory" in text.lower()})
 
 
+def _stuck(frame, path: str) -> None:
+    """SIGPROF: the CPU budget is spent. Say which of the learner's lines was running (the
+    innermost frame in their file), then end as SIGPROF would have (the grader reads that exit as
+    the timeout; RLIMIT_CPU's SIGKILL stays the fence if this handler is replaced)."""
+    import linecache
+
+    f = frame
+    while f is not None and f.f_code.co_filename != path:
+        f = f.f_back
+    if f is not None:
+        code = linecache.getline(path, f.f_lineno).strip()[:160]
+        line = f"\n{STUCK_MARK}{f.f_lineno}:{f.f_code.co_name}:{code}\n"
+        try:
+            os.write(2, line.encode("utf-8", "replace"))
+        except OSError:
+            pass
+    signal.signal(signal.SIGPROF, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGPROF)
+
+
 def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir: str,
                 vm_kb: Optional[int] = None) -> None:
     """Entry point of the forked child. Sends exactly one message (bytes), then exits."""
@@ -199,6 +224,7 @@ def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir:
     # so writing a huge file ends the child and is reported as such.
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
     _set_limits(task["limits"], sandboxed, vm_kb)
+    signal.signal(signal.SIGPROF, lambda signum, frame: _stuck(frame, path))
     try:  # before any learner code: no ptrace, pidfd_getfd, process_vm_*, namespaces or mounts
         seccomp.install(task["seccomp"])
         seccomp.install_learner_layer()  # pipes and epoll are counted per host uid: none for the learner
