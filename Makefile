@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.attnlab-installed
 
-.PHONY: demo test test-fast test-large clean help browser sandbox
+.PHONY: demo test test-fast test-large docs clean help browser sandbox
 
 # The inner loop: the in-process tests (numerics, APIs, static checks), none that needs the
 # sandbox, another process, a browser or more than 10 s (the markers in pyproject.toml)
@@ -17,6 +17,7 @@ help:
 	@echo "make test        set up .venv if needed and run the whole test suite"
 	@echo "make test-fast   the in-process tier only (no sandbox, processes, browser or slow case)"
 	@echo "make test-large  also run the very large case matrices (marker 'large')"
+	@echo "make docs        build the guides and the API reference into site/ (warnings are errors)"
 	@echo "make clean       remove .venv and caches"
 
 $(STAMP): pyproject.toml constraints.txt
@@ -51,8 +52,11 @@ browser:
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "$(FAST)"
 
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
+
 test-large: $(STAMP)
 	$(BIN)/python -m pytest -m large
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis src/*.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis src/*.egg-info site

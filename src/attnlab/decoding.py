@@ -95,8 +95,10 @@ def paged_decode_attention(query: Tensor, cache: "PagedKVCache", is_causal: bool
     Args:
         query: ``(B, H, L, E)``, ``H`` a multiple of the cache's ``num_kv_heads`` (GQA).
         cache: the keys and values, ``cache.length`` of them per sequence.
-        is_causal, scale, causal_align: as in :func:`decode_attention`; a decoder whose new
+        is_causal: as in :func:`decode_attention`; a decoder whose new
             tokens are the cache's last ``L`` wants ``is_causal=True, causal_align="bottom_right"``.
+        scale: as in :func:`decode_attention`.
+        causal_align: as in :func:`decode_attention`.
 
     Returns:
         ``(B, H, L, head_dim)`` in the query's dtype.
@@ -140,7 +142,8 @@ class PagedKVCache:
         page_size: tokens per page (default 16, vLLM's).
         num_pages: the pool's size; None grows it by doubling when it is full (new pages only:
             the table's page numbers stay valid).
-        dtype, device: of the stored keys and values.
+        dtype: of the stored keys and values.
+        device: where they are stored.
     """
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, *, page_size: int = 16,

@@ -185,10 +185,17 @@ def attention(
     """SDPA's signature and semantics, run by the implementation ``impl`` picks (see the module doc).
 
     Args:
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as in
+        query: as in
             :func:`attnlab.functional.scaled_dot_product_attention`; shapes
             ``(..., L, E)``, ``(..., S, E)``, ``(..., S, Ev)``. ``attn_mask`` may also be an
             :class:`attnlab.flex.BlockMask` (then flex runs it).
+        key: as in SDPA.
+        value: as in SDPA.
+        attn_mask: as in SDPA.
+        dropout_p: as in SDPA.
+        is_causal: as in SDPA.
+        scale: as in SDPA.
+        enable_gqa: as in SDPA.
         impl: ``"auto"``, ``"reference"``, ``"tiled"``, ``"flex"`` or ``"decode"``; default: the innermost
             :func:`use_impl`, else ``"auto"``.
         score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (flex runs it).

@@ -382,7 +382,8 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optional
         scale: default ``1 / sqrt(E)``.
         layout: ``"contiguous"`` or ``"zigzag"`` (balanced causal work); as sharded.
         enable_gqa: grouped-query heads, as in SDPA.
-        block_q, block_k: tile sizes of the local tiled kernel.
+        block_q: tile sizes of the local tiled kernel.
+        block_k: as ``block_q``.
         mask_mod: a FlexAttention ``mask_mod(b, h, q_idx, kv_idx) -> bool`` over *absolute*
             positions of the whole sequence (e.g. :func:`attnlab.flex.document_mask` for packed
             documents, :func:`attnlab.flex.sliding_window`), instead of ``is_causal``. At each step a

@@ -10,7 +10,7 @@ hold them to it), so a class report can count mistakes across labs by one name.
 
 from __future__ import annotations
 
-__all__ = ["CODES", "DOCTOR_CODES", "hint"]
+__all__ = ["CODES", "DOCTOR_CODES", "hint", "as_markdown"]
 
 CODES: dict[str, str] = {
     # the scores
@@ -105,3 +105,20 @@ def hint(code: str) -> str:
     except KeyError:
         raise KeyError(f"{code!r} is not a named mistake; the vocabulary is attnlab.mistakes.CODES: "
                        f"{sorted(CODES)}") from None
+
+
+def as_markdown() -> str:
+    """The vocabulary as the documentation's page (``docs/mistakes.md``, which a test holds equal
+    to this): each code, whether the doctor names it, and its hint."""
+    rows = [f"| `{code}` | {'yes' if code in DOCTOR_CODES else ''} | {text.replace('|', '&#124;')} |"
+            for code, text in CODES.items()]
+    return ("# Named mistakes\n\n"
+            "One vocabulary for the grader's checks in every lab and for the doctor "
+            "(`attnlab.mistakes.CODES`): a failed check that recognises a mistake prints `-> [code]` and "
+            "this hint, and the class report counts learners by code. The page is generated from the code "
+            "(`python -m attnlab.mistakes > docs/mistakes.md`); a test keeps them equal.\n\n"
+            "| code | the doctor names it | hint |\n| --- | --- | --- |\n" + "\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":  # python -m attnlab.mistakes > docs/mistakes.md
+    print(as_markdown(), end="")

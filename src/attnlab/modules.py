@@ -75,7 +75,9 @@ class SelfAttention(nn.Module):
             W_Q: ``(d_model, d_k)``.
             W_K: ``(d_model, d_k)``.
             W_V: ``(d_model, d_v)``.
-            b_Q, b_K, b_V: ``(d_k,)``, ``(d_k,)``, ``(d_v,)``; all three or none.
+            b_Q: ``(d_k,)``, the query bias; give all three biases or none.
+            b_K: ``(d_k,)``, the key bias.
+            b_V: ``(d_v,)``, the value bias.
 
         The module takes the weights' dtype and device.
         """
@@ -184,7 +186,8 @@ class KVCache:
         num_kv_heads: Hkv.
         head_dim: the size of one head.
         max_len: capacity in tokens, or None to grow without a cap.
-        dtype, device: of the stored tensors.
+        dtype: of the stored tensors.
+        device: where they are stored.
     """
 
     MIN_CAPACITY = 16  # the first allocation without max_len, in tokens
@@ -259,7 +262,8 @@ class MultiHeadAttention(nn.Module):
         bias: biases in the four projections.
         dropout: attention-weight dropout, applied in training mode only.
         batch_first: inputs ``(B, L, E)`` (True) or ``(L, B, E)`` (False).
-        kdim, vdim: feature sizes of ``key`` and ``value`` (default ``d_model``).
+        kdim: the feature size of ``key`` (default ``d_model``).
+        vdim: the feature size of ``value`` (default ``d_model``).
     """
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: Optional[int] = None, bias: bool = True,

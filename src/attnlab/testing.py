@@ -290,11 +290,19 @@ def assert_close_to_sdpa(
             ``impl(query, key, value, attn_mask=..., dropout_p=..., is_causal=...,
             scale=..., enable_gqa=...)`` with the keywords its signature accepts (all of
             them when it takes ``**kwargs``); a keyword it lacks must be at SDPA's default.
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as SDPA.
+        query: as SDPA.
+        key: as in SDPA.
+        value: as in SDPA.
+        attn_mask: as in SDPA.
+        dropout_p: as in SDPA.
+        is_causal: as in SDPA.
+        scale: as in SDPA.
+        enable_gqa: as in SDPA.
         check_grads: also compare gradients for query, key, value, and for a float
             ``attn_mask`` that has ``requires_grad=True``.
         seed: the seed for dropout and for the random output gradient.
-        factor, grad_factor: the multiples of torch's own error allowed.
+        factor: the multiple of torch's own error allowed for the output.
+        grad_factor: the multiple allowed for the gradients.
 
     Returns:
         The :class:`ParityReport` (also when it passes, so callers can log the numbers).

@@ -94,8 +94,9 @@ def flash_attention(
         enable_gqa: query heads ``h`` use key/value head ``h // (H // Hkv)``; K and V are
             not repeated (unless their head counts differ, e.g. ``H = Hk = 6, Hv = 3``:
             then each is repeated up to ``H``).
-        block_q, block_k: tile sizes (default 256 x 256, the best measured here); any positive ints, the
-            lengths need not be multiples.
+        block_q: the query tile (default 256, the best measured here); any positive int, the lengths
+            need not be multiples.
+        block_k: the key tile (default 256), likewise.
 
     Returns:
         ``(..., L, Ev)`` in the query's dtype. Rows whose keys are all masked are 0.

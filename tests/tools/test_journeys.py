@@ -390,7 +390,7 @@ def test_the_class_report_lists_every_learner_sorts_and_fits_a_phone(tmp_path):
     write_report(result, page)
     text = page.read_text(encoding="utf-8")
     assert "<b>mallory</b>" not in text and "&lt;b&gt;mallory&lt;/b&gt;" in text  # learner text is escaped
-    assert "Li Wei</b> (could not be read): could not import the file: SyntaxError at line 3" in text
+    assert "Li Wei</b> (could not be read):<div class='ex'>could not import the file: SyntaxError at line 3</div>" in text
     assert not re.search(r"(src|href)\s*=\s*[\"']?https?:", text)  # nothing fetched
     browser = _chromium()
     for width in (1280, 390):

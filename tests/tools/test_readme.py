@@ -1,4 +1,4 @@
-"""Every Python block of the README runs as written, each in a fresh interpreter in an empty
+"""Every Python block of the README and of the guides in docs/ runs as written, each in a fresh interpreter in an empty
 folder; a block whose first line is ``# run with: <command>`` is saved under the file name the
 command names and run with that command (``torchrun`` is this environment's)."""
 
@@ -15,8 +15,9 @@ import pytest
 
 pytestmark = [pytest.mark.subprocess]
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
+REPO = Path(__file__).resolve().parents[2]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+BLOCKS = [b for page in PAGES for b in re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S)]
 LAUNCHER = re.compile(r"^# run with: (.+)$", re.M)
 
 

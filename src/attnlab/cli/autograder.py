@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError, OSError, subprocess.CalledProcessError) as exc:
         raise UsageError(str(exc)) from None
     print(f"wrote {path}: the autograder of lab {lab.name} (learners submit {lab.file}). Upload it on Gradescope "
-          f"as the assignment's autograder (see the README's instructor section)")
+          f"as the assignment's autograder (see docs/instructors.md)")
     if args.test is None:
         return 0
     with tempfile.TemporaryDirectory(prefix="attnlab-gradescope-") as work:

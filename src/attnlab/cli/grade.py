@@ -13,114 +13,54 @@ from attnlab.grading.submission import printable
 from attnlab.cli._args import UsageError, memory_mb, new_folder, output_file, plural, positive_float, positive_int, seed
 
 HELP = """\
-Grade a learner's file for one of the labs (attnlab labs lists them). With no path it
-grades the lab file in the current folder: attention.py, masks.py, multihead.py or
-flash.py, whichever is there (the folder 'attnlab labs get NAME' made). The lab comes
-from the file's folder, its name or the functions it defines; --lab overrides.
-
-Safety. Learner code never runs inside the grader. Where bubblewrap ('bwrap') is
-installed, each submission gets its own OS sandbox: no network, its own process
-namespace (everything it starts dies when its grading ends), a read-only view of
-the system and Python and nothing else of this machine (not your home folder, not
-the output folder, not other submissions, not the solutions), a private size-capped
-/tmp, and, where a cgroup can be made, one memory and process cap for the whole
-submission. Inside it each exercise runs in its own child process with a budget of CPU
-time (so the grade does not depend on the machine's load; a wall-clock backstop 10x as
-long stops what only waits), a memory limit, a cap on printed output and an empty
-working folder.
-
-Without bwrap (macOS, some containers): grading your OWN file still runs, with the
-process limits only, and says so once. Grading someone else's code (--untrusted)
-refuses to run without the sandbox unless you also pass --no-sandbox. Get bwrap with
-'sudo apt-get install bubblewrap' (Debian/Ubuntu) or 'sudo dnf install bubblewrap'.
-
-The from-scratch rule is checked twice: on the file's text before anything runs
-(imports only from torch, math, typing, jaxtyping; no eval/exec/open/__import__,
-no dunder or private attributes; no softmax, SDPA or nn.MultiheadAttention outside
-compare_with_sdpa; a violation costs the exercises that reach it, with the line),
-and by call recorders while it runs. Inputs come from a seed drawn per run (printed,
-and stored in results.json); --seed reproduces a run. The reference is computed here,
-in float64. results.json is written atomically, before the first exercise and after
-each one, so even an interrupted run leaves a valid file.
-
-A failed check says why, and names the mistake when it recognises one
-(e.g. "you forgot the 1/sqrt(d_k) scale").
-
-A whole class: 'attnlab grade DIR --out OUTDIR [--jobs N]'. DIR holds one submission
-per learner, as DIR/<learner>/<lab file> or DIR/<learner>.py; the lab is found from
-the files the folders hold (--lab overrides; in a class that mixes labs, the lab most learners hold).
-Learners' names may use any letters and digits, spaces and . , ' - _ @ + ( ); their
-outputs go to a plain-ASCII folder name, and grades.csv keeps the real name. Anything
-else (hidden entries, symbolic links, other files, folders without the lab's file, a
-learner present twice) is skipped and listed with the reason. A class that would
-grade nobody is refused (exit 2). Each submission gets its own sandbox (bwrap is
-required; --no-sandbox overrides), N at a time, forked from one template that
-imports torch once (its own user, mount, pid, network and IPC namespaces, /tmp and
-cgroup: as isolated as a bwrap of its own, and ~3x faster: 100 submissions in ~70 s on
-2 cores); where nested user namespaces are not allowed it falls back to one bwrap per
-submission (ATTNLAB_TEMPLATE=0 forces that) and the summary says so. OUTDIR gets
-grades.csv (one row per learner: total, points per exercise, named mistakes, seed,
-seconds, status), <learner>/results.json (Gradescope's schema), report.html (every
-learner with their score, the score distribution, pass rate per exercise, the class's
-mistakes ranked, the slowest submissions) and skipped.txt. --seed N gives the same
-grades on every rerun; --resume skips learners an earlier run finished.
-'attnlab autograder --lab NAME --out autograder.zip' packs the same grader for Gradescope.
-
-exit status: 0 full marks (or a class graded), 1 some checks failed, 2 bad arguments,
-no sandbox for untrusted code, or a module the lab needs (jaxtyping) missing here,
-130 interrupted.
+Grade a lab file (default: the one in this folder), a notebook, a zip, or a class's folder
+(with --out), each submission in its own OS sandbox; failed checks name the mistake.
+In full (the sandbox, the class layouts, the report, exit statuses): docs/cli.md, docs/instructors.md.
 
 examples:
   attnlab grade                                    # the lab file in this folder
-  attnlab grade masks.py --json results.json
-  attnlab grade student/attention.py --untrusted --json results.json --seed 7
+  attnlab grade attention.ipynb --json results.json
   attnlab grade submissions/ --out graded/ --jobs 2
   attnlab grade --self-test                        # does the OS sandbox work here?
-  attnlab grade --gradescope /autograder --lab 01  # what the Gradescope bundle runs
 """
 
 
 def add(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("grade", help="grade a lab submission safely and explain each failed check",
-                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       usage="attnlab grade [PATH] [options]")
     p.add_argument("path", nargs="?", default=None,
-                   help="the learner's file (default: the lab file in the current folder), or a folder of "
-                        "submissions (a class: needs --out)")
+                   help="a file (default: the lab file here) or a class folder")
     p.add_argument("--lab", metavar="NAME", default=None,
-                   help="which lab's checks (e.g. 02-masks or 02; default: from the file; see 'attnlab labs')")
+                   help="which lab (02-masks or 02; default: from the file)")
     p.add_argument("--out", metavar="OUTDIR", type=new_folder, default=None,
-                   help="with a folder: where grades.csv, report.html and <learner>/results.json go")
+                   help="a class's gradebook, report and feedback")
     p.add_argument("--jobs", type=positive_int, default=2, metavar="N",
-                   help="with a folder: submissions graded at once (default: 2)")
+                   help="a class: submissions at once (default: 2)")
     p.add_argument("--resume", action="store_true",
-                   help="with a folder: keep the learners an earlier run into --out finished")
+                   help="a class: keep what a run into --out finished")
     p.add_argument("--json", metavar="RESULTS_JSON", default=None,
-                   help="also write Gradescope's results.json to this path ('-' for stdout, no text report)")
+                   help="also write Gradescope's results.json ('-': stdout)")
     p.add_argument("--timeout", type=positive_float, default=5.0, metavar="S",
-                   help="CPU time per exercise (default: 5); what waits without using CPU is stopped after 10x "
-                        "as much wall-clock time. A loaded machine does not shrink the budget")
+                   help="CPU seconds per exercise (default: 5)")
     p.add_argument("--total-timeout", type=positive_float, default=60.0, metavar="S",
-                   help="CPU time for the whole file (default: 60; 3x as much wall clock at most)")
+                   help="CPU seconds for the file (default: 60)")
     p.add_argument("--memory-mb", type=memory_mb, default=1024, metavar="MB",
-                   help="memory an exercise may allocate (default: 1024)")
+                   help="memory per exercise, >= 128 (default: 1024)")
     p.add_argument("--no-colour", "--no-color", action="store_true", help="plain text even on a terminal")
     p.add_argument("--images", default="attnlab-grade-images", metavar="DIR",
-                   help="where to save a yours/reference/difference picture for each failed numeric check "
-                        "(default: ./attnlab-grade-images; needs matplotlib)")
+                   help="pictures of failed checks (default: ./attnlab-grade-images)")
     p.add_argument("--no-images", action="store_true", help="save no pictures")
     p.add_argument("--seed", type=seed, default=None, metavar="N",
-                   help="seed of the inputs (default: drawn per run and printed; pass it to reproduce a run)")
+                   help="the inputs' seed (default: drawn and printed)")
     p.add_argument("--untrusted", action="store_true",
-                   help="the file is someone else's: refuse to run it without the bwrap OS sandbox")
+                   help="someone else's file: only inside the OS sandbox")
     p.add_argument("--no-sandbox", action="store_true",
-                   help="run without the OS sandbox, with process limits only (trusted code, or no bwrap here)")
+                   help="process limits only (trusted code, or no bwrap)")
     p.add_argument("--self-test", action="store_true",
-                   help="only check that the exact OS sandbox the grader uses starts and answers here (exit 0), "
-                        "or say why not (exit 1); Gradescope's run_autograder chooses its mode by it")
+                   help="check that the OS sandbox works here, or say why")
     p.add_argument("--gradescope", metavar="ROOT", default=None,
-                   help="what the Gradescope bundle's run_autograder runs: grade ROOT/submission into "
-                        "ROOT/results/results.json in the strongest sandbox that passes its self-test here "
-                        "(bwrap, else a fresh unprivileged uid as root), or write why none can")
+                   help="what the bundle's run_autograder runs (with --lab)")
     p.set_defaults(func=run)
     return p
 

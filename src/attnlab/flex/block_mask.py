@@ -351,17 +351,20 @@ def create_block_mask(mask_mod: MaskMod, B: Optional[int], H: Optional[int], Q_L
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = attend), called with int64
             index tensors that broadcast: ``b (1, 1, 1)``, ``h (1, 1, 1)``, ``q_idx (bq, 1)``,
             ``kv_idx (1, n)``. It must use tensor operations (``&``, ``|``, ``torch.where``, indexing).
-        B, H: batch and head counts the mask depends on; None when it does not (broadcast).
-        Q_LEN, KV_LEN: number of queries and keys.
+        B: the batch count the mask depends on; None when it does not (broadcast).
+        H: the head count the mask depends on; None when it does not (broadcast).
+        Q_LEN: the number of queries.
+        KV_LEN: the number of keys.
         device: None or a CPU device (attnlab's block masks live on the CPU; another device
             raises ``NotImplementedError``).
         BLOCK_SIZE: int or ``(q_block, kv_block)``, positive (default 128).
         _compile: accepted and ignored (nothing is compiled here).
         separate_full_blocks: torch's: False stores every non-empty block as partial (its bits
             applied), True (default) keeps full blocks apart.
-        compute_dq_write_order, dq_kv_order: torch's deterministic-backward metadata; attnlab's
+        compute_dq_write_order: torch's deterministic-backward metadata; attnlab's
             backward is deterministic without it, and ``compute_dq_write_order=True`` raises
             ``NotImplementedError``.
+        dq_kv_order: torch's too; accepted, unused.
 
     Returns:
         A :class:`BlockMask`; ``print`` it for a picture of its blocks and its density.

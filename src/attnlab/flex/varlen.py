@@ -52,10 +52,14 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
 
     Args:
         q: ``(total_q, H, E)``: the sequences' queries one after another.
-        k, v: ``(total_k, Hkv, E)``, ``(total_k, Hkv, Ev)``; ``H`` a multiple of ``Hkv`` (GQA).
-        cu_seqlens_q, cu_seqlens_k: ``(batch + 1,)`` int cumulative lengths, starting at 0.
-        max_seqlen_q, max_seqlen_k: FlashAttention's; checked when given.
-        scale / softmax_scale: the score scale (the two names of one argument), default ``1 / sqrt(E)``.
+        k: ``(total_k, Hkv, E)``; ``H`` a multiple of ``Hkv`` (GQA).
+        v: ``(total_k, Hkv, Ev)``.
+        cu_seqlens_q: ``(batch + 1,)`` int cumulative lengths, starting at 0.
+        cu_seqlens_k: as ``cu_seqlens_q``.
+        max_seqlen_q: FlashAttention's; checked when given.
+        max_seqlen_k: as ``max_seqlen_q``.
+        scale: the score scale, default ``1 / sqrt(E)``.
+        softmax_scale: the same argument under FlashAttention's name (give one of the two).
         is_causal: FlashAttention's ``causal``: bottom-right aligned in each sequence.
         block_size: the BlockMask's block (speed only).
         window_size: ``(left, right)`` local attention, ``-1`` unbounded (see the module doc).
