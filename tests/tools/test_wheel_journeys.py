@@ -75,6 +75,12 @@ def test_an_instructor_grades_a_messy_class_and_builds_a_bundle_without_a_clone(
         (cls / learner).mkdir(parents=True)
         shutil.copy(src, cls / learner / name)
     (cls / "empty").mkdir()
+    (cls / "hank").mkdir()
+    cells = SOLUTION.read_text().split("\n\n\n")
+    (cls / "hank" / "attention.ipynb").write_text(json.dumps({
+        "nbformat": 4, "nbformat_minor": 5, "metadata": {},
+        "cells": [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+                   "source": c.splitlines(keepends=True)} for c in cells]}))
     (cls / "ivy").mkdir()
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:
@@ -83,7 +89,7 @@ def test_an_instructor_grades_a_messy_class_and_builds_a_bundle_without_a_clone(
     got = run("grade", "class", "--out", "graded", "--seed", "3")
     assert got.returncode == 0, got.stderr[-2000:]
     grades = (home / "graded" / "grades.csv").read_text()
-    for learner in ("ann", "Ned", "olga", "ivy"):
+    for learner in ("ann", "Ned", "olga", "ivy", "hank"):
         assert f"\n{learner},100,100," in grades, grades
     assert "skipped empty: the folder is empty" in got.stdout and "skipped zed: a lab 02-masks" in got.stdout
 

@@ -163,9 +163,26 @@ def run(args: argparse.Namespace) -> int:
         print(report.to_text(colour=supports_colour() and not args.no_colour))
         if args.json:
             print(f"results written to {args.json}")
+        in_all = process_seconds()
+        if in_all is not None:  # the command's own wall time: Python, torch and the sandbox's start included
+            print(f"attnlab grade took {in_all:.1f} s in all (wall clock, start-up included)", file=sys.stderr)
     if report.environment_problem:
         return 2  # the installation, not the learner's code
     return 0 if report.score == report.max_score else 1
+
+
+def process_seconds() -> "float | None":
+    """Wall-clock seconds since this process started (Linux's /proc), None where unknown."""
+    import os
+
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, in clock ticks
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - started / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _run_class(args: argparse.Namespace, mode: str, lab, folder: Path) -> int:
