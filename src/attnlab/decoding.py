@@ -23,6 +23,12 @@ float16 caches are read as stored, never copied to float32; NaN and inf are caug
 small output instead of re-reading the cache each step (such a call is redone on the pure path,
 which propagates them as torch's MATH backend does).
 
+**int8 caches** (``KVCache``/``PagedKVCache`` with ``dtype=torch.int8``, or ``decode_attention``'s
+``k_scale``/``v_scale``): each cached key and value row (one token, one head) is stored as int8
+with one float32 scale, ``row ~ scale * int8``, ``scale = max|row| / 127`` (symmetric, as ONNX
+Runtime's and vLLM's int8 caches); the kernel reads the int8 rows and applies the scales inside
+its dot products and AXPYs (:func:`quantize` makes them).
+
 There is **no backward**: decoding needs no gradients, and a call whose inputs require grad
 is refused (train with :func:`attnlab.flash_attention`).
 """
@@ -39,14 +45,32 @@ from attnlab._validation import compute_dtype, default_scale, validate
 from attnlab.kernels import LOG2E, Layout
 from attnlab.kernels import decode as kernel
 
-__all__ = ["decode_attention", "paged_decode_attention", "PagedKVCache"]
+__all__ = ["decode_attention", "paged_decode_attention", "PagedKVCache", "quantize", "dequantize"]
 
 Align = Literal["top_left", "bottom_right"]
 
 
+def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(int8 values, float32 scales)`` of ``x (..., D)``: one scale per row of ``D`` (a token's
+    key or value in one head), ``scale = max|row| / 127`` (1 for a row of zeros), values
+    ``round(row / scale)`` in ``[-127, 127]``; ``scale[..., None] * values`` is the row again,
+    within half a step."""
+    x = x.detach().to(torch.float32)
+    amax = x.abs().amax(dim=-1)  # (...,)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    values = torch.round(x / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return values, scale
+
+
+def dequantize(values: Tensor, scale: Tensor) -> Tensor:
+    """The float32 rows an int8 cache stands for: ``scale[..., None] * values``."""
+    return kernel.dequantize(values, scale)
+
+
 def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool = False, scale: Optional[float] = None,
                      *, enable_gqa: bool = False, causal_align: Align = "top_left",
-                     cache_seqlens: Optional[Tensor] = None) -> Tensor:
+                     cache_seqlens: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
+                     v_scale: Optional[Tensor] = None) -> Tensor:
     """Attention of a few queries over a KV cache; SDPA's semantics, no mask, no dropout, no backward.
 
     Args:
@@ -60,17 +84,32 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool 
             ``"bottom_right"`` (query ``i`` sees keys ``0..S_b - L + i``).
         cache_seqlens: ``(B,)`` ints, FlashAttention's ``flash_attn_with_kvcache`` meaning: batch
             ``b`` has ``cache_seqlens[b]`` keys, later rows of its K/V are not read (4-D inputs).
+        k_scale: for an int8 ``key``: ``(..., S)`` float32, one scale per row (:func:`quantize`).
+        v_scale: for an int8 ``value``: ``(..., S)`` float32, likewise.
 
     Returns:
         ``(..., L, Ev)`` in the query's dtype; a row that sees no key is 0, as in SDPA.
     """
     fn = "decode_attention"
-    batch = validate(query, key, value, None, 0.0, is_causal, scale, enable_gqa, fn=fn)
+    if key.dtype == torch.int8 if isinstance(key, Tensor) else False:
+        _check_int8(fn, key, value, k_scale, v_scale)
+        # the checks of SDPA's shapes on zero-stride float stand-ins: nothing is read or copied
+        stand_in = torch.zeros((), dtype=query.dtype if isinstance(query, Tensor) else torch.float32,
+                               device=key.device)
+        batch = validate(query, stand_in.expand(key.shape), stand_in.expand(value.shape), None, 0.0, is_causal,
+                         scale, enable_gqa, fn=fn)
+    else:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"{fn}: k_scale and v_scale are for an int8 key and value (a quantized cache), got "
+                             f"key {key.dtype if isinstance(key, Tensor) else type(key).__name__}")
+        batch = validate(query, key, value, None, 0.0, is_causal, scale, enable_gqa, fn=fn)
     _check_align(causal_align, fn)
     _refuse_grad(fn, query, key, value)
     if any(t.is_meta for t in (query, key, value)):  # shapes only: the reference's rules (no cache is read)
         from attnlab import functional
 
+        if key.dtype == torch.int8:
+            key, value = (torch.empty(t.shape, dtype=query.dtype, device="meta") for t in (key, value))
         return functional.scaled_dot_product_attention(query, key, value, None, 0.0, is_causal, scale,
                                                        enable_gqa=enable_gqa)
     L, E, S = query.shape[-2], query.shape[-1], key.shape[-2]
@@ -83,8 +122,10 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool 
     dtype = compute_dtype(query.dtype)
     q4 = layout.queries(query.to(dtype))  # (Nb, r, L, E)
     k3, v3 = layout.keys(key), layout.keys(value)  # (Nb, S, E), (Nb, S, Ev): views where they can be
+    scales = (layout.keys(k_scale[..., None])[..., 0], layout.keys(v_scale[..., None])[..., 0]) if k_scale is not None \
+        else (None, None)  # (Nb, S) each: the rows' scales on the layout of k3, v3
     out4 = _run(q4, k3, v3, None, Hkv=_kv_heads(layout, seqlens), S=S, scale=_scale(scale, E), is_causal=is_causal,
-                align=causal_align, seqlens=seqlens)
+                align=causal_align, seqlens=seqlens, scales=scales)
     return out4.reshape(*layout.batch, L, value.shape[-1]).to(query.dtype)
 
 
@@ -114,7 +155,11 @@ def paged_decode_attention(query: Tensor, cache: "PagedKVCache", is_causal: bool
     if B != cache.batch or E != cache.head_dim or H % Hkv:
         raise ValueError(f"{fn}: query must be (B={cache.batch}, H (a multiple of {Hkv}), L, E={cache.head_dim}), "
                          f"got {tuple(query.shape)}")
-    if query.dtype != cache.dtype or query.device != cache.device:
+    if cache.quantized:
+        if not query.is_floating_point() or query.device != cache.device:
+            raise TypeError(f"{fn}: query must be a float tensor on {cache.device} (the cache is int8), got "
+                            f"{query.dtype} on {query.device}")
+    elif query.dtype != cache.dtype or query.device != cache.device:
         raise TypeError(f"{fn}: query must be {cache.dtype} on {cache.device} like the cache, got {query.dtype} "
                         f"on {query.device}")
     validate(query, query, None, None, 0.0, is_causal, scale, False, fn=fn)  # is_causal and scale
@@ -122,7 +167,8 @@ def paged_decode_attention(query: Tensor, cache: "PagedKVCache", is_causal: bool
     _refuse_grad(fn, query)
     q4 = query.to(compute_dtype(query.dtype)).reshape(B * Hkv, H // Hkv, L, E)  # (Nb, r, L, E)
     out4 = _run(q4, cache.k_pages, cache.v_pages, cache.block_table, Hkv=Hkv, S=cache.length,
-                scale=_scale(scale, E), is_causal=is_causal, align=causal_align, seqlens=None)
+                scale=_scale(scale, E), is_causal=is_causal, align=causal_align, seqlens=None,
+                scales=(cache.k_scales, cache.v_scales))
     return out4.reshape(B, H, L, E).to(query.dtype)
 
 
@@ -142,7 +188,9 @@ class PagedKVCache:
         page_size: tokens per page (default 16, vLLM's).
         num_pages: the pool's size; None grows it by doubling when it is full (new pages only:
             the table's page numbers stay valid).
-        dtype: of the stored keys and values.
+        dtype: of the stored keys and values; ``torch.int8`` keeps each token's key and value per
+            head as int8 with one float32 scale (:func:`quantize`), in ``k_scales`` and
+            ``v_scales`` ``(num_pages, page_size, Hkv)``: a quarter of float32's memory and reads.
         device: where they are stored.
     """
 
@@ -160,6 +208,11 @@ class PagedKVCache:
         self.k_pages = torch.zeros(pool, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v_pages = torch.zeros_like(self.k_pages)
         self.device = self.k_pages.device
+        self.quantized = dtype == torch.int8
+        # int8: one float32 scale per token and head, beside its row (None otherwise)
+        self.k_scales = (torch.ones(pool, page_size, num_kv_heads, dtype=torch.float32, device=self.device)
+                         if self.quantized else None)
+        self.v_scales = torch.ones_like(self.k_scales) if self.quantized else None
         self.block_table = torch.zeros(batch, 0, dtype=torch.int64, device=self.device)
         self.pages_used = 0
         self.length = 0
@@ -179,8 +232,14 @@ class PagedKVCache:
         pos = torch.arange(self.length, self.length + T, device=self.device)  # (T,)
         pages = self.block_table[:, pos // self.page_size]  # (B, T)
         offsets = (pos % self.page_size).expand(self.batch, T)  # (B, T)
-        self.k_pages[pages, offsets] = k.detach().transpose(1, 2).to(self.dtype)  # (B, T, Hkv, E)
-        self.v_pages[pages, offsets] = v.detach().transpose(1, 2).to(self.dtype)
+        if self.quantized:
+            for t, rows, scales in ((k, self.k_pages, self.k_scales), (v, self.v_pages, self.v_scales)):
+                values, scale = quantize(t.transpose(1, 2))  # (B, T, Hkv, E), (B, T, Hkv)
+                rows[pages, offsets] = values
+                scales[pages, offsets] = scale
+        else:
+            self.k_pages[pages, offsets] = k.detach().transpose(1, 2).to(self.dtype)  # (B, T, Hkv, E)
+            self.v_pages[pages, offsets] = v.detach().transpose(1, 2).to(self.dtype)
         self.length += T
 
     def _reserve(self, tokens: int) -> None:
@@ -199,16 +258,23 @@ class PagedKVCache:
             extra = grown - self.k_pages.shape[0]
             self.k_pages = torch.cat([self.k_pages, self.k_pages.new_zeros(extra, *self.k_pages.shape[1:])])
             self.v_pages = torch.cat([self.v_pages, self.v_pages.new_zeros(extra, *self.v_pages.shape[1:])])
+            if self.quantized:
+                self.k_scales = torch.cat([self.k_scales, self.k_scales.new_ones(extra, *self.k_scales.shape[1:])])
+                self.v_scales = torch.cat([self.v_scales, self.v_scales.new_ones(extra, *self.v_scales.shape[1:])])
         ids = torch.arange(self.pages_used, self.pages_used + new, device=self.device)
         # page t of the new ones goes to sequence t % B: sequences' pages interleave in the pool
         self.block_table = torch.cat([self.block_table, ids.view(need - have, self.batch).T], dim=1)
         self.pages_used += new
 
     def dense(self) -> tuple[Tensor, Tensor]:
-        """The cached keys and values as dense ``(B, Hkv, length, head_dim)`` tensors (copies)."""
+        """The cached keys and values as dense ``(B, Hkv, length, head_dim)`` tensors (copies;
+        float32, dequantised, for an int8 cache)."""
         shape = (self.batch, self.num_kv_heads, self.length, self.head_dim)
-        return (kernel.gather(self.k_pages, self.block_table, self.length).view(shape),
-                kernel.gather(self.v_pages, self.block_table, self.length).view(shape))
+        k, v = self.k_pages, self.v_pages
+        if self.quantized:
+            k, v = dequantize(k, self.k_scales), dequantize(v, self.v_scales)
+        return (kernel.gather(k, self.block_table, self.length).view(shape),
+                kernel.gather(v, self.block_table, self.length).view(shape))
 
     def reset(self) -> None:
         """Forget every token and page (the pool's memory is kept)."""
@@ -218,6 +284,20 @@ class PagedKVCache:
 
 
 # --------------------------------------------------------------------------- #
+
+
+def _check_int8(fn: str, key: Tensor, value: Tensor, k_scale, v_scale) -> None:
+    """An int8 key and value come with float32 scales, one per row: ``(..., S)``."""
+    if not isinstance(value, Tensor) or value.dtype != torch.int8:
+        raise TypeError(f"{fn}: an int8 key needs an int8 value (a quantized cache), got value "
+                        f"{value.dtype if isinstance(value, Tensor) else type(value).__name__}")
+    for name, sc, t in (("k_scale", k_scale, key), ("v_scale", v_scale, value)):
+        if not isinstance(sc, Tensor):
+            raise TypeError(f"{fn}: an int8 cache needs {name}, a float32 tensor of shape {tuple(t.shape[:-1])} "
+                            f"(one scale per row: attnlab.decoding.quantize makes them), got {type(sc).__name__}")
+        if sc.dtype != torch.float32 or tuple(sc.shape) != tuple(t.shape[:-1]):
+            raise ValueError(f"{fn}: {name} must be float32 of shape {tuple(t.shape[:-1])}, got {sc.dtype} "
+                             f"{tuple(sc.shape)}")
 
 
 def _check_align(align: str, fn: str) -> None:
@@ -256,14 +336,20 @@ def _seqlens(cache_seqlens, query: Tensor, key: Tensor, layout: Layout, fn: str)
 
 
 def _run(q4: Tensor, k: Tensor, v: Tensor, table: Optional[Tensor], *, Hkv: int, S: int, scale: float,
-         is_causal: bool, align: Align, seqlens: Optional[Tensor]) -> Tensor:
-    """``out (Nb, r, L, Ev)``: the kernel, and the pure path when its result is not finite."""
+         is_causal: bool, align: Align, seqlens: Optional[Tensor],
+         scales: tuple[Optional[Tensor], Optional[Tensor]] = (None, None)) -> Tensor:
+    """``out (Nb, r, L, Ev)``: the kernel, and the pure path when its result is not finite;
+    ``scales``: an int8 cache's ``(k_scale, v_scale)``."""
     causal = align if is_causal else "none"
     Nb, r, L, _ = q4.shape
+    if scales[0] is not None and (Nb * r * L == 0 or S == 0 or v.shape[-1] == 0 or q4.shape[-1] == 0):
+        k, v, scales = kernel.dequantize(k, scales[0]), kernel.dequantize(v, scales[1]), (None, None)
     if Nb * r * L == 0 or S == 0 or v.shape[-1] == 0 or q4.shape[-1] == 0:
         return _degenerate(q4, k, v, table, Hkv, S, scale, causal, seqlens)
     out, lse2, nonfinite = kernel.forward(q4, k, v, Hkv=Hkv, S=S, scale2=scale * LOG2E, causal=causal,
-                                          table=table, seqlens=seqlens)
+                                          table=table, seqlens=seqlens, k_scale=scales[0], v_scale=scales[1])
+    if scales[0] is not None:  # dequantised on the pure path, for the checks below and a rerun
+        k, v = kernel.dequantize(k, scales[0]), kernel.dequantize(v, scales[1])
     if not nonfinite and _finite(out, lse2) and not _hidden_values_infinite(v, table, S, L, causal, seqlens):
         return out
     # NaN or inf somewhere: the pure path visits every key, so they propagate as torch's MATH does

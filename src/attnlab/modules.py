@@ -186,7 +186,10 @@ class KVCache:
         num_kv_heads: Hkv.
         head_dim: the size of one head.
         max_len: capacity in tokens, or None to grow without a cap.
-        dtype: of the stored tensors.
+        dtype: of the stored tensors; ``torch.int8`` keeps each token's key and value per head as
+            int8 with one float32 scale (:func:`attnlab.decoding.quantize`): :meth:`append` then
+            returns dequantised float32 copies, and :class:`MultiHeadAttention`'s decode step reads
+            the int8 rows in place (:meth:`stored`).
         device: where they are stored.
     """
 
@@ -198,6 +201,9 @@ class KVCache:
         capacity = max_len if max_len is not None else 0
         self._k = torch.zeros(batch, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self._v = torch.zeros_like(self._k)
+        self.quantized = dtype == torch.int8
+        self._ks = self._k.new_ones(batch, num_kv_heads, capacity, dtype=torch.float32) if self.quantized else None
+        self._vs = torch.ones_like(self._ks) if self.quantized else None
         self.length = 0
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -213,10 +219,27 @@ class KVCache:
                              f"{self.max_len}; make a larger cache or start a new one")
         if self.length + new > self._k.shape[2]:  # only without max_len: grow geometrically
             self._grow(self.length + new)
-        self._k[:, :, self.length:self.length + new] = k.detach()
-        self._v[:, :, self.length:self.length + new] = v.detach()
+        span = slice(self.length, self.length + new)
+        if self.quantized:
+            from attnlab.decoding import dequantize, quantize
+
+            (self._k[:, :, span], self._ks[:, :, span]), (self._v[:, :, span], self._vs[:, :, span]) = \
+                quantize(k), quantize(v)
+            self.length += new
+            k_all, v_all, ks, vs = self.stored()
+            return dequantize(k_all, ks), dequantize(v_all, vs)
+        self._k[:, :, span] = k.detach()
+        self._v[:, :, span] = v.detach()
         self.length += new
         return self._k[:, :, : self.length], self._v[:, :, : self.length]
+
+    def stored(self) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+        """Views of what is stored: ``(k, v, k_scale, v_scale)``, ``(B, Hkv, length, head_dim)`` and,
+        for an int8 cache, ``(B, Hkv, length)`` float32 scales (else None)."""
+        n = self.length
+        if not self.quantized:
+            return self._k[:, :, :n], self._v[:, :, :n], None, None
+        return self._k[:, :, :n], self._v[:, :, :n], self._ks[:, :, :n], self._vs[:, :, :n]
 
     def _grow(self, needed: int) -> None:
         """Capacity ``max(needed, 2 x capacity, 16)``: ``log2(T)`` copies for ``T`` tokens."""
@@ -226,6 +249,12 @@ class KVCache:
         k[:, :, : self.length] = self._k[:, :, : self.length]
         v[:, :, : self.length] = self._v[:, :, : self.length]
         self._k, self._v = k, v
+        if self.quantized:
+            ks = self._ks.new_ones(self.batch, self.num_kv_heads, capacity)
+            vs = torch.ones_like(ks)
+            ks[:, :, : self.length] = self._ks[:, :, : self.length]
+            vs[:, :, : self.length] = self._vs[:, :, : self.length]
+            self._ks, self._vs = ks, vs
 
     @property
     def capacity(self) -> int:
@@ -336,6 +365,17 @@ class MultiHeadAttention(nn.Module):
             kv_cache.append(k, v)
             paged = kv_cache
             k, v = kv_cache.k_pages, kv_cache.v_pages  # read in place by the decode kernel, or made dense below
+        elif kv_cache is not None and getattr(kv_cache, "quantized", False):
+            kv_cache.append(k, v)
+            dropout_p = self.dropout if self.training else 0.0
+            if (attn_mask is None and key_padding_mask is None and L <= dispatch.DECODE_MAX_L and not need_weights
+                    and dropout_p == 0 and not torch.is_grad_enabled()):  # a decode step on the int8 rows in place
+                k8, v8, ks, vs = kv_cache.stored()
+                out = decoding.decode_attention(q, k8, v8, is_causal=is_causal, causal_align="bottom_right",
+                                                enable_gqa=Hkv != H, k_scale=ks, v_scale=vs)
+                return self._finish(out, B, L), None
+            k8, v8, ks, vs = kv_cache.stored()  # masks, weights or gradients: the dense path, dequantised
+            k, v = decoding.dequantize(k8, ks), decoding.dequantize(v8, vs)
         elif kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (B, Hkv, cached + S, hd): views of the cache's storage
         S = paged.length if paged is not None else k.shape[2]

@@ -1,6 +1,7 @@
 """The decode path (attnlab.decoding, csrc/decode.cpp): exact against torch's SDPA for every
-input it takes, special values included, on its three routes: the native kernel, the pure
-PyTorch code, and the native kernel cut into tiny chunks and blocks (so every chunk boundary
+input it takes, special values included, on its routes: the native kernel (auto, then each of
+its inner loops forced: streaming and GEMM), the pure PyTorch code, and the native kernel cut
+into tiny chunks and blocks (so every chunk boundary
 and the log-sum-exp merge of many parts are exercised). Then the caches: a paged cache read
 through its block table, KVCache and PagedKVCache decoding through MultiHeadAttention, and the
 front door's choice.
@@ -22,10 +23,12 @@ from helpers.semantics import SPECIAL, close_with_nans, randn, torch_math
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
-@pytest.fixture(params=["native", "pure", "tiny_chunks"])
+@pytest.fixture(params=["native", "stream", "gemm", "pure", "tiny_chunks"])
 def route(request, monkeypatch):
-    if request.param == "native":
+    if request.param in ("native", "stream", "gemm"):  # auto, then each inner loop forced (ATTNLAB_DECODE)
         assert _native.ops() is not None, _native.status()  # make demo / make test build it
+        if request.param != "native":
+            monkeypatch.setenv("ATTNLAB_DECODE", request.param)
     elif request.param == "pure":
         monkeypatch.setattr(kernel._native, "ops", lambda: None)
     else:  # chunks of 4 keys in blocks of 3: many parts, partial blocks, a merge per row
@@ -226,3 +229,115 @@ def test_module_decoding_equals_one_causal_pass_and_runs_the_decode_kernel(monke
         steps += [m(x[:, t:t + 4], is_causal=True, kv_cache=cache)[0] for t in range(280, 300, 4)]
     assert_close(torch.cat(steps, 1), full, dtype=dtype)
     assert seen == [dtype] * 5  # the five decode steps, each on the cache as stored (no float32 copy)
+
+
+# --------------------------------------------------------------------------- the streaming loop, the int8 cache
+def test_the_loop_switch_chooses_and_names_its_values(monkeypatch):
+    assert kernel.loop(1) == kernel.loop(kernel.STREAM_MAX_ROWS) == "stream"
+    assert kernel.loop(kernel.STREAM_MAX_ROWS + 1) == "gemm" and kernel.loop(64, int8=True) == "stream"
+    monkeypatch.setenv("ATTNLAB_DECODE", "gemm")
+    assert kernel.loop(1) == "gemm" and kernel.loop(1, int8=True) == "stream"
+    monkeypatch.setenv("ATTNLAB_DECODE", "fast")
+    with pytest.raises(ValueError, match="ATTNLAB_DECODE must be one of auto, stream, gemm, got 'fast'"):
+        kernel.loop(1)
+
+
+@pytest.mark.parametrize("loop", ["stream", "gemm"])
+@pytest.mark.parametrize("L", [1, 4, 16, 64])
+def test_both_loops_up_to_64_rows_bottom_right(loop, L, monkeypatch):
+    """Chunked prefill and speculative decoding: up to 64 new rows after a cache, each loop forced."""
+    monkeypatch.setenv("ATTNLAB_DECODE", loop)
+    q, k, v = randn(2, 8, L, 64), randn(2, 2, 700, 64, seed=1), randn(2, 2, 700, 48, seed=2)
+    out = decode_attention(q, k, v, True, enable_gqa=True, causal_align="bottom_right")
+    assert_close(out, torch_math(q, k, v, attn_mask=bottom_right(L, 700), enable_gqa=True), dtype=torch.float32)
+
+
+def test_unequal_cache_lengths_split_into_equal_tasks(monkeypatch):
+    """The kernel splits every head's own keys: one long cache among short ones is cut into
+    several tasks (checked through the result, exact, at chunk edges of every kind)."""
+    q, k, v = randn(4, 4, 1, 32), randn(4, 2, 3000, 32, seed=1), randn(4, 2, 3000, 32, seed=2)
+    lengths = torch.tensor([3000, 1, 257, 0])
+    out = decode_attention(q, k, v, enable_gqa=True, cache_seqlens=lengths)
+    for b, n in enumerate(lengths.tolist()):
+        want = torch_math(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], enable_gqa=True) if n else \
+            torch.zeros(1, 4, 1, 32)
+        assert_close(out[b:b + 1], want, dtype=torch.float32, msg=f"batch {b}")
+
+
+def _activations(*shape, seed: int) -> torch.Tensor:
+    """Real-looking activations: normal rows with a few outlier channels (x8), as LLM keys have."""
+    x = randn(*shape, seed=seed)
+    x[..., :: max(1, shape[-1] // 4)] *= 8
+    return x
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("L,causal", [(1, False), (4, True)])
+def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(paged, L, causal):
+    """The kernel reads int8 rows and their scales; the reference is float64 attention over the
+    dequantised cache, so the only error allowed is float32's. Per-token scales differ (outlier
+    rows), so a scale applied to the wrong row, or the keys' to the values, shows."""
+    from attnlab.decoding import dequantize, quantize
+
+    q, k, v = randn(2, 8, L, 64), _activations(2, 2, 520, 64, seed=1), _activations(2, 2, 520, 64, seed=2)
+    k[:, :, 100:110] *= 3  # tokens larger than the rest: their scales are their own
+    if paged:
+        cache = PagedKVCache(2, 2, 64, dtype=torch.int8)
+        cache.append(k[:, :, :300], v[:, :, :300])
+        cache.append(k[:, :, 300:], v[:, :, 300:])
+        out = paged_decode_attention(q, cache, is_causal=causal, causal_align="bottom_right")
+        k_deq, v_deq = cache.dense()
+    else:
+        (k8, ks), (v8, vs) = quantize(k), quantize(v)
+        out = decode_attention(q, k8, v8, causal, enable_gqa=True, causal_align="bottom_right", k_scale=ks,
+                               v_scale=vs)
+        k_deq, v_deq = dequantize(k8, ks), dequantize(v8, vs)
+        # the check is sensitive to a misapplied scale: the keys' scales on the values fail it
+        swapped = decode_attention(q, k8, v8, causal, enable_gqa=True, causal_align="bottom_right", k_scale=vs,
+                                   v_scale=ks)
+        with pytest.raises(AssertionError):
+            assert_close(swapped, torch_math(q.double(), k_deq.double(), v_deq.double(), enable_gqa=True,
+                                             attn_mask=bottom_right(L, 520) if causal else None).float(),
+                         dtype=torch.float32)
+    mask = bottom_right(L, 520) if causal else None
+    want = torch_math(q.double(), k_deq.double(), v_deq.double(), attn_mask=mask, enable_gqa=True)
+    assert_close(out, want.float(), dtype=torch.float32)
+    # and against the unquantised cache: int8's own error, a few percent of the output's size at most
+    # (measured on these activations: BENCHMARKS.md, "int8 KV cache")
+    exact = torch_math(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
+    assert (out.double() - exact).abs().max().item() < 0.05 * exact.abs().max().item()
+
+
+def test_an_int8_cache_names_what_it_needs():
+    from attnlab.decoding import quantize
+
+    k8, ks = quantize(randn(1, 2, 30, 8))
+    q = randn(1, 2, 1, 8)
+    with pytest.raises(TypeError, match=r"an int8 cache needs v_scale, a float32 tensor of shape \(1, 2, 30\)"):
+        decode_attention(q, k8, k8, k_scale=ks)
+    with pytest.raises(ValueError, match="k_scale and v_scale are for an int8 key and value"):
+        decode_attention(q, randn(1, 2, 30, 8), randn(1, 2, 30, 8), k_scale=ks, v_scale=ks)
+    with pytest.raises(ValueError, match=r"k_scale must be float32 of shape \(1, 2, 30\), got torch.float32 "
+                                         r"\(1, 2, 29\)"):
+        decode_attention(q, k8, k8, k_scale=ks[..., 1:], v_scale=ks)
+
+
+def test_an_int8_kvcache_decodes_through_the_module_in_place(monkeypatch):
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(64, 8, num_kv_heads=2, batch_first=True).eval()
+    x = randn(2, 12, 64)
+    calls = []
+    from attnlab import decoding as _decoding
+
+    real = _decoding.decode_attention
+    monkeypatch.setattr(_decoding, "decode_attention", lambda *a, **k: calls.append(k) or real(*a, **k))
+    with torch.no_grad():
+        full, int8 = KVCache(2, 2, 8), KVCache(2, 2, 8, dtype=torch.int8)
+        mha(x, x, x, is_causal=True, kv_cache=full)
+        mha(x, x, x, is_causal=True, kv_cache=int8)
+        for step in range(3):
+            y = randn(2, 1, 64, seed=10 + step)
+            a, _ = mha(y, y, y, is_causal=True, kv_cache=full)
+            b, _ = mha(y, y, y, is_causal=True, kv_cache=int8)
+            assert (a - b).abs().max().item() < 0.01  # int8's error (BENCHMARKS.md)
+    assert int8.stored()[0].dtype == torch.int8 and all(c["k_scale"] is not None for c in calls[-3:])

@@ -122,21 +122,42 @@ def transformers_benchmark(cases=HF_CASES, *, B: int = 1, layers: int = 4, repea
     return rows
 
 
+def _with_env(name: str, value: str, fn: Callable) -> Callable:
+    """``fn`` run with ``$name=value`` (a route switch), the environment restored after."""
+    def run():
+        before = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = before
+    return run
+
+
 def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: int = 1, H: int = 32, Hkv: int = 8,
-                     E: int = 128, L: int = 1, repeats: int = 10,
+                     E: int = 128, L: int = 1, repeats: int = 10, page_size: int = 16,
                      progress: Optional[Callable[[int, int, str], None]] = None) -> list[dict]:
-    """Median time of one decode step per implementation (attnlab's ``dispatch.attention`` on
-    ``auto``, which takes the decode path, its tiled and reference paths, torch's SDPA),
-    interleaved run by run, with the achieved bandwidth in unique K/V bytes and its share of
-    this machine's read bandwidth (:func:`read_bandwidth`, measured in the same run). ``L > 1``
+    """Median time of one decode step per implementation, interleaved run by run, with the
+    achieved bandwidth in unique K/V bytes (scales included for int8) and its share of this
+    machine's read bandwidth (:func:`read_bandwidth`, measured in the same run).
+
+    The implementations: attnlab's front door (``auto``: the decode path), its decode kernel
+    with each inner loop forced (``ATTNLAB_DECODE=stream`` / ``gemm``), a
+    :class:`~attnlab.decoding.PagedKVCache` of ``page_size``-token pages, the int8 caches (dense
+    and paged), its tiled path, and torch's SDPA, as called and with the GQA group folded into
+    the query rows (``(B, Hkv, r * L, E)``: one K/V read per group, torch's best form). ``L > 1``
     is a causal chunk (speculative decoding, chunked prefill): bottom-right aligned, given to
     torch as ``masks.causal(..., align="bottom_right")`` (SDPA's ``is_causal`` is top-left)."""
     import torch.nn.functional as F
 
-    from attnlab import dispatch, masks
+    from attnlab import decoding, dispatch, masks
 
     rows, done, total = [], 0, len(seq_lens) * len(dtypes)
     peak = read_bandwidth()
+    r = H // Hkv
     for S in seq_lens:
         for dtype_name in dtypes:
             dtype = getattr(torch, dtype_name)
@@ -145,10 +166,28 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
             k = torch.randn(B, Hkv, S, E, generator=g).to(dtype)
             v = torch.randn(B, Hkv, S, E, generator=g).to(dtype)
             mask = masks.causal(L, S, align="bottom_right") if L > 1 else None
-            fns = {"attnlab (auto: decode)": lambda: dispatch.attention(q, k, v, is_causal=L > 1, enable_gqa=True,
-                                                                        causal_align="bottom_right"),
+            folded = q.view(B, Hkv, r * L, E) if L == 1 else None  # (B, Hkv, r, E): the group as rows
+            paged = decoding.PagedKVCache(B, Hkv, E, page_size=page_size, dtype=dtype)
+            paged.append(k, v)
+            paged8 = decoding.PagedKVCache(B, Hkv, E, page_size=page_size, dtype=torch.int8)
+            paged8.append(k, v)
+            (k8, ks), (v8, vs) = decoding.quantize(k), decoding.quantize(v)
+            step = {"is_causal": L > 1, "causal_align": "bottom_right"}
+
+            def decode(k_=k, v_=v, **kw):
+                return decoding.decode_attention(q, k_, v_, enable_gqa=True, **step, **kw)
+
+            fns = {"attnlab (auto: decode)": lambda: dispatch.attention(q, k, v, enable_gqa=True, **step),
+                   "attnlab decode: stream": _with_env("ATTNLAB_DECODE", "stream", decode),
+                   "attnlab decode: gemm": _with_env("ATTNLAB_DECODE", "gemm", decode),
+                   f"attnlab paged ({page_size})": lambda: decoding.paged_decode_attention(q, paged, **step),
+                   "attnlab int8": lambda: decode(k8, v8, k_scale=ks, v_scale=vs),
+                   f"attnlab int8 paged ({page_size})": lambda: decoding.paged_decode_attention(q.float(), paged8,
+                                                                                                **step),
                    "attnlab tiled": lambda: dispatch.attention(q, k, v, mask, enable_gqa=True, impl="tiled"),
                    "torch SDPA": lambda: F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)}
+            if folded is not None:
+                fns["torch SDPA (GQA folded)"] = lambda: F.scaled_dot_product_attention(folded, k, v)
             if S <= 32768:  # the reference materialises repeated K and V: minutes past that
                 fns["attnlab reference"] = lambda: dispatch.attention(q, k, v, mask, enable_gqa=True,
                                                                       impl="reference")
@@ -162,12 +201,13 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
                         fn()
                         times[name].append(time.perf_counter() - t0)
             kv_bytes = 2 * B * Hkv * S * E * torch.finfo(dtype).bits // 8
+            int8_bytes = 2 * B * Hkv * S * (E + 4)  # int8 rows and a float32 scale per row
             torch_ms = statistics.median(times["torch SDPA"]) * 1e3
             for name, ts in times.items():
                 ms = statistics.median(ts) * 1e3
-                gb_s = kv_bytes / (ms / 1e3) / 1e9
+                gb_s = (int8_bytes if "int8" in name else kv_bytes) / (ms / 1e3) / 1e9
                 rows.append({"S": S, "dtype": dtype_name, "impl": name, "ms": ms, "ratio": ms / torch_ms,
-                             "gb_s": gb_s, "peak_share": gb_s / peak})
+                             "gb_s": gb_s, "peak_share": gb_s / peak, "peak_gb_s": peak})
             done += 1
             if progress:
                 progress(done, total, f"S={S} {dtype_name}")

@@ -105,12 +105,15 @@ def plot(results: list[Result], path: str) -> None:
 
 
 DECODE_HEADER = ("Decoding: one step, q (B, H, L, E) against a cache k, v (B, Hkv, S, E); GB/s counts the "
-                 "cache's unique K and V bytes once (what a step must read)")
+                 "cache's unique K and V bytes once (what a step must read; int8: the rows and their float32 "
+                 "scales), the share is of this machine's read bandwidth measured in the same run")
 
 
 def decode_table(rows: list[dict]) -> str:
-    lines = ["| S | dtype | implementation | ms | x torch | GB/s (unique K/V) | share of read peak |",
-             "|---|---|---|---|---|---|---|"]
+    peak = rows[0].get("peak_gb_s") if rows else None
+    lines = ([f"read bandwidth, measured in this run: {peak:.1f} GB/s", ""] if peak else []) + [
+        "| S | dtype | implementation | ms | x torch | GB/s (unique K/V) | share of read peak |",
+        "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['S']} | {r['dtype']} | {r['impl']} | {r['ms']:.2f} | {r['ratio']:.2f}x | "
                      f"{r['gb_s']:.1f} | {100 * r['peak_share']:.0f}% |")

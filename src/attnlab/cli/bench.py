@@ -70,6 +70,7 @@ def add(sub) -> argparse.ArgumentParser:
                    help="instead: small Hugging Face models, sdpa vs attnlab")
     p.add_argument("--decode", action="store_true",
                    help="instead: one decode step against a GQA cache, GB/s")
+    p.add_argument("--lq", type=positive_int, default=1, metavar="N", help="with --decode: query rows (default: 1)")
     p.add_argument("--bf16", action="store_true",
                    help="instead: bfloat16 routes against torch's bf16")
     p.add_argument("--block-mask", action="store_true",
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.decode:
         lens = args.seq_lens if args.seq_lens != DEFAULT_LENS else [4096, 32768]
-        rows = bench.decode_benchmark(lens, dtypes=args.dtypes, B=args.batch, repeats=args.repeats,
+        rows = bench.decode_benchmark(lens, dtypes=args.dtypes, B=args.batch, repeats=args.repeats, L=args.lq,
                                       progress=_progress())
         _end_progress()
         print(f"machine: {bench.machine_line()}\n")

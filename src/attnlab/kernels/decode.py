@@ -18,11 +18,18 @@ C++ (``csrc/decode.cpp``) or, without the native library, in PyTorch here
     causal "bottom_right":  keys 0 .. S_b - L + i  (new tokens after a cache of S_b - L)
 
 ``S_b`` is ``seqlens[b]`` (FlashAttention's ``cache_seqlens``) or ``S``. There is no backward.
+
+Two inner loops (:func:`loop`, ``$ATTNLAB_DECODE`` forces one): ``"stream"`` reads each K and V
+row once, as stored, into the few rows' dot products and AXPYs (a decode step: ``r * L`` up to
+:data:`STREAM_MAX_ROWS`); ``"gemm"`` widens a block and runs two BLAS GEMMs (many rows: chunked
+prefill, speculative decoding). An int8 cache (``k_scale``, ``v_scale``: a float32 scale per
+token and head) is read by the streaming loop.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Literal, Optional
 
 import torch
@@ -33,7 +40,8 @@ from attnlab._validation import compute_dtype
 from attnlab.kernels import online
 from attnlab.kernels.numerics import merge_
 
-__all__ = ["forward", "forward_eager", "choose_chunk", "CAUSAL", "BLOCK_K", "MIN_CHUNK"]
+__all__ = ["forward", "forward_eager", "choose_chunk", "loop", "CAUSAL", "BLOCK_K", "MIN_CHUNK", "STREAM_MAX_ROWS",
+           "STREAM_BLOCK_K", "LOOPS", "dequantize"]
 
 Causal = Literal["none", "top_left", "bottom_right"]
 CAUSAL = {"none": 0, "top_left": 1, "bottom_right": 2}
@@ -43,6 +51,26 @@ BLOCK_K = 256  # keys per GEMM inside a chunk: flash.cpp's default tile (BENCHMA
 # 4 chunks per thread (chunks of 2048) (2026-12-01, the 2-core Zen 4 EPYC, BENCHMARKS.md "Decoding").
 MIN_CHUNK = 256
 TASKS_PER_THREAD = 4  # enough tasks that the threads finish together when chunks differ (causal, seqlens)
+# The streaming loop serves up to this many rows (r * L) per key/value head; above it the block's
+# GEMMs win (their packing is shared by many rows). Measured with attnlab bench --decode on the
+# 2-core AVX2 EPYC (2026-12-02, BENCHMARKS.md "Decoding at the memory's speed").
+STREAM_MAX_ROWS = 16
+STREAM_BLOCK_K = 64  # keys per online-softmax step in the streaming loop: its scores stay in L1
+LOOPS = ("auto", "stream", "gemm")
+
+
+def loop(rows: int, int8: bool = False) -> str:
+    """The inner loop a call of ``rows = r * L`` rows per key/value head takes: ``$ATTNLAB_DECODE``
+    (``auto``, the default; ``stream`` or ``gemm`` force one), else ``stream`` up to
+    :data:`STREAM_MAX_ROWS` rows and ``gemm`` above; an int8 cache always streams."""
+    choice = os.environ.get("ATTNLAB_DECODE", "auto").strip().lower() or "auto"
+    if choice not in LOOPS:
+        raise ValueError(f"ATTNLAB_DECODE must be one of {', '.join(LOOPS)}, got {choice!r}")
+    if int8:
+        return "stream"
+    if choice != "auto":
+        return choice
+    return "stream" if rows <= STREAM_MAX_ROWS else "gemm"
 
 
 def choose_chunk(S: int, Nb: int, threads: int, page: int = 1) -> int:
@@ -55,28 +83,48 @@ def choose_chunk(S: int, Nb: int, threads: int, page: int = 1) -> int:
 
 def forward(q4: Tensor, k: Tensor, v: Tensor, *, Hkv: int, S: int, scale2: float, causal: Causal = "none",
             table: Optional[Tensor] = None, seqlens: Optional[Tensor] = None,
-            chunk: Optional[int] = None) -> tuple[Tensor, Tensor, bool]:
+            chunk: Optional[int] = None, k_scale: Optional[Tensor] = None,
+            v_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor, bool]:
     """``(out, lse2, nonfinite)`` for ``q4`` against the cache (see the module doc);
-    ``scale2 = scale * log2(e)``.
+    ``scale2 = scale * log2(e)``; ``k_scale``, ``v_scale``: an int8 cache's scales, ``(Nb, S)``
+    dense or ``(P, page, Hkv)`` paged.
 
-    Runs ``csrc/decode.cpp`` when the native library is loaded (K/V in float32, bfloat16 or
-    float16, read as stored), else :func:`forward_eager`. The native kernel flags NaN or inf
-    scores as it computes them (``nonfinite``) instead of re-reading the cache first; values'
+    Runs ``csrc/decode.cpp`` when the native library is loaded (K/V in float32, bfloat16,
+    float16 or int8, read as stored), else :func:`forward_eager`. The native kernel flags NaN or
+    inf scores as it computes them (``nonfinite``) instead of re-reading the cache first; values'
     show in the output. The caller (:mod:`attnlab.decoding`) then reruns the call on the pure
     path, which propagates them as torch's MATH backend does.
     """
+    int8 = k.dtype == torch.int8
+    if int8 != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        raise ValueError("decode: an int8 cache needs k_scale and v_scale, and only an int8 cache takes them")
+    rows = q4.shape[1] * q4.shape[2]
+    mode = loop(rows, int8)
+    native = _native.ops() is not None and q4.device.type == k.device.type == v.device.type == "cpu" and (
+        _native.can_run(q4, k, v, cache=True) or (int8 and q4.dtype == torch.float32 and v.dtype == torch.int8
+                                                  and 0 not in (q4.shape[-1], v.shape[-1])))
+    if native:
+        block = STREAM_BLOCK_K if mode == "stream" else BLOCK_K
+        # chunk 0: the kernel splits every head's own keys into about TASKS_PER_THREAD tasks per thread
+        out, lse2, nonfinite = _native.ops().decode_forward(
+            q4.contiguous(), k, v, table, seqlens, k_scale, v_scale, Hkv, S, scale2, CAUSAL[causal], chunk or 0,
+            block, 1 if mode == "stream" else 0)
+        return out, lse2, bool(nonfinite)
     page = k.shape[1] if table is not None else 1
     chunk = chunk or choose_chunk(S, q4.shape[0], torch.get_num_threads(), page)
-    ops = _native.ops() if _native.can_run(q4, k, v, cache=True) else None
-    if ops is not None:
-        out, lse2, nonfinite = ops.decode_forward(q4.contiguous(), k, v, table, seqlens, Hkv, S, scale2,
-                                                  CAUSAL[causal], chunk, BLOCK_K)
-        return out, lse2, bool(nonfinite)
+    if int8:  # the readable version: the cache dequantised, then the float path
+        k, v = dequantize(k, k_scale), dequantize(v, v_scale)
     k3, v3 = (gather(k, table, S), gather(v, table, S)) if table is not None else (k[:, :S], v[:, :S])
     dtype = compute_dtype(k.dtype)  # float16/bfloat16 in float32, float64 as it is
     out, lse2 = forward_eager(q4.to(dtype), k3.to(dtype), v3.to(dtype), Hkv=Hkv, scale2=scale2, causal=causal,
                               seqlens=seqlens, chunk=chunk)
     return out, lse2, False  # the pure path propagates NaN and inf itself
+
+
+def dequantize(x: Tensor, scale: Tensor) -> Tensor:
+    """An int8 cache's float32 values: ``x * scale`` with one scale per row (token and head):
+    ``x (Nb, S, E)`` with ``scale (Nb, S)``, or pages ``(P, page, Hkv, E)`` with ``(P, page, Hkv)``."""
+    return x.to(torch.float32) * scale[..., None]
 
 
 def gather(pages: Tensor, table: Tensor, S: int) -> Tensor:

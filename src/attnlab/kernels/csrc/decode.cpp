@@ -15,12 +15,24 @@
 //     as vLLM's: (num_pages, page_size, Hkv, E)): a block never crosses a page, so both are
 //     strided matrices for the GEMM and nothing is gathered.
 //
+// Two inner loops over a key block (mode): the GEMM loop widens the block into scratch and runs
+// two BLAS GEMMs (for many rows: chunked prefill, speculative decoding); the streaming loop (for
+// the few rows of a decode step) reads each K and V row once, in its stored dtype, straight into
+// the n rows' dot products and AXPYs: no scratch copy of the block, no GEMM that packs it again.
+// int8 caches (a float32 scale per token and head, as ONNX Runtime's and vLLM's) are read by the
+// streaming loop only: the dot product is taken on the int8 row and scaled once, P is scaled by
+// the value row's scale before its AXPY.
+//
+// Work is split into tasks of about `chunk` keys of one head, over the keys each head really
+// has (seqlens, the causal stop), so unequal caches give equal tasks.
+//
 // The online softmax per row is flash.cpp's (m_i, l_i, acc in base 2; row_pass from kernels.h).
 //
 //     q4      (Nb, r, L, E) float32, contiguous (row a = h * L + i)
 //     k, v    dense: (Nb, S, E) / (Nb, S, Ev) views;  paged: (P, page, Hkv, E) / (P, page, Hkv, Ev)
 //     table   paged only: (B, max_pages) int64, logical page -> pool page (Nb = B * Hkv)
 //     seqlens optional (B,) int64: keys of batch b (default S), as flash_attn_with_kvcache's
+//     k_scale, v_scale  int8 caches only: float32 (Nb, S) (dense) or (P, page, Hkv) (paged)
 //     causal  0: none; 1: top-left (SDPA's is_causal: row i sees keys 0..i);
 //             2: bottom-right (row i sees keys 0..S_b - L + i: new tokens after the cache)
 // Returns out (Nb, r, L, Ev) float32, lse2 (Nb, r, L) (base 2; -inf where a row saw no key) and a
@@ -97,12 +109,48 @@ struct RowSource {
   }
 };
 
+// A float32 scale per cached row (int8 caches): dense (Nb, S) or paged (P, page, Hkv), the same
+// rows as the cache's; where a row's scale lives follows its RowSource's locate.
+struct ScaleSource {
+  const float* base = nullptr;
+  int64_t s_head = 0, s_row = 0, s_page = 0;  // dense: (Nb, S) strides; paged: page, row, head strides
+  bool paged = false;
+  // the scale of rows j .. j + n - 1 of head nb (one stride: within a page), into out
+  void read(const RowSource& src, int64_t nb, int64_t j, int n, float* out) const {
+    if (!paged) {
+      const float* p = base + nb * s_head + j * s_row;
+      for (int a = 0; a < n; ++a) out[a] = p[a * s_row];
+      return;
+    }
+    const int64_t b = nb / src.Hkv, g = nb % src.Hkv;
+    const int64_t pg = src.table[b * src.table_s0 + j / src.page];
+    const float* p = base + pg * s_page + (j % src.page) * s_row + g * s_head;
+    for (int a = 0; a < n; ++a) out[a] = p[a * s_row];
+  }
+};
+
+ScaleSource make_scales(const at::Tensor& t, bool paged, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), "attnlab native decode: ", name,
+              " must be a float32 CPU tensor");
+  ScaleSource s;
+  s.base = t.data_ptr<float>();
+  s.paged = paged;
+  if (paged) {
+    TORCH_CHECK(t.dim() == 3, "attnlab native decode: paged ", name, " must be (num_pages, page_size, Hkv)");
+    s.s_page = t.stride(0), s.s_row = t.stride(1), s.s_head = t.stride(2);
+  } else {
+    TORCH_CHECK(t.dim() == 2, "attnlab native decode: ", name, " must be (Nb, S)");
+    s.s_head = t.stride(0), s.s_row = t.stride(1);
+  }
+  return s;
+}
+
 RowSource make_source(const at::Tensor& t, bool paged, int64_t page, const at::Tensor* table, int64_t Hkv,
                       const char* name) {
   RowSource s;
   s.dtype = t.scalar_type();
-  TORCH_CHECK(s.dtype == at::kFloat || s.dtype == at::kBFloat16 || s.dtype == at::kHalf,
-              "attnlab native decode: ", name, " must be float32, bfloat16 or float16");
+  TORCH_CHECK(s.dtype == at::kFloat || s.dtype == at::kBFloat16 || s.dtype == at::kHalf || s.dtype == at::kChar,
+              "attnlab native decode: ", name, " must be float32, bfloat16, float16 or int8");
   TORCH_CHECK(t.device().is_cpu() && (t.stride(-1) == 1 || t.size(-1) == 1),
               "attnlab native decode: ", name, " must be on the CPU with a dense last dim");
   s.base = static_cast<const char*>(t.data_ptr());
@@ -133,13 +181,155 @@ inline bool all_finite(const float* x, int64_t count) {
   return bad == 0;
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// The streaming loop: one key block, each K and V row read once in its stored dtype
+// ---------------------------------------------------------------------------------------------
+
+// 8 stored elements as float32 (int8 without its scale)
+#if defined(__AVX2__) && defined(__FMA__)
+inline float sum8(__m256 v) {  // kernels.h's hsum8 lives on its AVX2-only branch; this one on both ISAs
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));
+  return _mm_cvtss_f32(x);
+}
+
+template <class T>
+inline __m256 load8(const T* p);
+template <>
+inline __m256 load8<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <>
+inline __m256 load8<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 is the top half of a float32
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <>
+inline __m256 load8<c10::Half>(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <>
+inline __m256 load8<int8_t>(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+template <class T>
+inline float widen(T x) { return static_cast<float>(x); }
+template <>
+inline float widen<int8_t>(int8_t x) { return static_cast<float>(x); }
+
+// dots[a] = q[a] . k for the n query rows (q rows E apart): k is loaded once per 8 elements and
+// fed to four rows' FMA chains at a time
+template <class T>
+inline void dots(const float* q, int64_t n, int64_t E, const T* k, float* out) {
+  int64_t a = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t full = E & ~int64_t(7);
+  for (; a + 4 <= n; a += 4) {
+    const float *q0 = q + a * E, *q1 = q0 + E, *q2 = q1 + E, *q3 = q2 + E;
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t c = 0; c < full; c += 8) {
+      const __m256 kc = load8<T>(k + c);
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + c), kc, s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + c), kc, s1);
+      s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + c), kc, s2);
+      s3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + c), kc, s3);
+    }
+    float r0 = sum8(s0), r1 = sum8(s1), r2 = sum8(s2), r3 = sum8(s3);
+    for (int64_t c = full; c < E; ++c) {
+      const float kc = widen<T>(k[c]);
+      r0 += q0[c] * kc, r1 += q1[c] * kc, r2 += q2[c] * kc, r3 += q3[c] * kc;
+    }
+    out[a] = r0, out[a + 1] = r1, out[a + 2] = r2, out[a + 3] = r3;
+  }
+  for (; a < n; ++a) {
+    const float* qa = q + a * E;
+    __m256 s0 = _mm256_setzero_ps();
+    for (int64_t c = 0; c < full; c += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + c), load8<T>(k + c), s0);
+    float r = sum8(s0);
+    for (int64_t c = full; c < E; ++c) r += qa[c] * widen<T>(k[c]);
+    out[a] = r;
+  }
+#else
+  for (; a < n; ++a) {
+    const float* qa = q + a * E;
+    float r = 0.0f;
+#pragma omp simd reduction(+ : r)
+    for (int64_t c = 0; c < E; ++c) r += qa[c] * widen<T>(k[c]);
+    out[a] = r;
+  }
+#endif
+}
+
+// acc[a] += p[a] * v for the n rows (acc rows Ev apart); rows with p = 0 (hidden keys) skipped
+template <class T>
+inline void axpys(const float* p, int64_t n, int64_t Ev, const T* v, float* acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t full = Ev & ~int64_t(7);
+  for (int64_t c = 0; c < full; c += 8) {
+    const __m256 vc = load8<T>(v + c);
+    for (int64_t a = 0; a < n; ++a) {
+      if (p[a] == 0.0f) continue;
+      float* dst = acc + a * Ev + c;
+      _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_set1_ps(p[a]), vc, _mm256_loadu_ps(dst)));
+    }
+  }
+  for (int64_t c = full; c < Ev; ++c) {
+    const float vc = widen<T>(v[c]);
+    for (int64_t a = 0; a < n; ++a) acc[a * Ev + c] += p[a] * vc;
+  }
+#else
+  for (int64_t a = 0; a < n; ++a) {
+    if (p[a] == 0.0f) continue;
+    const float pa = p[a];
+    float* dst = acc + a * Ev;
+#pragma omp simd
+    for (int64_t c = 0; c < Ev; ++c) dst[c] += pa * widen<T>(v[c]);
+  }
+#endif
+}
+
+// The scores of one key block of nk rows (one stride: inside a page): s (n, nk) = scale2 * Q K^T
+// by dot products, each K row read once as stored (k_scale: the int8 rows' scales, else nullptr;
+// col: scratch of n floats)
+template <class T>
+inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int64_t k_ld, const float* k_scale,
+                          int nk, float scale2, float* s, float* col) {
+  for (int j = 0; j < nk; ++j) {
+    dots<T>(q, n, E, k + j * k_ld, col);
+    const float f = k_scale ? scale2 * k_scale[j] : scale2;
+    for (int64_t a = 0; a < n; ++a) s[a * nk + j] = f * col[a];
+  }
+}
+
+// acc += P~ V for the block, P~ in s (n, nk), each V row read once as stored (v_scale: int8's)
+template <class T>
+inline void stream_values(const float* s, int64_t n, int64_t Ev, const T* v, int64_t v_ld, const float* v_scale,
+                          int nk, float* col, float* acc) {
+  for (int j = 0; j < nk; ++j) {
+    const float f = v_scale ? v_scale[j] : 1.0f;
+    for (int64_t a = 0; a < n; ++a) col[a] = f * s[a * nk + j];
+    axpys<T>(col, n, Ev, v + j * v_ld, acc);
+  }
+}
+
+// the keys row a of head nb sees end at limit(a); the head's last key (seqlens, the causal stop)
+struct Span {
+  int64_t nb, j_begin, j_end;
+};
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& q4, const at::Tensor& k, const at::Tensor& v,
                                                   const std::optional<at::Tensor>& table,
-                                                  const std::optional<at::Tensor>& seqlens, int64_t Hkv, int64_t S,
-                                                  double scale2_d, int64_t causal, int64_t chunk, int64_t block_k) {
+                                                  const std::optional<at::Tensor>& seqlens,
+                                                  const std::optional<at::Tensor>& k_scale,
+                                                  const std::optional<at::Tensor>& v_scale, int64_t Hkv, int64_t S,
+                                                  double scale2_d, int64_t causal, int64_t chunk, int64_t block_k,
+                                                  int64_t mode) {
   TORCH_CHECK(q4.dim() == 4 && q4.scalar_type() == at::kFloat && q4.is_contiguous() && q4.device().is_cpu(),
               "attnlab native decode: q4 must be a contiguous float32 (Nb, r, L, E) CPU tensor");
   TORCH_CHECK(causal >= 0 && causal <= 2, "attnlab native decode: causal must be 0, 1 or 2");
+  TORCH_CHECK(mode == 0 || mode == 1, "attnlab native decode: mode must be 0 (GEMM) or 1 (streaming)");
   const bool paged = table.has_value() && table->defined();
   const int64_t Nb = q4.size(0), r = q4.size(1), L = q4.size(2), E = q4.size(3);
   const int64_t Ev = v.size(-1);
@@ -164,6 +354,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   }
   const RowSource ks = make_source(k, paged, page, paged ? &*table : nullptr, Hkv, "k");
   const RowSource vs = make_source(v, paged, page, paged ? &*table : nullptr, Hkv, "v");
+  const bool int8 = ks.dtype == at::kChar;
+  TORCH_CHECK(int8 == (k_scale.has_value() && k_scale->defined()) && int8 == (v_scale.has_value() && v_scale->defined()),
+              "attnlab native decode: an int8 cache needs k_scale and v_scale, and only an int8 cache takes them");
+  TORCH_CHECK(!int8 || mode == 1, "attnlab native decode: an int8 cache is read by the streaming loop (mode 1)");
+  ScaleSource kss, vss;
+  if (int8) {
+    kss = make_scales(*k_scale, paged, "k_scale");
+    vss = make_scales(*v_scale, paged, "v_scale");
+  }
 
   const float neg_inf = -std::numeric_limits<float>::infinity();
   at::Tensor out = at::zeros({Nb, r, L, Ev}, q4.options());
@@ -172,70 +371,126 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   if (Nb == 0 || n == 0 || S == 0 || Ev == 0) {
     return {out, lse2, at::scalar_tensor(false, at::TensorOptions().dtype(at::kBool))};
   }
-  TORCH_CHECK(chunk >= 1 && block_k >= 1, "attnlab native decode: chunk and block_k must be positive");
-  const int64_t n_chunks = (S + chunk - 1) / chunk;
+  TORCH_CHECK(block_k >= 1, "attnlab native decode: block_k must be positive");
+
+  // the keys each head really has (its seqlen, its causal stop), and tasks of about `chunk` of
+  // them: unequal caches give equal tasks, not one long task per long head
+  std::vector<int64_t> stop(static_cast<size_t>(Nb));
+  int64_t total = 0;
+  for (int64_t nb = 0; nb < Nb; ++nb) {
+    const int64_t S_b = lengths ? std::clamp<int64_t>(lengths[nb / Hkv], 0, S) : S;
+    const int64_t shift = causal == 2 ? S_b - L : 0;
+    stop[nb] = std::min<int64_t>(S_b, causal ? std::max<int64_t>(0, shift + L) : S_b);
+    total += stop[nb];
+  }
+  if (chunk <= 0) {  // about 4 tasks per thread over every head's keys, at least 256 keys (decode.py's MIN_CHUNK)
+    const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
+    chunk = std::max<int64_t>(256, (total + want - 1) / std::max<int64_t>(want, 1));
+    if (paged) chunk = (chunk + page - 1) / page * page;
+  }
+  std::vector<Span> tasks;
+  std::vector<int64_t> first_task(static_cast<size_t>(Nb + 1), 0);
+  for (int64_t nb = 0; nb < Nb; ++nb) {
+    first_task[nb] = static_cast<int64_t>(tasks.size());
+    for (int64_t j = 0; j < stop[nb]; j += chunk) tasks.push_back({nb, j, std::min(stop[nb], j + chunk)});
+  }
+  first_task[Nb] = static_cast<int64_t>(tasks.size());
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   const int bk = static_cast<int>(std::min<int64_t>(block_k, chunk));
-  // the partial results of every chunk, merged below: (Nb, n_chunks, n, Ev) and (Nb, n_chunks, n)
-  std::vector<float> part_o(static_cast<size_t>(Nb * n_chunks * n * Ev));
-  std::vector<float> part_l(static_cast<size_t>(Nb * n_chunks * n));
+  // the partial results of every task, merged per head below: (n_tasks, n, Ev) and (n_tasks, n)
+  std::vector<float> part_o(static_cast<size_t>(n_tasks * n * Ev));
+  std::vector<float> part_l(static_cast<size_t>(n_tasks * n));
   const float scale2 = static_cast<float>(scale2_d);
   const float* q = q4.data_ptr<float>();
 
-  // per-thread scratch: scores (n, bk), acc (n, Ev), m_i, l_i (n), a widened K and V block
-  const int64_t per_thread = n * bk + n * Ev + 2 * n + static_cast<int64_t>(bk) * (E + Ev);
+  // per-thread scratch: scores (n, bk), acc (n, Ev), m_i, l_i (n), a column (n), scales (2 bk),
+  // and (GEMM loop) a widened K and V block
+  const int64_t per_thread = n * bk + n * Ev + 3 * n + 2 * bk + (mode == 0 ? static_cast<int64_t>(bk) * (E + Ev) : 0);
   std::vector<float> scratch(static_cast<size_t>(per_thread * at::get_num_threads()));
   std::atomic<bool> saw_nonfinite{false};
-  at::parallel_for(0, Nb * n_chunks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     float* s = scratch.data() + per_thread * at::get_thread_num();
     float* acc = s + n * bk;
     float* m_i = acc + n * Ev;
     float* l_i = m_i + n;
-    float* kbuf = l_i + n;
+    float* col = l_i + n;
+    float* kscale = col + n;
+    float* vscale = kscale + bk;
+    float* kbuf = vscale + bk;
     float* vbuf = kbuf + static_cast<int64_t>(bk) * E;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t nb = task / n_chunks, c = task % n_chunks;
-      const int64_t S_b = lengths ? std::min<int64_t>(lengths[nb / Hkv], S) : S;
+    for (int64_t t = begin; t < end; ++t) {
+      const Span& task = tasks[t];
+      const int64_t nb = task.nb;
+      const int64_t S_b = lengths ? std::clamp<int64_t>(lengths[nb / Hkv], 0, S) : S;
       // row a = h * L + i sees keys [0, limit(i)): every key, or up to its causal diagonal
       const int64_t shift = causal == 2 ? S_b - L : 0;
-      const int64_t j_begin = c * chunk;
-      const int64_t j_stop = std::min<int64_t>(S_b, causal ? std::max<int64_t>(0, shift + L) : S_b);
-      const int64_t j_end = std::min<int64_t>(j_begin + chunk, j_stop);
       std::fill(m_i, m_i + n, neg_inf);
       std::fill(l_i, l_i + n, 0.0f);
       std::fill(acc, acc + n * Ev, 0.0f);
-      for (int64_t j0 = j_begin; j0 < j_end;) {
+      const float* qn = q + nb * n * E;
+      for (int64_t j0 = task.j_begin; j0 < task.j_end;) {
         int64_t run;
         ks.locate(nb, j0, &run);
-        const int nk = static_cast<int>(std::min<int64_t>({static_cast<int64_t>(bk), j_end - j0, run}));
-        int64_t k_ld, v_ld;
-        const float* k_rows = ks.rows(nb, j0, nk, E, kbuf, &k_ld);
-        // S_ij = scale2 * Q K_j^T   (n, nk): the group's heads and rows against one key block
-        gemm_rm(false, true, static_cast<int>(n), nk, static_cast<int>(E), scale2, q + nb * n * E,
-                static_cast<int>(E), k_rows, static_cast<int>(k_ld), 0.0f, s, nk);
-        // a NaN or inf score (from Q or K) would be swallowed by the row pass (its max and 2^x
-        // drop NaN): flag it, so the caller redoes the call on the pure path; V's show in the output
-        if (!all_finite(s, n * nk)) saw_nonfinite.store(true, std::memory_order_relaxed);
-        online_update(s, n, nk, [&](int64_t a, float*) {  // row a = h * L + i: query position i
-          const int64_t visible = causal ? shift + a % L + 1 - j0 : nk;
-          return static_cast<int>(std::clamp<int64_t>(visible, 0, nk));
-        }, m_i, l_i, acc, Ev);
-        const float* v_rows = vs.rows(nb, j0, nk, Ev, vbuf, &v_ld);
-        // acc += P~ V_j   (n, Ev)
-        gemm_rm(false, false, static_cast<int>(n), static_cast<int>(Ev), nk, 1.0f, s, nk, v_rows,
-                static_cast<int>(v_ld), 1.0f, acc, static_cast<int>(Ev));
+        const int nk = static_cast<int>(std::min<int64_t>({static_cast<int64_t>(bk), task.j_end - j0, run}));
+        auto visible = [&](int64_t a, float*) {  // row a = h * L + i: query position i
+          const int64_t seen = causal ? shift + a % L + 1 - j0 : nk;
+          return static_cast<int>(std::clamp<int64_t>(seen, 0, nk));
+        };
+        if (mode == 1) {  // streaming: each row read once, as stored
+          int64_t kr, vr;
+          const int64_t k_off = ks.locate(nb, j0, &kr), v_off = vs.locate(nb, j0, &vr);
+          const float* k_sc = nullptr;
+          const float* v_sc = nullptr;
+          if (int8) {
+            kss.read(ks, nb, j0, nk, kscale);
+            vss.read(vs, nb, j0, nk, vscale);
+            k_sc = kscale, v_sc = vscale;
+          }
+          auto run_block = [&](auto tag) {
+            using T = decltype(tag);
+            stream_scores<T>(qn, n, E, reinterpret_cast<const T*>(ks.base) + k_off, ks.s_row, k_sc, nk, scale2, s,
+                             col);
+            // a NaN or inf score (from Q or K) would be swallowed by the row pass (its max and 2^x drop
+            // NaN): flag it, so the caller redoes the call on the pure path; V's show in the output.
+            // The check reads the scores in cache, never the K/V rows again.
+            if (!all_finite(s, n * nk)) saw_nonfinite.store(true, std::memory_order_relaxed);
+            online_update(s, n, nk, visible, m_i, l_i, acc, Ev);
+            stream_values<T>(s, n, Ev, reinterpret_cast<const T*>(vs.base) + v_off, vs.s_row, v_sc, nk, col, acc);
+          };
+          switch (ks.dtype) {
+            case at::kFloat: run_block(float{}); break;
+            case at::kBFloat16: run_block(c10::BFloat16{}); break;
+            case at::kHalf: run_block(c10::Half{}); break;
+            default: run_block(int8_t{}); break;
+          }
+        } else {  // GEMM: the block widened into scratch, two BLAS GEMMs (many rows)
+          int64_t k_ld, v_ld;
+          const float* k_rows = ks.rows(nb, j0, nk, E, kbuf, &k_ld);
+          // S_ij = scale2 * Q K_j^T   (n, nk): the group's heads and rows against one key block
+          gemm_rm(false, true, static_cast<int>(n), nk, static_cast<int>(E), scale2, qn, static_cast<int>(E),
+                  k_rows, static_cast<int>(k_ld), 0.0f, s, nk);
+          if (!all_finite(s, n * nk)) saw_nonfinite.store(true, std::memory_order_relaxed);
+          online_update(s, n, nk, visible, m_i, l_i, acc, Ev);
+          const float* v_rows = vs.rows(nb, j0, nk, Ev, vbuf, &v_ld);
+          // acc += P~ V_j   (n, Ev)
+          gemm_rm(false, false, static_cast<int>(n), static_cast<int>(Ev), nk, 1.0f, s, nk, v_rows,
+                  static_cast<int>(v_ld), 1.0f, acc, static_cast<int>(Ev));
+        }
         j0 += nk;
       }
-      float* po = part_o.data() + (nb * n_chunks + c) * n * Ev;
-      float* pl = part_l.data() + (nb * n_chunks + c) * n;
+      float* po = part_o.data() + t * n * Ev;
+      float* pl = part_l.data() + t * n;
       finish_rows(acc, m_i, l_i, n, Ev, po, Ev, pl, 1);
     }
   });
-  // join the chunks: (o_c, lse_c) over disjoint keys -> (out, lse2), exactly
+  // join each head's tasks: (o_c, lse_c) over disjoint keys -> (out, lse2), exactly
   float* o = out.data_ptr<float>();
   float* l = lse2.data_ptr<float>();
   at::parallel_for(0, Nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) {
-      merge_rows(part_o.data() + nb * n_chunks * n * Ev, part_l.data() + nb * n_chunks * n, n_chunks, n, Ev,
+      const int64_t parts = first_task[nb + 1] - first_task[nb];
+      if (parts == 0) continue;  // no key: out 0, lse2 -inf, as allocated
+      merge_rows(part_o.data() + first_task[nb] * n * Ev, part_l.data() + first_task[nb] * n, parts, n, Ev,
                  o + nb * n * Ev, l + nb * n);
     }
   });
@@ -245,7 +500,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
-  m.def("decode_forward(Tensor q4, Tensor k, Tensor v, Tensor? table, Tensor? seqlens, int Hkv, int S, float scale2, int causal, int chunk, int block_k) -> (Tensor, Tensor, Tensor)");
+  m.def("decode_forward(Tensor q4, Tensor k, Tensor v, Tensor? table, Tensor? seqlens, Tensor? k_scale, "
+        "Tensor? v_scale, int Hkv, int S, float scale2, int causal, int chunk, int block_k, int mode) -> (Tensor, "
+        "Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
