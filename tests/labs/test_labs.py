@@ -43,12 +43,15 @@ def test_get_copies_brief_stubs_and_walkthrough_but_never_solutions(tmp_path, ca
     assert sorted(p.name for p in (tmp_path / "four").iterdir()) == sorted(labs.find_lab("04").files)
 
 
-def test_the_wheel_carries_the_lab_materials_without_solutions(tmp_path):
+def test_the_wheel_carries_the_lab_materials_and_the_solution_apart(tmp_path):
+    """The materials 'labs get' copies, and the solution only 'labs get NN --solution' copies (the
+    sandbox covers <prefix>/share/attnlab: tests/tools/test_wheel_journeys.py)."""
     from attnlab.grading.classroom import autograder
 
     wheel = autograder.build_wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     for lab in labs.LABS:
-        shipped = [n for n in names if f"/share/attnlab/labs/track1/{lab.name}/" in n]
+        shipped = [n for n in names if f"/share/attnlab/labs/track1/{lab.name}/" in n and "/solutions/" not in n]
         assert sorted(n.rsplit("/", 1)[1] for n in shipped) == sorted(lab.files), lab.name
-    assert not [n for n in names if "solutions" in n]
+        solutions = [n for n in names if f"/share/attnlab/labs/track1/{lab.name}/solutions/" in n]
+        assert [n.rsplit("/", 1)[1] for n in solutions] == [lab.file], lab.name

@@ -114,3 +114,27 @@ def test_an_engineer_runs_meta_tensors_through_every_path(installed):
             "print('meta ok')")
     got = run("python", "-c", code)
     assert got.returncode == 0 and "meta ok" in got.stdout, got.stderr
+
+
+def test_the_shipped_solutions_are_out_of_the_sandboxs_reach(installed):
+    """A wheel ships the solutions (for 'labs get NN --solution') under <prefix>/share/attnlab;
+    the sandbox binds the prefix read-only, and covers that folder with an empty tmpfs. Raw
+    code (no static check) looks for the solution there."""
+    run, home = installed
+    code = ("import sys, os, torch\n"
+            "from pathlib import Path\n"
+            "from attnlab.grading.sandbox import Sandbox, Limits, Call\n"
+            "target = os.path.join(sys.prefix, 'share', 'attnlab', 'labs', 'track1', '01-attention', 'solutions',"
+            " 'attention.py')\n"
+            "assert os.path.isfile(target), target  # on the host: shipped\n"
+            "src = ('import os, sys\\n'\n"
+            "       'def probe():\\n'\n"
+            "       '    p = os.path.join(sys.prefix, \"share\", \"attnlab\")\\n'\n"
+            "       '    return [os.path.exists(os.path.join(p, \"labs\")), os.listdir(p) if os.path.isdir(p) else None]\\n')\n"
+            "Path('probe.py').write_text(src)\n"
+            "with Sandbox(Path('probe.py'), Limits(timeout_s=5.0), mode='bwrap', source=src.encode()) as box:\n"
+            "    o = box.run([Call('probe')], policy=False)\n"
+            "print('sandbox sees', o.status, o.results)\n")
+    got = run("python", "-c", code)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert "sandbox sees ok [{'value': [False, []]}]" in got.stdout, got.stdout

@@ -14,7 +14,8 @@ from attnlab.cli._args import UsageError, memory_mb, new_folder, output_file, pl
 
 HELP = """\
 Grade a lab file (default: the one in this folder), a notebook, a zip, or a class's folder
-(with --out), each submission in its own OS sandbox; failed checks name the mistake.
+(with --out), each submission in its own OS sandbox (bubblewrap; without it your own file runs
+with process limits only); failed checks name the mistake.
 In full (the sandbox, the class layouts, the report, exit statuses): docs/cli.md, docs/instructors.md.
 
 examples:

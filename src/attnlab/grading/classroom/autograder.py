@@ -163,7 +163,8 @@ def run_gradescope(root: os.PathLike, lab: str) -> dict:
                                         "instructor: use a base image where bubblewrap can run, or run "
                                         "run_autograder as root", lab=the_lab)
     else:
-        hidden = [results, root / "source", Path(attnlab.__file__).resolve().parent] if mode == "user" else []
+        share = Path(sys.prefix) / "share" / "attnlab"  # the wheel's lab materials and solutions
+        hidden = [results, root / "source", Path(attnlab.__file__).resolve().parent, share] if mode == "user" else []
         with out_of_reach(hidden):
             # root opens the learner's file only through read_submission: beneath submission/, no link followed
             report = grade(submission, lab=the_lab, sandbox=mode, untrusted=True, within=root / "submission",

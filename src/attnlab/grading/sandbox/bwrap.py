@@ -50,7 +50,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Optional
 
-__all__ = ["bwrap_path", "python_roots", "hidden_package", "runner_files", "plan", "Plan", "HOW_TO_GET_BWRAP",
+__all__ = ["bwrap_path", "python_roots", "hidden_package", "hidden_paths", "runner_files", "plan", "Plan", "HOW_TO_GET_BWRAP",
            "TMP_MB", "UID", "RUNNER", "RUNNER_FILES", "tmp_roots", "unprivileged_uid", "drop_to", "mount", "blocker", "can_stage"]
 
 HOW_TO_GET_BWRAP = ("install bubblewrap (Debian/Ubuntu: 'sudo apt-get install bubblewrap'; Fedora: "
@@ -94,6 +94,18 @@ def hidden_package() -> Optional[str]:
         return None
     pkg = os.path.realpath(list(spec.submodule_search_locations)[0])
     return pkg if any(pkg.startswith(r + os.sep) for r in python_roots()) else None
+
+
+def hidden_paths() -> list[str]:
+    """What of a bound folder the sandbox covers with an empty tmpfs: attnlab's package
+    (:func:`hidden_package`) and its data under ``<prefix>/share/attnlab``, where a wheel
+    puts the labs' materials and their solutions (``attnlab labs get NN --solution``)."""
+    paths = [p for p in (hidden_package(),) if p is not None]
+    for prefix in {sys.prefix, sys.base_prefix}:
+        share = os.path.realpath(os.path.join(prefix, "share", "attnlab"))
+        if os.path.isdir(share) and any(share.startswith(r + os.sep) for r in python_roots()):
+            paths.append(share)
+    return sorted(set(paths))
 
 
 def python_roots() -> list[str]:
@@ -275,8 +287,7 @@ def plan(bwrap: str, inside: list[str], *, template: bool = False, seccomp_fd: O
     for exe in {sys.executable, os.path.realpath(sys.executable)}:
         if not any(exe.startswith(r + os.sep) for r in roots) and not exe.startswith("/usr/"):
             cmd += ["--ro-bind", source(exe), exe]
-    hidden = hidden_package()
-    if hidden is not None:
+    for hidden in hidden_paths():
         cmd += ["--perms", "0555", "--size", "4096", "--tmpfs", hidden, "--remount-ro", hidden]
     for name, host in runner_files().items():
         cmd += ["--ro-bind", source(host), f"{RUNNER}/{name}"]
