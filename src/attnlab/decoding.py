@@ -348,10 +348,12 @@ def _run(q4: Tensor, k: Tensor, v: Tensor, table: Optional[Tensor], *, Hkv: int,
         return _degenerate(q4, k, v, table, Hkv, S, scale, causal, seqlens)
     out, lse2, nonfinite = kernel.forward(q4, k, v, Hkv=Hkv, S=S, scale2=scale * LOG2E, causal=causal,
                                           table=table, seqlens=seqlens, k_scale=scales[0], v_scale=scales[1])
-    if scales[0] is not None:  # dequantised on the pure path, for the checks below and a rerun
-        k, v = kernel.dequantize(k, scales[0]), kernel.dequantize(v, scales[1])
-    if not nonfinite and _finite(out, lse2) and not _hidden_values_infinite(v, table, S, L, causal, seqlens):
+    # (int8 values are finite: the hidden-values check has nothing to find in them)
+    if not nonfinite and _finite(out, lse2) and (scales[0] is not None or
+                                                  not _hidden_values_infinite(v, table, S, L, causal, seqlens)):
         return out
+    if scales[0] is not None:  # a rerun on the pure path: the cache dequantised, only now
+        k, v = kernel.dequantize(k, scales[0]), kernel.dequantize(v, scales[1])
     # NaN or inf somewhere: the pure path visits every key, so they propagate as torch's MATH does
     k3, v3 = _dense(k, v, table, S)
     dtype = compute_dtype(k3.dtype)

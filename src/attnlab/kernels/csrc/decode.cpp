@@ -219,75 +219,63 @@ inline float widen(T x) { return static_cast<float>(x); }
 template <>
 inline float widen<int8_t>(int8_t x) { return static_cast<float>(x); }
 
-// dots[a] = q[a] . k for the n query rows (q rows E apart): k is loaded once per 8 elements and
-// fed to four rows' FMA chains at a time
+#if defined(__AVX2__) && defined(__FMA__)
+// the four sums of s0..s3, as one vector (a hadd tree: cheaper than four horizontal sums)
+inline __m128 sum8x4(__m256 s0, __m256 s1, __m256 s2, __m256 s3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+#endif
+
+// s[a * nk + j] (j = j0, j0 + 1) = f_j * q[a] . k_j for the n query rows (E apart) and two
+// key rows k0, k1: each 8 elements of a key are loaded (and widened) once and feed four rows'
+// FMA chains; two keys at a time share each load of a query chunk. k1 may be null (one key).
 template <class T>
-inline void dots(const float* q, int64_t n, int64_t E, const T* k, float* out) {
+inline void dots2(const float* __restrict__ q, int64_t n, int64_t E, const T* __restrict__ k0,
+                  const T* __restrict__ k1, float f0, float f1, float* __restrict__ s, int nk, int j0) {
   int64_t a = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   const int64_t full = E & ~int64_t(7);
   for (; a + 4 <= n; a += 4) {
     const float *q0 = q + a * E, *q1 = q0 + E, *q2 = q1 + E, *q3 = q2 + E;
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    __m256 x0 = _mm256_setzero_ps(), x1 = x0, x2 = x0, x3 = x0;  // key 0, rows a .. a + 3
+    __m256 y0 = x0, y1 = x0, y2 = x0, y3 = x0;                    // key 1
     for (int64_t c = 0; c < full; c += 8) {
-      const __m256 kc = load8<T>(k + c);
-      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + c), kc, s0);
-      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + c), kc, s1);
-      s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + c), kc, s2);
-      s3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + c), kc, s3);
+      const __m256 a0 = _mm256_loadu_ps(q0 + c), a1 = _mm256_loadu_ps(q1 + c);
+      const __m256 a2 = _mm256_loadu_ps(q2 + c), a3 = _mm256_loadu_ps(q3 + c);
+      const __m256 kc = load8<T>(k0 + c);
+      x0 = _mm256_fmadd_ps(a0, kc, x0), x1 = _mm256_fmadd_ps(a1, kc, x1);
+      x2 = _mm256_fmadd_ps(a2, kc, x2), x3 = _mm256_fmadd_ps(a3, kc, x3);
+      if (k1) {
+        const __m256 kd = load8<T>(k1 + c);
+        y0 = _mm256_fmadd_ps(a0, kd, y0), y1 = _mm256_fmadd_ps(a1, kd, y1);
+        y2 = _mm256_fmadd_ps(a2, kd, y2), y3 = _mm256_fmadd_ps(a3, kd, y3);
+      }
     }
-    float r0 = sum8(s0), r1 = sum8(s1), r2 = sum8(s2), r3 = sum8(s3);
-    for (int64_t c = full; c < E; ++c) {
-      const float kc = widen<T>(k[c]);
-      r0 += q0[c] * kc, r1 += q1[c] * kc, r2 += q2[c] * kc, r3 += q3[c] * kc;
+    alignas(16) float rx[4], ry[4];
+    _mm_store_ps(rx, _mm_mul_ps(sum8x4(x0, x1, x2, x3), _mm_set1_ps(f0)));
+    _mm_store_ps(ry, _mm_mul_ps(sum8x4(y0, y1, y2, y3), _mm_set1_ps(f1)));
+    for (int64_t c = full; c < E; ++c) {  // the last elements, one at a time
+      const float kc = widen<T>(k0[c]), kd = k1 ? widen<T>(k1[c]) : 0.0f;
+      for (int i = 0; i < 4; ++i) rx[i] += f0 * q[(a + i) * E + c] * kc, ry[i] += f1 * q[(a + i) * E + c] * kd;
     }
-    out[a] = r0, out[a + 1] = r1, out[a + 2] = r2, out[a + 3] = r3;
-  }
-  for (; a < n; ++a) {
-    const float* qa = q + a * E;
-    __m256 s0 = _mm256_setzero_ps();
-    for (int64_t c = 0; c < full; c += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qa + c), load8<T>(k + c), s0);
-    float r = sum8(s0);
-    for (int64_t c = full; c < E; ++c) r += qa[c] * widen<T>(k[c]);
-    out[a] = r;
-  }
-#else
-  for (; a < n; ++a) {
-    const float* qa = q + a * E;
-    float r = 0.0f;
-#pragma omp simd reduction(+ : r)
-    for (int64_t c = 0; c < E; ++c) r += qa[c] * widen<T>(k[c]);
-    out[a] = r;
+    for (int i = 0; i < 4; ++i) {
+      s[(a + i) * nk + j0] = rx[i];
+      if (k1) s[(a + i) * nk + j0 + 1] = ry[i];
+    }
   }
 #endif
-}
-
-// acc[a] += p[a] * v for the n rows (acc rows Ev apart); rows with p = 0 (hidden keys) skipped
-template <class T>
-inline void axpys(const float* p, int64_t n, int64_t Ev, const T* v, float* acc) {
-#if defined(__AVX2__) && defined(__FMA__)
-  const int64_t full = Ev & ~int64_t(7);
-  for (int64_t c = 0; c < full; c += 8) {
-    const __m256 vc = load8<T>(v + c);
-    for (int64_t a = 0; a < n; ++a) {
-      if (p[a] == 0.0f) continue;
-      float* dst = acc + a * Ev + c;
-      _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_set1_ps(p[a]), vc, _mm256_loadu_ps(dst)));
+  for (; a < n; ++a) {  // rows left over (and every row without AVX2)
+    const float* qa = q + a * E;
+    float r0 = 0.0f, r1 = 0.0f;
+#pragma omp simd reduction(+ : r0, r1)
+    for (int64_t c = 0; c < E; ++c) {
+      r0 += qa[c] * widen<T>(k0[c]);
+      r1 += k1 ? qa[c] * widen<T>(k1[c]) : 0.0f;
     }
+    s[a * nk + j0] = f0 * r0;
+    if (k1) s[a * nk + j0 + 1] = f1 * r1;
   }
-  for (int64_t c = full; c < Ev; ++c) {
-    const float vc = widen<T>(v[c]);
-    for (int64_t a = 0; a < n; ++a) acc[a * Ev + c] += p[a] * vc;
-  }
-#else
-  for (int64_t a = 0; a < n; ++a) {
-    if (p[a] == 0.0f) continue;
-    const float pa = p[a];
-    float* dst = acc + a * Ev;
-#pragma omp simd
-    for (int64_t c = 0; c < Ev; ++c) dst[c] += pa * widen<T>(v[c]);
-  }
-#endif
 }
 
 // The scores of one key block of nk rows (one stride: inside a page): s (n, nk) = scale2 * Q K^T
@@ -296,22 +284,69 @@ inline void axpys(const float* p, int64_t n, int64_t Ev, const T* v, float* acc)
 template <class T>
 inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int64_t k_ld, const float* k_scale,
                           int nk, float scale2, float* s, float* col) {
-  for (int j = 0; j < nk; ++j) {
-    dots<T>(q, n, E, k + j * k_ld, col);
-    const float f = k_scale ? scale2 * k_scale[j] : scale2;
-    for (int64_t a = 0; a < n; ++a) s[a * nk + j] = f * col[a];
+  for (int j = 0; j < nk; j += 2) {
+    const bool two = j + 1 < nk;
+    const float f0 = k_scale ? scale2 * k_scale[j] : scale2;
+    const float f1 = two ? (k_scale ? scale2 * k_scale[j + 1] : scale2) : 0.0f;
+    dots2<T>(q, n, E, k + j * k_ld, two ? k + (j + 1) * k_ld : nullptr, f0, f1, s, nk, j);
   }
+  (void)col;
 }
 
-// acc += P~ V for the block, P~ in s (n, nk), each V row read once as stored (v_scale: int8's)
+// acc += P~ V for the block, P~ in s (n, nk), each V row read once from memory as stored
+// (v_scale: int8's). Register-blocked: four rows' accumulators for 32 columns stay in sixteen
+// registers while the block's nk value rows stream past (each converted once), so acc is loaded
+// and stored once per block, not once per key (the AXPY form's store port bound it).
 template <class T>
-inline void stream_values(const float* s, int64_t n, int64_t Ev, const T* v, int64_t v_ld, const float* v_scale,
-                          int nk, float* col, float* acc) {
-  for (int j = 0; j < nk; ++j) {
-    const float f = v_scale ? v_scale[j] : 1.0f;
-    for (int64_t a = 0; a < n; ++a) col[a] = f * s[a * nk + j];
-    axpys<T>(col, n, Ev, v + j * v_ld, acc);
+inline void stream_values(const float* __restrict__ s, int64_t n, int64_t Ev, const T* __restrict__ v, int64_t v_ld,
+                          const float* __restrict__ v_scale, int nk, float* __restrict__ col, float* __restrict__ acc) {
+  int64_t a = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const int64_t wide = Ev & ~int64_t(31);
+  for (; a + 4 <= n; a += 4) {
+    const float *p0 = s + a * nk, *p1 = p0 + nk, *p2 = p1 + nk, *p3 = p2 + nk;
+    for (int64_t c = 0; c < wide; c += 32) {
+      __m256 r[4][4];
+      for (int i = 0; i < 4; ++i)
+        for (int u = 0; u < 4; ++u) r[i][u] = _mm256_loadu_ps(acc + (a + i) * Ev + c + 8 * u);
+      for (int j = 0; j < nk; ++j) {
+        const float f = v_scale ? v_scale[j] : 1.0f;
+        const T* row = v + j * v_ld + c;
+        const __m256 v0 = load8<T>(row), v1 = load8<T>(row + 8), v2 = load8<T>(row + 16), v3 = load8<T>(row + 24);
+        const __m256 w[4] = {_mm256_set1_ps(f * p0[j]), _mm256_set1_ps(f * p1[j]), _mm256_set1_ps(f * p2[j]),
+                             _mm256_set1_ps(f * p3[j])};
+        for (int i = 0; i < 4; ++i) {
+          r[i][0] = _mm256_fmadd_ps(w[i], v0, r[i][0]);
+          r[i][1] = _mm256_fmadd_ps(w[i], v1, r[i][1]);
+          r[i][2] = _mm256_fmadd_ps(w[i], v2, r[i][2]);
+          r[i][3] = _mm256_fmadd_ps(w[i], v3, r[i][3]);
+        }
+      }
+      for (int i = 0; i < 4; ++i)
+        for (int u = 0; u < 4; ++u) _mm256_storeu_ps(acc + (a + i) * Ev + c + 8 * u, r[i][u]);
+    }
+    for (int64_t c = wide; c < Ev; ++c) {  // the last columns, one at a time
+      float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+      for (int j = 0; j < nk; ++j) {
+        const float x = widen<T>(v[j * v_ld + c]) * (v_scale ? v_scale[j] : 1.0f);
+        t0 += p0[j] * x, t1 += p1[j] * x, t2 += p2[j] * x, t3 += p3[j] * x;
+      }
+      acc[a * Ev + c] += t0, acc[(a + 1) * Ev + c] += t1, acc[(a + 2) * Ev + c] += t2, acc[(a + 3) * Ev + c] += t3;
+    }
   }
+#endif
+  for (; a < n; ++a) {  // rows left over (and every row without AVX2): one row at a time
+    const float* pa = s + a * nk;
+    float* dst = acc + a * Ev;
+    for (int j = 0; j < nk; ++j) {
+      const float w = pa[j] * (v_scale ? v_scale[j] : 1.0f);
+      if (w == 0.0f) continue;
+      const T* row = v + j * v_ld;
+#pragma omp simd
+      for (int64_t c = 0; c < Ev; ++c) dst[c] += w * widen<T>(row[c]);
+    }
+  }
+  (void)col;
 }
 
 // the keys row a of head nb sees end at limit(a); the head's last key (seqlens, the causal stop)
