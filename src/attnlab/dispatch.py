@@ -22,7 +22,11 @@
 * ``"decode"``: :func:`attnlab.decoding.decode_attention`, a few queries against a long KV
   cache (GQA groups read K/V once, keys split across threads); no tensor mask, no dropout,
   no backward (inputs that require grad are refused).
-* ``"auto"``: flex for a BlockMask or a score_mod; the decode path for a decode step
+* ``"triton"``: :func:`attnlab.triton.flash_attention` (or its decode kernel for a decode
+  step), attnlab's Triton kernels: the route for CUDA tensors when triton is installed; on the
+  CPU only under ``TRITON_INTERPRET=1`` (tests). 4-D inputs, no tensor mask, no dropout.
+* ``"auto"``: the Triton kernels for CUDA tensors where triton is installed and the call fits
+  them; flex for a BlockMask or a score_mod; the decode path for a decode step
   (``L <= DECODE_MAX_L`` queries against ``S >= DECODE_MIN_S`` keys) it can run (no tensor
   mask, no dropout, no gradient needed); else the tiled path when it supports the call and
   the score matrix is large (``L * S >= AUTO_TILED_MIN_SCORES``) or it is a decode step;
@@ -59,8 +63,8 @@ Align = Literal["top_left", "bottom_right"]
 # a tensor mask (bool: True = attend, or float: added) or, for flex, a BlockMask
 Mask = Union[Tensor, "BlockMask", None]
 
-Impl = Literal["auto", "reference", "tiled", "flex", "decode"]
-IMPLS = ("auto", "reference", "tiled", "flex", "decode")
+Impl = Literal["auto", "reference", "tiled", "flex", "decode", "triton"]
+IMPLS = ("auto", "reference", "tiled", "flex", "decode", "triton")
 AUTO_TILED_MIN_SCORES = 512 * 512
 # Decode steps: q (1, 32, 1, 128) against k, v (1, 8, S, 128) with GQA on the 2-core Zen 4 EPYC
 # (2026-12-01, BENCHMARKS.md "Decoding"): the reference took 1.3 / 8.2 / 22 / 152 / 938 ms at
@@ -126,15 +130,41 @@ def _decode_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask: Ma
     return None
 
 
+def _triton_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask, dropout_p: float,
+                        causal_align: str) -> Optional[str]:
+    """Why attnlab's Triton kernels cannot run this call (None when they can)."""
+    from attnlab import triton as _triton
+
+    if attn_mask is not None:
+        return "a tensor mask or a BlockMask (only is_causal)"
+    if dropout_p:
+        return "dropout"
+    if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (query, key, value)):
+        return "inputs that are not 4-D (B, H, L, E)"
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"dtype {query.dtype}"
+    if causal_align == "bottom_right" and query.shape[-2] > _triton.DECODE_MAX_L:
+        return f"bottom-right causality with more than {_triton.DECODE_MAX_L} query rows"
+    return _triton.why_unavailable(query, key, value)
+
+
 def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Mask = None, dropout_p: float = 0.0, *,
                 enable_gqa: bool = False, impl: Optional[Impl] = None, is_causal: bool = False,
-                score_mod: Optional[ScoreMod] = None) -> str:
+                score_mod: Optional[ScoreMod] = None, causal_align: str = "top_left") -> str:
     """The implementation :func:`attention` will run for these arguments: "reference", "tiled",
     "flex" or "decode". Raises ``ValueError`` when ``impl`` names one that cannot run them."""
     from attnlab import flex
 
     chosen = impl if impl is not None else _default.get()
     _check_impl(chosen)
+    if chosen == "triton":
+        why = _triton_unsupported(query, key, value, attn_mask, dropout_p, causal_align)
+        if why:
+            raise ValueError(f"attention: impl='triton' was requested but it cannot run {why}; use impl='auto'")
+        return "triton"
+    if (chosen == "auto" and isinstance(query, Tensor) and query.device.type == "cuda" and score_mod is None
+            and _triton_unsupported(query, key, value, attn_mask, dropout_p, causal_align) is None):
+        return "triton"  # (triton is imported only for CUDA tensors: a CPU call never pays its import)
     flex_call = isinstance(attn_mask, flex.BlockMask) or score_mod is not None
     if flex_call or chosen == "flex":
         if flex_call and chosen not in ("auto", "flex"):
@@ -212,7 +242,16 @@ def attention(
         causal_align = "top_left"  # L == S: the two alignments are one mask
     require_tensors("attention", query=query, key=key, value=value)
     which = choose_impl(query, key, value, attn_mask, dropout_p, enable_gqa=enable_gqa, impl=impl,
+                        causal_align=causal_align,
                         is_causal=is_causal, score_mod=score_mod)
+    if which == "triton":
+        from attnlab import triton as _triton
+
+        if query.shape[-2] <= _triton.DECODE_MAX_L and not any(t.requires_grad for t in (query, key, value)) \
+                and (causal_align == "bottom_right" or key.shape[-2] >= DECODE_MIN_S):
+            return _triton.decode_attention(query, key, value, is_causal, scale, enable_gqa=enable_gqa,
+                                            causal_align=causal_align)
+        return _triton.flash_attention(query, key, value, is_causal, scale, enable_gqa=enable_gqa)
     if which == "decode":
         from attnlab import decoding
 
