@@ -17,6 +17,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+# Triton kernels (attnlab.triton, lab 05) run on the CPU through Triton's interpreter, which is
+# chosen when @triton.jit decorates a kernel: set before any test imports one. Nothing else reads it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture
 def bwrap():

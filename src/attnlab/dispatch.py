@@ -71,8 +71,11 @@ AUTO_TILED_MIN_SCORES = 512 * 512
 # S = 64 / 256 / 1024 / 4096 / 32768 (it repeats K and V to the query heads, then materialises
 # the scores), the tiled path 0.34 / 0.32 / 1.3 / 32 / 200 ms; without GQA (32 key/value heads)
 # the two were even at S = 256 (0.87 against 0.75 ms). The decode path (issue 24) then took
-# 2.8 / 21 ms at S = 4096 / 32768 in float32, against the tiled path's 7.1 / 82.
-DECODE_MAX_L = 16
+# 2.8 / 21 ms at S = 4096 / 32768 in float32, against the tiled path's 7.1 / 82. Up to 64 rows
+# (chunked prefill, speculative decoding) it still wins: q (1, 32, Lq, 128) against S = 32768 on the
+# 2-core AVX2 EPYC (2026-12-02), decode / tiled / torch SDPA = 73 / 153 / 134 ms at Lq = 16,
+# 120 / 190 / 183 at Lq = 32, 226 / 295 / 380 at Lq = 64.
+DECODE_MAX_L = 64
 DECODE_MIN_S = 256
 
 _default: contextvars.ContextVar[str] = contextvars.ContextVar("attnlab_impl", default="auto")
@@ -130,8 +133,7 @@ def _decode_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask: Ma
     return None
 
 
-def _triton_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask, dropout_p: float,
-                        causal_align: str) -> Optional[str]:
+def _triton_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask, dropout_p: float) -> Optional[str]:
     """Why attnlab's Triton kernels cannot run this call (None when they can)."""
     from attnlab import triton as _triton
 
@@ -143,8 +145,6 @@ def _triton_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask, dr
         return "inputs that are not 4-D (B, H, L, E)"
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"dtype {query.dtype}"
-    if causal_align == "bottom_right" and query.shape[-2] > _triton.DECODE_MAX_L:
-        return f"bottom-right causality with more than {_triton.DECODE_MAX_L} query rows"
     return _triton.why_unavailable(query, key, value)
 
 
@@ -158,12 +158,12 @@ def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Mask = Non
     chosen = impl if impl is not None else _default.get()
     _check_impl(chosen)
     if chosen == "triton":
-        why = _triton_unsupported(query, key, value, attn_mask, dropout_p, causal_align)
+        why = _triton_unsupported(query, key, value, attn_mask, dropout_p)
         if why:
             raise ValueError(f"attention: impl='triton' was requested but it cannot run {why}; use impl='auto'")
         return "triton"
     if (chosen == "auto" and isinstance(query, Tensor) and query.device.type == "cuda" and score_mod is None
-            and _triton_unsupported(query, key, value, attn_mask, dropout_p, causal_align) is None):
+            and _triton_unsupported(query, key, value, attn_mask, dropout_p) is None):
         return "triton"  # (triton is imported only for CUDA tensors: a CPU call never pays its import)
     flex_call = isinstance(attn_mask, flex.BlockMask) or score_mod is not None
     if flex_call or chosen == "flex":
@@ -251,7 +251,8 @@ def attention(
                 and (causal_align == "bottom_right" or key.shape[-2] >= DECODE_MIN_S):
             return _triton.decode_attention(query, key, value, is_causal, scale, enable_gqa=enable_gqa,
                                             causal_align=causal_align)
-        return _triton.flash_attention(query, key, value, is_causal, scale, enable_gqa=enable_gqa)
+        return _triton.flash_attention(query, key, value, is_causal, scale, enable_gqa=enable_gqa,
+                                       causal_align=causal_align)
     if which == "decode":
         from attnlab import decoding
 

@@ -108,7 +108,8 @@ def test_dispatch_explicit_choice_never_falls_back():
     assert choose_impl(one, cache, cache) == "decode"  # no gradient asked for: the decode path
     assert choose_impl(one.requires_grad_(), cache, cache) == "tiled"  # a decode shape in training: tiled
     assert choose_impl(one, cache[:, :, :200], cache[:, :, :200]) == "reference"  # a short cache
-    assert choose_impl(torch.randn(1, 4, 17, 8), cache, cache) == "reference"  # 17 x 300 scores: small
+    assert choose_impl(torch.randn(1, 4, 64, 8), cache, cache) == "decode"  # chunked prefill: up to 64 rows
+    assert choose_impl(torch.randn(1, 4, 65, 8), cache, cache) == "reference"  # 65 x 300 scores: small
     with pytest.raises(ValueError, match="impl='tiled' was requested but it cannot run dropout_p=0.1"):
         attention(q, q, q, dropout_p=0.1, impl="tiled")
     with use_impl("tiled"):

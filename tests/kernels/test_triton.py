@@ -1,0 +1,210 @@
+"""attnlab's Triton kernels (issue 34, item 3) under Triton's CPU interpreter.
+
+Every kernel runs here on the CPU with ``TRITON_INTERPRET=1`` (set by tests/conftest.py before
+triton is imported): forward and backward against torch's SDPA with the shared rule
+(:func:`attnlab.testing.assert_close_to_sdpa`), causal, GQA, sizes off the tile, special values,
+the decode kernel, the front door's ``impl="triton"`` and the errors. Each family is shown to fail
+on a kernel with one planted mistake (the source edited, the module loaded from a temp file), so
+a passing suite means the kernels are right, not that the checks are blind.
+
+On a GPU the same kernels compile for real; no test here claims a GPU result.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="make test installs triton (the dev extra); see pyproject.toml")
+
+import attnlab.triton as at  # noqa: E402
+from attnlab import dispatch, masks  # noqa: E402
+from attnlab.functional import scaled_dot_product_attention as reference  # noqa: E402
+from attnlab.testing import assert_close, assert_close_to_sdpa  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def interpreter():
+    assert at.interpreted(), "tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported"
+
+
+def qkv(B, H, Hkv, L, S, E, Ev, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, L, E, generator=g).to(dtype), torch.randn(B, Hkv, S, E, generator=g).to(dtype),
+            torch.randn(B, Hkv, S, Ev, generator=g).to(dtype))
+
+
+# (B, H, Hkv, L, S, E, Ev): a tile exactly, sizes off the tile both ways, L > S and L < S, E not a
+# power of two, Ev != E, grouped heads (r = 2 and MQA)
+SHAPES = [
+    (1, 1, 1, 16, 16, 16, 16),
+    (1, 2, 2, 37, 45, 16, 16),
+    (2, 4, 2, 33, 20, 24, 20),
+    (1, 4, 1, 9, 70, 8, 12),
+    (1, 2, 2, 1, 1, 4, 4),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_and_backward_match_sdpa_fp32(shape, causal):
+    q, k, v = qkv(*shape)
+    gqa = shape[1] != shape[2]
+    assert_close_to_sdpa(at.flash_attention, q, k, v, is_causal=causal, enable_gqa=gqa)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_half_dtypes_match_sdpa(dtype, causal):
+    # the interpreter widens the dots (UPCAST): checked here against torch's own half error
+    q, k, v = qkv(1, 4, 2, 40, 33, 16, 16, dtype=dtype, seed=1)
+    assert_close_to_sdpa(at.flash_attention, q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def test_scale_and_a_large_head():
+    q, k, v = qkv(1, 1, 1, 20, 24, 64, 64, seed=2)
+    assert_close_to_sdpa(at.flash_attention, q, k, v, scale=0.3)
+
+
+def test_empty_cache_gives_zeros_as_sdpa():
+    q, k, v = qkv(1, 2, 2, 5, 0, 8, 8)
+    for causal in (False, True):
+        out = at.flash_attention(q, k, v, is_causal=causal)
+        assert out.shape == (1, 2, 5, 8)
+        assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's, inside the interpreter, on the NaNs
+@pytest.mark.parametrize("where", ["nan_query_row", "inf_key", "nan_value"])
+def test_special_values_propagate_as_in_sdpa(where):
+    q, k, v = qkv(1, 1, 1, 18, 20, 8, 8, seed=3)
+    if where == "nan_query_row":
+        q[0, 0, 3] = float("nan")
+    elif where == "inf_key":
+        k[0, 0, 17, 2] = float("inf")
+    else:
+        v[0, 0, 5, 1] = float("nan")
+    ours = at.flash_attention(q, k, v)
+    theirs = reference(q, k, v)
+    assert torch.equal(ours.isnan(), theirs.isnan()), "NaN in the same places as SDPA"
+    finite = ~theirs.isnan()
+    assert_close(ours[finite], theirs[finite])
+
+
+def test_gradients_flow_to_the_inputs_only_when_asked():
+    q, k, v = qkv(1, 2, 2, 17, 17, 8, 8)
+    q.requires_grad_()
+    out = at.flash_attention(q, k, v, is_causal=True)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape and k.grad is None
+
+
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("L", [1, 4, 16])
+def test_decode_kernel_matches_the_reference(L, align):
+    q, k, v = qkv(2, 8, 2, L, 300, 32, 24, seed=4)
+    with torch.no_grad():
+        for causal in (False, True):
+            ours = at.decode_attention(q, k, v, causal, enable_gqa=True, causal_align=align, chunk=64)
+            mask = masks.causal(L, 300, align=align) if causal else None
+            theirs = reference(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
+            assert_close(ours, theirs.float())
+
+
+def test_decode_kernel_half_and_empty():
+    q, k, v = qkv(1, 4, 4, 2, 100, 16, 16, dtype=torch.bfloat16, seed=5)
+    with torch.no_grad():
+        ours = at.decode_attention(q, k, v, chunk=32)
+        assert ours.dtype == torch.bfloat16
+        assert_close(ours, reference(q.float(), k.float(), v.float()).bfloat16())
+        empty = at.decode_attention(q, k[:, :, :0], v[:, :, :0])
+        assert torch.equal(empty, torch.zeros_like(empty))
+
+
+def test_front_door_takes_the_route_when_forced():
+    q, k, v = qkv(1, 4, 2, 20, 30, 16, 16, seed=6)
+    assert dispatch.choose_impl(q, k, v, impl="triton", enable_gqa=True) == "triton"
+    assert dispatch.choose_impl(q, k, v, enable_gqa=True) != "triton"  # CPU tensors: never chosen by auto
+    assert_close(dispatch.attention(q, k, v, is_causal=True, enable_gqa=True, impl="triton"),
+                 reference(q, k, v, is_causal=True, enable_gqa=True))
+    # bottom-right causality is an offset in the same kernel
+    out = dispatch.attention(q, k, v, is_causal=True, enable_gqa=True, causal_align="bottom_right", impl="triton")
+    assert_close(out, reference(q, k, v, attn_mask=masks.causal(20, 30, align="bottom_right"), enable_gqa=True))
+    with pytest.raises(ValueError, match="impl='triton' was requested but it cannot run a tensor mask"):
+        dispatch.attention(q, k, v, attn_mask=torch.ones(20, 30, dtype=torch.bool), enable_gqa=True, impl="triton")
+
+
+def test_bad_input_is_named():
+    q, k, v = qkv(1, 2, 2, 20, 30, 16, 16)
+    with pytest.raises(ValueError, match="at most 16 query rows, got L=20"):
+        with torch.no_grad():
+            at.decode_attention(q, k, v)
+    with pytest.raises(ValueError, match="4-D"):
+        at.flash_attention(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="causal_align"):
+        with torch.no_grad():
+            at.decode_attention(q[:, :, :2], k, v, causal_align="left")
+    with pytest.raises(ValueError, match="no backward"):
+        at.decode_attention(q[:, :, :2].requires_grad_(), k, v)
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = torch.randn(1, 1, 4, 4)
+    assert "TRITON_INTERPRET=1" in at.why_unavailable(q)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        at.flash_attention(q, q, q)
+
+
+# --- the checks are not blind: one planted mistake per family, each caught ----------------------
+
+SOURCE = Path(at.__file__).with_name("kernels.py")
+MUTANTS = {
+    # the online softmax's stale max: acc summed under an old max, never rescaled
+    "stale_max": ("acc = acc * alpha[:, None] + _dot(", "acc = acc + _dot("),
+    "l_not_rescaled": ("l_i = l_i * alpha + tl.sum(p, 1)", "l_i = l_i + tl.sum(p, 1)"),
+    "causal_diagonal": ("cols[None, :] <= rows[:, None] + offset", "cols[None, :] < rows[:, None] + offset"),
+    "wrong_D": ("ds = p * (dp - d[:, None])", "ds = p * dp"),
+    "dS_without_scale": ("dk += _dot(tl.trans(ds), q, UPCAST) * scale", "dk += _dot(tl.trans(ds), q, UPCAST)"),
+    "gqa_heads": ("hk = h // (H // Hkv)  # the group's key/value head", "hk = h % Hkv"),
+}
+
+
+@pytest.fixture
+def mutant(request, monkeypatch, tmp_path):
+    before, after = MUTANTS[request.param]
+    text = SOURCE.read_text()
+    assert before in text, f"the mutation {request.param!r} no longer applies to kernels.py"
+    path = tmp_path / f"mutant_{request.param}.py"
+    path.write_text(text.replace(before, after))
+    spec = importlib.util.spec_from_file_location(f"attnlab_triton_mutant_{request.param}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "attnlab.triton.kernels", module)
+    monkeypatch.setattr(at, "kernels", module, raising=False)
+    return request.param
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANTS), indirect=True)
+def test_a_broken_kernel_fails_the_checks(mutant):
+    # GQA, causal and sizes off the tile in one case, so every planted mistake shows
+    q, k, v = qkv(1, 4, 2, 37, 45, 16, 16, seed=7)
+    with pytest.raises(AssertionError):
+        assert_close_to_sdpa(at.flash_attention, q, k, v, is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("L,S", [(20, 30), (30, 20)])
+def test_bottom_right_causality_matches_the_tiled_kernel(L, S):
+    # L > S: the first L - S rows see no key and give 0, as attnlab's other paths do
+    q, k, v = qkv(1, 2, 1, L, S, 16, 8, seed=8)
+    q.requires_grad_()
+    ours = at.flash_attention(q, k, v, True, enable_gqa=True, causal_align="bottom_right")
+    theirs = dispatch.attention(q, k, v, is_causal=True, enable_gqa=True, causal_align="bottom_right", impl="tiled")
+    assert_close(ours, theirs)
+    g_ours, = torch.autograd.grad(ours.sum(), q)
+    g_theirs, = torch.autograd.grad(theirs.sum(), q)
+    assert_close(g_ours, g_theirs)
