@@ -74,6 +74,13 @@ CODES: dict[str, str] = {
                       "dQ = dS @ K * scale and dK = dS^T @ Q * scale (dV = P^T dO has none)",
     "backward_d_term": "dS = P * (dP - D) with D = rowsum(dO * O) per query row: without the D term the "
                        "gradients of Q and K are wrong (dV is not affected)",
+    # GPU kernels (lab 05, Triton)
+    "load_mask": "a tile that runs past the end of L or S reads memory that is not the tensor's: load with "
+                 "mask= and other=0.0 (rows < L, keys < S), store with mask=, and give keys past S a score of "
+                 "-inf so they get no weight",
+    "accumulate_dtype": "accumulate in float32 (tl.zeros(..., tl.float32)), whatever the inputs' dtype: a float16 "
+                        "or bfloat16 accumulator loses precision over the tiles and overflows past 65504 (float16); "
+                        "cast once, when storing",
     "scores_materialized": "an [L, S] tensor (the scores or the weights) is built or saved: tiled attention keeps "
                            "one [block_q, block_k] tile at a time and saves lse ([B, H, L]) for the backward",
     # reading the weights

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-MODULES = ("lab01", "lab02", "lab03", "lab04")
+MODULES = ("lab01", "lab02", "lab03", "lab04", "lab05")
 
 
 @dataclass(frozen=True)

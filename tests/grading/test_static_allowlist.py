@@ -81,7 +81,7 @@ def test_a_way_past_the_old_check_is_refused_with_its_line(name, attack, line, w
 @pytest.mark.parametrize("lab", labs.LABS, ids=lambda lab: lab.name)
 def test_the_solution_and_the_stubs_pass(lab):
     for path in (TRACK / lab.name / lab.file, TRACK / lab.name / "solutions" / lab.file):
-        report = check_source(path.read_bytes(), path.name, lab.allowed_names)
+        report = check_source(path.read_bytes(), path.name, lab.allowed_names, lab.modules, lab.decorators)
         assert [v for v in report.violations if v.kind != "attention"] == [], [str(v) for v in report.violations]
 
 
@@ -109,3 +109,55 @@ def test_another_labs_names_are_not_allowed():
 def test_allowed_builtins_hold_nothing_that_reaches_the_interpreter():
     assert not ALLOWED_BUILTINS & {"getattr", "setattr", "type", "object", "vars", "globals", "eval", "exec",
                                    "compile", "open", "__import__", "help", "input", "memoryview", "breakpoint"}
+
+
+# --------------------------------------------------------------------------- lab 05: Triton's names
+TRITON_LAB = labs.find_lab("05")
+KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kernel(X, Y, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(Y + i, tl.exp(tl.load(X + i, mask=i < N, other=0.0)))
+"""
+
+
+def _lab05(source: str) -> list[str]:
+    report = check_source(source, "flash_triton.py", TRITON_LAB.allowed_names, TRITON_LAB.modules,
+                          TRITON_LAB.decorators)
+    return [str(v) for v in report.violations]
+
+
+def test_a_plain_triton_kernel_passes_lab05_and_no_other_lab():
+    assert _lab05(KERNEL) == []
+    refused = [str(v) for v in check_source(KERNEL, "attention.py", labs.find_lab("04").allowed_names).violations]
+    assert any("import of 'triton'" in v for v in refused) and any("@triton.jit" in v for v in refused), refused
+
+
+@pytest.mark.parametrize("line,why", [
+    ("tl.inline_asm_elementwise('mov', '=r', [x], dtype=tl.float32, is_pure=True, pack=1)", "assembly"),
+    ("tl.extra.cuda.libdevice.exp(x)", "extern"),
+    ("triton.runtime.driver.active", "launchers"),
+    ("triton.compiler.compile", "compiles"),
+    ("tl.atomic_add(X, x)", "not among the triton.language names"),
+    ("tl.device_print('x', x)", "prints"),
+    ("tl.softmax(x)", "softmax"),
+])
+def test_triton_names_that_reach_outside_are_refused_with_the_line(line, why):
+    source = KERNEL + f"\n\ndef helper(X):\n    x = tl.load(X)\n    return {line}\n"
+    found = _lab05(source)
+    assert any(why in v and f"line {len(KERNEL.splitlines()) + 5}" in v for v in found), found
+
+
+@pytest.mark.parametrize("source", [
+    "import triton.language as tl\ntl = __import__('os')\n",  # rebinding the alias: judged as any name
+    "import torch\nimport triton.language as tl\n\n\ndef f():\n    tl = torch\n    return tl.load('x.pt')\n",
+    "import triton\nfrom triton import runtime\n",
+    "import triton.runtime\n",
+    "from triton.language import inline_asm_elementwise\n",
+])
+def test_the_triton_allow_list_cannot_be_sidestepped(source):
+    assert _lab05(source), source

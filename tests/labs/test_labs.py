@@ -16,9 +16,10 @@ def test_labs_lists_each_lab_with_what_it_covers(capsys):
     assert main(["labs"]) == 0
     out = capsys.readouterr().out
     assert "01-attention" in out and "covers:" in out and "attnlab labs get" in out
-    # the track: four labs, each listed with what it covers, each folder with its file and solution
-    assert [lab.name for lab in labs.LABS] == ["01-attention", "02-masks", "03-multi-head", "04-flash-attention"]
-    assert out.count("covers:") == 4 and "04-flash-attention" in out
+    # the track: five labs, each listed with what it covers, each folder with its file and solution
+    assert [lab.name for lab in labs.LABS] == ["01-attention", "02-masks", "03-multi-head", "04-flash-attention",
+                                               "05-triton-flash"]
+    assert out.count("covers:") == 5 and "05-triton-flash" in out
     for lab in labs.LABS:
         folder = labs.labs_root() / lab.name
         assert all((folder / f).is_file() for f in lab.files) and (folder / "solutions" / lab.file).is_file()

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         missing = [m for m in lab.needs if importlib.util.find_spec(m) is None]
         if missing:
             print(f"note: the lab's files import {', '.join(missing)}, which is not installed here; before you "
-                  f"start: pip install 'attnlab[lab]'", file=sys.stderr)
+                  f"start: pip install 'attnlab[{lab.extra}]'", file=sys.stderr)
         if importlib.util.find_spec("jupytext") is None or importlib.util.find_spec("jupyterlab") is None:
             print("note: to open the walkthrough notebook: pip install 'attnlab[notebook]', then "
                   "jupyter lab walkthrough.ipynb", file=sys.stderr)

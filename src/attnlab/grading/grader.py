@@ -342,7 +342,8 @@ def _graded(report: GradeReport, path: Path, source_bytes: bytes, prepared: "int
     submission is read and prepared)."""
 
     # The from-scratch rule on the text, before any of it runs.
-    static = check_source(source_bytes, path.name if prepared.kind == "py" else the_lab.file, the_lab.allowed_names)
+    static = check_source(source_bytes, path.name if prepared.kind == "py" else the_lab.file, the_lab.allowed_names,
+                          the_lab.modules, the_lab.decorators)
     report.shape_sha256 = shape_digest(static.tree)
     missing = missing_modules(static.imports)
     if missing and not static.syntax_error:  # the grader's installation, not the learner's code
@@ -469,7 +470,8 @@ def _blame_upstream(report: GradeReport, ex: Exercise, verdicts: dict[str, Verdi
 
 
 # what installs each module a lab's files may import (the static check's allow-list)
-_INSTALL = {"jaxtyping": "pip install 'attnlab[lab]'  (or: pip install jaxtyping)"}
+_INSTALL = {"jaxtyping": "pip install 'attnlab[lab]'  (or: pip install jaxtyping)",
+            "triton": "pip install 'attnlab[triton]'  (or: pip install triton; lab 05 runs it on the CPU)"}
 
 
 def missing_modules(modules) -> list[str]:

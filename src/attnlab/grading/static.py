@@ -194,16 +194,44 @@ ALLOWED_DECORATORS = frozenset({"staticmethod", "classmethod", "property", "torc
                                 "torch.inference_mode", "torch.inference_mode()", "torch.enable_grad()"})
 
 
+# Names of a lab's own modules (Lab.modules: Triton's, lab 05) that reach outside the kernel: the
+# compiler, its cache and launchers, extern libraries, the learner's own assembly. None is on any
+# lab's list (they are refused as every unlisted name is); these say why.
+REACH_OUTSIDE = {
+    "inline_asm_elementwise": "runs assembly of the file's own",
+    "extern_elementwise": "calls into an extern library",
+    "extra": "holds the extern libraries (libdevice)",
+    "libdevice": "is an extern library",
+    "runtime": "holds the launchers, the driver and the compiler's cache",
+    "compiler": "compiles and caches kernels outside the interpreter",
+    "compile": "compiles and caches kernels outside the interpreter",
+    "driver": "talks to the device driver",
+    "knobs": "changes the compiler's and the cache's settings",
+    "autotune": "benchmarks and caches configurations",
+    "heuristics": "runs the file's code at launch",
+    "tools": "holds the ahead-of-time compiler and the disassembler",
+    "backends": "holds the compiler backends",
+    "testing": "benchmarks with the device's timers",
+    "device_print": "prints from inside a kernel",
+    "static_print": "prints while compiling",
+}
+
+
 class _Visitor:
     """The walk over a submission's tree: an explicit stack, not recursion, so a file nested
     thousands deep (a 1500-term ``1+1+...``) is walked like any other."""
 
     def __init__(self, top_functions: set[str], allowed_attributes: frozenset = COMMON_ATTRIBUTES,
-                 bound: frozenset = frozenset(), defined: frozenset = frozenset()) -> None:
+                 bound: frozenset = frozenset(), defined: frozenset = frozenset(),
+                 modules: Optional[dict[str, frozenset]] = None, aliases: Optional[dict[str, str]] = None,
+                 decorators: frozenset = frozenset()) -> None:
         self.top = top_functions
         self.allowed = allowed_attributes
         self.bound = bound  # every name the file binds (assignments, parameters, imports, defs, loop targets)
         self.defined = defined  # names of the file's own code (defs, classes, lambdas): not for import-time use
+        self.modules = modules or {}  # the lab's own importable modules -> the names it allows in each
+        self.aliases = aliases or {}  # a name bound once, by importing one of those modules -> the module
+        self.decorators = ALLOWED_DECORATORS | decorators
         self.ctx = _Ctx(None, True)
         self.violations: list[Violation] = []
         self.calls: dict[str, set[str]] = {}
@@ -236,9 +264,13 @@ class _Visitor:
         decorators, defaults, annotations, bases."""
         for d in node.decorator_list:
             text = ast.unparse(d)
-            if text not in ALLOWED_DECORATORS or text.split(".")[0].rstrip("()") in self.bound - {"torch"}:
+            root = text.split(".")[0].rstrip("()")
+            own = self._qualified(d)  # @tl_alias.jit -> triton.jit when the lab allows it
+            if own in self.decorators and "." in own:
+                continue
+            if text not in self.decorators or root in self.bound - {"torch"}:
                 self.add(d, "unsafe", f"the decorator @{text[:60]}: a decorator runs at import; a submission may use "
-                                      f"only @{', @'.join(sorted(n for n in ALLOWED_DECORATORS if '(' not in n))}")
+                                      f"only @{', @'.join(sorted(n for n in self.decorators if '(' not in n))}")
         return [(d, ctx) for d in node.decorator_list]
 
     def _body_ctx(self, node, ctx: _Ctx) -> _Ctx:
@@ -322,13 +354,16 @@ class _Visitor:
     # ----------------------------------------------------------- imports
     def _check_module(self, node: ast.AST, module: str) -> None:
         root = module.split(".")[0]
+        if module in self.modules:  # the lab's own (lab 05's triton, triton.language): allowed whole
+            self.imports.add(root)
+            return
         for part in module.split(".")[1:]:
             self._allowed_name(node, part, f"import of {module}")
         if root in ALLOWED_IMPORTS and root != "__future__":
             self.imports.add(root)
         if root not in ALLOWED_IMPORTS:
-            self.add(node, "import", f"import of {module!r}: a submission may import only "
-                                     f"{', '.join(m for m in ALLOWED_IMPORTS if m != '__future__')}")
+            allowed = [m for m in ALLOWED_IMPORTS if m != "__future__"] + sorted(self.modules)
+            self.add(node, "import", f"import of {module!r}: a submission may import only {', '.join(allowed)}")
         elif any(part.startswith("_") for part in module.split(".")[1:]):
             self.add(node, "unsafe", f"import of the private module {module!r}")
 
@@ -345,7 +380,9 @@ class _Visitor:
             return []
         self._check_module(node, node.module or "")
         for alias in node.names:
-            if node.module != "__future__" and alias.name != "*":
+            if node.module in self.modules and alias.name != "*":
+                self._own_name(node, node.module, alias.name)
+            elif node.module != "__future__" and alias.name != "*":
                 self._allowed_name(node, alias.name, f"from {node.module} import {alias.name}")
             if alias.name == "*":
                 self.add(node, "unsafe", f"'from {node.module} import *': import names one by one")
@@ -376,7 +413,38 @@ class _Visitor:
             self.calls.setdefault(ctx.unit, set()).add(node.id)
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
+        base = self._qualified(node.value)
+        if base in self.modules:  # tl.dot, triton.jit: only the names the lab lists for that module
+            self._own_name(node, base, node.attr)
+            return
         self._attribute(node, node.attr)
+
+    def _qualified(self, node: ast.AST) -> str:
+        """``tl.dot`` -> ``triton.language.dot`` when ``tl`` is bound only by importing a lab
+        module ("" for anything else: a name bound twice may be anything by the time it runs)."""
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Call):  # @triton.jit(...) is judged as triton.jit
+            return self._qualified(node.func)
+        if not isinstance(node, ast.Name) or node.id not in self.aliases:
+            return ""
+        return ".".join([self.aliases[node.id]] + parts[::-1])
+
+    def _own_name(self, node: ast.AST, module: str, name: str) -> None:
+        qualified = f"{module}.{name}"
+        if qualified in self.modules or name in self.modules[module]:
+            return
+        why = REACH_OUTSIDE.get(name)
+        frag = _banned_fragment(name)
+        if frag:
+            self.add(node, "attention", f"{qualified} is {frag}: build it from scratch")
+        elif why:
+            self.add(node, "unsafe", f"{qualified} {why}: a lab kernel stays inside the interpreter, so it is refused")
+        else:
+            self.add(node, "unsafe", f"{qualified} is not among the {module} names this lab allows "
+                                     f"({', '.join(sorted(self.modules[module])[:12])}, ...)")
 
     def _allowed_name(self, node: ast.AST, attr: str, what: str) -> None:
         if attr.startswith("_") or attr in BANNED_ATTRIBUTES or _banned_fragment(attr):
@@ -437,6 +505,45 @@ def _bound_names(tree: ast.AST) -> frozenset:
     return frozenset(names)
 
 
+def _module_aliases(tree: ast.AST, modules: dict) -> dict[str, str]:
+    """Names bound exactly once in the file, by ``import M`` / ``import M as x`` /
+    ``from P import m`` of a lab module ``M``: the only names whose attributes are judged by
+    that module's list. A name bound again anywhere (``tl = torch``) is judged as any name."""
+    if not modules:
+        return {}
+    counts: dict[str, int] = {}
+    found: dict[str, str] = {}
+    imported: set[tuple[str, str]] = set()  # `import triton` and `import triton.language` both bind triton
+    for n in ast.walk(tree):
+        names = []
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            names = [n.id]
+        elif isinstance(n, ast.arg):
+            names = [n.arg]
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [n.name]
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            names = [n.name]
+        elif isinstance(n, ast.Import):
+            for a in n.names:
+                bound = a.asname or a.name.split(".")[0]
+                target = a.name if a.asname else a.name.split(".")[0]
+                if (bound, target) not in imported:
+                    names.append(bound)
+                    imported.add((bound, target))
+                if target in modules:
+                    found[bound] = target
+        elif isinstance(n, ast.ImportFrom):
+            for a in n.names:
+                bound = a.asname or a.name
+                names.append(bound)
+                if f"{n.module}.{a.name}" in modules and not n.level:
+                    found[bound] = f"{n.module}.{a.name}"
+        for name in names:
+            counts[name] = counts.get(name, 0) + 1
+    return {name: m for name, m in found.items() if counts.get(name) == 1}
+
+
 def _defined_names(tree: ast.Module) -> frozenset:
     """The file's own code, by the names it is bound to at module level or in a top-level class:
     defs, classes and lambdas. Import-time code may not use them (:class:`_Visitor`)."""
@@ -454,11 +561,14 @@ def _defined_names(tree: ast.Module) -> frozenset:
 
 
 def check_source(source: str | bytes, filename: str = "attention.py",
-                 allowed_attributes: Iterable[str] = ()) -> StaticReport:
+                 allowed_attributes: Iterable[str] = (), modules: Iterable[tuple[str, Iterable[str]]] = (),
+                 decorators: Iterable[str] = ()) -> StaticReport:
     """Parse the submission and list what the from-scratch rule refuses (never raises
     for the learner's sake: a syntax error comes back in ``syntax_error``).
     ``allowed_attributes``: the lab's own names beyond :data:`COMMON_ATTRIBUTES`
-    (:attr:`attnlab.labs.Lab.allowed_names`)."""
+    (:attr:`attnlab.labs.Lab.allowed_names`); ``modules``: modules the lab may import beyond
+    :data:`ALLOWED_IMPORTS`, each with the only names it may use from them
+    (:attr:`attnlab.labs.Lab.modules`); ``decorators``: the lab's own (``triton.jit``)."""
     try:
         tree = parse(source, filename)
     except (RecursionError, MemoryError) as exc:
@@ -478,8 +588,9 @@ def check_source(source: str | bytes, filename: str = "attention.py",
     # top-level functions and classes (lab 04's autograd.Function) are the units a violation costs
     top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
     try:
+        own = {m: frozenset(names) for m, names in modules}
         visitor = _Visitor(top, COMMON_ATTRIBUTES | frozenset(allowed_attributes), _bound_names(tree),
-                           _defined_names(tree))
+                           _defined_names(tree), own, _module_aliases(tree, own), frozenset(decorators))
         visitor.run(tree)
     except (RecursionError, MemoryError) as exc:  # never for a real lab file; a refusal, not a traceback
         return StaticReport([], {}, f"the file is too deeply nested or too large to check ({type(exc).__name__})")

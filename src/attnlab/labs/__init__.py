@@ -1,7 +1,7 @@
 """The labs of track 1, and how a learner gets them: ``attnlab labs`` / ``attnlab labs get NAME``.
 
 A lab is one module of this package (``lab01_attention``, ``lab02_masks``, ``lab03_multihead``,
-``lab04_flash``: its :class:`Lab` as ``LAB``, its exercises as ``EXERCISES``, written in
+``lab04_flash``, ``lab05_triton``: its :class:`Lab` as ``LAB``, its exercises as ``EXERCISES``, written in
 :mod:`attnlab.grading.exercise`) plus one folder of materials (``labs/track1/NN-name/``).
 Adding a lab is adding both and naming the module in :data:`LAB_MODULES`; nothing under
 ``attnlab.grading`` changes.
@@ -43,6 +43,12 @@ class Lab:
     # names beyond the shared tensor arithmetic (attnlab.grading.static.COMMON_ATTRIBUTES) that
     # this lab's files may use as attributes or from-imports: the static check's allow-list
     allowed_names: tuple[str, ...] = ()
+    # modules beyond torch/math/typing/jaxtyping this lab's file may import, each with the only
+    # names it may use from them (lab 05: triton.jit, triton.language's kernel operations): the
+    # static check's allow-list for them, deny by default
+    modules: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    decorators: tuple[str, ...] = ()  # beyond the shared ones (lab 05: triton.jit)
+    extra: str = "lab"  # the pip extra that installs `needs`
     rule: str = "This lab builds attention from scratch: torch's softmax and SDPA are the oracles, not the answer"
 
     @property
@@ -61,7 +67,7 @@ class Lab:
 
 
 # the registered labs, in order; a lab is one module of this package plus one folder of materials
-LAB_MODULES = ("lab01_attention", "lab02_masks", "lab03_multihead", "lab04_flash")
+LAB_MODULES = ("lab01_attention", "lab02_masks", "lab03_multihead", "lab04_flash", "lab05_triton")
 LABS: tuple[Lab, ...] = ()  # filled below, once Lab exists for the lab modules to use
 
 

@@ -4,7 +4,7 @@ Same machinery as lab 01's (:mod:`attnlab.grading.exercise`): seeded, unequal in
 (L = 37 queries over S = 45 keys in tiles of 16, a causal 40 x 40 in query tiles of 16 and
 key tiles of 8, so no mistake hides behind square, aligned tiles), a float64 reference
 computed here, and what each common mistake returns, to name it (codes from
-:mod:`attnlab.mistakes`). The mistakes are simulated by :func:`_tiled`, the same loop as the
+:mod:`attnlab.mistakes`). The mistakes are simulated by :func:`simulate_forward`, the same loop as the
 lab's with one step broken, so what a named mistake returns is what the learner's code does.
 
 ex3 runs the learner's forward at L = S = 4096 under a memory cap of 32 MB above what the
@@ -25,7 +25,8 @@ from attnlab.grading.exercise import Exercise, Verdict, mistake, tensor_verdict,
 from attnlab.grading.sandbox import Call
 from attnlab.labs import Lab
 
-__all__ = ["LAB", "EXERCISES", "BIG", "MEMORY_MB"]
+# the simulators are lab 05's too (the same algorithm in Triton): package-internal, documented here
+__all__ = ["LAB", "EXERCISES", "BIG", "MEMORY_MB", "simulate_forward", "simulate_grads", "causal_mask", "tiles_kept"]
 
 LAB = Lab("04-flash-attention", "FlashAttention from scratch: the online softmax, tiles, the backward",
           "the online softmax on a stream (running max and sum), the tiled forward with m_i, l_i, acc and the "
@@ -70,7 +71,8 @@ def _stream_stats(x: Tensor, block: int, bug: str = "") -> tuple[Tensor, Tensor]
     return m_i, l_i
 
 
-def _tiled(q: Tensor, k: Tensor, v: Tensor, causal: bool, bq: int, bk: int, bug: str = "") -> tuple[Tensor, Tensor]:
+def simulate_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, bq: int, bk: int,
+                     bug: str = "") -> tuple[Tensor, Tensor]:
     """The lab's forward in float64 with one step broken (``bug``): 'acc' (acc not rescaled),
     'l' (l_i not rescaled), 'stale' (P = exp(s - m_old): the tile's weights under the max
     before it), 'diag_unmasked' (causal blocks kept whole), 'diag_skipped' (the diagonal block
@@ -106,8 +108,8 @@ def _tiled(q: Tensor, k: Tensor, v: Tensor, causal: bool, bq: int, bk: int, bug:
     return o, lse
 
 
-def _grads(q: Tensor, k: Tensor, v: Tensor, do: Tensor, mask: Optional[Tensor], bug: str = "",
-           p_mask: Optional[Tensor] = None, bk: int = 16) -> tuple:
+def simulate_grads(q: Tensor, k: Tensor, v: Tensor, do: Tensor, mask: Optional[Tensor], bug: str = "",
+                   p_mask: Optional[Tensor] = None, bk: int = 16) -> tuple:
     """dq, dk, dv in float64 from the formulas; ``bug``: 'no_d' (the D term dropped),
     'd_tile' (D = rowsum(P * dP) of each ``bk``-key tile, not of the whole row), 'no_scale' (dq, dk
     without the scale), 'no_scale_dq', 'no_scale_dk' (one of them),
@@ -135,11 +137,11 @@ def _grads(q: Tensor, k: Tensor, v: Tensor, do: Tensor, mask: Optional[Tensor], 
     return ds @ k * sq, ds.transpose(-2, -1) @ q * sk, dv
 
 
-def _causal(L: int, S: int) -> Tensor:
+def causal_mask(L: int, S: int) -> Tensor:
     return torch.ones(L, S, dtype=torch.bool).tril()
 
 
-def _tiles_kept(L: int, S: int, bq: int, bk: int) -> Tensor:
+def tiles_kept(L: int, S: int, bq: int, bk: int) -> Tensor:
     """[L, S]: True where the tile holding (query i, key j) is visited under is_causal (not
     wholly after the query block), whole: what a loop that skips tiles but masks none sees."""
     q_end = ((torch.arange(L) // bq + 1) * bq).clamp(max=L)  # [L]: the end of query i's block
@@ -237,7 +239,7 @@ def _judge_skip(ctx, result) -> Verdict:
         return bad
     if not (isinstance(o, Tensor) and o.shape[:-2] == q.shape[:-2] and o.shape[-2] == L):
         return tensor_verdict(o, q[..., :1].expand(*q.shape[:-1], v.shape[-1]), "flash_forward output")
-    expected = scaled_dot_product_attention(q, k, v, attn_mask=_causal(L, L))[:, :, :nan_from]
+    expected = scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(L, L))[:, :, :nan_from]
     got = o[:, :, :nan_from]
     what = (f"flash_forward with is_causal, the values of keys {nan_from}.. NaN, queries 0..{nan_from - 1} (which "
             "give those keys weight 0)")
@@ -256,15 +258,15 @@ def _judge_ex2(ctx, results, outcome):
     o, lse, bad = _pair(value(results, 0), "flash_forward")
     if bad:
         return {"output": bad, "lse": bad, "causal": bad, "causal_rectangular": bad, "skips_future_tiles": bad}
-    ref_lse = _tiled(q, k, v, False, bq, bk)[1]
+    ref_lse = simulate_forward(q, k, v, False, bq, bk)[1]
     out["output"] = tensor_verdict(o, scaled_dot_product_attention(q, k, v), "flash_forward output (L = 37, S = 45)", [
         mistake("online_rescale", "acc is not rescaled when the running max grows: acc * exp(m_old - m_new) before "
-                                  "adding P @ V", _tiled(q, k, v, False, bq, bk, "acc")[0]),
+                                  "adding P @ V", simulate_forward(q, k, v, False, bq, bk, "acc")[0]),
         mistake("online_rescale", "l_i is not rescaled when the running max grows: l_i * exp(m_old - m_new) before "
-                                  "adding the tile's row sums", _tiled(q, k, v, False, bq, bk, "l")[0]),
+                                  "adding the tile's row sums", simulate_forward(q, k, v, False, bq, bk, "l")[0]),
         mistake("online_rescale", "a stale max: the tile's weights are exp(s - m_old), taken before the running max "
                                   "was updated; compute m_new first, then P = exp(s - m_new) and rescale l_i and acc "
-                                  "by exp(m_old - m_new)", _tiled(q, k, v, False, bq, bk, "stale")[0]),
+                                  "by exp(m_old - m_new)", simulate_forward(q, k, v, False, bq, bk, "stale")[0]),
         mistake("missing_scale", "the scores are not scaled: multiply q (or each tile's Q K^T) by 1/sqrt(E)",
                 scaled_dot_product_attention(q, k, v, scale=1.0)),
         mistake("wrong_scale", "the scores are divided by E; the scale is 1/sqrt(E)",
@@ -276,15 +278,15 @@ def _judge_ex2(ctx, results, outcome):
     ])
     out["lse"] = tensor_verdict(lse, ref_lse, "lse (natural log-sum-exp of each row's scaled scores)", [
         mistake("lse_saved", "lse is in base 2: use torch.log (natural log), lse = m_i + log(l_i)",
-                _tiled(q, k, v, False, bq, bk, "lse_log2")[1]),
+                simulate_forward(q, k, v, False, bq, bk, "lse_log2")[1]),
         mistake("lse_saved", "lse = m_i + log2(l_i) mixes bases: m_i is in natural-log units, so use torch.log",
-                _tiled(q, k, v, False, bq, bk, "lse_log2_sum")[1]),
+                simulate_forward(q, k, v, False, bq, bk, "lse_log2_sum")[1]),
         mistake("lse_saved", "lse is m_i alone: add log(l_i), the log of the running sum",
-                _tiled(q, k, v, False, bq, bk, "lse_max")[1]),
+                simulate_forward(q, k, v, False, bq, bk, "lse_max")[1]),
         mistake("lse_saved", "lse is log(l_i) alone: l_i was summed under the running max, so add it back: "
-                             "lse = m_i + log(l_i)", _tiled(q, k, v, False, bq, bk, "lse_no_max")[1]),
+                             "lse = m_i + log(l_i)", simulate_forward(q, k, v, False, bq, bk, "lse_no_max")[1]),
         mistake("lse_saved", "the returned second value is l_i, the sum: lse = m_i + log(l_i)",
-                torch.exp(ref_lse - _tiled(q, k, v, False, bq, bk, "lse_max")[1])),
+                torch.exp(ref_lse - simulate_forward(q, k, v, False, bq, bk, "lse_max")[1])),
     ])
     # causal, square then rectangular (top-left: query i sees keys 0 .. i)
     for name, i in (("causal", 1), ("causal_rectangular", 2)):
@@ -294,21 +296,21 @@ def _judge_ex2(ctx, results, outcome):
         if bad:
             out[name] = bad
             continue
-        expected = scaled_dot_product_attention(q, k, v, attn_mask=_causal(L, S))
+        expected = scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(L, S))
         out[name] = tensor_verdict(o_c, expected, f"flash_forward with is_causal (L = {L}, S = {S}, tiles {bq} x {bk})", [
             mistake("causal_block_skip", "the diagonal block is not masked inside: a query sees the keys after it "
                                          "in its own tile (key j > query i needs -inf there)",
-                    _tiled(q, k, v, True, bq, bk, "diag_unmasked")[0]),
+                    simulate_forward(q, k, v, True, bq, bk, "diag_unmasked")[0]),
             mistake("causal_block_skip", "the diagonal block is skipped: each query must see the keys of its own "
-                                         "tile up to itself", _tiled(q, k, v, True, bq, bk, "diag_skipped")[0]),
+                                         "tile up to itself", simulate_forward(q, k, v, True, bq, bk, "diag_skipped")[0]),
             mistake("causal_block_skip", "is_causal is ignored: every query sees every key",
                     scaled_dot_product_attention(q, k, v)),
             mistake("off_by_one", "the causal mask hides the diagonal: query i sees keys 0 .. i, itself included "
-                                  "(key j <= query i)", _tiled(q, k, v, True, bq, bk, "off_by_one")[0]),
+                                  "(key j <= query i)", simulate_forward(q, k, v, True, bq, bk, "off_by_one")[0]),
             mistake("online_rescale", "acc is not rescaled when the running max grows: acc * exp(m_old - m_new)",
-                    _tiled(q, k, v, True, bq, bk, "acc")[0]),
+                    simulate_forward(q, k, v, True, bq, bk, "acc")[0]),
             mistake("online_rescale", "l_i is not rescaled when the running max grows: l_i * exp(m_old - m_new)",
-                    _tiled(q, k, v, True, bq, bk, "l")[0]),
+                    simulate_forward(q, k, v, True, bq, bk, "l")[0]),
         ])
     out["skips_future_tiles"] = _judge_skip(ctx[3], value(results, 3))
     return out
@@ -353,7 +355,7 @@ def _prep_ex4(g):
     for L, S, causal, bq, bk in EX4_CASES:
         q, k, v = _inputs(g, L, S)
         do = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=g)
-        o, lse = _tiled(q.double(), k.double(), v.double(), causal, bq, bk)  # the forward's output, exact
+        o, lse = simulate_forward(q.double(), k.double(), v.double(), causal, bq, bk)  # the forward's output, exact
         calls.append(Call("flash_backward", (q, k, v, o.float(), lse.float(), do, causal, bq, bk)))
         ctx.append((q, k, v, do))
     return calls, ctx
@@ -367,19 +369,19 @@ def _judge_ex4(ctx, results, outcome):
     out = {}
     for i, (L, S, causal, bq, bk) in enumerate(EX4_CASES):
         q, k, v, do = (t.double() for t in ctx[i])
-        mask = _causal(L, S) if causal else None
+        mask = causal_mask(L, S) if causal else None
         got = _triple(value(results, i))
         if got is None:
             bad = Verdict(False, f"flash_backward must return (dq, dk, dv), got {type(value(results, i)).__name__}")
             out.update({"dv": bad, "dq_dk": bad} if not causal else {"causal": bad})
             continue
-        dq, dk, dv = _grads(q, k, v, do, mask)
+        dq, dk, dv = simulate_grads(q, k, v, do, mask)
         no_d, d_tile, no_scale, no_scale_dq, no_scale_dk, p_unscaled = (
-            _grads(q, k, v, do, mask, bug, bk=bk) for bug in ("no_d", "d_tile", "no_scale", "no_scale_dq",
+            simulate_grads(q, k, v, do, mask, bug, bk=bk) for bug in ("no_d", "d_tile", "no_scale", "no_scale_dq",
                                                               "no_scale_dk", "p_unscaled"))
         # P rebuilt without the causal mask: in every tile (no skipping either), or in the tiles visited
-        unmasked = [_grads(q, k, v, do, mask, p_mask=m) for m in (torch.ones(L, S, dtype=torch.bool),
-                                                                   _tiles_kept(L, S, bq, bk))] if causal else []
+        unmasked = [simulate_grads(q, k, v, do, mask, p_mask=m) for m in (torch.ones(L, S, dtype=torch.bool),
+                                                                   tiles_kept(L, S, bq, bk))] if causal else []
         both = (lambda t: torch.cat([t[0].flatten(), t[1].flatten()]))
         got_qk = both(got) if all(isinstance(t, Tensor) for t in got[:2]) else None
         qk_mistakes = [
@@ -434,12 +436,12 @@ def _judge_ex5(ctx, results, outcome):
                                  f"{type(got).__name__}")
             return {"output": bad, "gradients": bad, "saves_lse_not_weights": bad}
         where = f"(L = {L}, S = {S}{', is_causal' if causal else ''})"
-        mask = _causal(L, S) if causal else None
+        mask = causal_mask(L, S) if causal else None
         if outputs.passed:
             outputs = tensor_verdict(got[0], scaled_dot_product_attention(q, k, v, attn_mask=mask),
                                      f"tiled_attention output {where}")
-        unmasked = _grads(q, k, v, do, mask, p_mask=torch.ones(L, S, dtype=torch.bool)) if causal else (None,) * 3
-        for name, g_, e_, u in zip(("dq", "dk", "dv"), got[1:4], _grads(q, k, v, do, mask), unmasked):
+        unmasked = simulate_grads(q, k, v, do, mask, p_mask=torch.ones(L, S, dtype=torch.bool)) if causal else (None,) * 3
+        for name, g_, e_, u in zip(("dq", "dk", "dv"), got[1:4], simulate_grads(q, k, v, do, mask), unmasked):
             if grads.passed:
                 grads = tensor_verdict(g_, e_, f"{name} through TiledAttention.backward {where}", [
                     mistake("causal_block_skip", "the backward runs without the causal mask: pass is_causal on "

@@ -1,4 +1,4 @@
-"""Each lab's buggy variants as data, one module per lab that has them (lab02, lab03, lab04;
+"""Each lab's buggy variants as data, one module per lab that has them (lab02 ... lab05;
 lab 01's are in tests/grading/test_grading.py): ``LAB``, ``SEED``, ``VARIANTS``
 (name -> (edits to the solution, [(exercise, code)])), ``NAMED`` and ``WALKTHROUGH``."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("lab02", "lab03", "lab04")
+MODULES = ("lab02", "lab03", "lab04", "lab05")
 
 
 def variant_data() -> dict:

@@ -298,6 +298,9 @@ def plan(bwrap: str, inside: list[str], *, template: bool = False, seccomp_fd: O
             "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
             "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "OMP_NUM_THREADS", "1",
             "--setenv", "ATTNLAB_NATIVE", "0",
+            # lab 05's Triton kernels run in Triton's interpreter (NumPy, in this process): nothing is
+            # compiled, so no compiler, cache directory or launcher is needed, and none is given
+            "--setenv", "TRITON_INTERPRET", "1",
             "--remount-ro", "/",  # the skeleton bwrap built (mount points' parents) is read-only too
             "--"]
     result.argv = cmd + inside

@@ -343,7 +343,7 @@ def start(mode: str = "auto", memory_mb: int = 2048, max_procs: int = 64) -> Ser
                 os.close(seccomp_fd)
         return Server(proc, True, cgroup, memory_mb, plan=plan)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNLAB_")}
-    env.update(OMP_NUM_THREADS="1", ATTNLAB_NATIVE="0", PYTHONDONTWRITEBYTECODE="1")
+    env.update(OMP_NUM_THREADS="1", ATTNLAB_NATIVE="0", PYTHONDONTWRITEBYTECODE="1", TRITON_INTERPRET="1")
     if mode == "user":  # :mod:`.user`
         uid = _bwrap.unprivileged_uid()
         enter = cgroup.enter if cgroup is not None else None
@@ -356,7 +356,8 @@ def start(mode: str = "auto", memory_mb: int = 2048, max_procs: int = 64) -> Ser
             _bwrap.drop_to(uid)
 
         env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
-               "PYTHONDONTWRITEBYTECODE": "1", "ATTNLAB_NATIVE": "0"}  # nothing of the grader's environment
+               "PYTHONDONTWRITEBYTECODE": "1", "ATTNLAB_NATIVE": "0",
+               "TRITON_INTERPRET": "1"}  # nothing of the grader's environment (bwrap.plan says why the last)
         argv = [sys.executable, "-I", "-B", os.path.join(user.runner_copy(), "server.py"), "--sandboxed"]
         proc = subprocess.Popen(argv, env=env, cwd="/", preexec_fn=become, **pipes)
         return Server(proc, False, cgroup, memory_mb, uid=uid)

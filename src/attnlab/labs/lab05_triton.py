@@ -1,0 +1,558 @@
+"""Lab 05's checks (``labs/track1/05-triton-flash``): FlashAttention in Triton, graded on a CPU.
+
+The learner's kernels run in the sandbox under Triton's interpreter (``TRITON_INTERPRET=1``, set
+by the sandbox for every lab: :mod:`attnlab.grading.sandbox.bwrap`), which executes a
+``@triton.jit`` kernel with NumPy, program by program: exact, and slow enough that every case
+is small (L, S <= 64, tiles of 16; the solution takes under 1 s of CPU per exercise, the budget
+is :data:`CPU_S`).
+
+The same machinery as lab 04's (:mod:`attnlab.grading.exercise`), and the same float64
+simulators of each mistake (:func:`attnlab.labs.lab04_flash.simulate_forward`,
+:func:`~attnlab.labs.lab04_flash.simulate_grads`: the algorithm is the same, only the language
+changes). What is new is what a GPU kernel gets wrong:
+
+* loads and stores past the end of a tensor (``load_mask``): every float argument reaches the
+  learner inside a buffer whose tail is NaN (the sandbox's server guards every argument so), so
+  a tile that reads past the last key reads NaN, the same on every run;
+* accumulators in the inputs' dtype (``accumulate_dtype``): a float16 case whose dV is past
+  float16's largest value (65504), which a float32 accumulator holds and a float16 one turns
+  into inf;
+* grouped heads by index arithmetic (``gqa_group_mapping``): query head ``h`` reads key/value
+  head ``h // (H // Hkv)``, and dK/dV sum over the whole group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from attnlab.functional import scaled_dot_product_attention
+from attnlab.grading.exercise import Exercise, Verdict, mistake, tensor_verdict, value
+from attnlab.grading.sandbox import Call
+from attnlab.labs import Lab
+from attnlab.labs.lab04_flash import causal_mask, simulate_forward, simulate_grads, tiles_kept
+from attnlab.testing import max_abs_diff, tolerance
+
+__all__ = ["LAB", "EXERCISES", "BLOCK", "CPU_S", "TRITON_NAMES"]
+
+# What a FlashAttention kernel needs from Triton, and nothing else (the static check's allow-list
+# for lab 05, deny by default): no atomics (the backward is written without them), no inline
+# assembly, extern libraries, compiler, cache, autotuner or launcher (attnlab.grading.static's
+# REACH_OUTSIDE says why each of those is refused).
+TRITON_NAMES = (
+    ("triton", ("jit", "cdiv", "next_power_of_2", "language")),
+    ("triton.language", (
+        "program_id", "num_programs", "arange", "load", "store", "dot", "trans", "zeros", "full", "where",
+        "maximum", "minimum", "max", "min", "sum", "exp", "exp2", "log", "log2", "sqrt", "rsqrt", "abs", "cdiv",
+        "constexpr", "float32", "float16", "bfloat16", "int32", "int64", "static_range", "range", "cast",
+        "reshape", "broadcast_to", "expand_dims", "fma", "zeros_like", "full_like", "multiple_of", "max_contiguous",
+    )),
+)
+
+LAB = Lab("05-triton-flash", "FlashAttention in Triton, graded on a CPU",
+          "the forward kernel (one program per query tile and head, the online softmax over key tiles, O and lse "
+          "stored), causal tiles skipped and the diagonal masked, masked loads and stores at ragged edges, the "
+          "backward's D preprocess, dK/dV and dQ kernels without atomics, the autograd.Function, grouped heads by "
+          "index arithmetic; run by Triton's interpreter, so no GPU is needed", file="flash_triton.py",
+          module=__name__, needs=("triton",), extra="triton", modules=TRITON_NAMES, decorators=("triton.jit",),
+          # the autograd.Function, its ctx, and a pointer's element type (O.dtype.element_ty)
+          allowed_names=("autograd", "Function", "apply", "save_for_backward", "saved_tensors", "grad_fn",
+                         "is_causal", "element_ty"),
+          rule="This lab writes FlashAttention as Triton kernels from tl.load, tl.dot, tl.exp and tl.store "
+               "(torch's softmax and SDPA are the oracles, not the answer; Triton's own softmax and anything that "
+               "leaves the interpreter are refused)")
+
+BLOCK = 16  # BLOCK_Q = BLOCK_K in the stub (given): tl.dot's smallest tile
+CPU_S = 10.0  # each exercise's CPU budget: the solution used 0.03-0.9 s per exercise, 3.0 s in all (2-core AVX2 EPYC)
+E = 16  # the head size of every case (a power of two: tl.arange needs one)
+NEG_INF = float("-inf")
+
+
+def _inputs(g: torch.Generator, L: int, S: int, H: int = 2, Hkv: Optional[int] = None,
+            dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+    Hkv = H if Hkv is None else Hkv
+    return (torch.randn(1, H, L, E, generator=g).to(dtype), torch.randn(1, Hkv, S, E, generator=g).to(dtype),
+            torch.randn(1, Hkv, S, E, generator=g).to(dtype))
+
+
+def _pair(got, what: str) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Verdict]]:
+    if isinstance(got, tuple) and len(got) == 2:
+        return got[0], got[1], None
+    return None, None, Verdict(False, f"{what} must return a pair (o, lse), got {type(got).__name__}")
+
+
+def _triple(got, what: str) -> tuple[Optional[tuple], Optional[Verdict]]:
+    if isinstance(got, tuple) and len(got) == 3:
+        return got, None
+    return None, Verdict(False, f"{what} must return (dq, dk, dv), got {type(got).__name__}")
+
+
+def _forward(q, k, v, causal: bool, bug: str = "") -> tuple[Tensor, Tensor]:
+    """The tiled forward in float64 (lab 04's simulator, tiles of BLOCK), one step broken by ``bug``."""
+    return simulate_forward(q.double(), k.double(), v.double(), causal, BLOCK, BLOCK, bug)
+
+
+def _naming_loads(got: Tensor, expected: Tensor, what: str) -> Optional[Verdict]:
+    """NaN where the reference is finite: the NaN past the end of a guarded argument was read."""
+    if isinstance(got, Tensor) and got.shape == expected.shape and bool((got.isnan() & expected.isfinite()).any()):
+        msg = (f"{what}: NaN where the answer is finite. The last tile reads past the end of the tensor (the grader "
+               "puts NaN there): load with mask= and other=0.0 (rows < L, keys < S)")
+        return Verdict(False, msg, [{"code": "load_mask", "message": msg}], (got, expected))
+    return None
+
+
+# --------------------------------------------------------------------------- ex1: the forward kernel
+EX1 = (32, 32)  # L, S: whole tiles
+
+
+def _prep_ex1(g):
+    q, k, v = _inputs(g, *EX1)
+    return [Call("flash_forward", (q, k, v, False))], (q, k, v)
+
+
+def _judge_ex1(ctx, results, outcome):
+    q, k, v = (t.double() for t in ctx)
+    o, lse, bad = _pair(value(results, 0), "flash_forward")
+    if bad:
+        return {"output": bad, "lse": bad}
+    fwd = {bug: _forward(q, k, v, False, bug) for bug in ("", "acc", "l", "stale", "lse_log2", "lse_log2_sum",
+                                                           "lse_max", "lse_no_max")}
+    out = {"output": tensor_verdict(o, scaled_dot_product_attention(q, k, v), "flash_forward's O (L = S = 32)", [
+        mistake("online_rescale", "acc is not rescaled when the running max grows: acc = acc * alpha[:, None] + "
+                                  "tl.dot(p, v) with alpha = tl.exp(m_i - m_new)", fwd["acc"][0]),
+        mistake("online_rescale", "l_i is not rescaled when the running max grows: l_i = l_i * alpha + "
+                                  "tl.sum(p, 1)", fwd["l"][0]),
+        mistake("online_rescale", "a stale max: p = tl.exp(s - m_i) uses the max before this tile; compute m_new "
+                                  "first, then p = tl.exp(s - m_new[:, None])", fwd["stale"][0]),
+        mistake("missing_scale", "the scores are not scaled: multiply tl.dot(q, tl.trans(k)) by scale "
+                                 "(1/sqrt(E), passed to the kernel)", scaled_dot_product_attention(q, k, v, scale=1.0)),
+    ])}
+    out["lse"] = tensor_verdict(lse, fwd[""][1], "flash_forward's lse (natural log-sum-exp of each row)", [
+        mistake("lse_saved", "lse is in base 2: tl.log, not tl.log2 (or divide by ln 2 nowhere)", fwd["lse_log2"][1]),
+        mistake("lse_saved", "lse = m_i + log2(l_i) mixes bases: m_i is in natural-log units, use tl.log",
+                fwd["lse_log2_sum"][1]),
+        mistake("lse_saved", "lse is m_i alone: store m_i + tl.log(l_i)", fwd["lse_max"][1]),
+        mistake("lse_saved", "lse is log(l_i) alone: l_i was summed under the running max, so store "
+                             "m_i + tl.log(l_i)", fwd["lse_no_max"][1]),
+        mistake("lse_saved", "lse was never stored: tl.store(LSE + ..., m_i + tl.log(l_i), mask=rows < L)",
+                torch.zeros_like(fwd[""][1])),
+    ])
+    return out
+
+
+# --------------------------------------------------------------------------- ex2: causal
+EX2 = 48  # L = S: three tiles
+EX2_NAN_FROM = 32  # the skip check: values of keys 32.. are NaN; queries 0..31 give them weight 0
+
+
+def _prep_ex2(g):
+    q, k, v = _inputs(g, EX2, EX2)
+    q2, k2, v2 = _inputs(g, EX2, EX2)
+    v_nan = v2.clone()
+    v_nan[:, :, EX2_NAN_FROM:] = float("nan")
+    return [Call("flash_forward", (q, k, v, True)), Call("flash_forward", (q2, k2, v_nan, True))], \
+        ((q, k, v), (q2, k2, v2))
+
+
+def _judge_ex2(ctx, results, outcome):
+    q, k, v = (t.double() for t in ctx[0])
+    o, _, bad = _pair(value(results, 0), "flash_forward")
+    if bad:
+        return {"causal": bad, "skips_future_tiles": bad}
+    expected = scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(EX2, EX2))
+    out = {"causal": tensor_verdict(o, expected, f"flash_forward with is_causal (L = S = {EX2}, tiles {BLOCK})", [
+        mistake("causal_block_skip", "the diagonal tile is not masked inside: tl.where(keys[None, :] <= "
+                                     "rows[:, None], s, float('-inf'))", _forward(q, k, v, True, "diag_unmasked")[0]),
+        mistake("causal_block_skip", "the diagonal tile is skipped: the key loop must run up to and including the "
+                                     "query tile's own keys (stop = (pid_q + 1) * BQ)",
+                _forward(q, k, v, True, "diag_skipped")[0]),
+        mistake("causal_block_skip", "the diagonal tile is skipped: the key loop must run up to and including the "
+                                     "query tile's own keys (stop = (pid_q + 1) * BQ)",
+                _forward(q, k, v, True, "diag_skipped")[0].nan_to_num(0.0)),
+        mistake("causal_block_skip", "CAUSAL is ignored: every query sees every key",
+                scaled_dot_product_attention(q, k, v)),
+        mistake("off_by_one", "the causal mask hides the diagonal: query i sees keys 0 .. i, itself included "
+                              "(keys <= rows, not <)", _forward(q, k, v, True, "off_by_one")[0]),
+        mistake("off_by_one", "the causal mask hides the diagonal: query i sees keys 0 .. i, itself included "
+                              "(keys <= rows, not <)", _forward(q, k, v, True, "off_by_one")[0].nan_to_num(0.0)),
+    ])}
+    o2, _, bad = _pair(value(results, 1), "flash_forward")
+    if bad:
+        out["skips_future_tiles"] = bad
+        return out
+    q2, k2, v2 = (t.double() for t in ctx[1])
+    rows = slice(0, EX2_NAN_FROM)
+    want = scaled_dot_product_attention(q2, k2, v2, attn_mask=causal_mask(EX2, EX2))[:, :, rows]
+    what = (f"flash_forward with is_causal, the values of keys {EX2_NAN_FROM}.. NaN, queries 0..{EX2_NAN_FROM - 1} "
+            "(which give them weight 0)")
+    if isinstance(o2, Tensor) and o2.shape == o.shape and bool(o2[:, :, rows].isnan().any()):
+        msg = (f"{what}: NaN. The key tiles wholly after a query tile are loaded, not skipped: their weights are 0 "
+               "but 0 x NaN = NaN in tl.dot(p, v), and they cost time. Stop the key loop at the tile's last query: "
+               "range(0, tl.minimum(S, (pid_q + 1) * BQ), BK)")
+        out["skips_future_tiles"] = Verdict(False, msg, [{"code": "causal_block_skip", "message": msg}])
+    else:
+        out["skips_future_tiles"] = tensor_verdict(o2[:, :, rows] if isinstance(o2, Tensor) else o2, want, what)
+    return out
+
+
+# --------------------------------------------------------------------------- ex3: ragged edges
+EX3 = (37, 45, 3)  # L, S, H: neither a multiple of 16
+
+
+def _prep_ex3(g):
+    L, S, H = EX3
+    q, k, v = _inputs(g, L, S, H=H)
+    return [Call("flash_forward", (q, k, v, False)), Call("flash_forward", (q, k, v, True))], (q, k, v)
+
+
+def _beyond(k: Tensor, pad: int) -> Tensor:
+    """What an unmasked load reads past each head's last key: the next head's first rows (the
+    tensors are contiguous), NaN past the last head (the grader's guard)."""
+    flat = torch.cat([k.reshape(-1, k.shape[-1]), torch.full((pad, k.shape[-1]), float("nan"), dtype=k.dtype)])
+    S = k.shape[-2]
+    heads = [flat[h * S:h * S + S + pad] for h in range(k.shape[0] * k.shape[1])]
+    return torch.stack(heads).reshape(*k.shape[:2], S + pad, k.shape[-1])
+
+
+def _judge_ex3(ctx, results, outcome):
+    L, S, H = EX3
+    q, k, v = (t.double() for t in ctx)
+    pad = -S % BLOCK
+    zeros = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], pad, E)], dim=2)  # noqa: E731
+    out = {}
+    for name, i, causal in (("ragged_edges", 0, False), ("ragged_causal", 1, True)):
+        o, _, bad = _pair(value(results, i), "flash_forward")
+        if bad:
+            out[name] = bad
+            continue
+        mask = causal_mask(L, S) if causal else None
+        expected = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        what = f"flash_forward (L = {L}, S = {S}: the last tiles are partial{', is_causal' if causal else ''})"
+        verdict = _naming_loads(o, expected, what)
+        if verdict is None:
+            first = slice(0, H - 1)  # the last head reads the guard's NaN instead of a next head's rows
+            m_more = None if mask is None else torch.cat([mask, torch.ones(L, 1, dtype=torch.bool)], dim=1)
+            unmasked = (torch.ones(L, S + pad, dtype=torch.bool) if mask is None else
+                        torch.cat([mask, torch.ones(L, pad, dtype=torch.bool)], dim=1))
+            got = o[:, first] if isinstance(o, Tensor) and o.shape == expected.shape else o
+            verdict = tensor_verdict(got, expected[:, first], what, [
+                mistake("load_mask", "keys past S are not masked in the scores: loaded as 0.0 they score 0 and still "
+                                     "get weight; tl.where(keys[None, :] < S, s, float('-inf'))",
+                        scaled_dot_product_attention(q, zeros(k), zeros(v), attn_mask=unmasked)[:, first]),
+                mistake("load_mask", "keys past S are neither masked in the loads nor in the scores: the last tile "
+                                     "reads the next head's rows",
+                        scaled_dot_product_attention(q, _beyond(k, pad), _beyond(v, pad),
+                                                     attn_mask=unmasked)[:, first]),
+                mistake("off_by_one", "the key mask lets key S in (keys <= S): keys are 0 .. S - 1",
+                        scaled_dot_product_attention(q, _beyond(k, 1), _beyond(v, 1),
+                                                     attn_mask=m_more)[:, first]),
+                mistake("off_by_one", "the key mask drops the last key (keys < S - 1): keys are 0 .. S - 1",
+                        scaled_dot_product_attention(q, k[:, :, :-1], v[:, :, :-1],
+                                                     attn_mask=None if mask is None else mask[:, :-1])[:, first]),
+            ])
+            if verdict.passed and isinstance(o, Tensor):  # and the last head, which would have read the guard
+                verdict = tensor_verdict(o, expected, what)
+        out[name] = verdict
+    return out
+
+
+# --------------------------------------------------------------------------- ex4: D
+EX4 = (37, 2)  # L, H
+
+
+def _prep_ex4(g):
+    L, H = EX4
+    o = torch.randn(1, H, L, E, generator=g)
+    do = torch.randn(1, H, L, E, generator=g)
+    return [Call("backward_preprocess", (o, do))], (o, do)
+
+
+def _judge_ex4(ctx, results, outcome):
+    o, do = (t.double() for t in ctx)
+    got = value(results, 0)
+    expected = (do * o).sum(-1)
+    verdict = _naming_loads(got, expected, "D")
+    return {"d": verdict or tensor_verdict(got, expected, f"D = rowsum(dO * O), shape [1, {EX4[1]}, {EX4[0]}]", [
+        mistake("backward_d_term", "D is rowsum(dO) alone: it is rowsum(dO * O), one number per query row",
+                do.sum(-1)),
+        mistake("backward_d_term", "D is rowsum(O) alone: it is rowsum(dO * O), one number per query row", o.sum(-1)),
+        mistake("backward_d_term", "D is dO * O without the row sum: tl.sum(o * do, 1)", None),
+    ])}
+
+
+# --------------------------------------------------------------------------- ex5: dK, dV, dQ
+EX5 = ((37, 45, False), (40, 40, True))  # L, S, causal
+EX5_HALF = (64, 16)  # the float16 case: L, S; dV of key 0 is about 64 x 1500 = 96000 > 65504
+
+
+def _backward_call(g, L, S, causal, H=2, Hkv=None):
+    q, k, v = _inputs(g, L, S, H=H, Hkv=Hkv)
+    do = torch.randn(q.shape, generator=g)
+    r = H // (Hkv or H)
+    o, lse = _forward(q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), causal)  # exact, as lab 04 gives
+    return Call("flash_backward", (q, k, v, o.float(), lse.float(), do, causal)), (q, k, v, do)
+
+
+def _half_case(g):
+    """Every query puts its weight on key 0 (score 16 against ~N(0, 4)), dO ~ 1500: dV of key 0 is
+    ~96000, past float16's 65504, while every input and every product fits in float16."""
+    L, S = EX5_HALF
+    q = torch.full((1, 1, L, E), 2.0)
+    k = torch.randn(1, 1, S, E, generator=g) * 0.5
+    k[:, :, 0] = 2.0
+    v = torch.randn(1, 1, S, E, generator=g) * 0.01
+    do = 1500 + 100 * torch.randn(1, 1, L, E, generator=g)
+    q, k, v, do = (t.half() for t in (q, k, v, do))
+    o, lse = _forward(q, k, v, False)
+    return Call("flash_backward", (q, k, v, o.half(), lse.float(), do, False)), (q, k, v, do)
+
+
+def _prep_ex5(g):
+    calls, ctx = [], []
+    for L, S, causal in EX5:
+        call, c = _backward_call(g, L, S, causal)
+        calls.append(call)
+        ctx.append(c)
+    call, c = _half_case(g)
+    return calls + [call], ctx + [c]
+
+
+def _judge_grads(got, q, k, v, do, causal: bool, where: str) -> tuple[Verdict, Verdict]:
+    """(dv, dq and dk) against the formulas, naming lab 04's backward mistakes."""
+    L, S = q.shape[-2], k.shape[-2]
+    mask = causal_mask(L, S) if causal else None
+    dq, dk, dv = simulate_grads(q, k, v, do, mask)
+    bugs = {b: simulate_grads(q, k, v, do, mask, b, bk=BLOCK) for b in ("no_d", "no_scale", "no_scale_dq",
+                                                                        "no_scale_dk", "p_unscaled")}
+    # P rebuilt without the causal mask: in the tiles the kernels visit (they skip the rest), or in all
+    unmasked = [simulate_grads(q, k, v, do, mask, p_mask=m) for m in (tiles_kept(L, S, BLOCK, BLOCK),
+                                                                       torch.ones(L, S, dtype=torch.bool))] \
+        if causal else []
+    both = (lambda t: torch.cat([t[0].flatten(), t[1].flatten()]))  # noqa: E731
+    got_qk = both(got) if all(isinstance(t, Tensor) and t.shape == e.shape for t, e in zip(got[:2], (dq, dk))) \
+        else None
+    loads = _naming_loads(got_qk, both((dq, dk)), f"dq and dk {where}") if got_qk is not None else None
+    qk = loads or tensor_verdict(got_qk if got_qk is not None else got[0], both((dq, dk)) if got_qk is not None
+                                 else dq, f"dq and dk {where}", [
+        mistake("backward_d_term", "dS = P * dP is missing the D term: ds = p * (dp - d[:, None])", both(bugs["no_d"])),
+        mistake("backward_scale", "dQ and dK miss the softmax scale: dq += tl.dot(ds, k) * scale, dk += "
+                                  "tl.dot(tl.trans(ds), q) * scale", both(bugs["no_scale"])),
+        mistake("backward_scale", "dQ misses the softmax scale: dq += tl.dot(ds, k) * scale",
+                both(bugs["no_scale_dq"])),
+        mistake("backward_scale", "dK misses the softmax scale: dk += tl.dot(tl.trans(ds), q) * scale",
+                both(bugs["no_scale_dk"])),
+        mistake("backward_scale", "P is rebuilt from unscaled scores: p = tl.exp(tl.dot(q, tl.trans(k)) * scale - "
+                                  "lse[:, None])", both(bugs["p_unscaled"])),
+    ] + [mistake("causal_block_skip", "the backward rebuilds P without the causal mask: mask it as the forward "
+                                      "does (keys <= rows)", both(u)) for u in unmasked])
+    dv_v = _naming_loads(got[2], dv, f"dv {where}") or tensor_verdict(got[2], dv, f"dv {where}", [
+        mistake("backward_scale", "P is rebuilt from unscaled scores: p = tl.exp(tl.dot(q, tl.trans(k)) * scale - "
+                                  "lse[:, None])", bugs["p_unscaled"][2])]
+        + [mistake("causal_block_skip", "dV is built from P without the causal mask", u[2]) for u in unmasked])
+    return dv_v, qk
+
+
+def _judge_half(ctx, result) -> Verdict:
+    q, k, v, do = (t.double() for t in ctx)
+    got, bad = _triple(result, "flash_backward")
+    if bad:
+        return bad
+    dv = simulate_grads(q, k, v, do, None)[2]
+    what = (f"dv with float16 inputs (L = {EX5_HALF[0]}: every query weighs key 0, dO ~ 1500; dv of key 0 is "
+            f"{float(dv[0, 0, 0].abs().max()):.0f}, past float16's 65504)")
+    d = got[2]
+    if isinstance(d, Tensor) and d.shape == dv.shape and bool((~d.isfinite() & dv.isfinite()).any()):
+        msg = (f"{what}: inf. dV was accumulated in float16 (the inputs' dtype), which overflows: accumulate in "
+               "tl.zeros([BK, E], tl.float32) and store that")
+        return Verdict(False, msg, [{"code": "accumulate_dtype", "message": msg}], (d, dv))
+    if isinstance(d, Tensor) and d.shape == dv.shape and d.is_floating_point():
+        tol = tolerance(torch.float16)  # P or dO rounded to float16 for the dot is fine: the accumulator is not
+        ok = bool(((d.double() - dv).abs() <= tol.atol + tol.rtol * dv.abs()).all())
+        if ok:
+            return Verdict(True)
+        return Verdict(False, f"{what}: differs from the reference by up to {max_abs_diff(d, dv):.3g} (more than "
+                              f"float16's rounding)", arrays=(d, dv))
+    return tensor_verdict(d, dv, what)
+
+
+def _judge_ex5(ctx, results, outcome):
+    out = {}
+    for i, (L, S, causal) in enumerate(EX5):
+        q, k, v, do = (t.double() for t in ctx[i])
+        got, bad = _triple(value(results, i), "flash_backward")
+        where = f"(L = {L}, S = {S}{', is_causal' if causal else ''})"
+        if bad:
+            out.update({"causal": bad} if causal else {"dv": bad, "dq_dk": bad})
+            continue
+        dv_v, qk = _judge_grads(got, q, k, v, do, causal, where)
+        if causal:
+            out["causal"] = dv_v if not dv_v.passed else qk
+        else:
+            out["dv"], out["dq_dk"] = dv_v, qk
+    out["fp32_accumulators"] = _judge_half(ctx[2], value(results, 2))
+    return out
+
+
+# --------------------------------------------------------------------------- ex6: the autograd Function
+EX6 = ((33, 21, False), (32, 32, True))
+
+
+def _prep_ex6(g):
+    calls, ctx = [], []
+    for L, S, causal in EX6:
+        q, k, v = _inputs(g, L, S)
+        do = torch.randn(q.shape, generator=g)
+        calls.append(Call("attention_and_grads", (q, k, v, do, causal)))
+        ctx.append((q, k, v, do))
+    return calls, ctx
+
+
+def _judge_ex6(ctx, results, outcome):
+    outputs, grads, saved_v = Verdict(True), Verdict(True), Verdict(True)
+    for i, (L, S, causal) in enumerate(EX6):
+        q, k, v, do = (t.double() for t in ctx[i])
+        got = value(results, i)
+        if not (isinstance(got, tuple) and len(got) == 5):
+            bad = Verdict(False, f"attention_and_grads must return 5 values (it is given: restore it), got "
+                                 f"{type(got).__name__}")
+            return {"output": bad, "gradients": bad, "saves_lse_not_weights": bad}
+        where = f"(L = {L}, S = {S}{', is_causal' if causal else ''})"
+        mask = causal_mask(L, S) if causal else None
+        if outputs.passed:
+            outputs = tensor_verdict(got[0], scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                                     f"triton_attention's output {where}")
+        unmasked = simulate_grads(q, k, v, do, mask, p_mask=torch.ones(L, S, dtype=torch.bool)) if causal \
+            else (None,) * 3
+        for name, g_, e_, u in zip(("dq", "dk", "dv"), got[1:4], simulate_grads(q, k, v, do, mask), unmasked):
+            if grads.passed:
+                grads = tensor_verdict(g_, e_, f"{name} through TritonAttention.backward {where}", [
+                    mistake("causal_block_skip", "the backward runs without the causal mask: keep is_causal on ctx "
+                                                 "in forward and pass it to flash_backward", u)])
+        shapes = got[4] if isinstance(got[4], list) else []
+        big = [s for s in shapes if isinstance(s, list) and len(s) >= 2 and s[-2:] == [L, S]]
+        if big and saved_v.passed:
+            msg = (f"the forward saves a tensor of shape {big[0]}: the [L, S] weights; save lse ([B, H, L]) and "
+                   "let the backward's kernels recompute P tile by tile")
+            saved_v = Verdict(False, msg, [{"code": "scores_materialized", "message": msg}])
+        elif not shapes and saved_v.passed:
+            saved_v = Verdict(False, "the forward saved no tensors: ctx.save_for_backward(q, k, v, o, lse)")
+    return {"output": outputs, "gradients": grads, "saves_lse_not_weights": saved_v}
+
+
+# --------------------------------------------------------------------------- ex7: grouped heads
+EX7 = (33, 40, 4, 2)  # L, S, H, Hkv
+
+
+def _prep_ex7(g):
+    L, S, H, Hkv = EX7
+    q, k, v = _inputs(g, L, S, H=H, Hkv=Hkv)
+    back, bctx = _backward_call(g, L, S, True, H=H, Hkv=Hkv)
+    return [Call("flash_forward", (q, k, v, True)), back], ((q, k, v), bctx)
+
+
+def _heads(H: int, Hkv: int, how: str) -> list[int]:
+    r = H // Hkv
+    return [h % Hkv for h in range(H)] if how == "modulo" else [h // r for h in range(H)]
+
+
+def _grouped_grads(q, k, v, do, mask, idx: list[int], only_first: bool = False) -> tuple:
+    """dq, dk, dv of grouped heads read through ``idx`` (query head -> key/value head): the
+    expanded gradients summed back onto the heads they were read from (``only_first``: from the
+    first query head of each group alone: a dK/dV kernel that does not loop over the group)."""
+    dq, dk_e, dv_e = simulate_grads(q, k[:, idx], v[:, idx], do, mask)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    keep = [h for h in range(len(idx)) if not only_first or idx.index(idx[h]) == h]
+    for h in keep:
+        dk[:, idx[h]] += dk_e[:, h]
+        dv[:, idx[h]] += dv_e[:, h]
+    return dq, dk, dv
+
+
+def _dq_reading(q, k, v, do, mask, idx: list[int], right: list[int]) -> Tensor:
+    """dQ of a dQ kernel that reads key/value heads ``idx`` while lse and D (from the given,
+    right forward) belong to heads ``right``."""
+    scale = 1 / math.sqrt(q.shape[-1])
+    s_right = (q @ k[:, right].transpose(-2, -1)) * scale
+    s_right = s_right.masked_fill(~mask, NEG_INF)
+    lse = s_right.logsumexp(-1, keepdim=True)
+    o = torch.exp(s_right - lse) @ v[:, right]
+    D = (do * o).sum(-1, keepdim=True)
+    s = ((q @ k[:, idx].transpose(-2, -1)) * scale).masked_fill(~mask, NEG_INF)
+    p = torch.exp(s - lse)
+    ds = p * (do @ v[:, idx].transpose(-2, -1) - D)
+    return ds @ k[:, idx] * scale
+
+
+def _judge_ex7(ctx, results, outcome):
+    L, S, H, Hkv = EX7
+    mask = causal_mask(L, S)
+    q, k, v = (t.double() for t in ctx[0])
+    right, modulo = _heads(H, Hkv, "group"), _heads(H, Hkv, "modulo")
+    o, _, bad = _pair(value(results, 0), "flash_forward")
+    if bad:
+        out = {"forward": bad}
+    else:
+        out = {"forward": tensor_verdict(o, scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                                         f"flash_forward with H = {H} query heads over Hkv = {Hkv} (is_causal)", [
+            mistake("gqa_group_mapping", "query head h reads key/value head h % Hkv: it is h // (H // Hkv), so the "
+                                         "r = H // Hkv heads of a group are neighbours",
+                    scaled_dot_product_attention(q, k[:, modulo], v[:, modulo], attn_mask=mask)),
+            mistake("gqa_group_mapping", "every query head reads key/value head h with Hkv < H: index K and V by "
+                                         "b * Hkv + h // (H // Hkv)", None),
+        ])}
+    q, k, v, do = (t.double() for t in ctx[1])
+    got, bad = _triple(value(results, 1), "flash_backward")
+    if bad:
+        out["backward"] = bad
+        return out
+    dq, dk, dv = _grouped_grads(q, k, v, do, mask, right)
+    wrong = _grouped_grads(q, k, v, do, mask, modulo)
+    first = _grouped_grads(q, k, v, do, mask, right, only_first=True)
+    both = (lambda t: torch.cat([t[1].flatten(), t[2].flatten()]))  # noqa: E731
+    shapes_ok = all(isinstance(t, Tensor) and t.shape == e.shape for t, e in zip(got, (dq, dk, dv)))
+    if not shapes_ok:
+        out["backward"] = Verdict(False, f"flash_backward with grouped heads must return dq {list(dq.shape)}, dk and "
+                                         f"dv {list(dk.shape)} (one per key/value head), got "
+                                         + ", ".join(str(list(t.shape)) if isinstance(t, Tensor) else
+                                                     type(t).__name__ for t in got))
+        return out
+    where = f"with H = {H} over Hkv = {Hkv} (is_causal)"
+    verdict = tensor_verdict(got[0], dq, f"dq {where}", [
+        mistake("gqa_group_mapping", "dQ's kernel reads key/value head h % Hkv: it is h // (H // Hkv)",
+                _dq_reading(q, k, v, do, mask, modulo, right))])
+    if verdict.passed:
+        verdict = tensor_verdict(both(got), both((dq, dk, dv)), f"dk and dv {where}", [
+            mistake("gqa_group_mapping", "dK and dV come from the first query head of each group only: a key/value "
+                                         "head's gradient sums over all r = H // Hkv query heads that read it (loop "
+                                         "over them in the dK/dV kernel: no atomics needed)", both(first)),
+            mistake("gqa_group_mapping", "dK and dV gather the query heads h with h % Hkv == hk: the group of key/value "
+                                         "head hk is the query heads hk * r .. hk * r + r - 1", both(wrong)),
+        ])
+    out["backward"] = verdict
+    return out
+
+
+def _limits() -> dict:
+    return {"timeout_s": CPU_S}
+
+
+EXERCISES: list[Exercise] = [
+    Exercise("ex1", "flash_forward", "the forward kernel", {"output": 8, "lse": 6}, _prep_ex1, _judge_ex1,
+             limits=_limits()),
+    Exercise("ex2", "flash_forward", "causal: skip the tiles above the diagonal, mask the diagonal tile",
+             {"causal": 10, "skips_future_tiles": 4}, _prep_ex2, _judge_ex2, limits=_limits()),
+    Exercise("ex3", "flash_forward", "ragged edges: L and S not multiples of the tile",
+             {"ragged_edges": 8, "ragged_causal": 6}, _prep_ex3, _judge_ex3, limits=_limits()),
+    Exercise("ex4", "backward_preprocess", "the backward's preprocess: D = rowsum(dO * O)", {"d": 8},
+             _prep_ex4, _judge_ex4, limits=_limits()),
+    Exercise("ex5", "flash_backward", "dK/dV per key tile and dQ per query tile, no atomics",
+             {"dv": 6, "dq_dk": 8, "causal": 6, "fp32_accumulators": 4}, _prep_ex5, _judge_ex5, limits=_limits()),
+    Exercise("ex6", "attention_and_grads", "one autograd Function",
+             {"output": 3, "gradients": 6, "saves_lse_not_weights": 3}, _prep_ex6, _judge_ex6, limits=_limits()),
+    Exercise("ex7", "flash_forward", "grouped heads by index arithmetic (GQA), forward and backward",
+             {"forward": 7, "backward": 7}, _prep_ex7, _judge_ex7, limits=_limits()),
+]
+assert sum(ex.max_score for ex in EXERCISES) == 100

@@ -1,0 +1,82 @@
+"""Lab 05's mistakes, on the instructor's Triton solution: the online softmax, causal tiles,
+ragged edges (loads and scores past the end), D, the backward's kernels, float16
+accumulators, the autograd.Function and grouped heads. One solution so far (labs 01-04 have two;
+tests/labs/test_mistake_corpus.py says so)."""
+
+from corpus import M
+
+LAB = "05-triton-flash"
+SOLUTIONS = {"a": "labs/track1/05-triton-flash/solutions/flash_triton.py"}
+
+F_ACC = "acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))"
+F_L = "l_i = l_i * alpha + tl.sum(p, 1)"
+F_P = "p = tl.exp(s - m_safe[:, None])"
+F_S = "s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale  # (BQ, BK)"
+F_LSE = "lse = m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))"
+F_DIAG = ("        if CAUSAL:\n            seen = seen & (keys[None, :] <= rows[:, None])  # ex2: the diagonal tile, masked "
+          "inside\n")
+F_STOP = "# ex2: key tiles wholly after this query tile are never visited\n        stop = tl.minimum(S, (pid_q + 1) * BQ)"
+F_SEEN = "seen = keys[None, :] < S  # ex3: keys past the end are not keys"
+F_K = ("        k = tl.load(K + bhk * S * E + keys[:, None] * E + cols_e[None, :], mask=keys[:, None] < S, other=0.0)\n"
+       "        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale  # (BQ, BK)")
+F_V = ("        v = tl.load(V + bhk * S * E + keys[:, None] * E + cols_e[None, :], mask=keys[:, None] < S, other=0.0)\n"
+       "        acc = acc")
+F_GQA = "bhk = b * Hkv + h // (H // Hkv)  # ex7"
+D_SUM = "tl.store(D + bh * L + rows, tl.sum(o * do, 1), mask=rows < L)"
+B_DS = "ds = p * (dp - d[:, None])"
+B_DK = "dk += tl.dot(tl.trans(ds), q.to(tl.float32)) * scale"
+B_DQ = "dq += tl.dot(ds, k.to(tl.float32)) * scale"
+B_ACC = "dk = tl.zeros([BK, E], tl.float32)\n    dv = tl.zeros([BK, E], tl.float32)"
+B_DV = "dv += tl.dot(tl.trans(p), do.to(tl.float32))"
+B_CAUSAL_KV = ("            if CAUSAL:\n                seen = seen & (keys[None, :] <= rows[:, None])\n"
+               "            p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)  # P rebuilt")
+B_CAUSAL_Q = ("        if CAUSAL:\n            seen = seen & (keys[None, :] <= rows[:, None])\n"
+              "        p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)\n        dp")
+B_GROUP = "for g in range(0, r):"
+B_DQ_HEAD = "bhk = b * Hkv + h // (H // Hkv)\n    rows"
+
+MUTANTS = [
+    M("a", "acc_not_rescaled", F_ACC, "acc = acc + tl.dot(p, v.to(tl.float32))", "ex1", "online_rescale"),
+    M("a", "l_not_rescaled", F_L, "l_i = l_i + tl.sum(p, 1)", "ex1", "online_rescale"),
+    M("a", "stale_max", F_P, 'p = tl.exp(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])', "ex1",
+      "online_rescale"),
+    M("a", "forward_no_scale", F_S, "s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))  # (BQ, BK)", "ex1",
+      "missing_scale"),
+    M("a", "lse_log2", F_LSE, "lse = m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))", "ex1", "lse_saved"),
+    M("a", "lse_is_max", F_LSE, "lse = m_i", "ex1", "lse_saved"),
+    M("a", "lse_without_max", F_LSE, "lse = tl.log(tl.where(l_i == 0.0, 1.0, l_i))", "ex1", "lse_saved"),
+    M("a", "diagonal_unmasked", F_DIAG, "", "ex2", "causal_block_skip"),
+    M("a", "diagonal_skipped", F_STOP, F_STOP.replace("(pid_q + 1) * BQ", "pid_q * BQ"), "ex2", "causal_block_skip"),
+    M("a", "future_tiles_loaded", F_STOP, F_STOP.replace("tl.minimum(S, (pid_q + 1) * BQ)", "S"), "ex2",
+      "causal_block_skip"),
+    M("a", "causal_hides_diagonal", F_DIAG, F_DIAG.replace("<=", "<"), "ex2", "off_by_one"),
+    M("a", "keys_past_S_scored", F_SEEN, "seen = keys[None, :] >= 0  # ex3: keys past the end are not keys", "ex3",
+      "load_mask"),
+    # (K loaded without mask= alone is not in the corpus: its scores past S are masked to -inf by
+    # tl.where, so no value shows it under the interpreter; on a GPU it may fault. The README says so.)
+    M("a", "v_loaded_without_mask", F_V, F_V.replace(", mask=keys[:, None] < S, other=0.0", ""), "ex3", "load_mask"),
+    M("a", "key_mask_drops_last_key", F_SEEN, "seen = keys[None, :] < S - 1  # ex3: keys past the end are not keys",
+      "ex3", "off_by_one"),
+    # key S read and scored: past the end of the last head's keys, so a load past the end
+    M("a", "key_mask_lets_S_in", F_SEEN, "seen = keys[None, :] <= S  # ex3: keys past the end are not keys", "ex3",
+      "load_mask", (F_K, F_K.replace("mask=keys[:, None] < S", "mask=keys[:, None] <= S")),
+      (F_V, F_V.replace("mask=keys[:, None] < S", "mask=keys[:, None] <= S"))),
+    M("a", "D_without_O", D_SUM, "tl.store(D + bh * L + rows, tl.sum(do, 1), mask=rows < L)", "ex4", "backward_d_term"),
+    M("a", "D_without_dO", D_SUM, "tl.store(D + bh * L + rows, tl.sum(o, 1), mask=rows < L)", "ex4", "backward_d_term"),
+    M("a", "ds_without_D", B_DS + "\n            dk", "ds = p * dp\n            dk", "ex5", "backward_d_term",
+      (B_DS + "\n        dq", "ds = p * dp\n        dq")),
+    M("a", "dk_without_scale", B_DK, "dk += tl.dot(tl.trans(ds), q.to(tl.float32))", "ex5", "backward_scale"),
+    M("a", "dq_without_scale", B_DQ, "dq += tl.dot(ds, k.to(tl.float32))", "ex5", "backward_scale"),
+    M("a", "dkdv_accumulated_in_input_dtype", B_ACC,
+      "dk = tl.zeros([BK, E], K.dtype.element_ty)\n    dv = tl.zeros([BK, E], V.dtype.element_ty)", "ex5",
+      "accumulate_dtype", (B_DV, "dv += tl.dot(tl.trans(p), do.to(tl.float32)).to(V.dtype.element_ty)"),
+      (B_DK, "dk += (tl.dot(tl.trans(ds), q.to(tl.float32)) * scale).to(K.dtype.element_ty)")),
+    M("a", "backward_without_causal_mask", B_CAUSAL_KV,
+      "            p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)  # P rebuilt", "ex5", "causal_block_skip",
+      (B_CAUSAL_Q, "        p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)\n        dp")),
+    M("a", "function_backward_not_causal", "dq, dk, dv = flash_backward(q, k, v, o, lse, do, ctx.is_causal)",
+      "dq, dk, dv = flash_backward(q, k, v, o, lse, do)", "ex6", "causal_block_skip"),
+    M("a", "gqa_modulo_heads", F_GQA, "bhk = b * Hkv + h % Hkv  # ex7", "ex7", "gqa_group_mapping"),
+    M("a", "gqa_dkdv_first_head_only", B_GROUP, "for g in range(0, 1):", "ex7", "gqa_group_mapping"),
+    M("a", "gqa_dq_modulo_heads", B_DQ_HEAD, "bhk = b * Hkv + h % Hkv\n    rows", "ex7", "gqa_group_mapping"),
+]

@@ -1,0 +1,39 @@
+"""Lab 05's buggy variants (several mistakes at once, across exercises), as data for
+tests/labs/test_every_lab.py; the single mistakes are in tests/corpus/lab05.py, whose edits
+these reuse."""
+
+from corpus.lab05 import (B_ACC, B_DK, B_DS, B_DV, B_GROUP, D_SUM, F_ACC, F_DIAG, F_GQA, F_K, F_L, F_LSE, F_SEEN,
+                          F_STOP, F_V)
+
+LAB = "05-triton-flash"
+SEED = 5
+NAMED = {"online_rescale", "lse_saved", "causal_block_skip", "load_mask", "backward_d_term", "accumulate_dtype",
+         "gqa_group_mapping"}
+# printed by the walkthrough run on the solution
+WALKTHROUGH = ("max |O - SDPA|", "is_causal=True", "max |dv - torch|", "GQA: max |O - SDPA|")
+
+NO_MASK = ", mask=keys[:, None] < S, other=0.0"
+FP16_ACC = [(B_ACC, "dk = tl.zeros([BK, E], K.dtype.element_ty)\n    dv = tl.zeros([BK, E], V.dtype.element_ty)"),
+            (B_DV, "dv += tl.dot(tl.trans(p), do.to(tl.float32)).to(V.dtype.element_ty)"),
+            (B_DK, "dk += (tl.dot(tl.trans(ds), q.to(tl.float32)) * scale).to(K.dtype.element_ty)")]
+
+VARIANTS = {
+    "A": ([(F_ACC, "acc = acc + tl.dot(p, v.to(tl.float32))"),
+           (D_SUM, "tl.store(D + bh * L + rows, tl.sum(do, 1), mask=rows < L)")],
+          [("ex1", "online_rescale"), ("ex4", "backward_d_term")]),
+    "B": ([(F_L, "l_i = l_i + tl.sum(p, 1)"),
+           (B_DS + "\n            dk", "ds = p * dp\n            dk"), (B_DS + "\n        dq", "ds = p * dp\n        dq")],
+          [("ex1", "online_rescale"), ("ex5", "backward_d_term")]),
+    "C": ([(F_GQA, "bhk = b * Hkv + h % Hkv  # ex7")] + FP16_ACC,
+          [("ex5", "accumulate_dtype"), ("ex7", "gqa_group_mapping")]),
+    "D": ([(F_LSE, "lse = m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i))"),
+           (F_STOP, F_STOP.replace("tl.minimum(S, (pid_q + 1) * BQ)", "S")),
+           (F_SEEN, "seen = keys[None, :] <= S  # ex3: keys past the end are not keys"),
+           (F_K, F_K.replace("mask=keys[:, None] < S", "mask=keys[:, None] <= S")),
+           (F_V, F_V.replace("mask=keys[:, None] < S", "mask=keys[:, None] <= S"))] + FP16_ACC,
+          [("ex1", "lse_saved"), ("ex2", "causal_block_skip"), ("ex3", "load_mask"), ("ex5", "accumulate_dtype")]),
+    # the forward's causal mistake breaks ex7's (causal) forward too; its backward is named on its own
+    "E": ([(F_LSE, "lse = m_i"), (F_DIAG, ""), (B_GROUP, "for g in range(0, 1):")],
+          [("ex1", "lse_saved"), ("ex2", "causal_block_skip"), ("ex7", "gqa_group_mapping")]),
+    "F": ([(F_V, F_V.replace(NO_MASK, ""))], [("ex3", "load_mask")]),
+}
