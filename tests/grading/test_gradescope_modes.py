@@ -229,3 +229,28 @@ def test_run_autograder_in_a_gradescope_like_image_gives_the_solution_100(simula
     data = json.loads(root.results.read_text())
     assert data["score"] == 100, data["output"]
     assert data["extra_data"]["sandbox"]["made_by"] == ("bwrap" if where == "bwrap works" else "user")
+
+
+@pytest.mark.parametrize("where", ["bwrap works", "bwrap absent"])
+def test_the_lab05_bundle_installs_triton_and_grades_without_a_gpu(tmp_path, where):
+    """Lab 05's bundle pins triton (its file imports it) and grades the Triton solution 100 with
+    the interpreter, in bwrap and as a fresh uid (mode 'user' sets TRITON_INTERPRET=1 too)."""
+    needs_sandbox()
+    if where == "bwrap absent" and os.geteuid() != 0:
+        pytest.skip("mode 'user' needs root (the refusal is tested above)")
+    bundle = tmp_path / "autograder.zip"
+    assert main(["autograder", "--lab", "05", "--out", str(bundle)]) == 0
+    import zipfile
+
+    requirements = zipfile.ZipFile(bundle).read("requirements.txt").decode()
+    assert "triton==" in requirements, requirements
+    root = autograder.SimulatedRoot(bundle, tmp_path)
+    setup = root.setup()
+    assert setup.returncode == 0, setup.stderr[-2000:]
+    if where == "bwrap absent":
+        root.env["ATTNLAB_BWRAP"] = ""
+    run = root.run(REPO / "labs/track1/05-triton-flash/solutions/flash_triton.py")
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(root.results.read_text())
+    assert data["score"] == 100, data.get("output")
+    assert data["extra_data"]["sandbox"]["made_by"] == ("bwrap" if where == "bwrap works" else "user")

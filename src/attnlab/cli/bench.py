@@ -63,7 +63,8 @@ def add(sub) -> argparse.ArgumentParser:
                    help="GFLOP/s against L as a PNG (matplotlib)")
     p.add_argument("--ring", action="store_true",
                    help="instead: ring attention, 2 ranks against 1 process")
-    p.add_argument("--ring-layout", choices=["contiguous", "zigzag"], default="contiguous")
+    p.add_argument("--ring-layout", choices=["contiguous", "zigzag"], default="contiguous", metavar="LAYOUT",
+                   help="with --ring: contiguous or zigzag")
     p.add_argument("--ring-masks", type=choices(["causal", "sliding", "document"]), default=None, metavar="M,...",
                    help="with --ring: causal,sliding,document")
     p.add_argument("--transformers", action="store_true",
@@ -77,6 +78,8 @@ def add(sub) -> argparse.ArgumentParser:
                    help="instead: building block masks, time and memory")
     p.add_argument("--density", action="store_true",
                    help="instead: flex's time against its mask's density")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", metavar="D",
+                   help="cuda: attnlab.triton vs torch flash and flex, on a GPU")
     p.set_defaults(func=run)
     return p
 
@@ -103,6 +106,24 @@ def _end_progress() -> None:
         print(file=sys.stderr)
 
 
+def _run_gpu(args: argparse.Namespace, causals: list[bool]) -> int:
+    import torch
+
+    from attnlab.bench import gpu
+
+    why = gpu.why_no_gpu()
+    if why:
+        raise UsageError(f"--device cuda: {why}")
+    lens = args.seq_lens if args.seq_lens != DEFAULT_LENS else [1024, 4096, 16384]
+    dtypes = [d for d in args.dtypes if d in ("bfloat16", "float16")] or ["bfloat16", "float16"]
+    rows = gpu.gpu_benchmark(lens, dtypes=dtypes, modes=args.modes, causals=causals, B=args.batch, H=args.heads,
+                             E=args.dim, repeats=args.repeats, progress=_progress())
+    _end_progress()
+    print(gpu.GPU_HEADER + "\n")
+    print(gpu.gpu_table(rows, torch.cuda.get_device_name()))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plot:
         need_module("matplotlib", "bench", "--plot")  # before the run, not after it
@@ -115,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    if args.device == "cuda":
+        return _run_gpu(args, causals)
     if args.ring and args.ring_masks:
         L = args.seq_lens[0] if args.seq_lens != DEFAULT_LENS else 16384
         print(f"machine: {bench.machine_line()}\n")

@@ -16,8 +16,8 @@ bundle holds:
   (:mod:`attnlab.grading.sandbox.user`), with the bundle, attnlab's package and the results
   folder unreadable to it while it runs; else nothing runs, and results.json says why, for
   the instructor, with 0 points (never as the learner's failed checks);
-* ``requirements.txt``: torch, numpy and jaxtyping pinned to the versions this bundle was
-  made with; ``attnlab-<version>-py3-none-any.whl``; ``README.txt``.
+* ``requirements.txt``: torch, numpy, jaxtyping and the lab's own imports (lab 05: triton),
+  pinned to the versions this bundle was made with; ``attnlab-<version>-py3-none-any.whl``; ``README.txt``.
 
 For tests and offline builds ``setup.sh`` reads ``AUTOGRADER_ROOT`` (default ``/autograder``),
 ``ATTNLAB_VENV`` (an existing environment to install into), ``ATTNLAB_PIP_ARGS`` (replaces
@@ -255,7 +255,9 @@ def build_bundle(out: os.PathLike, wheel: Optional[os.PathLike] = None, lab: "La
         whl = Path(wheel) if wheel is not None else build_wheel(Path(tmp))
         if not whl.is_file() or not whl.name.startswith("attnlab-") or whl.suffix != ".whl":
             raise ValueError(f"attnlab autograder: --wheel must be an attnlab-*.whl file, got {whl}")
-        requirements = "\n".join(_pin(n) for n in ("torch", "numpy", "jaxtyping")) + "\n"
+        # the lab's own imports too (lab 05: triton, run by its interpreter: no GPU, no CUDA)
+        needed = dict.fromkeys(("torch", "numpy", "jaxtyping", *the_lab.needs))
+        requirements = "\n".join(_pin(n) for n in needed) + "\n"
         tmp_zip = out.with_name(f".{out.name}.tmp")
         with zipfile.ZipFile(tmp_zip, "w", zipfile.ZIP_DEFLATED) as z:
             run = RUN_AUTOGRADER.replace("@LAB@", the_lab.name).replace("@FILE@", the_lab.file)
