@@ -153,13 +153,19 @@ def test_decode_benchmark_times_each_implementation_against_torch(capsys):
 
     rows = bench.decode_benchmark([64], dtypes=("float32",), H=4, Hkv=2, E=8, repeats=2)
     by = {r["impl"]: r for r in rows}
-    assert set(by) == {"attnlab (auto: decode)", "attnlab tiled", "attnlab reference", "torch SDPA"}
+    assert set(by) == {"attnlab (auto: decode)", "attnlab decode: stream", "attnlab decode: gemm", "attnlab paged (16)",
+                       "attnlab int8", "attnlab int8 paged (16)", "attnlab tiled", "attnlab reference", "torch SDPA",
+                       "torch SDPA (GQA folded)"}
     assert by["torch SDPA"]["ratio"] == 1.0
-    assert all(r["ms"] > 0 and r["gb_s"] == 2 * 2 * 64 * 8 * 4 / (r["ms"] / 1e3) / 1e9 for r in rows)
+    for r in rows:  # int8 rows count their int8 bytes and one float32 scale per row
+        nbytes = 2 * 2 * 64 * (8 + 4) if "int8" in r["impl"] else 2 * 2 * 64 * 8 * 4
+        assert r["ms"] > 0 and r["gb_s"] == nbytes / (r["ms"] / 1e3) / 1e9, r["impl"]
     peak = by["torch SDPA"]["gb_s"] / by["torch SDPA"]["peak_share"]  # one read peak, measured once per run
     assert all(r["peak_share"] > 0 and r["peak_share"] == pytest.approx(r["gb_s"] / peak, rel=1e-9) for r in rows)
     chunk = bench.decode_benchmark([300], dtypes=("bfloat16",), H=4, Hkv=2, E=8, L=3, repeats=1)
-    assert len(chunk) == 4 and "| 300 | bfloat16 | attnlab tiled |" in bench.decode_table(chunk)
+    # a chunk has no folded torch row (the group cannot fold into L > 1 rows under a causal mask)
+    assert len(chunk) == 9 and "torch SDPA (GQA folded)" not in {r["impl"] for r in chunk}
+    assert "| 300 | bfloat16 | attnlab tiled |" in bench.decode_table(chunk)
     from attnlab.cli import main
 
     assert main(["bench", "--decode", "--seq-lens", "128", "--dtypes", "float32", "--repeats", "1"]) == 0

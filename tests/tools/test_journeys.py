@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -412,17 +413,20 @@ def test_the_notebook_extra_installs_a_way_to_open_the_notebooks():
 
 
 @pytest.mark.parametrize("lab", labs.LABS, ids=lambda lab: lab.name)
-def test_a_walkthrough_without_jaxtyping_says_what_to_install(lab, monkeypatch):
-    """Its first code cell, up to the import of the lab's file, with jaxtyping missing: one
-    message with the install command (SystemExit), not a ModuleNotFoundError traceback."""
+def test_a_walkthrough_without_its_labs_imports_says_what_to_install(lab, monkeypatch):
+    """Its first code cell, up to the import of the lab's file, with one of the lab's own imports
+    (``lab.needs``: jaxtyping, or triton for lab 05) missing: one message with the lab's install
+    command (SystemExit), not a ModuleNotFoundError traceback."""
     import importlib.util
 
     text = (TRACK / lab.name / "walkthrough.py").read_text()
     head = text[:text.index(f"import {lab.file[:-3]} as lab")]
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "jaxtyping" else real(name, *a))
-    with pytest.raises(SystemExit, match=r"pip install 'attnlab\[lab\]'"):
-        exec(compile(head, "walkthrough.py", "exec"), {})
+    for missing in lab.needs:
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+        with pytest.raises(SystemExit, match=re.escape(f"pip install 'attnlab[{lab.extra}]'")) as stop:
+            exec(compile(head, "walkthrough.py", "exec"), {})
+        assert missing in str(stop.value)
 
 
 def test_a_lab_02_bundle_is_tried_before_upload(tmp_path, capsys):
