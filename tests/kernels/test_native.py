@@ -235,6 +235,42 @@ def test_native_backward_matches_the_pure_backward(shape, causal, gen, native_op
         assert_close(n, e, msg=f"native {name} vs pure {name}")
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("offset", [0, 20, -7], ids=["top_left", "bottom_right", "negative"])
+def test_the_backward_cut_over_keys_matches_on_any_thread_count(threads, offset, gen, native_ops):
+    """One key/value head and fewer heads than threads: the keys are cut into chunks so every
+    thread works, each thread past the first adds its dQ into a copy of its own, summed at the
+    end. The gradients match float64 autograd (causal at any offset, a group of 3 query heads)
+    and the same call on one thread."""
+    Nb, r, L, S, E, Ev, bq, bk = 1, 3, 70, 90, 8, 12, 16, 8
+    q4, k3, v3 = _inputs(gen, Nb, r, L, S, E, Ev)
+    dout = torch.randn(Nb, r, L, Ev, generator=gen)
+    scale = 1 / math.sqrt(E)
+    out, lse2 = dense.forward_eager(q4, k3, v3, None, None, True, scale * dense.LOG2E, bq, bk, offset=offset)
+    delta = (dout * out).sum(-1)
+    before = torch.get_num_threads()
+
+    def grads(n_threads):
+        torch.set_num_threads(n_threads)
+        try:
+            got = [torch.zeros_like(t) for t in (q4, k3, v3)]
+            native_ops.flash_backward_(dout, q4, k3, v3, lse2, delta, *got, None, None, scale, True, offset, bq, bk)
+            return got
+        finally:
+            torch.set_num_threads(before)
+
+    qd, kd, vd = (t.double().requires_grad_(True) for t in (q4, k3, v3))
+    visible = torch.ones(L, S, dtype=torch.bool).tril(offset)
+    golden = torch.nn.functional.scaled_dot_product_attention(
+        qd, kd[:, None].expand(-1, r, -1, -1), vd[:, None].expand(-1, r, -1, -1), attn_mask=visible)
+    golden = torch.where(visible.any(-1)[:, None], golden, 0.0)  # rows that see no key: no gradient
+    golden.backward(dout.double())
+    one = grads(1)
+    for name, n, o, g in zip(("dq", "dk", "dv"), grads(threads), one, (qd.grad, kd.grad, vd.grad)):
+        assert_close(n, g, dtype=torch.float32, msg=f"{name} on {threads} threads vs float64 autograd")
+        assert_close(n, o, msg=f"{name} on {threads} threads vs one thread")
+
+
 def test_native_backward_adds_into_views(gen, native_ops):
     """accumulate_into with views of bigger tensors, as the ring's backward does."""
     q4, k3, v3 = _inputs(gen, 2, 1, 40, 40, 8, 8)

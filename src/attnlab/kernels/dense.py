@@ -188,15 +188,13 @@ def backward(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2
     of allocating new ones, and ``delta`` (``(Nb, r, L)``, see below) can be passed in when it is
     already known: the ring's backward sums many blocks this way.
 
-    Runs the native kernel (one task per key/value head, or per query head of a GQA group
-    when there are fewer key/value heads than threads; a single head without groups on
-    several threads stays on the batched pure code) for float32 on the CPU, and
-    :func:`backward_eager` otherwise.
+    Runs the native kernel (one task per key/value head and chunk of its keys: with fewer
+    key/value heads than threads the keys are cut so every thread works) for float32 and
+    the bf16 route on the CPU, and :func:`backward_eager` otherwise.
     """
     ops = native_ops(mask, q4, k3, v3)
-    busy = q4.shape[0] >= torch.get_num_threads() or q4.shape[1] > 1  # enough tasks for the threads
     f32 = torch.float32
-    if ops is not None and dout.dtype == q4.dtype and out.dtype == f32 and busy:
+    if ops is not None and dout.dtype == q4.dtype and out.dtype == f32:
         if accumulate_into is None:  # float32 gradients, on the bf16 route too
             dq, dk, dv = (torch.zeros_like(t, dtype=f32) for t in (q4, k3, v3))
         else:

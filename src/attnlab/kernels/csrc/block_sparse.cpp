@@ -177,25 +177,6 @@ ScoreMod make_mod(const std::optional<at::Tensor>& table, const std::optional<at
   return mod;
 }
 
-// Runs fn(task) for every task in `order`, handed out one at a time to the threads.
-template <typename F>
-void for_each_dynamic(const std::vector<int64_t>& order, const F& fn) {
-  std::atomic<int64_t> next{0};
-  const int64_t n = static_cast<int64_t>(order.size());
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) fn(order[t]);
-  });
-}
-
-// Task ids 0..costs.size()-1, the costliest first (ties keep their order).
-std::vector<int64_t> largest_first(const std::vector<int64_t>& costs) {
-  std::vector<int64_t> order(costs.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
-  return order;
-}
-
 void check_inputs(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3, const char* what) {
   TORCH_CHECK(q4.dim() == 4 && k3.dim() == 3 && v3.dim() == 3, what, ": bad ranks");
   TORCH_CHECK(q4.scalar_type() == at::kFloat || q4.scalar_type() == at::kBFloat16, what,
@@ -311,8 +292,8 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_forward(const at::Tensor& q4, co
 // FlashAttention-2's backward over the visited tiles (flash.cpp's flash_backward_, same
 // formulas), adding into dq (Nb, r, L, E), dk (Nb, S, E), dv (Nb, S, Ev). delta (Nb, r, L) is
 // D_i = rowsum(dO_i * O_i) minus the gradient reaching lse (d lse / d s = P), so one formula
-// covers both. One task per key/value head (single writer of its dK, dV rows), or per query
-// head of a group when there are fewer key/value heads than threads (partial dK, dV summed).
+// covers both. One task per key/value head and chunk of its key blocks (BackwardSetup: single
+// writer of its dK, dV rows; with fewer heads than threads the chunks keep every thread busy).
 template <class G>
 void backward_blocks(const G& gemm, const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3,
                      const at::Tensor& v3, const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq,
@@ -322,7 +303,7 @@ void backward_blocks(const G& gemm, const at::Tensor& dout, const at::Tensor& q4
                      double cap, const std::optional<at::Tensor>& dtable, double scale_d, int64_t block_q,
                      int64_t block_k) {
   using T = typename G::T;
-  const BackwardSetup<T> setup(dout, q4, k3, v3, lse2, delta, dq, dk, dv, "attnlab block-sparse backward");
+  const BackwardSetup<T> setup(dout, q4, k3, v3, lse2, delta, dq, dk, dv, block_k, "attnlab block-sparse backward");
   if (setup.empty()) return;
   const int64_t Nb = setup.Nb, r = setup.r, L = setup.L, E = setup.E, S = setup.S, Ev = setup.Ev;
   const BlockPlan plan = make_plan(row_ptr, cols, bit_idx, bits, plane_of_head, Nb * r, L, block_q, block_k);
@@ -336,46 +317,54 @@ void backward_blocks(const G& gemm, const at::Tensor& dout, const at::Tensor& q4
   const float scale = static_cast<float>(scale_d);
   const float scale2 = scale * kLog2e;  // the forward's base-2 scores
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t q_ld = setup.q_ld, do_ld = setup.do_ld, dq_ld = setup.dq_ld, k_ld = setup.k_ld, v_ld = setup.v_ld;
+  const int64_t q_ld = setup.q_ld, do_ld = setup.do_ld, k_ld = setup.k_ld, v_ld = setup.v_ld;
+  const int64_t dk_ld = setup.dk_ld, dv_ld = setup.dv_ld;
 
   const int n_threads = at::get_num_threads();
-  const bool split = setup.split;
   const int64_t n_tasks = setup.n_tasks;
+  // a task's cost: its visited blocks (entries of the plan whose key block is in its chunk)
+  auto in_task = [&](const typename BackwardSetup<T>::Task& w, int64_t e) {
+    const int64_t j0 = plan.cols[e] * bk;
+    return j0 >= w.j_begin && j0 < w.j_end;
+  };
   std::vector<int64_t> costs(static_cast<size_t>(n_tasks), 0);
   for (int64_t t = 0; t < n_tasks; ++t) {
-    const int64_t h_begin = split ? t % r : 0, h_end = split ? h_begin + 1 : r, nb = split ? t / r : t;
-    for (int64_t h = h_begin; h < h_end; ++h)
-      for (int64_t i = 0; i < nq; ++i) costs[t] += plan.end(nb * r + h, i) - plan.begin(nb * r + h, i);
+    const auto w = setup.task(t);
+    for (int64_t h = 0; h < r; ++h)
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t e = plan.begin(w.nb * r + h, i); e < plan.end(w.nb * r + h, i); ++e) costs[t] += in_task(w, e);
   }
   const std::vector<int64_t> order = largest_first(costs);
   const int64_t tile = static_cast<int64_t>(bq) * bk;
   std::vector<float> scratch(static_cast<size_t>(3 * tile * n_threads));
   const bool rounds = !std::is_same<T, float>::value;
   std::vector<T> ops_buf(rounds ? static_cast<size_t>(tile) * n_threads : 0);  // P, then dS, as operands
-  // the bias gradient: one private copy of the table per task (tasks of different batches
+  // the bias gradient: one private copy of the table per thread (tasks of different batches
   // share table rows), summed at the end
   at::Tensor dtable_parts;
-  if (table_grad) dtable_parts = at::zeros({n_tasks, dtable->size(0), dtable->size(1)}, dtable->options());
+  if (table_grad) dtable_parts = at::zeros({n_threads, dtable->size(0), dtable->size(1)}, dtable->options());
   const float gemm_scale = mod.present() ? scale : scale2;
   for_each_dynamic(order, [&](int64_t task) {
-    float* p = scratch.data() + 3 * tile * at::get_thread_num();
+    const int thread = at::get_thread_num();
+    float* p = scratch.data() + 3 * tile * thread;
     float* dp = p + tile;
     float* deriv = dp + tile;  // d s_mod / d s, with softcap
-    T* buf = rounds ? ops_buf.data() + tile * at::get_thread_num() : nullptr;
-    float* dtable_task = table_grad ? dtable_parts.data_ptr<float>() + task * dtable->numel() : nullptr;
-    const typename BackwardSetup<T>::Task w = setup.task(task, dk, dv);
-    const int64_t nb = w.nb, dk_row = w.dk_row, dv_row = w.dv_row;
+    T* buf = rounds ? ops_buf.data() + tile * thread : nullptr;
+    float* dtable_task = table_grad ? dtable_parts.data_ptr<float>() + thread * dtable->numel() : nullptr;
+    const typename BackwardSetup<T>::Task w = setup.task(task);
+    const int64_t nb = w.nb;
     const T *k_head = w.k_head, *v_head = w.v_head;
     float *dk_head = w.dk_head, *dv_head = w.dv_head;
-    for (int64_t h = w.h_begin; h < w.h_end; ++h) {
+    for (int64_t h = 0; h < r; ++h) {
       const int64_t head = nb * r + h;
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t i0 = i * bq;
         const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
-        const auto rw = setup.rows(nb, h, i0);
+        const auto rw = setup.rows(nb, h, i0, thread);
         const T *q_tile = rw.q, *do_tile = rw.dout;
         float* dq_tile = rw.dq;
         for (int64_t e = plan.begin(head, i); e < plan.end(head, i); ++e) {
+          if (!in_task(w, e)) continue;
           const int64_t j0 = plan.cols[e] * bk;
           const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
           // P = 2^(scale2 * Q_i K_j^T - lse2_i) (or of the score mod), hidden scores -inf first (2^-inf = 0)
@@ -393,20 +382,20 @@ void backward_blocks(const G& gemm, const at::Tensor& dout, const at::Tensor& q4
             }
           }
           tile_dv_ds(gemm, p, buf, dp, n, nk, static_cast<int>(Ev), do_tile, static_cast<int>(do_ld), v_head + j0 * v_ld,
-                     static_cast<int>(v_ld), dv_head + j0 * dv_row, static_cast<int>(dv_row), rw.d,
+                     static_cast<int>(v_ld), dv_head + j0 * dv_ld, static_cast<int>(dv_ld), rw.d,
                      rw.d_stride);
           if (dtable_task != nullptr) mod.add_grad(dtable_task, dp, head, i0, j0, n, nk);  // d bias = dS
           if (mod.cap > 0.0f) {  // through the soft-cap: dS_raw = dS * (1 - tanh^2)
             for (int64_t c = 0; c < static_cast<int64_t>(n) * nk; ++c) dp[c] *= deriv[c];
           }
           tile_dq_dk(gemm, dp, buf, n, nk, static_cast<int>(E), scale, k_head + j0 * k_ld, static_cast<int>(k_ld), dq_tile,
-                     static_cast<int>(dq_ld), q_tile, static_cast<int>(q_ld), dk_head + j0 * dk_row,
-                     static_cast<int>(dk_row));
+                     static_cast<int>(rw.dq_ld), q_tile, static_cast<int>(q_ld), dk_head + j0 * dk_ld,
+                     static_cast<int>(dk_ld));
         }
       }
     }
   });
-  setup.finish(dk, dv);
+  setup.finish(dq);
   if (table_grad) dtable->add_(dtable_parts.sum(0));
 }
 

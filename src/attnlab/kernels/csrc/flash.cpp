@@ -148,13 +148,25 @@ void forward_tiles(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, co
   const bool rounds = !std::is_same<T, float>::value;
   std::vector<T> p_ops(rounds ? static_cast<size_t>(bq) * bk * n_threads : 0);
 
-  at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
+  // causal: query i sees keys 0..i + causal_offset (0: top-left, S - L: bottom-right), so key
+  // blocks from i0 + n + causal_offset on are skipped
+  auto keys_seen = [&](int64_t i0, int n) {
+    return is_causal ? std::clamp<int64_t>(i0 + n + causal_offset, 0, S) : S;
+  };
+  // the tasks costliest first (a causal triangle's last query tiles visit the most key blocks),
+  // handed out one at a time: with one head, two contiguous halves of its tiles split the work 1:3
+  std::vector<int64_t> costs(static_cast<size_t>(n_tasks));
+  for (int64_t task = 0; task < n_tasks; ++task) {
+    const int64_t i0 = (task % n_qblocks) * bq;
+    costs[task] = (keys_seen(i0, static_cast<int>(std::min<int64_t>(bq, L - i0))) + bk - 1) / bk;
+  }
+  for_each_dynamic(largest_first(costs), [&](int64_t task) {
     float* s = scratch.data() + per_thread * at::get_thread_num();
     float* acc = s + static_cast<int64_t>(bq) * bk;
     float* m_i = acc + static_cast<int64_t>(bq) * Ev;
     float* l_i = m_i + bq;
     T* p_buf = rounds ? p_ops.data() + static_cast<int64_t>(bq) * bk * at::get_thread_num() : nullptr;
-    for (int64_t task = begin; task < end; ++task) {
+    {
       const int64_t qblock = task % n_qblocks;
       const int64_t head = task / n_qblocks;  // nb * r + h
       const int64_t nb = head / r, h = head % r;
@@ -177,9 +189,7 @@ void forward_tiles(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, co
           std::copy(o_tile + a * o_s2, o_tile + a * o_s2 + Ev, acc_row);
         }
       }
-      // causal: query i sees keys 0..i + causal_offset (0: top-left, S - L: bottom-right), so key
-      // blocks from i0 + n + causal_offset on are skipped
-      const int64_t j_end = is_causal ? std::clamp<int64_t>(i0 + n + causal_offset, 0, S) : S;
+      const int64_t j_end = keys_seen(i0, n);
       for (int64_t j0 = 0; j0 < j_end; j0 += bk) {
         const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
         // S_ij = scale2 * Q_i K_j^T   (n, nk)
@@ -241,8 +251,9 @@ std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q4, const at:
   return {out, lse2};
 }
 
-// FlashAttention-2's backward (Dao 2023, Algorithm 2), one task per key/value head nb (its r
-// query heads run in the task, so dK, dV have a single writer), tiles recomputed from lse:
+// FlashAttention-2's backward (Dao 2023, Algorithm 2), one task per key/value head nb and chunk
+// of its keys (its r query heads run in the task, so dK, dV have a single writer; the chunks,
+// BackwardSetup, keep every thread busy with fewer heads than threads), tiles recomputed from lse:
 //
 //     P    = 2^(scale2 * Q_i K_j^T - lse2_i)    (0 above the causal diagonal and on empty rows)
 //     dV_j += P^T dO_i
@@ -261,65 +272,77 @@ void backward_tiles(const G& gemm, const at::Tensor& dout, const at::Tensor& q4,
                     const std::optional<at::Tensor>& mask_offsets, double scale_d, bool is_causal, int64_t causal_offset, int64_t block_q,
                     int64_t block_k) {
   using T = typename G::T;
-  const BackwardSetup<T> setup(dout, q4, k3, v3, lse2, delta, dq, dk, dv, "attnlab native backward");
+  const BackwardSetup<T> setup(dout, q4, k3, v3, lse2, delta, dq, dk, dv, block_k, "attnlab native backward");
   if (setup.empty()) return;
   const int64_t Nb = setup.Nb, r = setup.r, L = setup.L, E = setup.E, S = setup.S, Ev = setup.Ev;
   const MaskView mv = make_mask(mask, mask_offsets, Nb * r, L, S);
   const int bq = static_cast<int>(std::min<int64_t>(block_q, L));
-  const int bk = static_cast<int>(std::min<int64_t>(block_k, S));
+  const int bk = static_cast<int>(std::min<int64_t>(block_k, S));  // setup.bk unless one block holds every key
   const float scale = static_cast<float>(scale_d);
   const float scale2 = scale * kLog2e;  // the forward's base-2 scores
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t q_ld = setup.q_ld, do_ld = setup.do_ld, dq_ld = setup.dq_ld, k_ld = setup.k_ld, v_ld = setup.v_ld;
+  const int64_t q_ld = setup.q_ld, do_ld = setup.do_ld, k_ld = setup.k_ld, v_ld = setup.v_ld;
+  const int64_t dk_ld = setup.dk_ld, dv_ld = setup.dv_ld;
+  // causal: query row i sees keys below i + 1 + causal_offset, so query tile i0 reaches key j_end(i0)
+  auto keys_seen = [&](int64_t i0, int n) {
+    return is_causal ? std::clamp<int64_t>(i0 + n + causal_offset, 0, S) : S;
+  };
 
+  // a task's cost: the key blocks its query tiles visit, over its keys
+  std::vector<int64_t> costs(static_cast<size_t>(setup.n_tasks), 0);
+  for (int64_t t = 0; t < setup.n_tasks; ++t) {
+    const auto w = setup.task(t);
+    for (int64_t i0 = 0; i0 < L; i0 += bq) {
+      const int64_t seen = std::min<int64_t>(keys_seen(i0, static_cast<int>(std::min<int64_t>(bq, L - i0))), w.j_end);
+      if (seen > w.j_begin) costs[t] += (seen - w.j_begin + bk - 1) / bk;
+    }
+  }
   const int64_t tile = static_cast<int64_t>(bq) * bk;
   const int n_threads = at::get_num_threads();
   std::vector<float> scratch(static_cast<size_t>(2 * tile * n_threads));
   const bool rounds = !std::is_same<T, float>::value;
   std::vector<T> ops_buf(rounds ? static_cast<size_t>(tile) * n_threads : 0);  // P, then dS, as operands
-  const int64_t n_tasks = setup.n_tasks;
-  at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
-    float* p = scratch.data() + 2 * tile * at::get_thread_num();
+  for_each_dynamic(largest_first(costs), [&](int64_t task) {
+    const int thread = at::get_thread_num();
+    float* p = scratch.data() + 2 * tile * thread;
     float* dp = p + tile;
-    T* buf = rounds ? ops_buf.data() + tile * at::get_thread_num() : nullptr;
-    for (int64_t task = begin; task < end; ++task) {
-      const typename BackwardSetup<T>::Task w = setup.task(task, dk, dv);
-      const int64_t nb = w.nb, dk_row = w.dk_row, dv_row = w.dv_row;
-      const T *k_head = w.k_head, *v_head = w.v_head;
-      float *dk_head = w.dk_head, *dv_head = w.dv_head;
-      for (int64_t h = w.h_begin; h < w.h_end; ++h) {
-        for (int64_t i0 = 0; i0 < L; i0 += bq) {
-          const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
-          const auto rw = setup.rows(nb, h, i0);
-          const T *q_tile = rw.q, *do_tile = rw.dout;
-          float* dq_tile = rw.dq;
-          const int64_t j_end = is_causal ? std::clamp<int64_t>(i0 + n + causal_offset, 0, S) : S;
-          for (int64_t j0 = 0; j0 < j_end; j0 += bk) {
-            const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
-            // P = 2^(scale2 * Q_i K_j^T - lse2_i)
-            gemm(false, true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_ld), k_head + j0 * k_ld,
-                 static_cast<int>(k_ld), 0.0f, p, nk);
-            for (int a = 0; a < n; ++a) {
-              float* row = p + static_cast<int64_t>(a) * nk;
-              const float m = rw.lse[a * rw.lse_stride];
-              const int64_t visible = is_causal ? (i0 + a + causal_offset) - j0 + 1 : nk;
-              const int valid = m == neg_inf ? 0 : static_cast<int>(std::clamp<int64_t>(visible, 0, nk));
-              if (mv.present() && valid > 0) mv.apply(row, nb * r + h, i0 + a, j0, valid);  // masked: 2^-inf = 0
-              exp2_shifted(row, valid, m);
-              for (int c = valid; c < nk; ++c) row[c] = 0.0f;
-            }
-            tile_dv_ds(gemm, p, buf, dp, n, nk, static_cast<int>(Ev), do_tile, static_cast<int>(do_ld), v_head + j0 * v_ld,
-                       static_cast<int>(v_ld), dv_head + j0 * dv_row, static_cast<int>(dv_row), rw.d,
-                       rw.d_stride);
-            tile_dq_dk(gemm, dp, buf, n, nk, static_cast<int>(E), scale, k_head + j0 * k_ld, static_cast<int>(k_ld), dq_tile,
-                       static_cast<int>(dq_ld), q_tile, static_cast<int>(q_ld), dk_head + j0 * dk_row,
-                       static_cast<int>(dk_row));
+    T* buf = rounds ? ops_buf.data() + tile * thread : nullptr;
+    const typename BackwardSetup<T>::Task w = setup.task(task);
+    const int64_t nb = w.nb;
+    const T *k_head = w.k_head, *v_head = w.v_head;
+    float *dk_head = w.dk_head, *dv_head = w.dv_head;
+    for (int64_t h = 0; h < r; ++h) {
+      for (int64_t i0 = 0; i0 < L; i0 += bq) {
+        const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
+        const int64_t j_end = std::min<int64_t>(keys_seen(i0, n), w.j_end);
+        if (j_end <= w.j_begin) continue;
+        const auto rw = setup.rows(nb, h, i0, thread);
+        const T *q_tile = rw.q, *do_tile = rw.dout;
+        float* dq_tile = rw.dq;
+        for (int64_t j0 = w.j_begin; j0 < j_end; j0 += bk) {
+          const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
+          // P = 2^(scale2 * Q_i K_j^T - lse2_i)
+          gemm(false, true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_ld), k_head + j0 * k_ld,
+               static_cast<int>(k_ld), 0.0f, p, nk);
+          for (int a = 0; a < n; ++a) {
+            float* row = p + static_cast<int64_t>(a) * nk;
+            const float m = rw.lse[a * rw.lse_stride];
+            const int64_t visible = is_causal ? (i0 + a + causal_offset) - j0 + 1 : nk;
+            const int valid = m == neg_inf ? 0 : static_cast<int>(std::clamp<int64_t>(visible, 0, nk));
+            if (mv.present() && valid > 0) mv.apply(row, nb * r + h, i0 + a, j0, valid);  // masked: 2^-inf = 0
+            exp2_shifted(row, valid, m);
+            for (int c = valid; c < nk; ++c) row[c] = 0.0f;
           }
+          tile_dv_ds(gemm, p, buf, dp, n, nk, static_cast<int>(Ev), do_tile, static_cast<int>(do_ld), v_head + j0 * v_ld,
+                     static_cast<int>(v_ld), dv_head + j0 * dv_ld, static_cast<int>(dv_ld), rw.d, rw.d_stride);
+          tile_dq_dk(gemm, dp, buf, n, nk, static_cast<int>(E), scale, k_head + j0 * k_ld, static_cast<int>(k_ld), dq_tile,
+                     static_cast<int>(rw.dq_ld), q_tile, static_cast<int>(q_ld), dk_head + j0 * dk_ld,
+                     static_cast<int>(dk_ld));
         }
       }
     }
   });
-  setup.finish(dk, dv);
+  setup.finish(dq);
 }
 
 void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,

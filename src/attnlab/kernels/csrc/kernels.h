@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -16,6 +17,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
+#include <vector>
 #include <type_traits>
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
@@ -402,29 +405,63 @@ inline void tile_dq_dk(const G& gemm, const float* ds, typename G::T* buf, int n
   gemm(true, false, nk, E, n, scale, ds_op, nk, q_tile, q_ld, 1.0f, dk_rows, dk_ld);   // dK_j += scale dS^T Q_i
 }
 
+// Runs fn(task) for every task in `order`, handed out one at a time to the threads from an
+// atomic counter (tasks of unequal cost, as causal tiles are, end together instead of in the
+// 1:3 split two equal contiguous ranges of a causal triangle give).
+template <typename F>
+inline void for_each_dynamic(const std::vector<int64_t>& order, const F& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(order.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) fn(order[t]);
+  });
+}
+
+// Task ids 0..costs.size()-1, the costliest first (ties keep their order): with for_each_dynamic,
+// the longest-processing-time-first rule, within 4/3 of the best split.
+inline std::vector<int64_t> largest_first(const std::vector<int64_t>& costs) {
+  std::vector<int64_t> order(costs.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
+  return order;
+}
+
 // The backward's set-up, shared by flash.cpp and block_sparse.cpp: the checks, the shapes
 // (q4 (Nb, r, L, E), k3 (Nb, S, E), v3 (Nb, S, Ev), lse2 and delta (Nb, r, L)), the row strides,
-// and the tasks. One task per key/value head keeps one writer per dK/dV row; with fewer key/value
-// heads than threads (MQA/GQA at small batch) the r query heads of a group become separate tasks,
-// each adding into its own (S, E) slice of dk_parts/dv_parts, summed into dk/dv by finish().
+// and the tasks. A task is a key/value head and a chunk of its key blocks, with all r query
+// heads of the group: one writer per dK/dV row, and no copy of dK/dV per query head.
+// With at least as many key/value heads as threads, a chunk is all S keys. With fewer (one
+// head, MQA, GQA at small batch) the keys are cut into chunks (KEY_CHUNKS_PER_THREAD per
+// thread, handed out costliest first), so every thread works; the chunks of one head then
+// share its dQ rows, so each thread past the first adds its dQ into a private copy
+// (dq_parts: threads - 1 copies of dq, not r of dK and dV), summed into dq by finish().
 template <class T = float>
 struct BackwardSetup {
+  // chunks per thread when the keys are cut: enough for the largest-first rule to even out a
+  // causal triangle's unequal chunks (2 threads, 8 chunks of a triangle: 16 / 16 of 32)
+  static constexpr int64_t KEY_CHUNKS_PER_THREAD = 4;
   int64_t Nb, r, L, E, S, Ev;
   int64_t q_ld, do_ld, dq_ld, k_ld, v_ld, dk_ld, dv_ld;
-  bool split;
-  int64_t n_tasks;
-  at::Tensor dk_parts, dv_parts;
+  int bk;                    // key rows per block (the caller's key tile; chunks are whole blocks)
+  bool split;                // keys cut into chunks (Nb < threads)
+  int64_t chunks;            // chunks per key/value head (1 unless split)
+  int64_t blocks_per_chunk;  // key blocks per chunk
+  int64_t n_tasks;           // Nb * chunks
+  at::Tensor dq_parts;       // (threads - 1, Nb, r, L, E) float32 when split
   const T *q, *k, *v, *gout;  // q4, k3, v3, dout: float32, or bf16 on the bf16 route
   const float *lse, *dlt;     // lse2, delta
   float* gq;                                   // dq
-  int64_t k_head_stride, v_head_stride;
+  float* dk_base;
+  float* dv_base;
+  int64_t k_head_stride, v_head_stride, dk_head_stride, dv_head_stride;
   int64_t q_s[2], do_s[2], dq_s[2], lse_s[3], d_s[3];  // head strides (and row strides of lse2, delta)
 
   static int64_t lead(const at::Tensor& t, int64_t width) { return t.size(-2) > 1 ? t.stride(-2) : width; }
 
   BackwardSetup(const at::Tensor& dout, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
                 const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
-                const at::Tensor& dv, const char* what) {
+                const at::Tensor& dv, int64_t block_k, const char* what) {
     const at::ScalarType operands = std::is_same<T, float>::value ? at::kFloat : at::kBFloat16;
     for (const at::Tensor* t : {&dout, &q4, &k3, &v3, &lse2, &delta, &dq, &dk, &dv}) {
       const bool operand = t == &dout || t == &q4 || t == &k3 || t == &v3;
@@ -443,74 +480,87 @@ struct BackwardSetup {
                     delta.sizes() == lse2.sizes() && k3.size(0) == Nb && v3.size(0) == Nb && v3.size(1) == S &&
                     k3.size(2) == E,
                 what, ": shapes");
+    TORCH_CHECK(block_k > 0, what, ": block_k must be positive");
     q_ld = lead(q4, E), do_ld = lead(dout, Ev), dq_ld = lead(dq, E);
     k_ld = lead(k3, E), v_ld = lead(v3, Ev), dk_ld = lead(dk, E), dv_ld = lead(dv, Ev);
     TORCH_CHECK(q_ld >= E && do_ld >= Ev && dq_ld >= E && k_ld >= E && v_ld >= Ev && dk_ld >= E && dv_ld >= Ev,
                 what, ": rows must not overlap");
-    split = Nb < at::get_num_threads() && r > 1;
-    if (split && !empty()) {
-      dk_parts = at::zeros({Nb, r, S, E}, dk.options());
-      dv_parts = at::zeros({Nb, r, S, Ev}, dv.options());
+    bk = static_cast<int>(block_k);
+    const int64_t n_threads = at::get_num_threads();
+    const int64_t n_blocks = (S + bk - 1) / bk;
+    chunks = 1;
+    if (Nb < n_threads && n_blocks > 1) {
+      const int64_t wanted = (KEY_CHUNKS_PER_THREAD * n_threads + Nb - 1) / Nb;
+      blocks_per_chunk = (n_blocks + std::min(wanted, n_blocks) - 1) / std::min(wanted, n_blocks);
+      chunks = (n_blocks + blocks_per_chunk - 1) / blocks_per_chunk;
     }
-    n_tasks = split ? Nb * r : Nb;
+    if (chunks == 1) blocks_per_chunk = std::max<int64_t>(n_blocks, 1);
+    split = chunks > 1;
+    if (split && !empty()) dq_parts = at::zeros({n_threads - 1, Nb, r, L, E}, dq.options());
+    n_tasks = Nb * chunks;
     q = static_cast<const T*>(q4.data_ptr()), k = static_cast<const T*>(k3.data_ptr());
     v = static_cast<const T*>(v3.data_ptr()), gout = static_cast<const T*>(dout.data_ptr());
     lse = lse2.data_ptr<float>(), dlt = delta.data_ptr<float>();
     gq = dq.data_ptr<float>();
+    dk_base = dk.data_ptr<float>(), dv_base = dv.data_ptr<float>();
     k_head_stride = k3.stride(0), v_head_stride = v3.stride(0);
+    dk_head_stride = dk.stride(0), dv_head_stride = dv.stride(0);
     for (int d = 0; d < 2; ++d) q_s[d] = q4.stride(d), do_s[d] = dout.stride(d), dq_s[d] = dq.stride(d);
     for (int d = 0; d < 3; ++d) lse_s[d] = lse2.stride(d), d_s[d] = delta.stride(d);
   }
 
-  // Query head h of key/value head nb, from query row i0: where its Q, dO, dQ rows and its
-  // lse2 and D entries start (entry a of lse / d is a * lse_stride / d_stride further).
+  // Query head h of key/value head nb, from query row i0, for the thread `thread`: where its Q,
+  // dO rows and its lse2 and D entries start (entry a of lse / d is a * lse_stride / d_stride
+  // further), and the dQ rows it adds into (dq, or the thread's copy when the keys are split).
   struct Rows {
     const T* q;
     const T* dout;
     float* dq;
     const float* lse;
     const float* d;
-    int64_t lse_stride, d_stride;
+    int64_t lse_stride, d_stride, dq_ld;
   };
 
-  Rows rows(int64_t nb, int64_t h, int64_t i0) const {
-    return {q + nb * q_s[0] + h * q_s[1] + i0 * q_ld, gout + nb * do_s[0] + h * do_s[1] + i0 * do_ld,
-            gq + nb * dq_s[0] + h * dq_s[1] + i0 * dq_ld, lse + nb * lse_s[0] + h * lse_s[1] + i0 * lse_s[2],
-            dlt + nb * d_s[0] + h * d_s[1] + i0 * d_s[2], lse_s[2], d_s[2]};
+  Rows rows(int64_t nb, int64_t h, int64_t i0, int thread) const {
+    float* dq_rows = gq + nb * dq_s[0] + h * dq_s[1] + i0 * dq_ld;
+    int64_t ld = dq_ld;
+    if (split && thread > 0) {  // (thread - 1, nb, h, i0, :) of the contiguous copies
+      dq_rows = dq_parts.data_ptr<float>() + (((thread - 1) * Nb + nb) * r + h) * L * E + i0 * E;
+      ld = E;
+    }
+    return {q + nb * q_s[0] + h * q_s[1] + i0 * q_ld, gout + nb * do_s[0] + h * do_s[1] + i0 * do_ld, dq_rows,
+            lse + nb * lse_s[0] + h * lse_s[1] + i0 * lse_s[2], dlt + nb * d_s[0] + h * d_s[1] + i0 * d_s[2],
+            lse_s[2], d_s[2], ld};
   }
 
   bool empty() const { return Nb == 0 || r == 0 || L == 0 || S == 0 || E == 0 || Ev == 0; }
 
-  // Task t: its key/value head (and its K, V rows), its query heads [h_begin, h_end), where its
-  // dK/dV rows go.
+  // Task t: its key/value head (and its K, V, dK, dV rows) and its keys [j_begin, j_end), a
+  // whole number of blocks of bk from j_begin.
   struct Task {
-    int64_t nb, h_begin, h_end;
+    int64_t nb, j_begin, j_end;
     const T* k_head;
     const T* v_head;
     float* dk_head;
     float* dv_head;
-    int64_t dk_row, dv_row;
   };
 
-  Task task(int64_t t, const at::Tensor& dk, const at::Tensor& dv) const {
+  Task task(int64_t t) const {
     Task w;
-    w.nb = split ? t / r : t;
-    w.h_begin = split ? t % r : 0;
-    w.h_end = split ? w.h_begin + 1 : r;
+    w.nb = t / chunks;
+    const int64_t c = t % chunks;
+    w.j_begin = std::min<int64_t>(c * blocks_per_chunk * bk, S);
+    w.j_end = std::min<int64_t>((c + 1) * blocks_per_chunk * bk, S);
     w.k_head = k + w.nb * k_head_stride;
     w.v_head = v + w.nb * v_head_stride;
-    w.dk_head = split ? dk_parts.data_ptr<float>() + t * S * E : dk.data_ptr<float>() + w.nb * dk.stride(0);
-    w.dv_head = split ? dv_parts.data_ptr<float>() + t * S * Ev : dv.data_ptr<float>() + w.nb * dv.stride(0);
-    w.dk_row = split ? E : dk_ld;
-    w.dv_row = split ? Ev : dv_ld;
+    w.dk_head = dk_base + w.nb * dk_head_stride;
+    w.dv_head = dv_base + w.nb * dv_head_stride;
     return w;
   }
 
-  void finish(const at::Tensor& dk, const at::Tensor& dv) const {
-    if (split && !empty()) {
-      dk.add_(dk_parts.sum(1));
-      dv.add_(dv_parts.sum(1));
-    }
+  // The threads' dQ copies added into dq.
+  void finish(const at::Tensor& dq) const {
+    if (split && !empty() && dq_parts.size(0) > 0) dq.add_(dq_parts.sum(0));
   }
 };
 
