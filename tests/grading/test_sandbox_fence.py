@@ -509,3 +509,38 @@ def test_the_filter_refuses_what_it_lists_and_nothing_a_lab_needs(how):
     assert got_after == {"unshare": "1", "clone_newns": "1", "clone3": "38", "ptrace": "1", "mount": "1",
                          "keyctl": "1"}, got_after  # EPERM; ENOSYS for clone3
     assert "torch True" in run.stdout
+
+
+# --------------------------------------------------------------------------- one template at a time
+@needs_bwrap
+def test_a_nested_class_template_shares_the_outer_one_and_only_the_outer_stops_it(tmp_path):
+    """A class_template inside another starts no second template and stops nothing when it is
+    left; a submission graded after it still forks from the outer one; leaving the outer one
+    leaves no process of the template behind."""
+    from helpers.procs import process_tree
+
+    with made_by("template") as own:
+        outer = next(p for p in own if process_tree(p) == own)  # the template's bwrap
+        with pool.class_template("auto") as inner:
+            assert inner.active and inner.pid == outer
+            assert process_tree(outer) == own  # no second template
+        assert pool.class_template().active and process_tree(outer) == own  # still running
+        with sandbox_for(tmp_path, "def attack():\n    return 1.0\n") as box:
+            assert box.run([Call("attack")], policy=False).results[0]["value"] == 1.0
+    assert not pool.class_template().active
+
+    def running() -> list[int]:  # not counting zombies (conftest makes this process their subreaper)
+        alive = []
+        for p in own:
+            try:
+                state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state != "Z":
+                alive.append(p)
+        return alive
+
+    deadline = time.monotonic() + 10  # a backstop: the init and the template die with their bwrap
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(), own

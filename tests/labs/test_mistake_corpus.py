@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from attnlab import doctor, labs, mistakes
+from attnlab.grading.sandbox import pool
 from corpus import lab_modules, solution_text
 from helpers.corpus_run import codes_by_exercise, grade_files, write_mutants
 
@@ -22,6 +23,15 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.subprocess]
 MODULES = {m.LAB: m for m in lab_modules()}
 CASES = [(lab, m.id) for lab, mod in MODULES.items() for m in mod.MUTANTS]
 SYMPTOMS = {"unknown", "shape_error"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_template():
+    """One class template for the whole module (grade_files' own nests inside it): the
+    detections ablated below live in this process, not in the template, so every grading here
+    can fork from the same one instead of starting ~70 (one per code and lab)."""
+    with pool.class_template("auto"):
+        yield
 
 
 @pytest.fixture(scope="module")

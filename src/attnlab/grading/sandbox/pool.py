@@ -591,14 +591,22 @@ class class_template:
     pre-imported template (:mod:`.template`) instead of one ``bwrap`` each; on leaving, the
     template and everything below it are stopped. Where the template cannot work here
     (no bwrap, or no nested user namespaces), ``reason`` says why and :func:`take` starts a
-    ``bwrap`` per submission as before."""
+    ``bwrap`` per submission as before.
+
+    Nested inside another ``class_template`` it starts nothing: the outer template serves
+    both, and only the outer one stops it (a second template would replace the first, which
+    then would never be stopped)."""
 
     def __init__(self, mode: str = "auto") -> None:
         self.mode = mode
         self.reason = ""
+        self._nested = False
 
     def __enter__(self) -> "class_template":
         global _template
+        if _template is not None:
+            self._nested = True
+            return self
         bwrap = resolve_mode(self.mode)
         if bwrap is None:
             self.reason = "no OS sandbox (bwrap) here"
@@ -625,6 +633,8 @@ class class_template:
 
     def __exit__(self, *exc) -> None:
         global _template
+        if self._nested:
+            return
         if _template is not None:
             _template.stop()
             _template = None
