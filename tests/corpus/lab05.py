@@ -1,7 +1,7 @@
-"""Lab 05's mistakes, on the instructor's Triton solution: the online softmax, causal tiles,
-ragged edges (loads and scores past the end), D, the backward's kernels, float16
-accumulators, the autograd.Function and grouped heads. One solution so far (labs 01-04 have two;
-tests/labs/test_mistake_corpus.py says so)."""
+"""Lab 05's mistakes: the online softmax, causal tiles, ragged edges (loads and scores past the
+end), D, the backward's kernels, float16 accumulators, the autograd.Function and grouped heads;
+on the instructor's Triton solution (a) and on a second one written independently in another style (b, tests/corpus/lab05_b.py: base-2
+scores, pointers advanced through the loops, a two-pass causal forward, a transposed backward)."""
 
 from corpus import M
 
@@ -79,4 +79,80 @@ MUTANTS = [
     M("a", "gqa_modulo_heads", F_GQA, "bhk = b * Hkv + h % Hkv  # ex7", "ex7", "gqa_group_mapping"),
     M("a", "gqa_dkdv_first_head_only", B_GROUP, "for g in range(0, 1):", "ex7", "gqa_group_mapping"),
     M("a", "gqa_dq_modulo_heads", B_DQ_HEAD, "bhk = b * Hkv + h % Hkv\n    rows", "ex7", "gqa_group_mapping"),
+]
+
+# ---------------------------------------------------------------- solution b (tests/corpus/lab05_b.py)
+SOLUTIONS["b"] = "tests/corpus/lab05_b.py"
+
+BF_OUT = "out = out * corr[:, None] + tl.dot(w, vt)"
+BF_DENOM = "denom = denom * corr + tl.sum(w, 1)"
+BF_W = "w = tl.exp2(x - base[:, None])"
+BF_QS = "qs = tl.load(q_ptrs, mask=offs_q[:, None] < L, other=0.0).to(tl.float32) * (scale * 1.4426950408889634)"
+BF_LSE = "(m + tl.log2(safe)) * 0.6931471805599453"
+BF_DIAG = "offs_k, S, E, BK, True)"
+BF_SECOND = ("        m, denom, out = _attend(qs, kt_ptrs, v_ptrs, m, denom, out, full, tl.minimum(q_start + BQ, S), "
+             "offs_q,\n                                offs_k, S, E, BK, True)\n")
+BF_OK_DIAG = "ok = ok & (offs_q[:, None] >= cols[None, :])"
+BF_OK = "ok = cols[None, :] < S"
+BF_V = "vt = tl.load(v_ptrs, mask=cols[:, None] < S, other=0.0).to(tl.float32)  # (BK, E)"
+BF_FULL = "full = tl.minimum(q_start, S)"
+BD_SUM = "delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)"
+BB_DST = "dst = pt * (dpt - delta[None, :])"
+BB_DS = "ds = p * (dp - delta[:, None])"
+BB_DK_SCALE = "    dk_acc = dk_acc * scale\n"
+BB_DQ_SCALE = "    dq_acc = dq_acc * scale\n"
+BB_ACC = "dk_acc = tl.zeros([BK, E], dtype=tl.float32)\n    dv_acc = tl.zeros([BK, E], dtype=tl.float32)"
+BB_DV = "dv_acc += tl.dot(pt, do)"
+BB_DK = "dk_acc += tl.dot(dst, tl.trans(qt))"
+BB_KV_CAUSAL = "            if CAUSAL:\n                keep = keep & (offs_k[:, None] <= rows[None, :])\n"
+BB_Q_CAUSAL = "        if CAUSAL:\n            keep = keep & (cols[None, :] <= offs_q[:, None])\n"
+BB_Q_LO = "q_lo = k_start - k_start % BQ"
+B_GQA_F = "kv_head = (head // H) * Hkv + (head % H) // group  # ex7"
+B_GQA_DQ = "kv_head = (head // H) * Hkv + (head % H) // (H // Hkv)  # ex7"
+
+MUTANTS += [
+    M("b", "acc_not_rescaled", BF_OUT, "out = out + tl.dot(w, vt)", "ex1", "online_rescale"),
+    M("b", "denom_not_rescaled", BF_DENOM, "denom = denom + tl.sum(w, 1)", "ex1", "online_rescale"),
+    M("b", "stale_max", BF_W, 'w = tl.exp2(x - tl.where(m == float("-inf"), 0.0, m)[:, None])', "ex1",
+      "online_rescale"),
+    M("b", "forward_no_scale", BF_QS, BF_QS.replace("(scale * 1.4426950408889634)", "1.4426950408889634"), "ex1",
+      "missing_scale"),
+    M("b", "forward_natural_scores_in_exp2", BF_QS, BF_QS.replace("(scale * 1.4426950408889634)", "scale"), "ex1",
+      "wrong_scale"),
+    M("b", "exp_of_base2_scores", BF_W, "w = tl.exp(x - base[:, None])", "ex1", "wrong_scale",
+      ("corr = tl.exp2(m - base)", "corr = tl.exp(m - base)")),
+    M("b", "lse_base2", BF_LSE, "m + tl.log2(safe)", "ex1", "lse_saved"),
+    M("b", "lse_is_max", BF_LSE, "m * 0.6931471805599453", "ex1", "lse_saved"),
+    M("b", "lse_without_max", BF_LSE, "tl.log2(safe) * 0.6931471805599453", "ex1", "lse_saved"),
+    M("b", "diagonal_unmasked", BF_DIAG, "offs_k, S, E, BK, False)", "ex2", "causal_block_skip"),
+    M("b", "diagonal_skipped", BF_SECOND, "", "ex2", "causal_block_skip"),
+    M("b", "unmasked_pass_through_diagonal", BF_FULL, "full = tl.minimum(q_start + BQ, S)", "ex2",
+      "causal_block_skip"),
+    M("b", "future_tiles_computed", BF_SECOND, BF_SECOND.replace("tl.minimum(q_start + BQ, S)", "S"), "ex2",
+      "causal_block_skip"),
+    M("b", "causal_hides_diagonal", BF_OK_DIAG, BF_OK_DIAG.replace(">=", ">"), "ex2", "off_by_one"),
+    M("b", "keys_past_S_scored", BF_OK, "ok = cols[None, :] >= 0", "ex3", "load_mask"),
+    M("b", "v_loaded_without_mask", BF_V, "vt = tl.load(v_ptrs).to(tl.float32)  # (BK, E)", "ex3", "load_mask"),
+    M("b", "key_mask_drops_last_key", BF_OK, "ok = cols[None, :] < S - 1", "ex3", "off_by_one"),
+    M("b", "D_without_O", BD_SUM, "delta = tl.sum(do.to(tl.float32), axis=1)", "ex4", "backward_d_term"),
+    M("b", "D_of_O_squared", BD_SUM, "delta = tl.sum(o.to(tl.float32) * o.to(tl.float32), axis=1)", "ex4",
+      "backward_d_term"),
+    M("b", "ds_without_D", BB_DST, "dst = pt * dpt", "ex5", "backward_d_term", (BB_DS, "ds = p * dp")),
+    M("b", "dk_without_scale", BB_DK_SCALE, "", "ex5", "backward_scale"),
+    M("b", "dq_without_scale", BB_DQ_SCALE, "", "ex5", "backward_scale"),
+    M("b", "dkdv_accumulated_in_input_dtype", BB_ACC,
+      "dk_acc = tl.zeros([BK, E], dtype=K.dtype.element_ty)\n    dv_acc = tl.zeros([BK, E], dtype=V.dtype.element_ty)",
+      "ex5", "accumulate_dtype", (BB_DV, "dv_acc += tl.dot(pt, do).to(V.dtype.element_ty)"),
+      (BB_DK, "dk_acc += tl.dot(dst, tl.trans(qt)).to(K.dtype.element_ty)")),
+    M("b", "backward_without_causal_mask", BB_KV_CAUSAL, "", "ex5", "causal_block_skip", (BB_Q_CAUSAL, "")),
+    M("b", "dkdv_skips_the_diagonal_query_tile", BB_Q_LO, "q_lo = k_start - k_start % BQ + BQ", "ex5",
+      "causal_block_skip"),
+    M("b", "function_backward_not_causal", "grads = flash_backward(q, k, v, o, lse, grad_out, is_causal=ctx.is_causal)",
+      "grads = flash_backward(q, k, v, o, lse, grad_out)", "ex6", "causal_block_skip"),
+    M("b", "gqa_modulo_heads", B_GQA_F, "kv_head = (head // H) * Hkv + (head % H) % Hkv  # ex7", "ex7",
+      "gqa_group_mapping"),
+    M("b", "gqa_dkdv_first_head_only", "for j in range(0, group):", "for j in range(0, 1):", "ex7",
+      "gqa_group_mapping"),
+    M("b", "gqa_dq_modulo_heads", B_GQA_DQ, "kv_head = (head // H) * Hkv + (head % H) % Hkv  # ex7", "ex7",
+      "gqa_group_mapping"),
 ]

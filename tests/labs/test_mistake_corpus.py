@@ -60,14 +60,9 @@ def test_each_solution_scores_full_marks(lab, label, tmp_path):
     assert report.score == 100, report.to_text()
 
 
-# Lab 05 (Triton, issue 34) has one solution and the mistakes its issue names, >= 25 of them; a
-# second independent solution is still to be written (CHANGELOG, the closing note)
-ONE_SOLUTION = {"05-triton-flash"}
-
-
 def test_the_corpus_is_two_solutions_by_25_mistakes_per_lab_in_the_vocabulary():
     for lab, mod in MODULES.items():
-        assert len(mod.SOLUTIONS) >= (1 if lab in ONE_SOLUTION else 2), lab
+        assert len(mod.SOLUTIONS) >= 2, lab
         per_solution = Counter(m.solution for m in mod.MUTANTS)
         assert set(per_solution) == set(mod.SOLUTIONS) and min(per_solution.values()) >= 25, (lab, per_solution)
         ids = [m.id for m in mod.MUTANTS]

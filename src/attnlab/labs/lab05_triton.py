@@ -129,6 +129,13 @@ def _judge_ex1(ctx, results, outcome):
                                   "first, then p = tl.exp(s - m_new[:, None])", fwd["stale"][0]),
         mistake("missing_scale", "the scores are not scaled: multiply tl.dot(q, tl.trans(k)) by scale "
                                  "(1/sqrt(E), passed to the kernel)", scaled_dot_product_attention(q, k, v, scale=1.0)),
+        # the bases mixed: tl.exp2 of natural-log scores (log2(e) forgotten), or tl.exp of base-2 ones
+        mistake("wrong_scale", "tl.exp2 of natural-log scores: in base 2 the scores are scale * log2(e) * q.k "
+                               "(1.4426950408889634), or use tl.exp", scaled_dot_product_attention(
+                                   q, k, v, scale=math.log(2) / math.sqrt(E))),
+        mistake("wrong_scale", "tl.exp of base-2 scores: scores multiplied by scale * log2(e) need tl.exp2, "
+                               "or multiply by scale alone", scaled_dot_product_attention(
+                                   q, k, v, scale=1 / (math.log(2) * math.sqrt(E)))),
     ])}
     out["lse"] = tensor_verdict(lse, fwd[""][1], "flash_forward's lse (natural log-sum-exp of each row)", [
         mistake("lse_saved", "lse is in base 2: tl.log, not tl.log2 (or divide by ln 2 nowhere)", fwd["lse_log2"][1]),
@@ -279,6 +286,10 @@ def _judge_ex4(ctx, results, outcome):
         mistake("backward_d_term", "D is rowsum(dO) alone: it is rowsum(dO * O), one number per query row",
                 do.sum(-1)),
         mistake("backward_d_term", "D is rowsum(O) alone: it is rowsum(dO * O), one number per query row", o.sum(-1)),
+        mistake("backward_d_term", "D is rowsum(O * O): it is rowsum(dO * O), one number per query row",
+                (o * o).sum(-1)),
+        mistake("backward_d_term", "D is rowsum(dO * dO): it is rowsum(dO * O), one number per query row",
+                (do * do).sum(-1)),
         mistake("backward_d_term", "D is dO * O without the row sum: tl.sum(o * do, 1)", None),
     ])}
 
@@ -331,6 +342,13 @@ def _judge_grads(got, q, k, v, do, causal: bool, where: str) -> tuple[Verdict, V
     unmasked = [simulate_grads(q, k, v, do, mask, p_mask=m) for m in (tiles_kept(L, S, BLOCK, BLOCK),
                                                                        torch.ones(L, S, dtype=torch.bool))] \
         if causal else []
+    # dK/dV's query loop starting one tile late: the diagonal tile's queries never reach their keys
+    # (dQ, from its own kernel, is right)
+    late = None
+    if causal:
+        diagonal = (torch.arange(L)[:, None] // BLOCK) == (torch.arange(S)[None, :] // BLOCK)
+        late = simulate_grads(q, k, v, do, mask, p_mask=mask & ~diagonal)
+        late = (dq, late[1], late[2])
     both = (lambda t: torch.cat([t[0].flatten(), t[1].flatten()]))  # noqa: E731
     got_qk = both(got) if all(isinstance(t, Tensor) and t.shape == e.shape for t, e in zip(got[:2], (dq, dk))) \
         else None
@@ -347,12 +365,18 @@ def _judge_grads(got, q, k, v, do, causal: bool, where: str) -> tuple[Verdict, V
         mistake("backward_scale", "P is rebuilt from unscaled scores: p = tl.exp(tl.dot(q, tl.trans(k)) * scale - "
                                   "lse[:, None])", both(bugs["p_unscaled"])),
     ] + [mistake("causal_block_skip", "the backward rebuilds P without the causal mask: mask it as the forward "
-                                      "does (keys <= rows)", both(u)) for u in unmasked])
+                                      "does (keys <= rows)", both(u)) for u in unmasked]
+        + ([mistake("causal_block_skip", LATE_START, both(late))] if late is not None else []))
     dv_v = _naming_loads(got[2], dv, f"dv {where}") or tensor_verdict(got[2], dv, f"dv {where}", [
         mistake("backward_scale", "P is rebuilt from unscaled scores: p = tl.exp(tl.dot(q, tl.trans(k)) * scale - "
                                   "lse[:, None])", bugs["p_unscaled"][2])]
-        + [mistake("causal_block_skip", "dV is built from P without the causal mask", u[2]) for u in unmasked])
+        + [mistake("causal_block_skip", "dV is built from P without the causal mask", u[2]) for u in unmasked]
+        + ([mistake("causal_block_skip", LATE_START, late[2])] if late is not None else []))
     return dv_v, qk
+
+
+LATE_START = ("dK/dV skip the diagonal query tile: under CAUSAL a key tile's query loop starts at the query tile "
+              "that holds its first key, (pid_k * BK) // BQ * BQ, not after it")
 
 
 def _judge_half(ctx, result) -> Verdict:
