@@ -237,12 +237,13 @@ def test_native_backward_matches_the_pure_backward(shape, causal, gen, native_op
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 5])
 @pytest.mark.parametrize("offset", [0, 20, -7], ids=["top_left", "bottom_right", "negative"])
-def test_the_backward_cut_over_keys_matches_on_any_thread_count(threads, offset, gen, native_ops):
-    """One key/value head and fewer heads than threads: the keys are cut into chunks so every
-    thread works, each thread past the first adds its dQ into a copy of its own, summed at the
-    end. The gradients match float64 autograd (causal at any offset, a group of 3 query heads)
-    and the same call on one thread."""
-    Nb, r, L, S, E, Ev, bq, bk = 1, 3, 70, 90, 8, 12, 16, 8
+@pytest.mark.parametrize("Nb", [1, 3])
+def test_the_backward_cut_over_keys_matches_on_any_thread_count(Nb, threads, offset, gen, native_ops):
+    """Key/value heads that do not share out evenly over the threads (one head; three on two
+    threads): the keys are cut into chunks so every thread works, each thread past the first adds
+    its dQ into a copy of its own, summed at the end. The gradients match float64 autograd (causal
+    at any offset, a group of 3 query heads) and the same call on one thread."""
+    r, L, S, E, Ev, bq, bk = 3, 70, 90, 8, 12, 16, 8
     q4, k3, v3 = _inputs(gen, Nb, r, L, S, E, Ev)
     dout = torch.randn(Nb, r, L, Ev, generator=gen)
     scale = 1 / math.sqrt(E)

@@ -431,9 +431,10 @@ inline std::vector<int64_t> largest_first(const std::vector<int64_t>& costs) {
 // (q4 (Nb, r, L, E), k3 (Nb, S, E), v3 (Nb, S, Ev), lse2 and delta (Nb, r, L)), the row strides,
 // and the tasks. A task is a key/value head and a chunk of its key blocks, with all r query
 // heads of the group: one writer per dK/dV row, and no copy of dK/dV per query head.
-// With at least as many key/value heads as threads, a chunk is all S keys. With fewer (one
-// head, MQA, GQA at small batch) the keys are cut into chunks (KEY_CHUNKS_PER_THREAD per
-// thread, handed out costliest first), so every thread works; the chunks of one head then
+// When the key/value heads share out evenly over the threads (or there are many), a chunk is
+// all S keys. Otherwise (one head, MQA, GQA at small batch, 3 heads on 2 threads) the keys are
+// cut into chunks (KEY_CHUNKS_PER_THREAD per thread, handed out costliest first), so every
+// thread works to the end; the chunks of one head then
 // share its dQ rows, so each thread past the first adds its dQ into a private copy
 // (dq_parts: threads - 1 copies of dq, not r of dK and dV), summed into dq by finish().
 template <class T = float>
@@ -444,7 +445,7 @@ struct BackwardSetup {
   int64_t Nb, r, L, E, S, Ev;
   int64_t q_ld, do_ld, dq_ld, k_ld, v_ld, dk_ld, dv_ld;
   int bk;                    // key rows per block (the caller's key tile; chunks are whole blocks)
-  bool split;                // keys cut into chunks (Nb < threads)
+  bool split;                // keys cut into chunks (the heads do not share out evenly)
   int64_t chunks;            // chunks per key/value head (1 unless split)
   int64_t blocks_per_chunk;  // key blocks per chunk
   int64_t n_tasks;           // Nb * chunks
@@ -489,7 +490,10 @@ struct BackwardSetup {
     const int64_t n_threads = at::get_num_threads();
     const int64_t n_blocks = (S + bk - 1) / bk;
     chunks = 1;
-    if (Nb < n_threads && n_blocks > 1) {
+    // cut when the heads do not share out evenly (fewer than threads, or 3 on 2 threads: one
+    // thread would do 2 heads while the other idles half the time), up to KEY_CHUNKS_PER_THREAD
+    // heads per thread, past which whole heads balance within 1 / KEY_CHUNKS_PER_THREAD
+    if (Nb % n_threads != 0 && Nb < KEY_CHUNKS_PER_THREAD * n_threads && n_blocks > 1) {
       const int64_t wanted = (KEY_CHUNKS_PER_THREAD * n_threads + Nb - 1) / Nb;
       blocks_per_chunk = (n_blocks + std::min(wanted, n_blocks) - 1) / std::min(wanted, n_blocks);
       chunks = (n_blocks + blocks_per_chunk - 1) / blocks_per_chunk;
