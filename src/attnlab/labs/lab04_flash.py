@@ -26,7 +26,8 @@ from attnlab.grading.sandbox import Call
 from attnlab.labs import Lab
 
 # the simulators are lab 05's too (the same algorithm in Triton): package-internal, documented here
-__all__ = ["LAB", "EXERCISES", "BIG", "MEMORY_MB", "simulate_forward", "simulate_grads", "causal_mask", "tiles_kept"]
+__all__ = ["LAB", "EXERCISES", "BIG", "MEMORY_MB", "simulate_forward", "simulate_grads", "causal_mask", "tiles_kept",
+           "judge_autograd_function"]
 
 LAB = Lab("04-flash-attention", "FlashAttention from scratch: the online softmax, tiles, the backward",
           "the online softmax on a stream (running max and sum), the tiled forward with m_i, l_i, acc and the "
@@ -426,9 +427,17 @@ def _prep_ex5(g):
     return calls, ctx
 
 
-def _judge_ex5(ctx, results, outcome):
+def judge_autograd_function(ctx, results, cases, *, output_of: str, function: str, causal_fix: str,
+                            recompute: str) -> dict[str, Verdict]:
+    """The checks of an exercise that calls ``attention_and_grads`` once per case of ``cases``
+    (``(L, S, causal)``, inputs ``ctx[i] = (q, k, v, do)``), shared by lab 04 and lab 05: the
+    output against SDPA, dq/dk/dv through ``function``'s backward (naming a backward that drops
+    the causal mask), and what the forward saved (no [L, S] weights).
+
+    ``output_of``: how the output is named; ``causal_fix``: how to keep the causal mask in the
+    backward; ``recompute``: where P is recomputed instead of saved."""
     outputs, grads, saved_v = Verdict(True), Verdict(True), Verdict(True)
-    for i, (L, S, causal) in enumerate(EX5_CASES):
+    for i, (L, S, causal) in enumerate(cases):
         q, k, v, do = (t.double() for t in ctx[i])
         got = value(results, i)
         if not (isinstance(got, tuple) and len(got) == 5):
@@ -439,22 +448,28 @@ def _judge_ex5(ctx, results, outcome):
         mask = causal_mask(L, S) if causal else None
         if outputs.passed:
             outputs = tensor_verdict(got[0], scaled_dot_product_attention(q, k, v, attn_mask=mask),
-                                     f"tiled_attention output {where}")
+                                     f"{output_of} {where}")
         unmasked = simulate_grads(q, k, v, do, mask, p_mask=torch.ones(L, S, dtype=torch.bool)) if causal else (None,) * 3
         for name, g_, e_, u in zip(("dq", "dk", "dv"), got[1:4], simulate_grads(q, k, v, do, mask), unmasked):
             if grads.passed:
-                grads = tensor_verdict(g_, e_, f"{name} through TiledAttention.backward {where}", [
-                    mistake("causal_block_skip", "the backward runs without the causal mask: pass is_causal on "
-                                                 "(keep it on ctx in forward)", u)])
+                grads = tensor_verdict(g_, e_, f"{name} through {function}.backward {where}", [
+                    mistake("causal_block_skip", f"the backward runs without the causal mask: {causal_fix}", u)])
         shapes = got[4] if isinstance(got[4], list) else []
         big = [s for s in shapes if isinstance(s, list) and len(s) >= 2 and s[-2:] == [L, S]]
         if big and saved_v.passed:
             msg = (f"the forward saves a tensor of shape {big[0]}: the [L, S] weights; save lse ([B, H, L]) and "
-                   "recompute P tile by tile in the backward")
+                   f"{recompute}")
             saved_v = Verdict(False, msg, [{"code": "scores_materialized", "message": msg}])
         elif not shapes and saved_v.passed:
             saved_v = Verdict(False, "the forward saved no tensors: ctx.save_for_backward(q, k, v, o, lse)")
     return {"output": outputs, "gradients": grads, "saves_lse_not_weights": saved_v}
+
+
+def _judge_ex5(ctx, results, outcome):
+    return judge_autograd_function(ctx, results, EX5_CASES, output_of="tiled_attention output",
+                                   function="TiledAttention",
+                                   causal_fix="pass is_causal on (keep it on ctx in forward)",
+                                   recompute="recompute P tile by tile in the backward")
 
 
 EXERCISES: list[Exercise] = [

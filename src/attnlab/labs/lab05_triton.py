@@ -33,7 +33,8 @@ from attnlab.functional import scaled_dot_product_attention
 from attnlab.grading.exercise import Exercise, Verdict, mistake, tensor_verdict, value
 from attnlab.grading.sandbox import Call
 from attnlab.labs import Lab
-from attnlab.labs.lab04_flash import causal_mask, simulate_forward, simulate_grads, tiles_kept
+from attnlab.labs.lab04_flash import (causal_mask, judge_autograd_function, simulate_forward, simulate_grads,
+                                      tiles_kept)
 from attnlab.testing import max_abs_diff, tolerance
 
 __all__ = ["LAB", "EXERCISES", "BLOCK", "CPU_S", "TRITON_NAMES"]
@@ -435,35 +436,9 @@ def _prep_ex6(g):
 
 
 def _judge_ex6(ctx, results, outcome):
-    outputs, grads, saved_v = Verdict(True), Verdict(True), Verdict(True)
-    for i, (L, S, causal) in enumerate(EX6):
-        q, k, v, do = (t.double() for t in ctx[i])
-        got = value(results, i)
-        if not (isinstance(got, tuple) and len(got) == 5):
-            bad = Verdict(False, f"attention_and_grads must return 5 values (it is given: restore it), got "
-                                 f"{type(got).__name__}")
-            return {"output": bad, "gradients": bad, "saves_lse_not_weights": bad}
-        where = f"(L = {L}, S = {S}{', is_causal' if causal else ''})"
-        mask = causal_mask(L, S) if causal else None
-        if outputs.passed:
-            outputs = tensor_verdict(got[0], scaled_dot_product_attention(q, k, v, attn_mask=mask),
-                                     f"triton_attention's output {where}")
-        unmasked = simulate_grads(q, k, v, do, mask, p_mask=torch.ones(L, S, dtype=torch.bool)) if causal \
-            else (None,) * 3
-        for name, g_, e_, u in zip(("dq", "dk", "dv"), got[1:4], simulate_grads(q, k, v, do, mask), unmasked):
-            if grads.passed:
-                grads = tensor_verdict(g_, e_, f"{name} through TritonAttention.backward {where}", [
-                    mistake("causal_block_skip", "the backward runs without the causal mask: keep is_causal on ctx "
-                                                 "in forward and pass it to flash_backward", u)])
-        shapes = got[4] if isinstance(got[4], list) else []
-        big = [s for s in shapes if isinstance(s, list) and len(s) >= 2 and s[-2:] == [L, S]]
-        if big and saved_v.passed:
-            msg = (f"the forward saves a tensor of shape {big[0]}: the [L, S] weights; save lse ([B, H, L]) and "
-                   "let the backward's kernels recompute P tile by tile")
-            saved_v = Verdict(False, msg, [{"code": "scores_materialized", "message": msg}])
-        elif not shapes and saved_v.passed:
-            saved_v = Verdict(False, "the forward saved no tensors: ctx.save_for_backward(q, k, v, o, lse)")
-    return {"output": outputs, "gradients": grads, "saves_lse_not_weights": saved_v}
+    return judge_autograd_function(ctx, results, EX6, output_of="triton_attention's output", function="TritonAttention",
+                                   causal_fix="keep is_causal on ctx in forward and pass it to flash_backward",
+                                   recompute="let the backward's kernels recompute P tile by tile")
 
 
 # --------------------------------------------------------------------------- ex7: grouped heads

@@ -103,6 +103,13 @@ MaskView make_mask(const std::optional<at::Tensor>& mask, const std::optional<at
 // (GemmBf16, bf16_gemm.h), P rounded to bf16 for P V; scores, the row pass, m_i, l_i, acc and
 // lse2 stay float32, and out is float32. bf16_emulated widens the GEMMs' operands instead of
 // using the CPU's bf16 instructions.
+// The keys the n query rows from i0 reach: all S, or under causality up to the last row's
+// diagonal (query i sees keys 0..i + causal_offset; 0: top-left, S - L: bottom-right), so key
+// blocks from i0 + n + causal_offset on are skipped.
+inline int64_t causal_keys_seen(bool is_causal, int64_t causal_offset, int64_t S, int64_t i0, int n) {
+  return is_causal ? std::clamp<int64_t>(i0 + n + causal_offset, 0, S) : S;
+}
+
 template <class G>
 void forward_tiles(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3,
                    const at::Tensor& out, const at::Tensor& lse2, const std::optional<at::Tensor>& mask,
@@ -148,11 +155,7 @@ void forward_tiles(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, co
   const bool rounds = !std::is_same<T, float>::value;
   std::vector<T> p_ops(rounds ? static_cast<size_t>(bq) * bk * n_threads : 0);
 
-  // causal: query i sees keys 0..i + causal_offset (0: top-left, S - L: bottom-right), so key
-  // blocks from i0 + n + causal_offset on are skipped
-  auto keys_seen = [&](int64_t i0, int n) {
-    return is_causal ? std::clamp<int64_t>(i0 + n + causal_offset, 0, S) : S;
-  };
+  auto keys_seen = [&](int64_t i0, int n) { return causal_keys_seen(is_causal, causal_offset, S, i0, n); };
   // the tasks costliest first (a causal triangle's last query tiles visit the most key blocks),
   // handed out one at a time: with one head, two contiguous halves of its tiles split the work 1:3
   std::vector<int64_t> costs(static_cast<size_t>(n_tasks));
@@ -166,48 +169,46 @@ void forward_tiles(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, co
     float* m_i = acc + static_cast<int64_t>(bq) * Ev;
     float* l_i = m_i + bq;
     T* p_buf = rounds ? p_ops.data() + static_cast<int64_t>(bq) * bk * at::get_thread_num() : nullptr;
-    {
-      const int64_t qblock = task % n_qblocks;
-      const int64_t head = task / n_qblocks;  // nb * r + h
-      const int64_t nb = head / r, h = head % r;
-      const int64_t i0 = qblock * bq;
-      const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
-      const T* q_tile = q + nb * q_s0 + h * q_s1 + i0 * q_s2;
-      const T* k_head = k + nb * k_s0;
-      const T* v_head = v + nb * v_s0;
-      float* o_tile = o + nb * o_s0 + h * o_s1 + i0 * o_s2;
-      float* lse_tile = lse + nb * l_s0 + h * l_s1 + i0 * l_s2;
-      // the saved state: m_i = lse, l_i = 1, acc = out; a row with lse = -inf has seen no key yet
-      for (int a = 0; a < n; ++a) {
-        const float m = lse_tile[a * l_s2];
-        float* acc_row = acc + static_cast<int64_t>(a) * Ev;
-        m_i[a] = m;
-        l_i[a] = m == neg_inf ? 0.0f : 1.0f;
-        if (m == neg_inf) {
-          std::fill(acc_row, acc_row + Ev, 0.0f);
-        } else {
-          std::copy(o_tile + a * o_s2, o_tile + a * o_s2 + Ev, acc_row);
-        }
+    const int64_t qblock = task % n_qblocks;
+    const int64_t head = task / n_qblocks;  // nb * r + h
+    const int64_t nb = head / r, h = head % r;
+    const int64_t i0 = qblock * bq;
+    const int n = static_cast<int>(std::min<int64_t>(bq, L - i0));
+    const T* q_tile = q + nb * q_s0 + h * q_s1 + i0 * q_s2;
+    const T* k_head = k + nb * k_s0;
+    const T* v_head = v + nb * v_s0;
+    float* o_tile = o + nb * o_s0 + h * o_s1 + i0 * o_s2;
+    float* lse_tile = lse + nb * l_s0 + h * l_s1 + i0 * l_s2;
+    // the saved state: m_i = lse, l_i = 1, acc = out; a row with lse = -inf has seen no key yet
+    for (int a = 0; a < n; ++a) {
+      const float m = lse_tile[a * l_s2];
+      float* acc_row = acc + static_cast<int64_t>(a) * Ev;
+      m_i[a] = m;
+      l_i[a] = m == neg_inf ? 0.0f : 1.0f;
+      if (m == neg_inf) {
+        std::fill(acc_row, acc_row + Ev, 0.0f);
+      } else {
+        std::copy(o_tile + a * o_s2, o_tile + a * o_s2 + Ev, acc_row);
       }
-      const int64_t j_end = keys_seen(i0, n);
-      for (int64_t j0 = 0; j0 < j_end; j0 += bk) {
-        const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
-        // S_ij = scale2 * Q_i K_j^T   (n, nk)
-        gemm(false, true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_s2), k_head + j0 * k_s1,
-             static_cast<int>(k_s1), 0.0f, s, nk);
-        // keys j0 + c with c < valid are visible to row a (causal), minus the masked ones
-        online_update(s, n, nk, [&](int64_t a, float* row) {
-          const int64_t visible = is_causal ? (i0 + a + causal_offset) - j0 + 1 : nk;
-          const int valid = static_cast<int>(std::clamp<int64_t>(visible, 0, nk));
-          if (mv.present() && valid > 0) mv.apply(row, head, i0 + a, j0, valid);
-          return valid;
-        }, m_i, l_i, acc, Ev);
-        // acc += P~ V_j   (n, Ev)
-        gemm(false, false, n, static_cast<int>(Ev), nk, 1.0f, gemm.operand(s, static_cast<int64_t>(n) * nk, p_buf), nk,
-             v_head + j0 * v_s1, static_cast<int>(v_s1), 1.0f, acc, static_cast<int>(Ev));
-      }
-      finish_rows(acc, m_i, l_i, n, Ev, o_tile, o_s2, lse_tile, l_s2);  // O_i = acc / l_i, lse2_i
     }
+    const int64_t j_end = keys_seen(i0, n);
+    for (int64_t j0 = 0; j0 < j_end; j0 += bk) {
+      const int nk = static_cast<int>(std::min<int64_t>(bk, S - j0));
+      // S_ij = scale2 * Q_i K_j^T   (n, nk)
+      gemm(false, true, n, nk, static_cast<int>(E), scale2, q_tile, static_cast<int>(q_s2), k_head + j0 * k_s1,
+           static_cast<int>(k_s1), 0.0f, s, nk);
+      // keys j0 + c with c < valid are visible to row a (causal), minus the masked ones
+      online_update(s, n, nk, [&](int64_t a, float* row) {
+        const int64_t visible = is_causal ? (i0 + a + causal_offset) - j0 + 1 : nk;
+        const int valid = static_cast<int>(std::clamp<int64_t>(visible, 0, nk));
+        if (mv.present() && valid > 0) mv.apply(row, head, i0 + a, j0, valid);
+        return valid;
+      }, m_i, l_i, acc, Ev);
+      // acc += P~ V_j   (n, Ev)
+      gemm(false, false, n, static_cast<int>(Ev), nk, 1.0f, gemm.operand(s, static_cast<int64_t>(n) * nk, p_buf), nk,
+           v_head + j0 * v_s1, static_cast<int>(v_s1), 1.0f, acc, static_cast<int>(Ev));
+    }
+    finish_rows(acc, m_i, l_i, n, Ev, o_tile, o_s2, lse_tile, l_s2);  // O_i = acc / l_i, lse2_i
   });
 }
 
@@ -283,10 +284,7 @@ void backward_tiles(const G& gemm, const at::Tensor& dout, const at::Tensor& q4,
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t q_ld = setup.q_ld, do_ld = setup.do_ld, k_ld = setup.k_ld, v_ld = setup.v_ld;
   const int64_t dk_ld = setup.dk_ld, dv_ld = setup.dv_ld;
-  // causal: query row i sees keys below i + 1 + causal_offset, so query tile i0 reaches key j_end(i0)
-  auto keys_seen = [&](int64_t i0, int n) {
-    return is_causal ? std::clamp<int64_t>(i0 + n + causal_offset, 0, S) : S;
-  };
+  auto keys_seen = [&](int64_t i0, int n) { return causal_keys_seen(is_causal, causal_offset, S, i0, n); };
 
   // a task's cost: the key blocks its query tiles visit, over its keys
   std::vector<int64_t> costs(static_cast<size_t>(setup.n_tasks), 0);
