@@ -53,7 +53,7 @@ def spy_operands(monkeypatch, forward_op: str = "flash_forward") -> list:
                 return op
 
             def forward(q4, *a):
-                seen.append((q4.dtype, a[-1]))  # the operands' dtype, bf16_emulated
+                seen.append((q4.dtype, a[-2]))  # the operands' dtype, bf16_emulated (a[-1]: the sgemm route)
                 return op(q4, *a)
             return forward
 

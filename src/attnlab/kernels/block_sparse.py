@@ -188,7 +188,7 @@ class _BlockSparse(torch.autograd.Function):
         row_of_head, cap = mod
         emulated = q4.dtype == torch.bfloat16 and _native.bf16_route().name == "bf16-emulated"
         out4, lse2 = _native.ops().block_sparse_forward(q4, k3, v3, *plan, table, row_of_head, cap,
-                                                        scale * LOG2E, bq, bk, emulated)
+                                                        scale * LOG2E, bq, bk, emulated, _native.sgemm_route().code)
         ctx.emulated, ctx.dtypes = emulated, (q.dtype, k.dtype, v.dtype)
         ctx.save_for_backward(q4, k3, v3, out4, lse2, table, row_of_head, *plan)
         ctx.shapes, ctx.blocks, ctx.scale, ctx.cap = (q.shape, k.shape, v.shape), (bq, bk), scale, cap
@@ -207,7 +207,7 @@ class _BlockSparse(torch.autograd.Function):
         dtable = torch.zeros_like(table) if table is not None and ctx.needs_input_grad[3] else None
         _native.ops().block_sparse_backward_(dout4.to(q4.dtype), q4, k3, v3, lse2, delta.contiguous(), dq, dk, dv,
                                              *plan, table, row_of_head, ctx.cap, dtable, ctx.scale, *ctx.blocks,
-                                             ctx.emulated)
+                                             ctx.emulated, _native.sgemm_route().code)
         dq_t, dk_t, dv_t = ctx.dtypes
         return (dq.view(q_shape).to(dq_t), dk.view(k_shape).to(dk_t), dv.view(v_shape).to(dv_t), dtable, None, None,
                 None, None, None)

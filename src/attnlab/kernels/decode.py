@@ -108,7 +108,7 @@ def forward(q4: Tensor, k: Tensor, v: Tensor, *, Hkv: int, S: int, scale2: float
         # chunk 0: the kernel splits every head's own keys into about TASKS_PER_THREAD tasks per thread
         out, lse2, nonfinite = _native.ops().decode_forward(
             q4.contiguous(), k, v, table, seqlens, k_scale, v_scale, Hkv, S, scale2, CAUSAL[causal], chunk or 0,
-            block, 1 if mode == "stream" else 0)
+            block, 1 if mode == "stream" else 0, _native.sgemm_route().code)
         return out, lse2, bool(nonfinite)
     page = k.shape[1] if table is not None else 1
     chunk = chunk or choose_chunk(S, q4.shape[0], torch.get_num_threads(), page)

@@ -93,7 +93,7 @@ def forward(q4: Tensor, k3: Tensor, v3: Tensor, layout: Layout, mask: Optional[T
     if ops is not None:
         m, offsets = _native_mask(mask, layout, q4.shape[2], k3.shape[1])
         return ops.flash_forward(dense_rows(q4), dense_rows(k3), dense_rows(v3), m, offsets, scale2, is_causal,
-                                 offset, bq, bk, q4.dtype == torch.bfloat16 and _emulated())
+                                 offset, bq, bk, q4.dtype == torch.bfloat16 and _emulated(), _native.sgemm_route().code)
     return forward_eager(*widened(q4, k3, v3), layout, mask, is_causal, scale2, bq, bk, offset=offset)
 
 
@@ -205,7 +205,7 @@ def backward(dout: Tensor, q4: Tensor, k3: Tensor, v3: Tensor, out: Tensor, lse2
             m, offsets = _native_mask(mask, layout, q4.shape[2], k3.shape[1])
             ops.flash_backward_(dense_rows(dout), dense_rows(q4), dense_rows(k3), dense_rows(v3), lse2, delta,
                                 dq, dk, dv, m, offsets, scale, is_causal, offset, bq, bk,
-                                q4.dtype == torch.bfloat16 and _emulated())
+                                q4.dtype == torch.bfloat16 and _emulated(), _native.sgemm_route().code)
             return dq, dk, dv
         accumulate_into = (dq, dk, dv)
     return backward_eager(*widened(dout, q4, k3, v3), out, lse2, layout, mask, is_causal, scale, bq, bk,

@@ -38,11 +38,12 @@ from torch import Tensor
 from attnlab._validation import compute_dtype
 from attnlab.kernels.numerics import finite_inputs
 
-__all__ = ["can_run", "NativeStatus", "Bf16Route", "status", "ops", "bf16_route", "operand_dtype", "BF16_CHOICES"]
+__all__ = ["can_run", "NativeStatus", "Bf16Route", "SgemmRoute", "status", "ops", "bf16_route", "sgemm_route",
+           "operand_dtype", "BF16_CHOICES", "SGEMM_CHOICES"]
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "flash.cpp", _CSRC / "block_sparse.cpp", _CSRC / "decode.cpp")
-_HEADERS = (_CSRC / "kernels.h", _CSRC / "bf16_gemm.h")
+_HEADERS = (_CSRC / "kernels.h", _CSRC / "bf16_gemm.h", _CSRC / "sgemm.h")
 _NAME = "attnlab_native"
 # -march=native: the build runs on the machine that uses it; -fopenmp: at::parallel_for's
 # pragmas (the library resolves to the libgomp torch has already loaded, so one thread pool)
@@ -72,17 +73,44 @@ BF16_CHOICES = ("auto", "bf16", "bf16-emulated", "fp32")
 
 
 @dataclass(frozen=True)
+class SgemmRoute:
+    """Which float32 GEMM the native kernels' tiles run on, and why (``csrc/sgemm.h``).
+
+    ``"avx512"``: attnlab's micro-kernel, 12 x 32 tiles of zmm (AVX-512 builds);
+    ``"avx2"``: the same, 6 x 16 tiles of ymm; ``"avx512-emulated"``: the AVX-512 tile walk with
+    each 16-lane vector a pair of ymm, so that its logic is tested on an AVX2-only CPU (slow, a
+    test route); ``"blas"``: MKL's sgemm through torch, the route before issue 33.
+    ``code`` is the number the C++ ops take (``SgemmRoute`` in ``sgemm.h``).
+    """
+
+    name: str
+    reason: str
+
+    @property
+    def code(self) -> int:
+        return _SGEMM_CODES[self.name]
+
+    def __str__(self) -> str:
+        return f"float32 GEMM: {self.name} ({self.reason})"
+
+
+SGEMM_CHOICES = ("auto", "avx512", "avx2", "avx512-emulated", "blas")
+_SGEMM_CODES = {"blas": 0, "avx2": 1, "avx512": 2, "avx512-emulated": 3}
+
+
+@dataclass(frozen=True)
 class NativeStatus:
     """Whether the native kernel is in use, and why not when it is not; which bf16 route runs."""
 
     available: bool
     detail: str  # where it was loaded from, or the reason it is not used
     bf16: Optional[Bf16Route] = None
+    sgemm: Optional[SgemmRoute] = None
 
     def __str__(self) -> str:
         state = "native C++ forward and backward" if self.available else "pure-PyTorch forward and backward"
-        route = f"; {self.bf16}" if self.bf16 is not None else ""
-        return f"tiled path: {state} ({self.detail}){route}"
+        routes = "".join(f"; {r}" for r in (self.sgemm, self.bf16) if r is not None)
+        return f"tiled path: {state} ({self.detail}){routes}"
 
 
 _lock = threading.Lock()
@@ -154,7 +182,7 @@ def _load() -> tuple[Optional[Any], NativeStatus]:
             (build_dir / _FEATURES_FILE).write_text(" ".join(sorted(cpu_features())) + "\n")
         namespace = torch.ops.attnlab_native
         for op in ("flash_forward", "flash_forward_", "flash_backward_", "block_sparse_forward",
-                   "block_sparse_backward_", "decode_forward", "bf16_units"):
+                   "block_sparse_backward_", "decode_forward", "bf16_units", "sgemm_route_built", "tile_gemm_"):
             getattr(namespace, op)  # all registered
     except Exception as exc:  # no compiler, no ninja, a failed build: the pure path still works
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
@@ -189,7 +217,9 @@ def status() -> NativeStatus:
     """Loads (building if needed) the native kernel and says whether the tiled path uses it,
     and which bfloat16 route (:func:`bf16_route`) it takes now."""
     loaded = _get()[1]
-    return NativeStatus(loaded.available, loaded.detail, bf16_route())
+    if not loaded.available:
+        return NativeStatus(loaded.available, loaded.detail, bf16_route())
+    return NativeStatus(loaded.available, loaded.detail, bf16_route(), sgemm_route())
 
 
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -265,6 +295,50 @@ def bf16_route() -> Bf16Route:
     if units and "avx512_bf16" in cpu_features():
         return Bf16Route("bf16", "this CPU has avx512_bf16")
     return Bf16Route("fp32", "this CPU has no avx512_bf16, so float32 GEMMs are the faster route")
+
+
+_built_routes: dict[str, bool] = {}
+
+
+def _routes_built(native: Any) -> dict[str, bool]:
+    """The float32 GEMM routes the loaded build has (asked once: each call of the kernels reads them)."""
+    if not _built_routes:
+        _built_routes.update({name: bool(native.sgemm_route_built(code)) for name, code in _SGEMM_CODES.items()})
+    return _built_routes
+
+
+def sgemm_route() -> SgemmRoute:
+    """The float32 GEMM route of the native kernels' tiles now: ``$ATTNLAB_SGEMM`` (``auto``, the
+    default; ``avx512``, ``avx2``, ``avx512-emulated`` or ``blas`` force one) and this build.
+
+    ``auto`` takes attnlab's micro-kernel of the widest ISA the build has (``avx512``, else
+    ``avx2``), else ``blas``. On the 2-core AVX2 EPYC (BENCHMARKS.md, "float32 GEMM") the ``avx2``
+    route and MKL ran the tile products at 80-95% of the FMA peak both; MKL takes its AVX2 code
+    on AMD's AVX-512 CPUs too, which the ``avx512`` route is for (not yet measured on one).
+    A forced route the build lacks falls back to the one below it (``avx512`` ->
+    ``avx512-emulated``), and says so.
+    """
+    choice = os.environ.get("ATTNLAB_SGEMM", "auto").strip().lower() or "auto"
+    if choice not in SGEMM_CHOICES:
+        raise ValueError(f"ATTNLAB_SGEMM must be one of {', '.join(SGEMM_CHOICES)}, got {choice!r}")
+    native = ops()
+    if native is None:
+        return SgemmRoute("blas", "the native kernels are not in use")
+    built = _routes_built(native)
+    if choice == "blas":
+        return SgemmRoute("blas", "forced by ATTNLAB_SGEMM=blas")
+    if choice != "auto":
+        if built[choice]:
+            return SgemmRoute(choice, f"forced by ATTNLAB_SGEMM={choice}")
+        if choice == "avx512" and built["avx512-emulated"]:
+            return SgemmRoute("avx512-emulated", "forced by ATTNLAB_SGEMM=avx512, but this build has no AVX-512: "
+                                                 "its tile walk runs on pairs of ymm")
+        return SgemmRoute("blas", f"forced by ATTNLAB_SGEMM={choice}, but this build has no AVX2 + FMA")
+    if built["avx512"]:
+        return SgemmRoute("avx512", "this CPU has avx512f")
+    if built["avx2"]:
+        return SgemmRoute("avx2", "this CPU has avx2 and fma")
+    return SgemmRoute("blas", "this CPU has no AVX2 + FMA")
 
 
 if __name__ == "__main__":

@@ -272,7 +272,7 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_forward(const at::Tensor& q4, co
                                                         const std::optional<at::Tensor>& table,
                                                         const std::optional<at::Tensor>& row_of_head, double cap,
                                                         double scale2, int64_t block_q, int64_t block_k,
-                                                        bool bf16_emulated) {
+                                                        bool bf16_emulated, int64_t sgemm_route) {
   check_inputs(q4, k3, v3, "attnlab block-sparse forward");
   const int64_t Nb = q4.size(0), r = q4.size(1), L = q4.size(2);
   const at::TensorOptions f32 = q4.options().dtype(at::kFloat);
@@ -283,7 +283,7 @@ std::tuple<at::Tensor, at::Tensor> block_sparse_forward(const at::Tensor& q4, co
     forward_blocks(GemmBf16{!bf16_emulated}, q4, k3, v3, out, lse2, row_ptr, cols, bit_idx, bits, plane_of_head,
                    table, row_of_head, cap, scale2, block_q, block_k);
   } else {
-    forward_blocks(Gemm32{}, q4, k3, v3, out, lse2, row_ptr, cols, bit_idx, bits, plane_of_head, table, row_of_head,
+    forward_blocks(Gemm32{sgemm_route}, q4, k3, v3, out, lse2, row_ptr, cols, bit_idx, bits, plane_of_head, table, row_of_head,
                    cap, scale2, block_q, block_k);
   }
   return {out, lse2};
@@ -405,12 +405,12 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
                             const at::Tensor& bit_idx, const at::Tensor& bits, const at::Tensor& plane_of_head,
                             const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& row_of_head,
                             double cap, const std::optional<at::Tensor>& dtable, double scale, int64_t block_q,
-                            int64_t block_k, bool bf16_emulated) {
+                            int64_t block_k, bool bf16_emulated, int64_t sgemm_route) {
   if (q4.scalar_type() == at::kBFloat16) {
     backward_blocks(GemmBf16{!bf16_emulated}, dout, q4, k3, v3, lse2, delta, dq, dk, dv, row_ptr, cols, bit_idx, bits,
                     plane_of_head, table, row_of_head, cap, dtable, scale, block_q, block_k);
   } else {
-    backward_blocks(Gemm32{}, dout, q4, k3, v3, lse2, delta, dq, dk, dv, row_ptr, cols, bit_idx, bits, plane_of_head,
+    backward_blocks(Gemm32{sgemm_route}, dout, q4, k3, v3, lse2, delta, dq, dk, dv, row_ptr, cols, bit_idx, bits, plane_of_head,
                     table, row_of_head, cap, dtable, scale, block_q, block_k);
   }
 }
@@ -418,8 +418,8 @@ void block_sparse_backward_(const at::Tensor& dout, const at::Tensor& q4, const 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
-  m.def("block_sparse_forward(Tensor q4, Tensor k3, Tensor v3, Tensor row_ptr, Tensor cols, Tensor bit_idx, Tensor bits, Tensor plane_of_head, Tensor? table, Tensor? row_of_head, float cap, float scale2, int block_q, int block_k, bool bf16_emulated=False) -> (Tensor, Tensor)");
-  m.def("block_sparse_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor row_ptr, Tensor cols, Tensor bit_idx, Tensor bits, Tensor plane_of_head, Tensor? table, Tensor? row_of_head, float cap, Tensor(d!)? dtable, float scale, int block_q, int block_k, bool bf16_emulated=False) -> ()");
+  m.def("block_sparse_forward(Tensor q4, Tensor k3, Tensor v3, Tensor row_ptr, Tensor cols, Tensor bit_idx, Tensor bits, Tensor plane_of_head, Tensor? table, Tensor? row_of_head, float cap, float scale2, int block_q, int block_k, bool bf16_emulated=False, int sgemm=0) -> (Tensor, Tensor)");
+  m.def("block_sparse_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor row_ptr, Tensor cols, Tensor bit_idx, Tensor bits, Tensor plane_of_head, Tensor? table, Tensor? row_of_head, float cap, Tensor(d!)? dtable, float scale, int block_q, int block_k, bool bf16_emulated=False, int sgemm=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {

@@ -381,7 +381,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
                                                   const std::optional<at::Tensor>& k_scale,
                                                   const std::optional<at::Tensor>& v_scale, int64_t Hkv, int64_t S,
                                                   double scale2_d, int64_t causal, int64_t chunk, int64_t block_k,
-                                                  int64_t mode) {
+                                                  int64_t mode, int64_t sgemm_route) {
   TORCH_CHECK(q4.dim() == 4 && q4.scalar_type() == at::kFloat && q4.is_contiguous() && q4.device().is_cpu(),
               "attnlab native decode: q4 must be a contiguous float32 (Nb, r, L, E) CPU tensor");
   TORCH_CHECK(causal >= 0 && causal <= 2, "attnlab native decode: causal must be 0, 1 or 2");
@@ -541,13 +541,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
             int64_t k_ld, v_ld;
             const float* k_rows = ks.rows(nb, j0, nk, E, kbuf, &k_ld);
             // S_ij = scale2 * Q K_j^T   (n, nk): the group's heads and rows against one key block
-            gemm_rm(false, true, static_cast<int>(n), nk, static_cast<int>(E), scale2, qn, static_cast<int>(E),
+            sgemm(sgemm_route, false, true, static_cast<int>(n), nk, static_cast<int>(E), scale2, qn, static_cast<int>(E),
                     k_rows, static_cast<int>(k_ld), 0.0f, s, nk);
             if (!all_finite(s, n * nk)) saw_nonfinite.store(true, std::memory_order_relaxed);
             online_update(s, n, nk, visible, m_i, l_i, acc, Ev);
             const float* v_rows = vs.rows(nb, j0, nk, Ev, vbuf, &v_ld);
             // acc += P~ V_j   (n, Ev)
-            gemm_rm(false, false, static_cast<int>(n), static_cast<int>(Ev), nk, 1.0f, s, nk, v_rows,
+            sgemm(sgemm_route, false, false, static_cast<int>(n), static_cast<int>(Ev), nk, 1.0f, s, nk, v_rows,
                     static_cast<int>(v_ld), 1.0f, acc, static_cast<int>(Ev));
           }
         }
@@ -580,7 +580,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
 
 TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
   m.def("decode_forward(Tensor q4, Tensor k, Tensor v, Tensor? table, Tensor? seqlens, Tensor? k_scale, "
-        "Tensor? v_scale, int Hkv, int S, float scale2, int causal, int chunk, int block_k, int mode) -> (Tensor, "
+        "Tensor? v_scale, int Hkv, int S, float scale2, int causal, int chunk, int block_k, int mode, int sgemm=0) -> (Tensor, "
         "Tensor, Tensor)");
 }
 

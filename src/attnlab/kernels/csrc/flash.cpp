@@ -7,16 +7,17 @@
 // rescale) as separate eager ops over batched (Nb, r*bq, bk) tiles of ~2 MiB, which stream
 // out of cache and cost ~30% on top of the two matmuls. Here each task does
 //
-//     S   = scale2 * Q_i K_j^T          (BLAS sgemm, (n, nk))
+//     S   = scale2 * Q_i K_j^T          (sgemm.h, (n, nk))
 //     row pass, one sweep per row:      m_new = max(m_i, rowmax S)
 //                                       P~    = 2^(S - m_new), l_i = 2^(m_i - m_new) l_i + rowsum P~
 //                                       acc   = 2^(m_i - m_new) acc
-//     acc += P~ V_j                     (BLAS sgemm, (n, Ev))
+//     acc += P~ V_j                     (sgemm.h, (n, Ev))
 //
 // on a (bq, bk) tile that is still in L2 when the row pass reads it, as torch's own CPU
 // flash kernel does. The math is the online softmax of FlashAttention-2 (Dao 2023), in
 // base 2 (log2(e) is folded into scale2 by the caller). No softmax or SDPA from torch is
-// called: the only library routine is the matrix product (MKL's sgemm, which torch links).
+// called: the only library routine is the matrix product (MKL's sgemm, which torch links, or
+// attnlab's own micro-kernel in sgemm.h, by the route attnlab.kernels.native.sgemm_route picks).
 //
 // Layout (views are fine as long as the last dim is dense):
 //     q4   (Nb, r, L, E)   r query heads share key/value head nb (GQA without repeating K, V)
@@ -215,7 +216,7 @@ void forward_tiles(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, co
 void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor& v3, const at::Tensor& out,
                     const at::Tensor& lse2, const std::optional<at::Tensor>& mask,
                     const std::optional<at::Tensor>& mask_offsets, double scale2, bool is_causal, int64_t causal_offset, int64_t block_q,
-                    int64_t block_k, bool bf16_emulated) {
+                    int64_t block_k, bool bf16_emulated, int64_t sgemm_route) {
   TORCH_CHECK(q4.dim() == 4 && k3.dim() == 3 && v3.dim() == 3 && out.dim() == 4 && lse2.dim() == 3,
               "attnlab native forward: bad ranks");
   const at::ScalarType operands = q4.scalar_type();
@@ -230,7 +231,7 @@ void flash_forward_(const at::Tensor& q4, const at::Tensor& k3, const at::Tensor
     forward_tiles(GemmBf16{!bf16_emulated}, q4, k3, v3, out, lse2, mask, mask_offsets, scale2, is_causal, causal_offset,
                   block_q, block_k);
   } else {
-    forward_tiles(Gemm32{}, q4, k3, v3, out, lse2, mask, mask_offsets, scale2, is_causal, causal_offset, block_q,
+    forward_tiles(Gemm32{sgemm_route}, q4, k3, v3, out, lse2, mask, mask_offsets, scale2, is_causal, causal_offset, block_q,
                   block_k);
   }
 }
@@ -240,13 +241,13 @@ std::tuple<at::Tensor, at::Tensor> flash_forward(const at::Tensor& q4, const at:
                                                  const std::optional<at::Tensor>& mask,
                                                  const std::optional<at::Tensor>& mask_offsets, double scale2,
                                                  bool is_causal, int64_t causal_offset, int64_t block_q, int64_t block_k,
-                                                 bool bf16_emulated) {
+                                                 bool bf16_emulated, int64_t sgemm_route) {
   TORCH_CHECK(q4.dim() == 4 && v3.dim() == 3, "attnlab native forward: bad ranks");
   const at::TensorOptions f32 = q4.options().dtype(at::kFloat);
   at::Tensor out = at::empty({q4.size(0), q4.size(1), q4.size(2), v3.size(2)}, f32);
   at::Tensor lse2 = at::full({q4.size(0), q4.size(1), q4.size(2)}, -std::numeric_limits<float>::infinity(), f32);
   flash_forward_(q4, k3, v3, out, lse2, mask, mask_offsets, scale2, is_causal, causal_offset, block_q, block_k,
-                 bf16_emulated);
+                 bf16_emulated, sgemm_route);
   // rows that never saw a key (S = 0) still hold uninitialised memory: SDPA gives 0 there
   if (k3.size(1) == 0) out.zero_();
   return {out, lse2};
@@ -347,12 +348,12 @@ void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Ten
                      const at::Tensor& lse2, const at::Tensor& delta, const at::Tensor& dq, const at::Tensor& dk,
                      const at::Tensor& dv, const std::optional<at::Tensor>& mask,
                      const std::optional<at::Tensor>& mask_offsets, double scale, bool is_causal, int64_t causal_offset, int64_t block_q,
-                     int64_t block_k, bool bf16_emulated) {
+                     int64_t block_k, bool bf16_emulated, int64_t sgemm_route) {
   if (q4.scalar_type() == at::kBFloat16) {
     backward_tiles(GemmBf16{!bf16_emulated}, dout, q4, k3, v3, lse2, delta, dq, dk, dv, mask, mask_offsets, scale,
                    is_causal, causal_offset, block_q, block_k);
   } else {
-    backward_tiles(Gemm32{}, dout, q4, k3, v3, lse2, delta, dq, dk, dv, mask, mask_offsets, scale, is_causal,
+    backward_tiles(Gemm32{sgemm_route}, dout, q4, k3, v3, lse2, delta, dq, dk, dv, mask, mask_offsets, scale, is_causal,
                    causal_offset, block_q, block_k);
   }
 }
@@ -360,21 +361,45 @@ void flash_backward_(const at::Tensor& dout, const at::Tensor& q4, const at::Ten
 // Whether this build's bf16 GEMM runs on the CPU's bf16 instructions (compiled with AVX512_BF16).
 bool bf16_units() { return bf16_gemm_native(); }
 
+// Whether this build has the float32 GEMM route `route` (SgemmRoute, sgemm.h).
+bool sgemm_route_built_op(int64_t route) { return sgemm_route_built(route); }
+
+// c = alpha * op(a) op(b) + beta * c on one float32 GEMM route, single-threaded: the product
+// each tile of the kernels runs, exposed for its parity tests and `attnlab bench --gemm`.
+// a, b, c are 2-D float32 CPU tensors with unit column stride; op = transpose when ta / tb.
+void tile_gemm_(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool ta, bool tb, double alpha,
+                double beta, int64_t route) {
+  for (const at::Tensor* t : {&a, &b, &c})
+    TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kFloat && t->device().is_cpu() && t->stride(1) == 1,
+                "attnlab tile_gemm_: a, b, c must be 2-D float32 CPU tensors with unit column stride");
+  const int64_t m = ta ? a.size(1) : a.size(0), k = ta ? a.size(0) : a.size(1);
+  const int64_t n = tb ? b.size(0) : b.size(1), kb = tb ? b.size(1) : b.size(0);
+  TORCH_CHECK(kb == k && c.size(0) == m && c.size(1) == n, "attnlab tile_gemm_: shapes do not chain");
+  TORCH_CHECK(sgemm_route_built(route), "attnlab tile_gemm_: this build has no route ", route);
+  auto ld = [](const at::Tensor& t) { return static_cast<int>(std::max<int64_t>(t.stride(0), std::max<int64_t>(t.size(1), 1))); };
+  sgemm(route, ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), static_cast<float>(alpha),
+        a.data_ptr<float>(), ld(a), b.data_ptr<float>(), ld(b), static_cast<float>(beta), c.data_ptr<float>(), ld(c));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnlab_native, m) {
-  m.def("flash_forward(Tensor q4, Tensor k3, Tensor v3, Tensor? mask, Tensor? mask_offsets, float scale2, bool is_causal, int causal_offset, int block_q, int block_k, bool bf16_emulated=False) -> (Tensor, Tensor)");
-  m.def("flash_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor? mask, Tensor? mask_offsets, float scale, bool is_causal, int causal_offset, int block_q, int block_k, bool bf16_emulated=False) -> ()");
-  m.def("flash_forward_(Tensor q4, Tensor k3, Tensor v3, Tensor(a!) out, Tensor(b!) lse2, Tensor? mask, Tensor? mask_offsets, float scale2, bool is_causal, int causal_offset, int block_q, int block_k, bool bf16_emulated=False) -> ()");
+  m.def("flash_forward(Tensor q4, Tensor k3, Tensor v3, Tensor? mask, Tensor? mask_offsets, float scale2, bool is_causal, int causal_offset, int block_q, int block_k, bool bf16_emulated=False, int sgemm=0) -> (Tensor, Tensor)");
+  m.def("flash_backward_(Tensor dout, Tensor q4, Tensor k3, Tensor v3, Tensor lse2, Tensor delta, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor? mask, Tensor? mask_offsets, float scale, bool is_causal, int causal_offset, int block_q, int block_k, bool bf16_emulated=False, int sgemm=0) -> ()");
+  m.def("flash_forward_(Tensor q4, Tensor k3, Tensor v3, Tensor(a!) out, Tensor(b!) lse2, Tensor? mask, Tensor? mask_offsets, float scale2, bool is_causal, int causal_offset, int block_q, int block_k, bool bf16_emulated=False, int sgemm=0) -> ()");
   m.def("bf16_units() -> bool");
+  m.def("sgemm_route_built(int route) -> bool");
+  m.def("tile_gemm_(Tensor a, Tensor b, Tensor(a!) c, bool ta, bool tb, float alpha, float beta, int route) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
   m.impl("flash_forward", &flash_forward);
   m.impl("flash_forward_", &flash_forward_);
   m.impl("flash_backward_", &flash_backward_);
+  m.impl("tile_gemm_", &tile_gemm_);
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CompositeExplicitAutograd, m) {
   m.impl("bf16_units", &bf16_units);
+  m.impl("sgemm_route_built", &sgemm_route_built_op);
 }

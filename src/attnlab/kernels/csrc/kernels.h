@@ -42,20 +42,22 @@ inline void gemm_rm(bool a_transposed, bool b_transposed, int m, int n, int k, f
 
 }  // namespace
 
+#include "sgemm.h"
 #include "bf16_gemm.h"
 
 namespace {
 
 // The GEMM of one operand type, so that a kernel is written once for both routes:
-//   Gemm32:   float32 operands through BLAS sgemm (the float32 route);
+//   Gemm32:   float32 operands through sgemm (sgemm.h: BLAS or attnlab's micro-kernel; the float32 route);
 //   GemmBf16: bf16 operands through gemm_bf16 (bf16_gemm.h), float32 results (the bf16 route).
 // operand(x, count, buf) gives a float32 tile (P, dS) in the operand type: itself, or rounded
 // to bf16 into buf, as torch's kernel rounds them before their GEMMs.
 struct Gemm32 {
   using T = float;
+  int64_t route;  // SgemmRoute (sgemm.h): BLAS or attnlab's micro-kernel of one ISA
   void operator()(bool ta, bool tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
                   float beta, float* c, int ldc) const {
-    gemm_rm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    sgemm(route, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
   const float* operand(const float* x, int64_t, float*) const { return x; }
 };
