@@ -171,3 +171,31 @@ def test_decode_benchmark_times_each_implementation_against_torch(capsys):
     assert main(["bench", "--decode", "--seq-lens", "128", "--dtypes", "float32", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "machine:" in out and "| 128 | float32 | torch SDPA |" in out and "GB/s" in out
+
+
+def test_gemm_benchmark_rates_each_route_against_the_fma_peak(capsys):
+    """--gemm: each tile product on each fast route this build has (not the emulated test route),
+    GFLOP/s from the product's own FLOPs, the FMA peak measured in the run, attention rows per
+    route with torch at 1.00x."""
+    from attnlab.kernels import native as _native
+
+    result = bench.gemm_benchmark(E=16, L=64, H=2, repeats=1)
+    routes = {name for name, code in _native._SGEMM_CODES.items() if _native.ops().sgemm_route_built(code)}
+    routes.discard("avx512-emulated")
+    assert {r["route"] for r in result["tiles"]} == routes and "blas" in routes
+    assert len(result["tiles"]) == 3 * len(routes)
+    for r in result["tiles"]:
+        m, n, k = r["mnk"]
+        assert r["gflops"] == pytest.approx(2 * m * n * k / (r["us"] / 1e6) / 1e9)
+    flags = _native.cpu_features()
+    if {"avx2", "fma"} <= flags:  # the peak is measured wherever the FMA loop builds
+        assert result["peak"] > 1.0
+    torch_rows = [r for r in result["attention"] if r["impl"] == "torch SDPA"]
+    assert len(torch_rows) == 4 and all(r["ratio"] == 1.0 for r in torch_rows)
+    assert {r["impl"] for r in result["attention"]} == {f"attnlab, {r}" for r in routes} | {"torch SDPA"}
+    assert torch.get_num_threads() == result["threads"]  # restored after the one-thread tile runs
+    table = bench.gemm_table(result)
+    assert "share of FMA peak" in table and "| S = Q K^T, dP = dO V^T | (256, 256, 16) | blas |" in table
+    assert main(["bench", "--gemm", "--seq-lens", "64", "--heads", "1", "--dim", "8", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "machine:" in out and "FMA peak, measured in this run:" in out and "| attnlab, blas |" in out

@@ -18,8 +18,8 @@ The package, a module per concern (the CLI, ``attnlab.cli.bench``, only parses a
 
 * :mod:`.timing`: configurations, the implementations, inputs and masks, :func:`run_benchmarks`;
 * :mod:`.memory`: one step's peak resident memory (``VmHWM``), in a fresh process per case;
-* :mod:`.machine`: the CPU line and the read bandwidth, measured in the same run;
-* :mod:`.suites`: density, transformers, decoding, bf16, block-mask building, the ring;
+* :mod:`.machine`: the CPU line, the read bandwidth and the FMA peak, measured in the same run;
+* :mod:`.suites`: density, transformers, decoding, float32 GEMM routes, bf16, block-mask building, the ring;
 * :mod:`.tables`: Markdown, CSV, the plot, and each table's header;
 * :mod:`.ranks`: the local-rank launcher behind ``attnlab ring`` and the ring suites (it spawns
   processes and injects faults for the tests: a harness, not library code).
@@ -47,6 +47,7 @@ from attnlab.bench.memory import (  # noqa: F401
 from attnlab.bench.machine import (  # noqa: F401
     read_bandwidth,
     machine_line,
+    fma_peak,
 )
 from attnlab.bench.tables import (  # noqa: F401
     ring_table,
@@ -58,6 +59,8 @@ from attnlab.bench.tables import (  # noqa: F401
     plot,
     DECODE_HEADER,
     decode_table,
+    GEMM_HEADER,
+    gemm_table,
     BF16_HEADER,
     bf16_table,
     MASK_KINDS,
@@ -78,6 +81,7 @@ from attnlab.bench.suites import (  # noqa: F401
     block_mask_benchmark,
     ring_masks_benchmark,
     ring_benchmark,
+    gemm_benchmark,
 )
 
 __all__ = ["Config", "Result", "run_benchmarks", "write_csv", "plot", "markdown_table", "IMPLS"]

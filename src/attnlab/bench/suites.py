@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from attnlab.bench.machine import read_bandwidth
+from attnlab.bench.machine import fma_peak, read_bandwidth
 from attnlab.bench.memory import peak_rss_growth
 from attnlab.bench.tables import MASK_BUILDERS, MASK_KINDS
 from attnlab.bench.timing import Config, impl_function, make_inputs, measure_peak_memory, run_step
@@ -21,7 +21,7 @@ __all__ = [
     "block_mask_child",  # package-internal: the child process of block_mask_benchmark
     "DENSITIES", "density_sweep", "HF_CASES", "transformers_benchmark", "decode_benchmark",
     "BF16_SHAPES", "bf16_benchmark", "block_mask_benchmark", "ring_masks_benchmark",
-    "ring_benchmark",
+    "ring_benchmark", "gemm_benchmark",
 ]
 
 DENSITIES = (0.5, 0.25, 0.1, 0.05)
@@ -274,6 +274,105 @@ def bf16_benchmark(shapes=BF16_SHAPES, *, modes=("fwd", "fwd+bwd"), repeats: int
             if progress:
                 progress(done, total, f"{(B, H, Hkv, L, E)} {mode}")
     return rows
+
+
+def _gemm_products(E: int, block: int = 256) -> list[tuple[str, bool, bool, int, int, int]]:
+    """The tile products of the native kernels at the default tiles (dense.DEFAULT_BLOCK_Q/K):
+    (name, A transposed, B transposed, m, n, k)."""
+    return [("S = Q K^T, dP = dO V^T", False, True, block, block, E),
+            ("acc += P V, dQ += dS K", False, False, block, E, block),
+            ("dV += P^T dO, dK += dS^T Q", True, False, block, E, block)]
+
+
+def gemm_benchmark(*, E: int = 64, L: int = 4096, H: int = 8, repeats: int = 5,
+                   progress: Optional[Callable[[int, int, str], None]] = None) -> dict:
+    """The float32 GEMM routes (``ATTNLAB_SGEMM``, csrc/sgemm.h) against the FMA peak, same run.
+
+    ``tiles``: GFLOP/s of each tile product on one thread, each route this build has, interleaved
+    (the median of ``repeats`` rounds of ~20 ms each). ``attention``: the causal and full float32
+    forward and forward+backward at ``(1, H, L, E)`` on each route and torch's SDPA, interleaved,
+    on torch's threads. ``peak``: one thread's FMA peak (:func:`fma_peak`) and the thread count.
+    """
+    import torch.nn.functional as F
+
+    from attnlab import tiled
+    from attnlab.kernels import native as _native
+
+    ops = _native.ops()
+    if ops is None:
+        raise RuntimeError(f"the native kernels are not in use: {_native.status()}")
+    routes = [name for name, code in _native._SGEMM_CODES.items() if ops.sgemm_route_built(code)]
+    routes = [r for r in routes if r != "avx512-emulated"]  # a test route: correct, slow by design
+    threads = torch.get_num_threads()
+    products = _gemm_products(E)
+    total, done = len(products) + 4, 0
+    tiles = []
+    torch.set_num_threads(1)  # one task's product runs on one thread; MKL would spread a lone call
+    try:
+        for name, ta, tb, m, n, k in products:
+            g = torch.Generator().manual_seed(m + n + k)
+            a = torch.randn(*((k, m) if ta else (m, k)), generator=g)
+            b = torch.randn(*((n, k) if tb else (k, n)), generator=g)
+            c = torch.zeros(m, n)
+            calls = max(1, int(0.02 / (2 * m * n * k / 60e9)))  # ~20 ms a round at 60 GFLOP/s
+
+            def run(code: int) -> float:
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    ops.tile_gemm_(a, b, c, ta, tb, 1.0, 0.0, code)
+                return time.perf_counter() - t0
+
+            times: dict[str, list[float]] = {r: [] for r in routes}
+            for r in routes:
+                run(_native._SGEMM_CODES[r])  # warm-up
+            for _ in range(repeats):
+                for r in routes:
+                    times[r].append(run(_native._SGEMM_CODES[r]))
+            for r in routes:
+                sec = statistics.median(times[r]) / calls
+                tiles.append({"product": name, "mnk": (m, n, k), "route": r, "us": sec * 1e6,
+                              "gflops": 2 * m * n * k / sec / 1e9})
+            done += 1
+            if progress:
+                progress(done, total, name)
+        peak = fma_peak()
+    finally:
+        torch.set_num_threads(threads)
+    attention = []
+    g = torch.Generator().manual_seed(L)
+    q, k_, v = (torch.randn(1, H, L, E, generator=g) for _ in range(3))
+    grad = torch.randn(1, H, L, E, generator=g)
+    for causal in (False, True):
+        for mode in ("fwd", "fwd+bwd"):
+            backward = mode == "fwd+bwd"
+            ins = [t.clone().requires_grad_(backward) for t in (q, k_, v)]
+
+            def step(attn, causal=causal, backward=backward, ins=ins):
+                with torch.set_grad_enabled(backward):
+                    out = attn(*ins, is_causal=causal)
+                    if backward:
+                        out.backward(grad)
+
+            fns = {f"attnlab, {r}": _with_env("ATTNLAB_SGEMM", r, lambda: step(tiled.flash_attention)) for r in routes}
+            fns["torch SDPA"] = lambda: step(F.scaled_dot_product_attention)
+            times = {name: [] for name in fns}
+            for fn in fns.values():
+                fn()
+            for _ in range(repeats):
+                for name, fn in fns.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
+            torch_ms = statistics.median(times["torch SDPA"]) * 1e3
+            flops = 4 * L * L * E * H * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
+            for name, ts in times.items():
+                ms = statistics.median(ts) * 1e3
+                attention.append({"shape": (1, H, L, E), "causal": causal, "mode": mode, "impl": name, "ms": ms,
+                                  "ratio": ms / torch_ms, "gflops": flops / ms / 1e6})
+            done += 1
+            if progress:
+                progress(done, total, f"attention {'causal' if causal else 'full'} {mode}")
+    return {"tiles": tiles, "attention": attention, "peak": peak, "threads": threads}
 
 
 def _mask_mods(kind: str, L: int):

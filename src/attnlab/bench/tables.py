@@ -120,6 +120,29 @@ def decode_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+GEMM_HEADER = ("float32 GEMM routes (ATTNLAB_SGEMM, csrc/sgemm.h): the native kernels' tile products on one "
+               "thread against the FMA peak of one thread, and the float32 attention on each route against "
+               "torch's SDPA, same run")
+
+
+def gemm_table(result: dict) -> str:
+    peak = result["peak"]
+    lines = [f"FMA peak, measured in this run: {peak:.1f} GFLOP/s per thread" if peak else
+             "FMA peak: not measured (no C compiler, or no AVX2 + FMA)", "",
+             "| product | (m, n, k) | route | us | GFLOP/s | share of FMA peak |", "|---|---|---|---|---|---|"]
+    for r in result["tiles"]:
+        share = f"{100 * r['gflops'] / peak:.0f}%" if peak else "-"
+        lines.append(f"| {r['product']} | {r['mnk']} | {r['route']} | {r['us']:.1f} | {r['gflops']:.1f} | {share} |")
+    threads = result["threads"]
+    lines += ["", f"| (B, H, L, E) | mask | mode | implementation | ms | x torch | GFLOP/s | share of FMA peak "
+                  f"x {threads} threads |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["attention"]:
+        share = f"{100 * r['gflops'] / (peak * threads):.0f}%" if peak else "-"
+        lines.append(f"| {r['shape']} | {'causal' if r['causal'] else 'none'} | {r['mode']} | {r['impl']} | "
+                     f"{r['ms']:.1f} | {r['ratio']:.2f}x | {r['gflops']:.0f} | {share} |")
+    return "\n".join(lines)
+
+
 BF16_HEADER = ("bfloat16: attnlab's tiled path on its bf16 route (bf16 GEMMs, csrc/bf16_gemm.h) and on its fp32 "
                "route (inputs converted to float32), against torch's SDPA in bfloat16, causal, same run")
 

@@ -10,9 +10,8 @@ from attnlab.cli._args import DTYPES, UsageError, choices, ints, need_module, no
     positive_float, positive_int
 
 HELP = """\
-Time attnlab's attention against torch's SDPA backends (ratios in one run, medians of
-interleaved rounds, peak memory in fresh processes), or one of the special suites below.
-In full (what each suite measures, the defaults): docs/cli.md; results: BENCHMARKS.md.
+Time attnlab's attention against torch's SDPA backends (interleaved, ratios in one run), or
+a special suite below. In full: docs/cli.md; results: BENCHMARKS.md.
 
 examples:
   attnlab bench --seq-lens 4096 --impls tiled,flash --dtypes float32 --threads 2
@@ -72,6 +71,8 @@ def add(sub) -> argparse.ArgumentParser:
     p.add_argument("--decode", action="store_true",
                    help="instead: one decode step against a GQA cache, GB/s")
     p.add_argument("--lq", type=positive_int, default=1, metavar="N", help="with --decode: query rows (default: 1)")
+    p.add_argument("--gemm", action="store_true",
+                   help="instead: float32 GEMM routes against the FMA peak")
     p.add_argument("--bf16", action="store_true",
                    help="instead: bfloat16 routes against torch's bf16")
     p.add_argument("--block-mask", action="store_true",
@@ -177,6 +178,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"machine: {bench.machine_line()}\n")
         print(bench.BLOCK_MASK_HEADER + "\n")
         print(bench.block_mask_table(rows))
+        return 0
+    if args.gemm:
+        L = args.seq_lens[0] if args.seq_lens != DEFAULT_LENS else 4096
+        result = bench.gemm_benchmark(E=args.dim, L=L, H=args.heads, repeats=args.repeats, progress=_progress())
+        _end_progress()
+        print(f"machine: {bench.machine_line()}\n")
+        print(bench.GEMM_HEADER + "\n")
+        print(bench.gemm_table(result))
         return 0
     if args.bf16:
         rows = bench.bf16_benchmark(modes=args.modes, repeats=args.repeats, progress=_progress())
