@@ -199,3 +199,42 @@ def test_gemm_benchmark_rates_each_route_against_the_fma_peak(capsys):
     assert main(["bench", "--gemm", "--seq-lens", "64", "--heads", "1", "--dim", "8", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "machine:" in out and "FMA peak, measured in this run:" in out and "| attnlab, blas |" in out
+
+
+def test_peers_benchmark_times_each_installed_peer_and_checks_its_output(capsys):
+    """--peers: a row per implementation for each L and mask, torch at 1.00x, each output within
+    float32's tolerance of a float64 SDPA (so the rows time the same attention). The dev
+    environment installs the peers (attnlab[peers]), so all three run here."""
+    from attnlab.testing import tolerance
+
+    result = bench.peers_benchmark([48], H=2, E=16, repeats=1)
+    assert result["missing"] == {}, result["missing"]
+    impls = {"torch SDPA", "attnlab tiled", *bench.PEERS}
+    for causal in (False, True):
+        rows = {r["impl"]: r for r in result["rows"] if r["causal"] == causal}
+        assert set(rows) == impls
+        assert rows["torch SDPA"]["ratio"] == 1.0
+        for r in rows.values():
+            assert r["ms"] > 0 and r["max_err"] < tolerance(torch.float32).atol, r
+            assert r["gflops"] == pytest.approx(4 * 2 * 48 * 48 * 16 * (0.5 if causal else 1) / r["ms"] / 1e6)
+    assert main(["bench", "--peers", "--seq-lens", "32", "--heads", "1", "--dim", "8", "--repeats", "1",
+                 "--causal", "yes"]) == 0
+    out = capsys.readouterr().out
+    assert "| (1, 1, 32, 8) | causal | OpenVINO SDPA |" in out and "not installed" not in out
+
+
+def test_peers_that_are_not_installed_are_named_with_their_install_line(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else real(name, *a))
+    assert bench.missing_peers() == {"OpenVINO SDPA": "pip install 'attnlab[peers]' (or: pip install openvino)"}
+    result = bench.peers_benchmark([16], H=1, E=8, repeats=1, causals=(False,))
+    assert "OpenVINO SDPA" not in {r["impl"] for r in result["rows"]}
+    assert "not installed, so not timed: OpenVINO SDPA (pip install 'attnlab[peers]'" in bench.peers_table(result)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("openvino", "onnxruntime") else real(name, *a))
+    assert main(["bench", "--peers"]) == 2
+    err = capsys.readouterr().err
+    assert "--peers needs OpenVINO or ONNX Runtime" in err and "pip install 'attnlab[peers]'" in err
+    assert "Traceback" not in err

@@ -20,6 +20,7 @@ The package, a module per concern (the CLI, ``attnlab.cli.bench``, only parses a
 * :mod:`.memory`: one step's peak resident memory (``VmHWM``), in a fresh process per case;
 * :mod:`.machine`: the CPU line, the read bandwidth and the FMA peak, measured in the same run;
 * :mod:`.suites`: density, transformers, decoding, float32 GEMM routes, bf16, block-mask building, the ring;
+* :mod:`.peers`: OpenVINO's and ONNX Runtime's attention ops against attnlab and torch (``--peers``);
 * :mod:`.tables`: Markdown, CSV, the plot, and each table's header;
 * :mod:`.ranks`: the local-rank launcher behind ``attnlab ring`` and the ring suites (it spawns
   processes and injects faults for the tests: a harness, not library code).
@@ -61,6 +62,8 @@ from attnlab.bench.tables import (  # noqa: F401
     decode_table,
     GEMM_HEADER,
     gemm_table,
+    PEERS_HEADER,
+    peers_table,
     BF16_HEADER,
     bf16_table,
     MASK_KINDS,
@@ -69,6 +72,11 @@ from attnlab.bench.tables import (  # noqa: F401
     block_mask_table,
     RING_MASK_HEADER,
     ring_masks_table,
+)
+from attnlab.bench.peers import (  # noqa: F401
+    PEERS,
+    missing_peers,
+    peers_benchmark,
 )
 from attnlab.bench.suites import (  # noqa: F401
     DENSITIES,

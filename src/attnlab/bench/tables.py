@@ -143,6 +143,23 @@ def gemm_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+PEERS_HEADER = ("Peers: float32 forward of torch's SDPA, attnlab's tiled path, OpenVINO's ScaledDotProductAttention "
+                "and ONNX Runtime's Attention (opset 23) and MultiHeadAttention (com.microsoft, inputs laid out "
+                "(B, L, H*E) before the timing), on torch's threads, interleaved in one run; 'max err' is each "
+                "output's distance to a float64 SDPA")
+
+
+def peers_table(result: dict) -> str:
+    lines = ["| (B, H, L, E) | mask | implementation | ms | x torch | GFLOP/s | max err |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['shape']} | {'causal' if r['causal'] else 'none'} | {r['impl']} | {r['ms']:.1f} | "
+                     f"{r['ratio']:.2f}x | {r['gflops']:.0f} | {r['max_err']:.1e} |")
+    for name, how in result["missing"].items():
+        lines.append(f"\nnot installed, so not timed: {name} ({how})")
+    return "\n".join(lines)
+
+
 BF16_HEADER = ("bfloat16: attnlab's tiled path on its bf16 route (bf16 GEMMs, csrc/bf16_gemm.h) and on its fp32 "
                "route (inputs converted to float32), against torch's SDPA in bfloat16, causal, same run")
 

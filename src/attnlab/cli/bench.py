@@ -73,6 +73,8 @@ def add(sub) -> argparse.ArgumentParser:
     p.add_argument("--lq", type=positive_int, default=1, metavar="N", help="with --decode: query rows (default: 1)")
     p.add_argument("--gemm", action="store_true",
                    help="instead: float32 GEMM routes against the FMA peak")
+    p.add_argument("--peers", action="store_true",
+                   help="instead: OpenVINO and ONNX Runtime attention, fwd")
     p.add_argument("--bf16", action="store_true",
                    help="instead: bfloat16 routes against torch's bf16")
     p.add_argument("--block-mask", action="store_true",
@@ -186,6 +188,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"machine: {bench.machine_line()}\n")
         print(bench.GEMM_HEADER + "\n")
         print(bench.gemm_table(result))
+        return 0
+    if args.peers:
+        missing = bench.missing_peers()
+        if len(missing) == len(bench.PEERS):
+            raise UsageError("--peers needs OpenVINO or ONNX Runtime, and neither is installed here: "
+                             "pip install 'attnlab[peers]'")
+        lens = args.seq_lens if args.seq_lens != DEFAULT_LENS else [4096]
+        result = bench.peers_benchmark(lens, B=args.batch, H=args.heads, E=args.dim, causals=causals,
+                                       repeats=args.repeats, progress=_progress())
+        _end_progress()
+        print(f"machine: {bench.machine_line()}\n")
+        print(bench.PEERS_HEADER + "\n")
+        print(bench.peers_table(result))
         return 0
     if args.bf16:
         rows = bench.bf16_benchmark(modes=args.modes, repeats=args.repeats, progress=_progress())
