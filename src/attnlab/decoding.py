@@ -27,7 +27,11 @@ which propagates them as torch's MATH backend does).
 ``k_scale``/``v_scale``): each cached key and value row (one token, one head) is stored as int8
 with one float32 scale, ``row ~ scale * int8``, ``scale = max|row| / 127`` (symmetric, as ONNX
 Runtime's and vLLM's int8 caches); the kernel reads the int8 rows and applies the scales inside
-its dot products and AXPYs (:func:`quantize` makes them).
+its dot products and AXPYs (:func:`quantize` makes them). LLM keys have a few outlier channels,
+which set a per-token scale and leave the other channels ~3 bits; the caches therefore divide
+each key channel by a factor ``lambda >= 1`` before quantizing (:func:`channel_smoothing`,
+calibrated on the prompt) and multiply the query by it instead, as QServe's SmoothAttention
+does: ``q . k = (q * lambda) . (k / lambda)``, exact, and the query stays float32.
 
 There is **no backward**: decoding needs no gradients, and a call whose inputs require grad
 is refused (train with :func:`attnlab.flash_attention`).
@@ -45,7 +49,8 @@ from attnlab._validation import compute_dtype, default_scale, validate
 from attnlab.kernels import LOG2E, Layout
 from attnlab.kernels import decode as kernel
 
-__all__ = ["decode_attention", "paged_decode_attention", "PagedKVCache", "quantize", "dequantize"]
+__all__ = ["decode_attention", "paged_decode_attention", "PagedKVCache", "quantize", "dequantize",
+           "channel_smoothing", "SMOOTHING_MIN_TOKENS"]
 
 Align = Literal["top_left", "bottom_right"]
 
@@ -62,15 +67,36 @@ def quantize(x: Tensor) -> tuple[Tensor, Tensor]:
     return values, scale
 
 
-def dequantize(values: Tensor, scale: Tensor) -> Tensor:
-    """The float32 rows an int8 cache stands for: ``scale[..., None] * values``."""
-    return kernel.dequantize(values, scale)
+def dequantize(values: Tensor, scale: Tensor, channel_scale: Optional[Tensor] = None) -> Tensor:
+    """The float32 rows an int8 cache stands for: ``scale[..., None] * values``, times
+    ``channel_scale[..., None, :]`` (``(..., E)``, one factor per channel: :func:`channel_smoothing`)
+    for keys that were divided by it before :func:`quantize`."""
+    rows = kernel.dequantize(values, scale)
+    return rows if channel_scale is None else rows * channel_scale[..., None, :]
+
+
+SMOOTHING_MIN_TOKENS = 16  # fewer tokens than this say too little about which channels are outliers
+
+
+def channel_smoothing(k: Tensor) -> Tensor:
+    """Per-channel factors ``lambda (..., E)`` that flatten the outlier channels of keys
+    ``k (..., S, E)`` before int8 quantization (QServe's SmoothAttention, with the query kept in
+    float32): ``lambda_e = max(1, amax_e / median(amax))``, ``amax_e = max_s |k[..., s, e]|``.
+
+    Only channels larger than the median are divided (``lambda >= 1``), so a later token can never
+    be blown up by a small factor. On keys with two channels 20x the rest the int8 decode error
+    falls 8.5x (max) and 9x (RMS), below a bfloat16 cache's; on Gaussian keys it is unchanged
+    (``benchmarks/int8_accuracy.py``, BENCHMARKS.md "int8 KV cache: accuracy")."""
+    amax = k.detach().to(torch.float32).abs().amax(dim=-2)  # (..., E)
+    median = amax.median(dim=-1, keepdim=True).values  # (..., 1)
+    ratio = torch.where(median > 0, amax / median.clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
+    return ratio.clamp_min(1.0)
 
 
 def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool = False, scale: Optional[float] = None,
                      *, enable_gqa: bool = False, causal_align: Align = "top_left",
                      cache_seqlens: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
-                     v_scale: Optional[Tensor] = None) -> Tensor:
+                     v_scale: Optional[Tensor] = None, k_channel_scale: Optional[Tensor] = None) -> Tensor:
     """Attention of a few queries over a KV cache; SDPA's semantics, no mask, no dropout, no backward.
 
     Args:
@@ -86,6 +112,9 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool 
             ``b`` has ``cache_seqlens[b]`` keys, later rows of its K/V are not read (4-D inputs).
         k_scale: for an int8 ``key``: ``(..., S)`` float32, one scale per row (:func:`quantize`).
         v_scale: for an int8 ``value``: ``(..., S)`` float32, likewise.
+        k_channel_scale: for an int8 ``key`` whose rows were divided per channel before
+            quantizing: ``(..., E)`` float32 (``key``'s dims without ``S``; :func:`channel_smoothing`),
+            so that a key row stands for ``k_scale * int8 * k_channel_scale``.
 
     Returns:
         ``(..., L, Ev)`` in the query's dtype; a row that sees no key is 0, as in SDPA.
@@ -93,14 +122,23 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool 
     fn = "decode_attention"
     if key.dtype == torch.int8 if isinstance(key, Tensor) else False:
         _check_int8(fn, key, value, k_scale, v_scale)
+        if k_channel_scale is not None:
+            expected = tuple(key.shape[:-2]) + (key.shape[-1],)
+            if (not isinstance(k_channel_scale, Tensor) or k_channel_scale.dtype != torch.float32
+                    or tuple(k_channel_scale.shape) != expected):
+                got = (f"{k_channel_scale.dtype} {tuple(k_channel_scale.shape)}" if isinstance(k_channel_scale, Tensor)
+                       else type(k_channel_scale).__name__)
+                raise ValueError(f"{fn}: k_channel_scale must be float32 of shape {expected} (one factor per key "
+                                 f"channel: attnlab.decoding.channel_smoothing), got {got}")
         # the checks of SDPA's shapes on zero-stride float stand-ins: nothing is read or copied
         stand_in = torch.zeros((), dtype=query.dtype if isinstance(query, Tensor) else torch.float32,
                                device=key.device)
         batch = validate(query, stand_in.expand(key.shape), stand_in.expand(value.shape), None, 0.0, is_causal,
                          scale, enable_gqa, fn=fn)
     else:
-        if k_scale is not None or v_scale is not None:
-            raise ValueError(f"{fn}: k_scale and v_scale are for an int8 key and value (a quantized cache), got "
+        if k_scale is not None or v_scale is not None or k_channel_scale is not None:
+            raise ValueError(f"{fn}: k_scale, v_scale and k_channel_scale are for an int8 key and value (a quantized "
+                             f"cache), got "
                              f"key {key.dtype if isinstance(key, Tensor) else type(key).__name__}")
         batch = validate(query, key, value, None, 0.0, is_causal, scale, enable_gqa, fn=fn)
     _check_align(causal_align, fn)
@@ -116,6 +154,11 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool 
     if enable_gqa and key.shape[-3] != value.shape[-3]:
         H = query.shape[-3]  # K and V grouped differently: each is repeated up to the query heads
         key = key.repeat_interleave(H // key.shape[-3], dim=-3)  # (..., H, S, E)
+        if k_channel_scale is not None:
+            k_channel_scale = k_channel_scale.repeat_interleave(H // k_channel_scale.shape[-2], dim=-2)  # (..., H, E)
+        if k_scale is not None:
+            k_scale = k_scale.repeat_interleave(H // k_scale.shape[-2], dim=-2)  # (..., H, S)
+            v_scale = v_scale.repeat_interleave(H // v_scale.shape[-2], dim=-2)
         value = value.repeat_interleave(H // value.shape[-3], dim=-3)  # (..., H, S, Ev)
     layout = Layout(batch, query, key, enable_gqa)
     seqlens = _seqlens(cache_seqlens, query, key, layout, fn)
@@ -124,6 +167,8 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool 
     k3, v3 = layout.keys(key), layout.keys(value)  # (Nb, S, E), (Nb, S, Ev): views where they can be
     scales = (layout.keys(k_scale[..., None])[..., 0], layout.keys(v_scale[..., None])[..., 0]) if k_scale is not None \
         else (None, None)  # (Nb, S) each: the rows' scales on the layout of k3, v3
+    if k_channel_scale is not None:  # q . (k / lambda * lambda) = (q * lambda) . (k / lambda): scale the query
+        q4 = q4 * layout.keys(k_channel_scale[..., None, :]).unsqueeze(1)  # (Nb, r, L, E) * (Nb, 1, 1, E)
     out4 = _run(q4, k3, v3, None, Hkv=_kv_heads(layout, seqlens), S=S, scale=_scale(scale, E), is_causal=is_causal,
                 align=causal_align, seqlens=seqlens, scales=scales)
     return out4.reshape(*layout.batch, L, value.shape[-1]).to(query.dtype)
@@ -166,6 +211,8 @@ def paged_decode_attention(query: Tensor, cache: "PagedKVCache", is_causal: bool
     _check_align(causal_align, fn)
     _refuse_grad(fn, query)
     q4 = query.to(compute_dtype(query.dtype)).reshape(B * Hkv, H // Hkv, L, E)  # (Nb, r, L, E)
+    if cache.k_channel_scale is not None:  # keys stored divided by lambda: the query carries it
+        q4 = q4 * cache.k_channel_scale.reshape(B * Hkv, 1, 1, E)
     out4 = _run(q4, cache.k_pages, cache.v_pages, cache.block_table, Hkv=Hkv, S=cache.length,
                 scale=_scale(scale, E), is_causal=is_causal, align=causal_align, seqlens=None,
                 scales=(cache.k_scales, cache.v_scales))
@@ -192,11 +239,15 @@ class PagedKVCache:
             head as int8 with one float32 scale (:func:`quantize`), in ``k_scales`` and
             ``v_scales`` ``(num_pages, page_size, Hkv)``: a quarter of float32's memory and reads.
         device: where they are stored.
+        smooth_keys: int8 only: divide each key channel by :func:`channel_smoothing`'s factor,
+            calibrated on the first :meth:`append` when it brings at least
+            :data:`SMOOTHING_MIN_TOKENS` tokens (a prompt; with fewer, the cache stays unsmoothed),
+            and multiply the query by it when decoding (``k_channel_scale``, ``(B, Hkv, head_dim)``).
     """
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, *, page_size: int = 16,
                  num_pages: Optional[int] = None, dtype: torch.dtype = torch.float32,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, smooth_keys: bool = True) -> None:
         for name, n in (("batch", batch), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("page_size", page_size)) + ((("num_pages", num_pages),) if num_pages is not None else ()):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
@@ -213,6 +264,8 @@ class PagedKVCache:
         self.k_scales = (torch.ones(pool, page_size, num_kv_heads, dtype=torch.float32, device=self.device)
                          if self.quantized else None)
         self.v_scales = torch.ones_like(self.k_scales) if self.quantized else None
+        self.smooth_keys = bool(smooth_keys) and self.quantized
+        self.k_channel_scale: Optional[Tensor] = None  # (B, Hkv, head_dim), once calibrated
         self.block_table = torch.zeros(batch, 0, dtype=torch.int64, device=self.device)
         self.pages_used = 0
         self.length = 0
@@ -233,6 +286,10 @@ class PagedKVCache:
         pages = self.block_table[:, pos // self.page_size]  # (B, T)
         offsets = (pos % self.page_size).expand(self.batch, T)  # (B, T)
         if self.quantized:
+            if self.length == 0 and self.smooth_keys and T >= SMOOTHING_MIN_TOKENS:
+                self.k_channel_scale = channel_smoothing(k)  # (B, Hkv, E), from the prompt's keys
+            if self.k_channel_scale is not None:
+                k = k.detach().to(torch.float32) / self.k_channel_scale[:, :, None, :]
             for t, rows, scales in ((k, self.k_pages, self.k_scales), (v, self.v_pages, self.v_scales)):
                 values, scale = quantize(t.transpose(1, 2))  # (B, T, Hkv, E), (B, T, Hkv)
                 rows[pages, offsets] = values
@@ -273,14 +330,17 @@ class PagedKVCache:
         k, v = self.k_pages, self.v_pages
         if self.quantized:
             k, v = dequantize(k, self.k_scales), dequantize(v, self.v_scales)
-        return (kernel.gather(k, self.block_table, self.length).view(shape),
-                kernel.gather(v, self.block_table, self.length).view(shape))
+        k = kernel.gather(k, self.block_table, self.length).view(shape)
+        if self.k_channel_scale is not None:
+            k = k * self.k_channel_scale[:, :, None, :]
+        return k, kernel.gather(v, self.block_table, self.length).view(shape)
 
     def reset(self) -> None:
         """Forget every token and page (the pool's memory is kept)."""
         self.block_table = self.block_table[:, :0]
         self.pages_used = 0
         self.length = 0
+        self.k_channel_scale = None  # the next prompt calibrates again
 
 
 # --------------------------------------------------------------------------- #

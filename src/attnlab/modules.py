@@ -191,12 +191,17 @@ class KVCache:
             returns dequantised float32 copies, and :class:`MultiHeadAttention`'s decode step reads
             the int8 rows in place (:meth:`stored`).
         device: where they are stored.
+        smooth_keys: int8 only: divide each key channel by
+            :func:`attnlab.decoding.channel_smoothing`'s factor, calibrated on the first
+            :meth:`append` of at least ``attnlab.decoding.SMOOTHING_MIN_TOKENS`` tokens (the
+            prompt), and multiply the query by it when decoding (:attr:`k_channel_scale`).
     """
 
     MIN_CAPACITY = 16  # the first allocation without max_len, in tokens
 
     def __init__(self, batch: int, num_kv_heads: int, head_dim: int, max_len: Optional[int] = None,
-                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None,
+                 smooth_keys: bool = True) -> None:
         self.batch, self.num_kv_heads, self.head_dim, self.max_len = batch, num_kv_heads, head_dim, max_len
         capacity = max_len if max_len is not None else 0
         self._k = torch.zeros(batch, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
@@ -204,6 +209,9 @@ class KVCache:
         self.quantized = dtype == torch.int8
         self._ks = self._k.new_ones(batch, num_kv_heads, capacity, dtype=torch.float32) if self.quantized else None
         self._vs = torch.ones_like(self._ks) if self.quantized else None
+        self.smooth_keys = bool(smooth_keys) and self.quantized
+        # int8 with smoothing: (B, Hkv, head_dim) factors the stored keys were divided by (else None)
+        self.k_channel_scale: Optional[Tensor] = None
         self.length = 0
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -221,13 +229,17 @@ class KVCache:
             self._grow(self.length + new)
         span = slice(self.length, self.length + new)
         if self.quantized:
-            from attnlab.decoding import dequantize, quantize
+            from attnlab.decoding import SMOOTHING_MIN_TOKENS, channel_smoothing, dequantize, quantize
 
+            if self.length == 0 and self.smooth_keys and new >= SMOOTHING_MIN_TOKENS:
+                self.k_channel_scale = channel_smoothing(k)  # (B, Hkv, head_dim), from the prompt's keys
+            if self.k_channel_scale is not None:
+                k = k.detach().to(torch.float32) / self.k_channel_scale[:, :, None, :]
             (self._k[:, :, span], self._ks[:, :, span]), (self._v[:, :, span], self._vs[:, :, span]) = \
                 quantize(k), quantize(v)
             self.length += new
             k_all, v_all, ks, vs = self.stored()
-            return dequantize(k_all, ks), dequantize(v_all, vs)
+            return dequantize(k_all, ks, self.k_channel_scale), dequantize(v_all, vs)
         self._k[:, :, span] = k.detach()
         self._v[:, :, span] = v.detach()
         self.length += new
@@ -263,6 +275,7 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+        self.k_channel_scale = None  # the next prompt calibrates again
 
 
 class MultiHeadAttention(nn.Module):
@@ -372,10 +385,11 @@ class MultiHeadAttention(nn.Module):
                     and dropout_p == 0 and not torch.is_grad_enabled()):  # a decode step on the int8 rows in place
                 k8, v8, ks, vs = kv_cache.stored()
                 out = decoding.decode_attention(q, k8, v8, is_causal=is_causal, causal_align="bottom_right",
-                                                enable_gqa=Hkv != H, k_scale=ks, v_scale=vs)
+                                                enable_gqa=Hkv != H, k_scale=ks, v_scale=vs,
+                                                k_channel_scale=kv_cache.k_channel_scale)
                 return self._finish(out, B, L), None
             k8, v8, ks, vs = kv_cache.stored()  # masks, weights or gradients: the dense path, dequantised
-            k, v = decoding.dequantize(k8, ks), decoding.dequantize(v8, vs)
+            k, v = decoding.dequantize(k8, ks, kv_cache.k_channel_scale), decoding.dequantize(v8, vs)
         elif kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (B, Hkv, cached + S, hd): views of the cache's storage
         S = paged.length if paged is not None else k.shape[2]

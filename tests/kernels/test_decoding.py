@@ -308,6 +308,116 @@ def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(paged, L, 
     assert (out.double() - exact).abs().max().item() < 0.05 * exact.abs().max().item()
 
 
+def _smoothing_case(outlier: bool, S: int = 1024):
+    q, k, v = randn(1, 8, 1, 64), randn(1, 2, S, 64, seed=1), randn(1, 2, S, 64, seed=2)
+    if outlier:
+        k[..., [5, 40]] *= 20  # two key channels 20x the rest, as LLM keys have
+    return q, k, v
+
+
+@pytest.mark.parametrize("outlier", [True, False], ids=["outlier_channels", "gaussian"])
+def test_smoothed_int8_keys_are_exact_against_their_own_reference_and_cut_the_outlier_error(outlier):
+    """Keys divided per channel by channel_smoothing's factors, the query multiplied by them: the
+    kernel against float64 attention over the dequantised cache (float32's error only), and a
+    query left unscaled fails that check. Against the exact cache, the smoothed error is under a
+    quarter of the per-token error with outlier channels, and under a bfloat16 cache's; on
+    Gaussian keys it is no worse than per token (BENCHMARKS.md, "int8 KV cache: accuracy")."""
+    from attnlab.decoding import channel_smoothing, dequantize, quantize
+
+    q, k, v = _smoothing_case(outlier)
+    lam = channel_smoothing(k)  # (1, 2, 64)
+    assert lam.shape == (1, 2, 64) and bool((lam >= 1).all())
+    assert bool((lam[..., [5, 40]] > 10).all()) == outlier
+    (k8, ks), (v8, vs) = quantize(k / lam[..., None, :]), quantize(v)
+    out = decode_attention(q, k8, v8, enable_gqa=True, k_scale=ks, v_scale=vs, k_channel_scale=lam)
+    k_deq, v_deq = dequantize(k8, ks, lam), dequantize(v8, vs)
+    want = torch_math(q.double(), k_deq.double(), v_deq.double(), enable_gqa=True)
+    assert_close(out, want.float(), dtype=torch.float32)
+    if outlier:  # the factors are what make it exact: without them on the query the check fails
+        unscaled = decode_attention(q, k8, v8, enable_gqa=True, k_scale=ks, v_scale=vs)
+        with pytest.raises(AssertionError):
+            assert_close(unscaled, want.float(), dtype=torch.float32)
+    exact = torch_math(q.double(), k.double(), v.double(), enable_gqa=True)
+    (k8p, ksp) = quantize(k)
+    per_token = decode_attention(q, k8p, v8, enable_gqa=True, k_scale=ksp, v_scale=vs)
+    bf16 = decode_attention(q, k.bfloat16().float(), v.bfloat16().float(), enable_gqa=True)
+    err = {name: (o.double() - exact).abs().max().item() for name, o in
+           (("smoothed", out), ("per_token", per_token), ("bf16", bf16))}
+    if outlier:
+        assert err["smoothed"] < 0.25 * err["per_token"] and err["smoothed"] < err["bf16"], err
+    else:
+        assert err["smoothed"] < 1.3 * err["per_token"], err
+
+
+@pytest.mark.parametrize("kind", ["KVCache", "PagedKVCache"])
+def test_int8_caches_smooth_their_keys_from_the_prompt(kind):
+    """Calibrated on a first append of at least SMOOTHING_MIN_TOKENS tokens, kept for the tokens
+    that follow, cleared by reset; a shorter first append or smooth_keys=False leaves the cache
+    per token. The decode step matches float64 attention over the cache's own dequantised
+    contents either way."""
+    from attnlab.decoding import SMOOTHING_MIN_TOKENS, paged_decode_attention
+
+    q, k, v = _smoothing_case(True, S=300)
+
+    def make(**kw):
+        return KVCache(1, 2, 64, dtype=torch.int8, **kw) if kind == "KVCache" else \
+            PagedKVCache(1, 2, 64, dtype=torch.int8, **kw)
+
+    def contents(cache):
+        if kind == "KVCache":
+            from attnlab.decoding import dequantize
+
+            k8, v8, ks, vs = cache.stored()
+            return dequantize(k8, ks, cache.k_channel_scale), dequantize(v8, vs)
+        return cache.dense()
+
+    def step(cache):
+        if kind == "PagedKVCache":
+            return paged_decode_attention(q, cache)
+        k8, v8, ks, vs = cache.stored()
+        return decode_attention(q, k8, v8, enable_gqa=True, k_scale=ks, v_scale=vs,
+                                k_channel_scale=cache.k_channel_scale)
+
+    cache = make()
+    cache.append(k[:, :, :200], v[:, :, :200])
+    cache.append(k[:, :, 200:], v[:, :, 200:])
+    lam = cache.k_channel_scale
+    assert lam is not None and lam.shape == (1, 2, 64) and bool((lam[..., [5, 40]] > 10).all())
+    k_deq, v_deq = contents(cache)
+    want = torch_math(q.double(), k_deq.double(), v_deq.double(), enable_gqa=True)
+    assert_close(step(cache), want.float(), dtype=torch.float32)
+    exact = torch_math(q.double(), k.double(), v.double(), enable_gqa=True)
+    channel_err = (k_deq - k).abs().amax(dim=(0, 1, 2))[[5, 40]]  # outlier channels kept within 1% of their size
+    assert bool((channel_err < 0.01 * k.abs().amax(dim=(0, 1, 2))[[5, 40]]).all()), channel_err
+    smoothed_err = (step(cache).double() - exact).abs().max().item()
+    cache.reset()
+    assert cache.k_channel_scale is None
+    short = make()
+    short.append(k[:, :, :SMOOTHING_MIN_TOKENS - 1], v[:, :, :SMOOTHING_MIN_TOKENS - 1])
+    short.append(k[:, :, SMOOTHING_MIN_TOKENS - 1:], v[:, :, SMOOTHING_MIN_TOKENS - 1:])
+    off = make(smooth_keys=False)
+    off.append(k, v)
+    for plain in (short, off):
+        assert plain.k_channel_scale is None
+        k_deq, v_deq = contents(plain)
+        want = torch_math(q.double(), k_deq.double(), v_deq.double(), enable_gqa=True)
+        assert_close(step(plain), want.float(), dtype=torch.float32)
+    per_token_err = (step(off).double() - exact).abs().max().item()
+    assert smoothed_err < 0.25 * per_token_err, (smoothed_err, per_token_err)
+
+
+def test_k_channel_scale_is_checked_at_the_boundary():
+    from attnlab.decoding import quantize
+
+    k8, ks = quantize(randn(1, 2, 30, 8))
+    q = randn(1, 2, 1, 8)
+    with pytest.raises(ValueError, match=r"k_channel_scale must be float32 of shape \(1, 2, 8\) \(one factor per key "
+                                         r"channel: attnlab.decoding.channel_smoothing\), got torch.float32 \(1, 2, 30\)"):
+        decode_attention(q, k8, k8, k_scale=ks, v_scale=ks, k_channel_scale=ks)
+    with pytest.raises(ValueError, match="k_scale, v_scale and k_channel_scale are for an int8 key"):
+        decode_attention(q, randn(1, 2, 30, 8), randn(1, 2, 30, 8), k_channel_scale=torch.ones(1, 2, 8))
+
+
 def test_an_int8_cache_names_what_it_needs():
     from attnlab.decoding import quantize
 
@@ -315,7 +425,7 @@ def test_an_int8_cache_names_what_it_needs():
     q = randn(1, 2, 1, 8)
     with pytest.raises(TypeError, match=r"an int8 cache needs v_scale, a float32 tensor of shape \(1, 2, 30\)"):
         decode_attention(q, k8, k8, k_scale=ks)
-    with pytest.raises(ValueError, match="k_scale and v_scale are for an int8 key and value"):
+    with pytest.raises(ValueError, match="k_scale, v_scale and k_channel_scale are for an int8 key and value"):
         decode_attention(q, randn(1, 2, 30, 8), randn(1, 2, 30, 8), k_scale=ks, v_scale=ks)
     with pytest.raises(ValueError, match=r"k_scale must be float32 of shape \(1, 2, 30\), got torch.float32 "
                                          r"\(1, 2, 29\)"):
@@ -341,3 +451,31 @@ def test_an_int8_kvcache_decodes_through_the_module_in_place(monkeypatch):
             b, _ = mha(y, y, y, is_causal=True, kv_cache=int8)
             assert (a - b).abs().max().item() < 0.01  # int8's error (BENCHMARKS.md)
     assert int8.stored()[0].dtype == torch.int8 and all(c["k_scale"] is not None for c in calls[-3:])
+    # the 12-token prompt is shorter than SMOOTHING_MIN_TOKENS: this cache stays per token
+    assert int8.k_channel_scale is None and all(c["k_channel_scale"] is None for c in calls[-3:])
+
+
+def test_a_smoothed_int8_kvcache_decodes_through_the_module_with_its_factors(monkeypatch):
+    """A prompt of 40 tokens calibrates the module's int8 cache; each decode step hands the
+    factors to decode_attention, and stays as close to the float32 cache as int8 allows."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(64, 8, num_kv_heads=2, batch_first=True).eval()
+    with torch.no_grad():
+        mha.k_proj.weight[:2] *= 20  # two key channels of head 0 far larger than the rest
+    x = randn(2, 40, 64)
+    calls = []
+    from attnlab import decoding as _decoding
+
+    real = _decoding.decode_attention
+    monkeypatch.setattr(_decoding, "decode_attention", lambda *a, **k: calls.append(k) or real(*a, **k))
+    with torch.no_grad():
+        full, int8 = KVCache(2, 2, 8), KVCache(2, 2, 8, dtype=torch.int8)
+        mha(x, x, x, is_causal=True, kv_cache=full)
+        mha(x, x, x, is_causal=True, kv_cache=int8)
+        assert int8.k_channel_scale is not None and int8.k_channel_scale.shape == (2, 2, 8)
+        for step in range(3):
+            y = randn(2, 1, 64, seed=10 + step)
+            a, _ = mha(y, y, y, is_causal=True, kv_cache=full)
+            b, _ = mha(y, y, y, is_causal=True, kv_cache=int8)
+            assert (a - b).abs().max().item() < 0.01 * a.abs().max().item()
+    assert all(c["k_channel_scale"] is int8.k_channel_scale for c in calls[-3:])
