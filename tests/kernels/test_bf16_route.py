@@ -20,6 +20,7 @@ import torch
 from attnlab import tiled
 from attnlab.kernels import native as _native
 from attnlab.testing import assert_close_to_sdpa
+from helpers.route_cases import CASES, case_inputs, spy_calls
 
 ROUTES = ["bf16", "bf16-emulated", "fp32"]
 
@@ -43,43 +44,14 @@ def randn(*shape, seed=0):
 
 def spy_operands(monkeypatch, forward_op: str = "flash_forward") -> list:
     """``(q4 dtype, bf16_emulated)`` of each call of the native ``forward_op``: bfloat16 on the
-    bf16 routes, float32 on fp32."""
-    seen, real = [], _native.ops()
-
-    class Spy:
-        def __getattr__(self, name):
-            op = getattr(real, name)
-            if name != forward_op:
-                return op
-
-            def forward(q4, *a):
-                seen.append((q4.dtype, a[-2]))  # the operands' dtype, bf16_emulated (a[-1]: the sgemm route)
-                return op(q4, *a)
-            return forward
-
-    monkeypatch.setattr(_native, "ops", lambda: Spy())  # one module object: tiled's and flex's _native
-    return seen
-
-
-CASES = {
-    "tiles": dict(q=(1, 2, 300, 64), kv=(1, 2, 600, 64), causal=True),
-    "gqa": dict(q=(2, 8, 257, 128), kv=(2, 2, 257, 128), causal=True, gqa=True),
-    "odd_sizes": dict(q=(2, 3, 17, 7), kv=(2, 3, 5, 7), v_dim=9),
-    "bool_mask": dict(q=(1, 2, 64, 32), kv=(1, 2, 96, 32), mask="bool"),
-    "float_mask": dict(q=(1, 2, 64, 32), kv=(1, 2, 96, 32), mask="float"),
-}
+    bf16 routes, float32 on fp32 (``bf16_emulated`` is the argument before the sgemm route)."""
+    return spy_calls(monkeypatch, forward_op, lambda args: (args[0].dtype, args[-2]))
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_route_is_within_the_shared_rule_forward_and_backward(route, monkeypatch, case):
     c = CASES[case]
-    q, k = randn(*c["q"]), randn(*c["kv"], seed=1)
-    v = randn(*c["kv"][:-1], c.get("v_dim", c["kv"][-1]), seed=2)
-    mask = None
-    if c.get("mask") == "bool":
-        mask = torch.rand(c["q"][-2], c["kv"][-2], generator=torch.Generator().manual_seed(3)) > 0.3
-    elif c.get("mask") == "float":
-        mask = torch.randn(c["q"][-2], c["kv"][-2], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    q, k, v, mask = case_inputs(case, torch.bfloat16)
     seen = spy_operands(monkeypatch)
     assert_close_to_sdpa(tiled.flash_attention, q, k, v, attn_mask=mask, is_causal=c.get("causal", False),
                          enable_gqa=c.get("gqa", False))

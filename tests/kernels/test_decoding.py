@@ -432,15 +432,17 @@ def test_an_int8_cache_names_what_it_needs():
         decode_attention(q, k8, k8, k_scale=ks[..., 1:], v_scale=ks)
 
 
-def test_an_int8_kvcache_decodes_through_the_module_in_place(monkeypatch):
-    torch.manual_seed(0)
-    mha = MultiHeadAttention(64, 8, num_kv_heads=2, batch_first=True).eval()
-    x = randn(2, 12, 64)
+def _decode_with_an_int8_cache(monkeypatch, mha, prompt: int):
+    """A prompt of ``prompt`` tokens, then three decode steps through ``mha`` with a float32 and an
+    int8 KVCache; returns ``(int8 cache, decode_attention's keyword arguments per call, worst
+    relative difference of a step's output)``."""
     calls = []
     from attnlab import decoding as _decoding
 
     real = _decoding.decode_attention
     monkeypatch.setattr(_decoding, "decode_attention", lambda *a, **k: calls.append(k) or real(*a, **k))
+    x = randn(2, prompt, 64)
+    worst = 0.0
     with torch.no_grad():
         full, int8 = KVCache(2, 2, 8), KVCache(2, 2, 8, dtype=torch.int8)
         mha(x, x, x, is_causal=True, kv_cache=full)
@@ -449,10 +451,18 @@ def test_an_int8_kvcache_decodes_through_the_module_in_place(monkeypatch):
             y = randn(2, 1, 64, seed=10 + step)
             a, _ = mha(y, y, y, is_causal=True, kv_cache=full)
             b, _ = mha(y, y, y, is_causal=True, kv_cache=int8)
-            assert (a - b).abs().max().item() < 0.01  # int8's error (BENCHMARKS.md)
-    assert int8.stored()[0].dtype == torch.int8 and all(c["k_scale"] is not None for c in calls[-3:])
+            worst = max(worst, (a - b).abs().max().item() / a.abs().max().item())
+    return int8, calls[-3:], worst
+
+
+def test_an_int8_kvcache_decodes_through_the_module_in_place(monkeypatch):
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(64, 8, num_kv_heads=2, batch_first=True).eval()
+    int8, calls, worst = _decode_with_an_int8_cache(monkeypatch, mha, prompt=12)
+    assert worst < 0.01  # int8's error (BENCHMARKS.md)
+    assert int8.stored()[0].dtype == torch.int8 and all(c["k_scale"] is not None for c in calls)
     # the 12-token prompt is shorter than SMOOTHING_MIN_TOKENS: this cache stays per token
-    assert int8.k_channel_scale is None and all(c["k_channel_scale"] is None for c in calls[-3:])
+    assert int8.k_channel_scale is None and all(c["k_channel_scale"] is None for c in calls)
 
 
 def test_a_smoothed_int8_kvcache_decodes_through_the_module_with_its_factors(monkeypatch):
@@ -462,20 +472,7 @@ def test_a_smoothed_int8_kvcache_decodes_through_the_module_with_its_factors(mon
     mha = MultiHeadAttention(64, 8, num_kv_heads=2, batch_first=True).eval()
     with torch.no_grad():
         mha.k_proj.weight[:2] *= 20  # two key channels of head 0 far larger than the rest
-    x = randn(2, 40, 64)
-    calls = []
-    from attnlab import decoding as _decoding
-
-    real = _decoding.decode_attention
-    monkeypatch.setattr(_decoding, "decode_attention", lambda *a, **k: calls.append(k) or real(*a, **k))
-    with torch.no_grad():
-        full, int8 = KVCache(2, 2, 8), KVCache(2, 2, 8, dtype=torch.int8)
-        mha(x, x, x, is_causal=True, kv_cache=full)
-        mha(x, x, x, is_causal=True, kv_cache=int8)
-        assert int8.k_channel_scale is not None and int8.k_channel_scale.shape == (2, 2, 8)
-        for step in range(3):
-            y = randn(2, 1, 64, seed=10 + step)
-            a, _ = mha(y, y, y, is_causal=True, kv_cache=full)
-            b, _ = mha(y, y, y, is_causal=True, kv_cache=int8)
-            assert (a - b).abs().max().item() < 0.01 * a.abs().max().item()
-    assert all(c["k_channel_scale"] is int8.k_channel_scale for c in calls[-3:])
+    int8, calls, worst = _decode_with_an_int8_cache(monkeypatch, mha, prompt=40)
+    assert int8.k_channel_scale is not None and int8.k_channel_scale.shape == (2, 2, 8)
+    assert worst < 0.01
+    assert all(c["k_channel_scale"] is int8.k_channel_scale for c in calls)

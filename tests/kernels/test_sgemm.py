@@ -23,6 +23,7 @@ import torch
 from attnlab import tiled
 from attnlab.kernels import native as _native
 from attnlab.testing import assert_close_to_sdpa
+from helpers.route_cases import CASES, case_inputs, spy_calls
 
 ISA_ROUTES = {"avx2": {"avx2", "fma"}, "avx512-emulated": {"avx2", "fma"}, "avx512": {"avx512f"}, "blas": set()}
 
@@ -157,46 +158,17 @@ def test_native_status_names_the_float32_gemm(route):
 
 def spy_routes(monkeypatch, op_name: str) -> list:
     """The sgemm route code (the last argument) of each call of the native ``op_name``."""
-    seen, real = [], _native.ops()
-
-    class Spy:
-        def __getattr__(self, name):
-            op = getattr(real, name)
-            if name != op_name:
-                return op
-
-            def call(*a):
-                seen.append(a[-1])
-                return op(*a)
-            return call
-
-    monkeypatch.setattr(_native, "ops", lambda: Spy())
-    return seen
+    return spy_calls(monkeypatch, op_name, lambda args: args[-1])
 
 
 def randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-CASES = {
-    "tiles": dict(q=(1, 2, 300, 64), kv=(1, 2, 600, 64), causal=True),
-    "gqa": dict(q=(2, 8, 257, 128), kv=(2, 2, 257, 128), causal=True, gqa=True),
-    "odd_sizes": dict(q=(2, 3, 17, 7), kv=(2, 3, 5, 7), v_dim=9),
-    "bool_mask": dict(q=(1, 2, 64, 32), kv=(1, 2, 96, 32), mask="bool"),
-    "float_mask": dict(q=(1, 2, 64, 32), kv=(1, 2, 96, 32), mask="float"),
-}
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_attention_on_each_route_is_within_the_shared_rule(route, monkeypatch, case):
     c = CASES[case]
-    q, k = randn(*c["q"]), randn(*c["kv"], seed=1)
-    v = randn(*c["kv"][:-1], c.get("v_dim", c["kv"][-1]), seed=2)
-    mask = None
-    if c.get("mask") == "bool":
-        mask = torch.rand(c["q"][-2], c["kv"][-2], generator=torch.Generator().manual_seed(3)) > 0.3
-    elif c.get("mask") == "float":
-        mask = randn(c["q"][-2], c["kv"][-2], seed=3)
+    q, k, v, mask = case_inputs(case, torch.float32)
     seen = spy_routes(monkeypatch, "flash_forward")
     assert_close_to_sdpa(tiled.flash_attention, q, k, v, attn_mask=mask, is_causal=c.get("causal", False),
                          enable_gqa=c.get("gqa", False))

@@ -16,11 +16,11 @@ speed when it is also the same attention. The peers are an extra (``pip install
 from __future__ import annotations
 
 import importlib.util
-import statistics
-import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
+
+from attnlab.bench.timing import interleaved_medians
 
 if TYPE_CHECKING:
     import numpy as np
@@ -136,21 +136,16 @@ def peers_benchmark(seq_lens: list[int], *, B: int = 1, H: int = 8, E: int = 64,
             errors = {}
             with torch.no_grad():
                 for name, fn in fns.items():
-                    out = fn()  # warm-up, and the output to check
+                    out = fn()  # the output to check (and a first warm-up)
                     out = torch.as_tensor(np.asarray(out)) if not isinstance(out, torch.Tensor) else out
                     if name == "ONNX Runtime MultiHeadAttention":
                         out = out.reshape(B, L, H, E).permute(0, 2, 1, 3)
                     errors[name] = (out.double() - golden).abs().max().item()
-                times: dict[str, list[float]] = {name: [] for name in fns}
-                for _ in range(repeats):
-                    for name, fn in fns.items():
-                        t0 = time.perf_counter()
-                        fn()
-                        times[name].append(time.perf_counter() - t0)
-            torch_ms = statistics.median(times["torch SDPA"]) * 1e3
+                medians = interleaved_medians(fns, repeats)
+            torch_ms = medians["torch SDPA"] * 1e3
             flops = 4 * B * H * L * L * E * (0.5 if causal else 1.0)
-            for name, ts in times.items():
-                ms = statistics.median(ts) * 1e3
+            for name, sec in medians.items():
+                ms = sec * 1e3
                 rows.append({"shape": (B, H, L, E), "causal": causal, "impl": name, "ms": ms, "ratio": ms / torch_ms,
                              "gflops": flops / ms / 1e6, "max_err": errors[name]})
             done += 1

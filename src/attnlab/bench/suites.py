@@ -15,7 +15,7 @@ import torch
 from attnlab.bench.machine import fma_peak, read_bandwidth
 from attnlab.bench.memory import peak_rss_growth
 from attnlab.bench.tables import MASK_BUILDERS, MASK_KINDS
-from attnlab.bench.timing import Config, impl_function, make_inputs, measure_peak_memory, run_step
+from attnlab.bench.timing import Config, impl_function, interleaved_medians, make_inputs, measure_peak_memory, run_step
 
 __all__ = [
     "block_mask_child",  # package-internal: the child process of block_mask_benchmark
@@ -257,18 +257,11 @@ def bf16_benchmark(shapes=BF16_SHAPES, *, modes=("fwd", "fwd+bwd"), repeats: int
             fns = {"attnlab bf16 route": with_route("bf16", lambda: step(tiled.flash_attention)),
                    "attnlab fp32 route": with_route("fp32", lambda: step(tiled.flash_attention)),
                    "torch SDPA": lambda: step(F.scaled_dot_product_attention)}
-            times: dict[str, list[float]] = {name: [] for name in fns}
             with torch.set_grad_enabled(backward):
-                for fn in fns.values():
-                    fn()  # warm-up
-                for _ in range(repeats):
-                    for name, fn in fns.items():
-                        t0 = time.perf_counter()
-                        fn()
-                        times[name].append(time.perf_counter() - t0)
-            torch_ms = statistics.median(times["torch SDPA"]) * 1e3
-            for name, ts in times.items():
-                ms = statistics.median(ts) * 1e3
+                medians = interleaved_medians(fns, repeats)
+            torch_ms = medians["torch SDPA"] * 1e3
+            for name, sec in medians.items():
+                ms = sec * 1e3
                 rows.append({"shape": (B, H, Hkv, L, E), "mode": mode, "impl": name, "ms": ms, "ratio": ms / torch_ms})
             done += 1
             if progress:
@@ -355,18 +348,11 @@ def gemm_benchmark(*, E: int = 64, L: int = 4096, H: int = 8, repeats: int = 5,
 
             fns = {f"attnlab, {r}": _with_env("ATTNLAB_SGEMM", r, lambda: step(tiled.flash_attention)) for r in routes}
             fns["torch SDPA"] = lambda: step(F.scaled_dot_product_attention)
-            times = {name: [] for name in fns}
-            for fn in fns.values():
-                fn()
-            for _ in range(repeats):
-                for name, fn in fns.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
-            torch_ms = statistics.median(times["torch SDPA"]) * 1e3
+            medians = interleaved_medians(fns, repeats)
+            torch_ms = medians["torch SDPA"] * 1e3
             flops = 4 * L * L * E * H * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
-            for name, ts in times.items():
-                ms = statistics.median(ts) * 1e3
+            for name, sec in medians.items():
+                ms = sec * 1e3
                 attention.append({"shape": (1, H, L, E), "causal": causal, "mode": mode, "impl": name, "ms": ms,
                                   "ratio": ms / torch_ms, "gflops": flops / ms / 1e6})
             done += 1

@@ -21,7 +21,7 @@ __all__ = [
     "IMPLS", "TORCH_IMPLS", "DTYPES", "Config", "Result", "MASKS", "VARIANTS", "parse_mask",
     "run_benchmarks", "estimate_seconds", "format_duration", "measure_peak_memory",
     # package-internal, for the suites and the child processes
-    "impl_function", "make_inputs", "run_step", "peak_memory_child",
+    "impl_function", "make_inputs", "run_step", "peak_memory_child", "interleaved_medians",
 ]
 
 IMPLS = ("reference", "tiled", "math", "flash")
@@ -87,6 +87,20 @@ class Result:
                 "ratio_vs_torch_best": _fmt(self.ratio_vs_torch_best, 3),
                 "peak_mem_mib": _fmt(self.peak_mem_bytes and self.peak_mem_bytes / 2**20),
                 "repeats": len(self.times_s), "status": self.status, "compile_s": _fmt(self.compile_s)}
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each of ``fns``: one warm-up call each, then ``repeats`` rounds that call
+    them in turn, so that a noisy neighbour slows all of them alike (the suites' one timing loop)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _fmt(x: Optional[float], digits: int = 2) -> str:
