@@ -10,8 +10,7 @@ from attnlab.cli._args import DTYPES, UsageError, choices, ints, need_module, no
     positive_float, positive_int
 
 HELP = """\
-Time attnlab's attention against torch's SDPA backends (interleaved, ratios in one run), or
-a special suite below. In full: docs/cli.md; results: BENCHMARKS.md.
+Time attnlab against torch's SDPA, or run a suite below (docs/cli.md, BENCHMARKS.md).
 
 examples:
   attnlab bench --seq-lens 4096 --impls tiled,flash --dtypes float32 --threads 2
