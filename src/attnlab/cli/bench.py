@@ -10,7 +10,7 @@ from attnlab.cli._args import DTYPES, UsageError, choices, ints, need_module, no
     positive_float, positive_int
 
 HELP = """\
-Time attnlab against torch's SDPA, or run a suite below (docs/cli.md, BENCHMARKS.md).
+Time attnlab vs torch's SDPA, or a suite below (docs/cli.md, BENCHMARKS.md).
 
 examples:
   attnlab bench --seq-lens 4096 --impls tiled,flash --dtypes float32 --threads 2
