@@ -285,7 +285,10 @@ inline void dots2(const float* __restrict__ q, int64_t n, int64_t E, const T* __
 // the hardware prefetcher (which stays inside a 4 KiB page) does not follow: ask for the rows
 // PREFETCH_ROWS ahead ourselves. Measured on the 2-core AVX2 EPYC (S=131072, Hkv=8, E=128, fp32):
 // head by head 154 -> 145 ms with it; reading a head group's rows together (decode_forward's G)
-// did the rest (71 ms, dense 80 ms). Dense head-major rows are left to the hardware.
+// did the rest (71 ms, dense 80 ms). Dense head-major rows are asked for the same way: the
+// hardware prefetcher did not keep up with them either (2026-12-03, same machine, old against new
+// build alternated, q (1,32,1,128) against (1,8,S,128)): fp32 15.7 -> 13.5 ms at S = 32k and
+// 62 -> 54 ms at 131k; bf16 10.9 -> 9.2 ms and 34.9 -> 32.5 ms.
 constexpr int PREFETCH_ROWS = 4;
 template <class T>
 inline void prefetch_row(const T* row, int64_t width) {
@@ -296,14 +299,10 @@ inline void prefetch_row(const T* row, int64_t width) {
 template <class T>
 inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int64_t k_ld, const float* k_scale,
                           int nk, float scale2, float* s, float* col) {
-  const bool strided = k_ld != E;
-  if (strided)
-    for (int j = 0; j < std::min(nk, PREFETCH_ROWS); ++j) prefetch_row(k + j * k_ld, E);
+  for (int j = 0; j < std::min(nk, PREFETCH_ROWS); ++j) prefetch_row(k + j * k_ld, E);
   for (int j = 0; j < nk; j += 2) {
-    if (strided) {
-      if (j + PREFETCH_ROWS < nk) prefetch_row(k + (j + PREFETCH_ROWS) * k_ld, E);
-      if (j + 1 + PREFETCH_ROWS < nk) prefetch_row(k + (j + 1 + PREFETCH_ROWS) * k_ld, E);
-    }
+    if (j + PREFETCH_ROWS < nk) prefetch_row(k + (j + PREFETCH_ROWS) * k_ld, E);
+    if (j + 1 + PREFETCH_ROWS < nk) prefetch_row(k + (j + 1 + PREFETCH_ROWS) * k_ld, E);
     const bool two = j + 1 < nk;
     const float f0 = k_scale ? scale2 * k_scale[j] : scale2;
     const float f1 = two ? (k_scale ? scale2 * k_scale[j + 1] : scale2) : 0.0f;
@@ -319,8 +318,7 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
 template <class T>
 inline void stream_values(const float* __restrict__ s, int64_t n, int64_t Ev, const T* __restrict__ v, int64_t v_ld,
                           const float* __restrict__ v_scale, int nk, float* __restrict__ col, float* __restrict__ acc) {
-  if (v_ld != Ev)  // strided (paged) rows: fetch the block's V rows while the first ones are used
-    for (int j = 0; j < nk; ++j) prefetch_row(v + j * v_ld, Ev);
+  for (int j = 0; j < nk; ++j) prefetch_row(v + j * v_ld, Ev);  // the block's V rows, while the first are used
   int64_t a = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   const int64_t wide = Ev & ~int64_t(31);
