@@ -234,9 +234,9 @@ def test_module_decoding_equals_one_causal_pass_and_runs_the_decode_kernel(monke
 # --------------------------------------------------------------------------- the streaming loop, the int8 cache
 def test_the_loop_switch_chooses_and_names_its_values(monkeypatch):
     assert kernel.loop(1) == kernel.loop(kernel.STREAM_MAX_ROWS) == "stream"
-    assert kernel.loop(kernel.STREAM_MAX_ROWS + 1) == "gemm" and kernel.loop(64, int8=True) == "stream"
+    assert kernel.loop(kernel.STREAM_MAX_ROWS + 1) == "gemm"
     monkeypatch.setenv("ATTNLAB_DECODE", "gemm")
-    assert kernel.loop(1) == "gemm" and kernel.loop(1, int8=True) == "stream"
+    assert kernel.loop(1) == "gemm"
     monkeypatch.setenv("ATTNLAB_DECODE", "fast")
     with pytest.raises(ValueError, match="ATTNLAB_DECODE must be one of auto, stream, gemm, got 'fast'"):
         kernel.loop(1)
@@ -271,13 +271,17 @@ def _activations(*shape, seed: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("loop", ["stream", "gemm"])
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 @pytest.mark.parametrize("L,causal", [(1, False), (4, True)])
-def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(paged, L, causal):
-    """The kernel reads int8 rows and their scales; the reference is float64 attention over the
+def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(paged, L, causal, loop, monkeypatch):
+    """The kernel reads int8 rows and their scales (the streaming loop in its dot products, the
+    GEMM loop dequantising each block, across pages); the reference is float64 attention over the
     dequantised cache, so the only error allowed is float32's. Per-token scales differ (outlier
     rows), so a scale applied to the wrong row, or the keys' to the values, shows."""
     from attnlab.decoding import dequantize, quantize
+
+    monkeypatch.setenv("ATTNLAB_DECODE", loop)
 
     q, k, v = randn(2, 8, L, 64), _activations(2, 2, 520, 64, seed=1), _activations(2, 2, 520, 64, seed=2)
     k[:, :, 100:110] *= 3  # tokens larger than the rest: their scales are their own
@@ -300,8 +304,13 @@ def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(paged, L, 
                                              attn_mask=bottom_right(L, 520) if causal else None).float(),
                          dtype=torch.float32)
     mask = bottom_right(L, 520) if causal else None
-    want = torch_math(q.double(), k_deq.double(), v_deq.double(), attn_mask=mask, enable_gqa=True)
-    assert_close(out, want.float(), dtype=torch.float32)
+
+    def on_the_cache(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+        return out  # the kernel's answer; torch's runs take the cache's dequantised contents
+
+    # the shared rule: the scores reach a few hundred on these activations, so float32's own error
+    # (torch's, measured on the same inputs) sets the bound, not an O(1) tolerance
+    assert_close_to_sdpa(on_the_cache, q, k_deq, v_deq, attn_mask=mask, enable_gqa=True, check_grads=False)
     # and against the unquantised cache: int8's own error, a few percent of the output's size at most
     # (measured on these activations: BENCHMARKS.md, "int8 KV cache")
     exact = torch_math(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)

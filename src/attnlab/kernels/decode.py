@@ -23,7 +23,9 @@ Two inner loops (:func:`loop`, ``$ATTNLAB_DECODE`` forces one): ``"stream"`` rea
 row once, as stored, into the few rows' dot products and AXPYs (a decode step: ``r * L`` up to
 :data:`STREAM_MAX_ROWS`); ``"gemm"`` widens a block and runs two BLAS GEMMs (many rows: chunked
 prefill, speculative decoding). An int8 cache (``k_scale``, ``v_scale``: a float32 scale per
-token and head) is read by the streaming loop.
+token and head) takes either: the streaming loop scales its dot products and AXPYs, the GEMM loop
+dequantises each block into its scratch (at Lq = 64 the streaming loop took 1.6x the GEMM loop's
+time on the 2-core AVX2 EPYC, 2026-12-03).
 """
 
 from __future__ import annotations
@@ -59,15 +61,13 @@ STREAM_BLOCK_K = 64  # keys per online-softmax step in the streaming loop: its s
 LOOPS = ("auto", "stream", "gemm")
 
 
-def loop(rows: int, int8: bool = False) -> str:
+def loop(rows: int) -> str:
     """The inner loop a call of ``rows = r * L`` rows per key/value head takes: ``$ATTNLAB_DECODE``
     (``auto``, the default; ``stream`` or ``gemm`` force one), else ``stream`` up to
-    :data:`STREAM_MAX_ROWS` rows and ``gemm`` above; an int8 cache always streams."""
+    :data:`STREAM_MAX_ROWS` rows and ``gemm`` above (float and int8 caches alike)."""
     choice = os.environ.get("ATTNLAB_DECODE", "auto").strip().lower() or "auto"
     if choice not in LOOPS:
         raise ValueError(f"ATTNLAB_DECODE must be one of {', '.join(LOOPS)}, got {choice!r}")
-    if int8:
-        return "stream"
     if choice != "auto":
         return choice
     return "stream" if rows <= STREAM_MAX_ROWS else "gemm"
@@ -99,7 +99,7 @@ def forward(q4: Tensor, k: Tensor, v: Tensor, *, Hkv: int, S: int, scale2: float
     if int8 != (k_scale is not None) or (k_scale is None) != (v_scale is None):
         raise ValueError("decode: an int8 cache needs k_scale and v_scale, and only an int8 cache takes them")
     rows = q4.shape[1] * q4.shape[2]
-    mode = loop(rows, int8)
+    mode = loop(rows)
     native = _native.ops() is not None and q4.device.type == k.device.type == v.device.type == "cpu" and (
         _native.can_run(q4, k, v, cache=True) or (int8 and q4.dtype == torch.float32 and v.dtype == torch.int8
                                                   and 0 not in (q4.shape[-1], v.shape[-1])))

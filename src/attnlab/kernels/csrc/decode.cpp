@@ -19,9 +19,9 @@
 // two BLAS GEMMs (for many rows: chunked prefill, speculative decoding); the streaming loop (for
 // the few rows of a decode step) reads each K and V row once, in its stored dtype, straight into
 // the n rows' dot products and AXPYs: no scratch copy of the block, no GEMM that packs it again.
-// int8 caches (a float32 scale per token and head, as ONNX Runtime's and vLLM's) are read by the
-// streaming loop only: the dot product is taken on the int8 row and scaled once, P is scaled by
-// the value row's scale before its AXPY.
+// int8 caches (a float32 scale per token and head, as ONNX Runtime's and vLLM's): the streaming
+// loop takes the dot product on the int8 row and scales it once, and scales P by the value row's
+// scale before its AXPY; the GEMM loop dequantises the block into its scratch (many rows share it).
 //
 // Work is split into tasks of about `chunk` keys of one head, over the keys each head really
 // has (seqlens, the causal stop), so unequal caches give equal tasks.
@@ -75,19 +75,54 @@ struct RowSource {
   }
 
   // n rows of width w starting at row j of head nb, as float32: in place when stored as float32
-  // (ld = the row stride), else widened into buf (ld = w)
-  const float* rows(int64_t nb, int64_t j, int n, int64_t w, float* buf, int64_t* ld) const {
+  // and the rows share one stride (ld = the row stride), else copied into buf (ld = w): widened,
+  // and gathered page by page when they cross pages (the GEMM loop's blocks do: a block of 16
+  // keys per page made its GEMMs too small; paged fp32 at Lq = 64 took 1.41x the contiguous time)
+  // An int8 cache's rows come out dequantised: scale[a] * row (scale: the rows' scales, read
+  // page by page by the caller's `scales(j, m, out)`).
+  template <class Scales>
+  const float* rows(int64_t nb, int64_t j, int n, int64_t w, float* buf, int64_t* ld, const Scales& scales,
+                    float* scale_buf) const {
     int64_t run;
     const int64_t off = locate(nb, j, &run);
-    if (dtype == at::kFloat) {
+    if (dtype == at::kFloat && n <= run) {
       *ld = n > 1 ? s_row : w;
       return reinterpret_cast<const float*>(base) + off;
     }
     *ld = w;
+    for (int done = 0; done < n;) {
+      const int64_t at_off = locate(nb, j + done, &run);
+      const int m = static_cast<int>(std::min<int64_t>(run, n - done));
+      if (dtype == at::kChar) scales(j + done, m, scale_buf);
+      widen_rows(at_off, m, w, buf + static_cast<int64_t>(done) * w, scale_buf);
+      done += m;
+    }
+    return buf;
+  }
+
+  // m rows of width w from element offset off (one stride), as float32 into out (m, w); int8
+  // rows times their scales row_scale[0 .. m)
+  void widen_rows(int64_t off, int m, int64_t w, float* out_rows, const float* row_scale) const {
+    if (dtype == at::kChar) {
+      const int8_t* src = reinterpret_cast<const int8_t*>(base) + off;
+      for (int a = 0; a < m; ++a) {
+        const int8_t* in = src + a * s_row;
+        float* out = out_rows + a * w;
+        const float f = row_scale[a];
+#pragma omp simd
+        for (int64_t c = 0; c < w; ++c) out[c] = f * static_cast<float>(in[c]);
+      }
+      return;
+    }
+    if (dtype == at::kFloat) {
+      const float* src = reinterpret_cast<const float*>(base) + off;
+      for (int a = 0; a < m; ++a) std::memcpy(out_rows + a * w, src + a * s_row, static_cast<size_t>(w) * 4);
+      return;
+    }
     const uint16_t* src = reinterpret_cast<const uint16_t*>(base) + off;
-    for (int a = 0; a < n; ++a) {
+    for (int a = 0; a < m; ++a) {
       const uint16_t* in = src + a * s_row;
-      float* out = buf + a * w;
+      float* out = out_rows + a * w;
       if (dtype == at::kBFloat16) {  // bf16 is the top half of a float32: a shift widens it exactly
 #pragma omp simd
         for (int64_t c = 0; c < w; ++c) {
@@ -105,7 +140,6 @@ struct RowSource {
         for (; c < w; ++c) out[c] = static_cast<float>(c10::Half(in[c], c10::Half::from_bits()));
       }
     }
-    return buf;
   }
 };
 
@@ -411,7 +445,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   const bool int8 = ks.dtype == at::kChar;
   TORCH_CHECK(int8 == (k_scale.has_value() && k_scale->defined()) && int8 == (v_scale.has_value() && v_scale->defined()),
               "attnlab native decode: an int8 cache needs k_scale and v_scale, and only an int8 cache takes them");
-  TORCH_CHECK(!int8 || mode == 1, "attnlab native decode: an int8 cache is read by the streaming loop (mode 1)");
   ScaleSource kss, vss;
   if (int8) {
     kss = make_scales(*k_scale, paged, "k_scale");
@@ -497,7 +530,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
       for (int64_t j0 = task.j_begin; j0 < task.j_end;) {
         int64_t run;
         ks.locate(task.nb, j0, &run);
-        const int nk = static_cast<int>(std::min<int64_t>({static_cast<int64_t>(bk), task.j_end - j0, run}));
+        // the streaming loop's block stays inside a page (one stride per row pointer); the GEMM
+        // loop's crosses pages (rows gathered into its scratch block)
+        const int64_t page_run = mode == 1 ? run : std::numeric_limits<int64_t>::max();
+        const int nk = static_cast<int>(std::min<int64_t>({static_cast<int64_t>(bk), task.j_end - j0, page_run}));
         auto visible = [&](int64_t a, float*) {  // row a = h * L + i: query position i
           const int64_t seen = causal ? shift + a % L + 1 - j0 : nk;
           return static_cast<int>(std::clamp<int64_t>(seen, 0, nk));
@@ -537,13 +573,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
             }
           } else {  // GEMM: the block widened into scratch, two BLAS GEMMs (many rows)
             int64_t k_ld, v_ld;
-            const float* k_rows = ks.rows(nb, j0, nk, E, kbuf, &k_ld);
+            auto k_scales = [&](int64_t j, int m, float* out) { kss.read(ks, nb, j, m, out); };
+            auto v_scales = [&](int64_t j, int m, float* out) { vss.read(vs, nb, j, m, out); };
+            const float* k_rows = ks.rows(nb, j0, nk, E, kbuf, &k_ld, k_scales, kscale);
             // S_ij = scale2 * Q K_j^T   (n, nk): the group's heads and rows against one key block
             sgemm(sgemm_route, false, true, static_cast<int>(n), nk, static_cast<int>(E), scale2, qn, static_cast<int>(E),
                     k_rows, static_cast<int>(k_ld), 0.0f, s, nk);
             if (!all_finite(s, n * nk)) saw_nonfinite.store(true, std::memory_order_relaxed);
             online_update(s, n, nk, visible, m_i, l_i, acc, Ev);
-            const float* v_rows = vs.rows(nb, j0, nk, Ev, vbuf, &v_ld);
+            const float* v_rows = vs.rows(nb, j0, nk, Ev, vbuf, &v_ld, v_scales, vscale);
             // acc += P~ V_j   (n, Ev)
             sgemm(sgemm_route, false, false, static_cast<int>(n), static_cast<int>(Ev), nk, 1.0f, s, nk, v_rows,
                     static_cast<int>(v_ld), 1.0f, acc, static_cast<int>(Ev));
