@@ -202,14 +202,16 @@ CODES_IN_CORPUS = sorted({m.code for mod in MODULES.values() for m in mod.MUTANT
 @pytest.mark.slow
 @pytest.mark.parametrize("code", CODES_IN_CORPUS)
 def test_each_code_fails_with_its_detection_removed(code, tmp_path):
-    """With the code's detections removed, none of its mutants is named by it: the corpus test
-    above would fail for each of them (and it passes only because those detections exist)."""
+    """With the code's detections removed, no mutant is named by it: the corpus test above would
+    fail (and it passes only because those detections exist). One mutant per exercise that names
+    the code stands for that exercise's check (the literal is removed from every detecting module
+    at once, so a second mutant of the same exercise shows nothing new): 104 gradings, not 272."""
     for name in DETECTING_MODULES:
         __import__(name)
     still = []
     with _Ablated(code):
         for lab, mod in MODULES.items():
-            mine = [m for m in mod.MUTANTS if m.code == code]
+            mine = list({m.exercise: m for m in reversed(mod.MUTANTS) if m.code == code}.values())
             if not mine:
                 continue
             reports = grade_files(write_mutants(mod, mine, tmp_path / lab[:2]), lab)
