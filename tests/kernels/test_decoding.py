@@ -485,3 +485,26 @@ def test_a_smoothed_int8_kvcache_decodes_through_the_module_with_its_factors(mon
     assert int8.k_channel_scale is not None and int8.k_channel_scale.shape == (2, 2, 8)
     assert worst < 0.01
     assert all(c["k_channel_scale"] is int8.k_channel_scale for c in calls)
+
+
+def test_a_smoothed_int8_kvcache_takes_its_factors_on_the_dense_path_too():
+    """A step the decode path cannot take (attention weights asked for) reads the int8 cache
+    dequantised, factors included: the same output as the decode step, and as close to the
+    float32 cache as int8 allows (without the factors the keys' outlier channels would be 20x off)."""
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(64, 8, num_kv_heads=2, batch_first=True).eval()
+    with torch.no_grad():
+        mha.k_proj.weight[:2] *= 20
+    x, y = randn(2, 40, 64), randn(2, 1, 64, seed=10)
+    with torch.no_grad():
+        full, int8 = KVCache(2, 2, 8), KVCache(2, 2, 8, dtype=torch.int8)
+        mha(x, x, x, is_causal=True, kv_cache=full)
+        mha(x, x, x, is_causal=True, kv_cache=int8)
+        assert int8.k_channel_scale is not None
+        want, _ = mha(y, y, y, is_causal=True, kv_cache=full)
+        dense_out, weights = mha(y, y, y, is_causal=True, kv_cache=int8, need_weights=True)
+        int8.length -= 1  # the same step again, on the decode path this time
+        decode_out, _ = mha(y, y, y, is_causal=True, kv_cache=int8)
+    assert weights is not None and weights.shape[-1] == 41
+    assert_close(dense_out, decode_out, dtype=torch.float32)
+    assert (dense_out - want).abs().max().item() < 0.01 * want.abs().max().item()
