@@ -31,7 +31,7 @@ ISA_ROUTES = {"avx2": {"avx2", "fma"}, "avx512-emulated": {"avx2", "fma"}, "avx5
 def built_routes() -> list[str]:
     ops = _native.ops()
     assert ops is not None, _native.status()
-    return [name for name, code in _native._SGEMM_CODES.items() if ops.sgemm_route_built(code)]
+    return [name for name, code in _native.SGEMM_CODES.items() if ops.sgemm_route_built(code)]
 
 
 ROUTES_HERE = built_routes() if _native.ops() is not None else ["blas"]
@@ -57,7 +57,7 @@ def ints(*shape, seed):
 
 
 def gemm(route: str, a, b, c, ta, tb, alpha, beta):
-    _native.ops().tile_gemm_(a, b, c, ta, tb, alpha, beta, _native._SGEMM_CODES[route])
+    _native.ops().tile_gemm_(a, b, c, ta, tb, alpha, beta, _native.SGEMM_CODES[route])
     return c
 
 
@@ -128,7 +128,7 @@ def test_beta_zero_never_reads_c_and_special_values_propagate(route):
 
 
 def test_a_route_the_build_lacks_is_refused_by_the_op():
-    missing = [code for name, code in _native._SGEMM_CODES.items() if name not in ROUTES_HERE] + [7]
+    missing = [code for name, code in _native.SGEMM_CODES.items() if name not in ROUTES_HERE] + [7]
     with pytest.raises(RuntimeError, match="this build has no route"):
         gemm_code(missing[0])
 
@@ -172,7 +172,7 @@ def test_attention_on_each_route_is_within_the_shared_rule(route, monkeypatch, c
     seen = spy_routes(monkeypatch, "flash_forward")
     assert_close_to_sdpa(tiled.flash_attention, q, k, v, attn_mask=mask, is_causal=c.get("causal", False),
                          enable_gqa=c.get("gqa", False))
-    assert seen and set(seen) == {_native._SGEMM_CODES[route]}, seen
+    assert seen and set(seen) == {_native.SGEMM_CODES[route]}, seen
 
 
 def test_the_backward_and_flex_and_decode_take_the_route(route, monkeypatch):
@@ -180,7 +180,7 @@ def test_the_backward_and_flex_and_decode_take_the_route(route, monkeypatch):
     and stay within the shared rule on it."""
     from attnlab import decoding, flex
 
-    code = _native._SGEMM_CODES[route]
+    code = _native.SGEMM_CODES[route]
     seen = spy_routes(monkeypatch, "flash_backward_")
     q, k, v = randn(1, 2, 130, 48, seed=5), randn(1, 2, 190, 48, seed=6), randn(1, 2, 190, 40, seed=7)
     assert_close_to_sdpa(tiled.flash_attention, q, k, v, is_causal=True)

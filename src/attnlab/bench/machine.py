@@ -30,8 +30,7 @@ def _fma_library() -> Optional[ctypes.CDLL]:
     if compiler is None:
         return None
     key = hashlib.sha256(_FMA_SOURCE.read_bytes() + " ".join(sorted(_native.cpu_features())).encode()).hexdigest()
-    root = Path(os.environ.get("ATTNLAB_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or
-                                                            Path.home() / ".cache") / "attnlab")
+    root = _native.cache_root()
     library = root / f"bench-fma-{key[:16]}" / "fma_peak.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)

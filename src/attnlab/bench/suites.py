@@ -294,7 +294,7 @@ def gemm_benchmark(*, E: int = 64, L: int = 4096, H: int = 8, repeats: int = 5,
     ops = _native.ops()
     if ops is None:
         raise RuntimeError(f"the native kernels are not in use: {_native.status()}")
-    routes = [name for name, code in _native._SGEMM_CODES.items() if ops.sgemm_route_built(code)]
+    routes = _native.sgemm_routes_built()
     routes = [r for r in routes if r != "avx512-emulated"]  # a test route: correct, slow by design
     threads = torch.get_num_threads()
     products = _gemm_products(E)
@@ -317,10 +317,10 @@ def gemm_benchmark(*, E: int = 64, L: int = 4096, H: int = 8, repeats: int = 5,
 
             times: dict[str, list[float]] = {r: [] for r in routes}
             for r in routes:
-                run(_native._SGEMM_CODES[r])  # warm-up
+                run(_native.SGEMM_CODES[r])  # warm-up
             for _ in range(repeats):
                 for r in routes:
-                    times[r].append(run(_native._SGEMM_CODES[r]))
+                    times[r].append(run(_native.SGEMM_CODES[r]))
             for r in routes:
                 sec = statistics.median(times[r]) / calls
                 tiles.append({"product": name, "mnk": (m, n, k), "route": r, "us": sec * 1e6,

@@ -39,7 +39,7 @@ from attnlab._validation import compute_dtype
 from attnlab.kernels.numerics import finite_inputs
 
 __all__ = ["can_run", "NativeStatus", "Bf16Route", "SgemmRoute", "status", "ops", "bf16_route", "sgemm_route",
-           "operand_dtype", "BF16_CHOICES", "SGEMM_CHOICES"]
+           "operand_dtype", "BF16_CHOICES", "SGEMM_CHOICES", "SGEMM_CODES", "sgemm_routes_built", "cache_root"]
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "flash.cpp", _CSRC / "block_sparse.cpp", _CSRC / "decode.cpp")
@@ -88,14 +88,14 @@ class SgemmRoute:
 
     @property
     def code(self) -> int:
-        return _SGEMM_CODES[self.name]
+        return SGEMM_CODES[self.name]
 
     def __str__(self) -> str:
         return f"float32 GEMM: {self.name} ({self.reason})"
 
 
 SGEMM_CHOICES = ("auto", "avx512", "avx2", "avx512-emulated", "blas")
-_SGEMM_CODES = {"blas": 0, "avx2": 1, "avx512": 2, "avx512-emulated": 3}
+SGEMM_CODES = {"blas": 0, "avx2": 1, "avx512": 2, "avx512-emulated": 3}
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,13 @@ def cpu_features() -> frozenset[str]:
     return frozenset()
 
 
+def cache_root() -> Path:
+    """attnlab's cache folder: ``$ATTNLAB_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnlab``, else
+    ``~/.cache/attnlab`` (the native build, and the bench's FMA-peak loop, live below it)."""
+    return Path(os.environ.get("ATTNLAB_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "attnlab"))
+
+
 def _cache_dir() -> Path:
     """The build folder: keyed by the source, the flags, torch, Python, and the CPU.
 
@@ -136,8 +143,7 @@ def _cache_dir() -> Path:
     flag: a cache shared between machines (an NFS home on a cluster) gets one build per
     kind of CPU, never one built for instructions another CPU lacks (SIGILL).
     """
-    root = os.environ.get("ATTNLAB_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "attnlab")
+    root = cache_root()
     key = hashlib.sha256()
     for source in (*_SOURCES, *_HEADERS):
         key.update(source.read_bytes())
@@ -297,14 +303,16 @@ def bf16_route() -> Bf16Route:
     return Bf16Route("fp32", "this CPU has no avx512_bf16, so float32 GEMMs are the faster route")
 
 
-_built_routes: dict[str, bool] = {}
+_built_routes: list[str] = []
 
 
-def _routes_built(native: Any) -> dict[str, bool]:
-    """The float32 GEMM routes the loaded build has (asked once: each call of the kernels reads them)."""
-    if not _built_routes:
-        _built_routes.update({name: bool(native.sgemm_route_built(code)) for name, code in _SGEMM_CODES.items()})
-    return _built_routes
+def sgemm_routes_built() -> list[str]:
+    """The float32 GEMM routes the loaded build has, by name (:data:`SGEMM_CODES` order; asked of
+    the library once: each call of the kernels reads them). Empty without the native kernels."""
+    native = ops()
+    if native is not None and not _built_routes:
+        _built_routes.extend(name for name, code in SGEMM_CODES.items() if native.sgemm_route_built(code))
+    return list(_built_routes)
 
 
 def sgemm_route() -> SgemmRoute:
@@ -324,19 +332,19 @@ def sgemm_route() -> SgemmRoute:
     native = ops()
     if native is None:
         return SgemmRoute("blas", "the native kernels are not in use")
-    built = _routes_built(native)
+    built = set(sgemm_routes_built())
     if choice == "blas":
         return SgemmRoute("blas", "forced by ATTNLAB_SGEMM=blas")
     if choice != "auto":
-        if built[choice]:
+        if choice in built:
             return SgemmRoute(choice, f"forced by ATTNLAB_SGEMM={choice}")
-        if choice == "avx512" and built["avx512-emulated"]:
+        if choice == "avx512" and "avx512-emulated" in built:
             return SgemmRoute("avx512-emulated", "forced by ATTNLAB_SGEMM=avx512, but this build has no AVX-512: "
                                                  "its tile walk runs on pairs of ymm")
         return SgemmRoute("blas", f"forced by ATTNLAB_SGEMM={choice}, but this build has no AVX2 + FMA")
-    if built["avx512"]:
+    if "avx512" in built:
         return SgemmRoute("avx512", "this CPU has avx512f")
-    if built["avx2"]:
+    if "avx2" in built:
         return SgemmRoute("avx2", "this CPU has avx2 and fma")
     return SgemmRoute("blas", "this CPU has no AVX2 + FMA")
 
