@@ -252,6 +252,19 @@ def test_both_loops_up_to_64_rows_bottom_right(loop, L, monkeypatch):
     assert_close(out, torch_math(q, k, v, attn_mask=bottom_right(L, 700), enable_gqa=True), dtype=torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 8, 10, 14, 16])
+@pytest.mark.parametrize("E,Ev", [(64, 40), (20, 13)], ids=["tiled", "tails"])
+def test_the_streaming_loop_takes_every_row_and_column_count(rows, E, Ev, dtype, monkeypatch):
+    """The streaming loop's register tiles (six- and four-row value tiles of 16 or 8 columns, two
+    rows by four keys for the scores) and what they leave (single rows, odd columns, a block's last
+    keys): ``rows`` query heads on one key/value head, 70 keys (a 64-key block and 6 more)."""
+    monkeypatch.setenv("ATTNLAB_DECODE", "stream")
+    q = randn(1, rows, 1, E).to(dtype)
+    k, v = randn(1, 1, 70, E, seed=1).to(dtype), randn(1, 1, 70, Ev, seed=2).to(dtype)
+    assert_close_to_sdpa(decode_as_sdpa("top_left"), q, k, v, enable_gqa=True, check_grads=False)
+
+
 def test_unequal_cache_lengths_split_into_equal_tasks(monkeypatch):
     """The kernel splits every head's own keys: one long cache among short ones is cut into
     several tasks (checked through the result, exact, at chunk edges of every kind)."""

@@ -54,9 +54,10 @@ BLOCK_K = 256  # keys per GEMM inside a chunk: flash.cpp's default tile (BENCHMA
 MIN_CHUNK = 256
 TASKS_PER_THREAD = 4  # enough tasks that the threads finish together when chunks differ (causal, seqlens)
 # The streaming loop serves up to this many rows (r * L) per key/value head; above it the block's
-# GEMMs win (their packing is shared by many rows). Measured with attnlab bench --decode on the
-# 2-core AVX2 EPYC (2026-12-02, BENCHMARKS.md "Decoding at the memory's speed").
-STREAM_MAX_ROWS = 16
+# GEMMs win (their packing is shared by many rows). q (1, 32, Lq, 128) against S = 32768, 2 threads,
+# the 2-core AVX2 EPYC (2026-12-03, after the streaming loop's register tiles): at 32 rows (Lq = 8)
+# stream / gemm = 38-40 / 41-44 ms in fp32 and bf16, 37 / 40 ms int8; at 48 rows 54-56 / 51-52 ms.
+STREAM_MAX_ROWS = 32
 STREAM_BLOCK_K = 64  # keys per online-softmax step in the streaming loop: its scores stay in L1
 LOOPS = ("auto", "stream", "gemm")
 

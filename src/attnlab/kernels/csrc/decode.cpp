@@ -254,6 +254,11 @@ template <>
 inline float widen<int8_t>(int8_t x) { return static_cast<float>(x); }
 
 #if defined(__AVX2__) && defined(__FMA__)
+// Keep x in a register: without this GCC folds a float32 load into each FMA that uses it, so a
+// key's 8 elements were loaded four times (once per query row) and the loop was bound by the load
+// ports (two 256-bit loads a cycle on Zen 3), not the FMAs.
+inline void in_register(__m256& x) { asm("" : "+x"(x)); }
+
 // the four sums of s0..s3, as one vector (a hadd tree: cheaper than four horizontal sums)
 inline __m128 sum8x4(__m256 s0, __m256 s1, __m256 s2, __m256 s3) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
@@ -275,13 +280,16 @@ inline void dots2(const float* __restrict__ q, int64_t n, int64_t E, const T* __
     __m256 x0 = _mm256_setzero_ps(), x1 = x0, x2 = x0, x3 = x0;  // key 0, rows a .. a + 3
     __m256 y0 = x0, y1 = x0, y2 = x0, y3 = x0;                    // key 1
     for (int64_t c = 0; c < full; c += 8) {
-      const __m256 a0 = _mm256_loadu_ps(q0 + c), a1 = _mm256_loadu_ps(q1 + c);
-      const __m256 a2 = _mm256_loadu_ps(q2 + c), a3 = _mm256_loadu_ps(q3 + c);
-      const __m256 kc = load8<T>(k0 + c);
+      __m256 a0 = _mm256_loadu_ps(q0 + c), a1 = _mm256_loadu_ps(q1 + c);
+      __m256 a2 = _mm256_loadu_ps(q2 + c), a3 = _mm256_loadu_ps(q3 + c);
+      in_register(a0), in_register(a1), in_register(a2), in_register(a3);
+      __m256 kc = load8<T>(k0 + c);
+      in_register(kc);
       x0 = _mm256_fmadd_ps(a0, kc, x0), x1 = _mm256_fmadd_ps(a1, kc, x1);
       x2 = _mm256_fmadd_ps(a2, kc, x2), x3 = _mm256_fmadd_ps(a3, kc, x3);
       if (k1) {
-        const __m256 kd = load8<T>(k1 + c);
+        __m256 kd = load8<T>(k1 + c);
+        in_register(kd);
         y0 = _mm256_fmadd_ps(a0, kd, y0), y1 = _mm256_fmadd_ps(a1, kd, y1);
         y2 = _mm256_fmadd_ps(a2, kd, y2), y3 = _mm256_fmadd_ps(a3, kd, y3);
       }
@@ -312,6 +320,44 @@ inline void dots2(const float* __restrict__ q, int64_t n, int64_t E, const T* __
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// s[a * nk + j0 .. j0 + 3] = f[0 .. 3] * (q[a] . k_j) for the n query rows (E apart) and four key
+// rows (k, k_ld apart): two rows by four keys, eight FMA chains; each 8 elements of a key are loaded
+// (and widened) once per two rows, and a row's four sums leave as one 4-wide store. The four rows
+// by two keys this replaced left each score as a scalar (eight extracts and stores per tile), and
+// its reductions took a quarter of the loop's time (perf, 2026-12-03, 2-core AVX2 EPYC, q (8, 4, 4,
+// 128) fp32 against S = 2048, one thread). Needs E % 8 == 0 and n even; dots2 takes the rest.
+template <class T>
+inline void dots4(const float* __restrict__ q, int64_t n, int64_t E, const T* __restrict__ k, int64_t k_ld,
+                  const float* f, float* __restrict__ s, int nk, int j0) {
+  const T *k0 = k, *k1 = k0 + k_ld, *k2 = k1 + k_ld, *k3 = k2 + k_ld;
+  const __m128 fv = _mm_loadu_ps(f);
+  for (int64_t a = 0; a < n; a += 2) {
+    const float *q0 = q + a * E, *q1 = q0 + E;
+    __m256 x0 = _mm256_setzero_ps(), x1 = x0, x2 = x0, x3 = x0;  // row a, keys 0 .. 3
+    __m256 y0 = x0, y1 = x0, y2 = x0, y3 = x0;                    // row a + 1
+    for (int64_t c = 0; c < E; c += 8) {
+      __m256 a0 = _mm256_loadu_ps(q0 + c), a1 = _mm256_loadu_ps(q1 + c);
+      in_register(a0), in_register(a1);
+      __m256 kc = load8<T>(k0 + c);
+      in_register(kc);
+      x0 = _mm256_fmadd_ps(a0, kc, x0), y0 = _mm256_fmadd_ps(a1, kc, y0);
+      kc = load8<T>(k1 + c);
+      in_register(kc);
+      x1 = _mm256_fmadd_ps(a0, kc, x1), y1 = _mm256_fmadd_ps(a1, kc, y1);
+      kc = load8<T>(k2 + c);
+      in_register(kc);
+      x2 = _mm256_fmadd_ps(a0, kc, x2), y2 = _mm256_fmadd_ps(a1, kc, y2);
+      kc = load8<T>(k3 + c);
+      in_register(kc);
+      x3 = _mm256_fmadd_ps(a0, kc, x3), y3 = _mm256_fmadd_ps(a1, kc, y3);
+    }
+    _mm_storeu_ps(s + a * nk + j0, _mm_mul_ps(sum8x4(x0, x1, x2, x3), fv));
+    _mm_storeu_ps(s + (a + 1) * nk + j0, _mm_mul_ps(sum8x4(y0, y1, y2, y3), fv));
+  }
+}
+#endif
+
 // The scores of one key block of nk rows (one stride: inside a page): s (n, nk) = scale2 * Q K^T
 // by dot products, each K row read once as stored (k_scale: the int8 rows' scales, else nullptr;
 // col: scratch of n floats)
@@ -334,7 +380,18 @@ template <class T>
 inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int64_t k_ld, const float* k_scale,
                           int nk, float scale2, float* s, float* col) {
   for (int j = 0; j < std::min(nk, PREFETCH_ROWS); ++j) prefetch_row(k + j * k_ld, E);
-  for (int j = 0; j < nk; j += 2) {
+  int j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (E % 8 == 0 && n % 2 == 0)
+    for (; j + 4 <= nk; j += 4) {
+      for (int i = PREFETCH_ROWS; i < PREFETCH_ROWS + 4; ++i)
+        if (j + i < nk) prefetch_row(k + (j + i) * k_ld, E);
+      float f[4];
+      for (int i = 0; i < 4; ++i) f[i] = k_scale ? scale2 * k_scale[j + i] : scale2;
+      dots4<T>(q, n, E, k + j * k_ld, k_ld, f, s, nk, j);
+    }
+#endif
+  for (; j < nk; j += 2) {
     if (j + PREFETCH_ROWS < nk) prefetch_row(k + (j + PREFETCH_ROWS) * k_ld, E);
     if (j + 1 + PREFETCH_ROWS < nk) prefetch_row(k + (j + 1 + PREFETCH_ROWS) * k_ld, E);
     const bool two = j + 1 < nk;
@@ -345,61 +402,146 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
   (void)col;
 }
 
-// acc += P~ V for the block, P~ in s (n, nk), each V row read once from memory as stored
-// (v_scale: int8's). Register-blocked: four rows' accumulators for 32 columns stay in sixteen
-// registers while the block's nk value rows stream past (each converted once), so acc is loaded
-// and stored once per block, not once per key (the AXPY form's store port bound it).
+// acc += P~ V for the block, P~ in s (n, nk) (an int8 cache's value scales already folded in: see
+// run_block), each V row read once from memory as stored. Register-blocked: four rows'
+// accumulators for 16 columns stay in eight registers while the block's nk value rows stream past
+// (each converted once), so acc is loaded and stored once per block, not once per key (the AXPY
+// form's store port bound it). Eight, not sixteen: with the two value vectors and the four rows'
+// weights that is 14 of AVX2's 16 ymm registers. Sixteen accumulators (32 columns) spilled to
+// the stack, and every key's FMAs then waited on stores and reloads; so did an array of
+// accumulators GCC would not keep in registers (2026-12-03, 2-core AVX2 EPYC, q (8, 4, 4, 128)
+// against S = 2048 on one thread: perf put most of the kernel's samples on those stores).
+#if defined(__AVX2__) && defined(__FMA__)
+// acc rows a .. a + 3, columns [c, c + 8 * U) (U = 1 or 2) += P~ rows a .. a + 3 (p0, nk apart)
+// times V's columns
+template <class T, int U>
+inline void value_tile(const float* __restrict__ p0, int nk, const T* __restrict__ v, int64_t v_ld, int64_t c,
+                       float* __restrict__ acc, int64_t Ev) {
+  static_assert(U == 1 || U == 2, "value_tile: one or two vectors of columns");
+  const float *p1 = p0 + nk, *p2 = p1 + nk, *p3 = p2 + nk;
+  float *d0 = acc + c, *d1 = d0 + Ev, *d2 = d1 + Ev, *d3 = d2 + Ev;
+  __m256 r00 = _mm256_loadu_ps(d0), r10 = _mm256_loadu_ps(d1), r20 = _mm256_loadu_ps(d2), r30 = _mm256_loadu_ps(d3);
+  __m256 r01 = r00, r11 = r00, r21 = r00, r31 = r00;
+  if constexpr (U == 2) {
+    r01 = _mm256_loadu_ps(d0 + 8), r11 = _mm256_loadu_ps(d1 + 8);
+    r21 = _mm256_loadu_ps(d2 + 8), r31 = _mm256_loadu_ps(d3 + 8);
+  }
+  for (int j = 0; j < nk; ++j) {
+    const T* row = v + j * v_ld + c;
+    __m256 x0 = load8<T>(row);
+    in_register(x0);
+    const __m256 w0 = _mm256_broadcast_ss(p0 + j), w1 = _mm256_broadcast_ss(p1 + j);
+    const __m256 w2 = _mm256_broadcast_ss(p2 + j), w3 = _mm256_broadcast_ss(p3 + j);
+    r00 = _mm256_fmadd_ps(w0, x0, r00), r10 = _mm256_fmadd_ps(w1, x0, r10);
+    r20 = _mm256_fmadd_ps(w2, x0, r20), r30 = _mm256_fmadd_ps(w3, x0, r30);
+    if constexpr (U == 2) {
+      __m256 x1 = load8<T>(row + 8);
+      in_register(x1);
+      r01 = _mm256_fmadd_ps(w0, x1, r01), r11 = _mm256_fmadd_ps(w1, x1, r11);
+      r21 = _mm256_fmadd_ps(w2, x1, r21), r31 = _mm256_fmadd_ps(w3, x1, r31);
+    }
+  }
+  _mm256_storeu_ps(d0, r00), _mm256_storeu_ps(d1, r10), _mm256_storeu_ps(d2, r20), _mm256_storeu_ps(d3, r30);
+  if constexpr (U == 2) {
+    _mm256_storeu_ps(d0 + 8, r01), _mm256_storeu_ps(d1 + 8, r11);
+    _mm256_storeu_ps(d2 + 8, r21), _mm256_storeu_ps(d3 + 8, r31);
+  }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// value_tile's six-row form: twelve accumulators (U = 2), the two value vectors and one weight at
+// a time (15 registers), so each value vector feeds six FMAs, not four. At 16 rows a head (q
+// (1, 32, 4, 128) fp32 against S = 32768, 2 threads, 2-core AVX2 EPYC, 2026-12-03) six-row tiles
+// took the step from 24.7 to 21.0 ms.
+template <class T, int U>
+inline void value_tile6(const float* __restrict__ p0, int nk, const T* __restrict__ v, int64_t v_ld, int64_t c,
+                        float* __restrict__ acc, int64_t Ev) {
+  static_assert(U == 1 || U == 2, "value_tile6: one or two vectors of columns");
+  float* d = acc + c;
+  __m256 r00 = _mm256_loadu_ps(d), r10 = _mm256_loadu_ps(d + Ev), r20 = _mm256_loadu_ps(d + 2 * Ev);
+  __m256 r30 = _mm256_loadu_ps(d + 3 * Ev), r40 = _mm256_loadu_ps(d + 4 * Ev), r50 = _mm256_loadu_ps(d + 5 * Ev);
+  __m256 r01 = r00, r11 = r00, r21 = r00, r31 = r00, r41 = r00, r51 = r00;
+  if constexpr (U == 2) {
+    r01 = _mm256_loadu_ps(d + 8), r11 = _mm256_loadu_ps(d + Ev + 8), r21 = _mm256_loadu_ps(d + 2 * Ev + 8);
+    r31 = _mm256_loadu_ps(d + 3 * Ev + 8), r41 = _mm256_loadu_ps(d + 4 * Ev + 8), r51 = _mm256_loadu_ps(d + 5 * Ev + 8);
+  }
+  for (int j = 0; j < nk; ++j) {
+    const T* row = v + j * v_ld + c;
+    __m256 x0 = load8<T>(row), x1 = x0;
+    in_register(x0);
+    if constexpr (U == 2) x1 = load8<T>(row + 8), in_register(x1);
+    __m256 w = _mm256_broadcast_ss(p0 + j);
+    r00 = _mm256_fmadd_ps(w, x0, r00);
+    if constexpr (U == 2) r01 = _mm256_fmadd_ps(w, x1, r01);
+    w = _mm256_broadcast_ss(p0 + nk + j);
+    r10 = _mm256_fmadd_ps(w, x0, r10);
+    if constexpr (U == 2) r11 = _mm256_fmadd_ps(w, x1, r11);
+    w = _mm256_broadcast_ss(p0 + 2 * nk + j);
+    r20 = _mm256_fmadd_ps(w, x0, r20);
+    if constexpr (U == 2) r21 = _mm256_fmadd_ps(w, x1, r21);
+    w = _mm256_broadcast_ss(p0 + 3 * nk + j);
+    r30 = _mm256_fmadd_ps(w, x0, r30);
+    if constexpr (U == 2) r31 = _mm256_fmadd_ps(w, x1, r31);
+    w = _mm256_broadcast_ss(p0 + 4 * nk + j);
+    r40 = _mm256_fmadd_ps(w, x0, r40);
+    if constexpr (U == 2) r41 = _mm256_fmadd_ps(w, x1, r41);
+    w = _mm256_broadcast_ss(p0 + 5 * nk + j);
+    r50 = _mm256_fmadd_ps(w, x0, r50);
+    if constexpr (U == 2) r51 = _mm256_fmadd_ps(w, x1, r51);
+  }
+  _mm256_storeu_ps(d, r00), _mm256_storeu_ps(d + Ev, r10), _mm256_storeu_ps(d + 2 * Ev, r20);
+  _mm256_storeu_ps(d + 3 * Ev, r30), _mm256_storeu_ps(d + 4 * Ev, r40), _mm256_storeu_ps(d + 5 * Ev, r50);
+  if constexpr (U == 2) {
+    _mm256_storeu_ps(d + 8, r01), _mm256_storeu_ps(d + Ev + 8, r11), _mm256_storeu_ps(d + 2 * Ev + 8, r21);
+    _mm256_storeu_ps(d + 3 * Ev + 8, r31), _mm256_storeu_ps(d + 4 * Ev + 8, r41), _mm256_storeu_ps(d + 5 * Ev + 8, r51);
+  }
+}
+#endif
+
 template <class T>
 inline void stream_values(const float* __restrict__ s, int64_t n, int64_t Ev, const T* __restrict__ v, int64_t v_ld,
-                          const float* __restrict__ v_scale, int nk, float* __restrict__ col, float* __restrict__ acc) {
-  for (int j = 0; j < nk; ++j) prefetch_row(v + j * v_ld, Ev);  // the block's V rows, while the first are used
-  int64_t a = 0;
+                          int nk, float* __restrict__ acc) {
+  int64_t done = 0;  // rows [0, done) are taken by the register tiles
 #if defined(__AVX2__) && defined(__FMA__)
-  const int64_t wide = Ev & ~int64_t(31);
-  for (; a + 4 <= n; a += 4) {
-    const float *p0 = s + a * nk, *p1 = p0 + nk, *p2 = p1 + nk, *p3 = p2 + nk;
-    for (int64_t c = 0; c < wide; c += 32) {
-      __m256 r[4][4];
-      for (int i = 0; i < 4; ++i)
-        for (int u = 0; u < 4; ++u) r[i][u] = _mm256_loadu_ps(acc + (a + i) * Ev + c + 8 * u);
-      for (int j = 0; j < nk; ++j) {
-        const float f = v_scale ? v_scale[j] : 1.0f;
-        const T* row = v + j * v_ld + c;
-        const __m256 v0 = load8<T>(row), v1 = load8<T>(row + 8), v2 = load8<T>(row + 16), v3 = load8<T>(row + 24);
-        const __m256 w[4] = {_mm256_set1_ps(f * p0[j]), _mm256_set1_ps(f * p1[j]), _mm256_set1_ps(f * p2[j]),
-                             _mm256_set1_ps(f * p3[j])};
-        for (int i = 0; i < 4; ++i) {
-          r[i][0] = _mm256_fmadd_ps(w[i], v0, r[i][0]);
-          r[i][1] = _mm256_fmadd_ps(w[i], v1, r[i][1]);
-          r[i][2] = _mm256_fmadd_ps(w[i], v2, r[i][2]);
-          r[i][3] = _mm256_fmadd_ps(w[i], v3, r[i][3]);
-        }
-      }
-      for (int i = 0; i < 4; ++i)
-        for (int u = 0; u < 4; ++u) _mm256_storeu_ps(acc + (a + i) * Ev + c + 8 * u, r[i][u]);
-    }
-    for (int64_t c = wide; c < Ev; ++c) {  // the last columns, one at a time
-      float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
-      for (int j = 0; j < nk; ++j) {
-        const float x = widen<T>(v[j * v_ld + c]) * (v_scale ? v_scale[j] : 1.0f);
-        t0 += p0[j] * x, t1 += p1[j] * x, t2 += p2[j] * x, t3 += p3[j] * x;
-      }
-      acc[a * Ev + c] += t0, acc[(a + 1) * Ev + c] += t1, acc[(a + 2) * Ev + c] += t2, acc[(a + 3) * Ev + c] += t3;
+  // six-row tiles, then four-row ones: as many six-row tiles as cover the most rows
+  int64_t sixes = 0;
+  done = n & ~int64_t(3);
+  for (int64_t t = 1; 6 * t <= n; ++t)
+    if (6 * t + ((n - 6 * t) & ~int64_t(3)) >= done) sixes = t, done = 6 * t + ((n - 6 * t) & ~int64_t(3));
+  const int64_t wide = Ev & ~int64_t(15), full = Ev & ~int64_t(7);
+  // columns outer, row tiles inner: a column block's value lines are read from L1 by every tile
+  int64_t c = 0;
+  for (; c < wide; c += 16) {
+    int64_t a = 0;
+    for (; a < 6 * sixes; a += 6) value_tile6<T, 2>(s + a * nk, nk, v, v_ld, c, acc + a * Ev, Ev);
+    for (; a < done; a += 4) value_tile<T, 2>(s + a * nk, nk, v, v_ld, c, acc + a * Ev, Ev);
+  }
+  for (; c < full; c += 8) {
+    int64_t a = 0;
+    for (; a < 6 * sixes; a += 6) value_tile6<T, 1>(s + a * nk, nk, v, v_ld, c, acc + a * Ev, Ev);
+    for (; a < done; a += 4) value_tile<T, 1>(s + a * nk, nk, v, v_ld, c, acc + a * Ev, Ev);
+  }
+  for (int64_t a = 0; a < done; ++a) {  // the last columns, one at a time
+    const float* pa = s + a * nk;
+    for (int64_t c = full; c < Ev; ++c) {
+      float t = 0.0f;
+      for (int j = 0; j < nk; ++j) t += pa[j] * widen<T>(v[j * v_ld + c]);
+      acc[a * Ev + c] += t;
     }
   }
 #endif
-  for (; a < n; ++a) {  // rows left over (and every row without AVX2): one row at a time
+  for (int64_t a = done; a < n; ++a) {  // rows left over (and every row without AVX2): one row at a time
     const float* pa = s + a * nk;
     float* dst = acc + a * Ev;
     for (int j = 0; j < nk; ++j) {
-      const float w = pa[j] * (v_scale ? v_scale[j] : 1.0f);
+      const float w = pa[j];
       if (w == 0.0f) continue;
       const T* row = v + j * v_ld;
 #pragma omp simd
       for (int64_t c = 0; c < Ev; ++c) dst[c] += w * widen<T>(row[c]);
     }
   }
-  (void)col;
 }
 
 // the keys row a of head nb sees end at limit(a); the head's last key (seqlens, the causal stop)
@@ -556,6 +698,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
             }
             auto run_block = [&](auto tag) {
               using T = decltype(tag);
+              // the block's V rows, fetched while its scores are computed
+              for (int j = 0; j < nk; ++j) prefetch_row(reinterpret_cast<const T*>(vs.base) + v_off + j * vs.s_row, Ev);
               stream_scores<T>(qn, n, E, reinterpret_cast<const T*>(ks.base) + k_off, ks.s_row, k_sc, nk, scale2, s,
                                col);
               // a NaN or inf score (from Q or K) would be swallowed by the row pass (its max and 2^x drop
@@ -563,7 +707,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
               // The check reads the scores in cache, never the K/V rows again.
               if (!all_finite(s, n * nk)) saw_nonfinite.store(true, std::memory_order_relaxed);
               online_update(s, n, nk, visible, m_i, l_i, acc, Ev);
-              stream_values<T>(s, n, Ev, reinterpret_cast<const T*>(vs.base) + v_off, vs.s_row, v_sc, nk, col, acc);
+              if (v_sc)  // P~ times the value rows' scales once per block (l_i has taken P~ already)
+                for (int64_t a = 0; a < n; ++a)
+                  for (int j = 0; j < nk; ++j) s[a * nk + j] *= v_sc[j];
+              stream_values<T>(s, n, Ev, reinterpret_cast<const T*>(vs.base) + v_off, vs.s_row, nk, acc);
             };
             switch (ks.dtype) {
               case at::kFloat: run_block(float{}); break;
