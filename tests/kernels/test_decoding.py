@@ -253,7 +253,7 @@ def test_both_loops_up_to_64_rows_bottom_right(loop, L, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows", [1, 2, 3, 6, 7, 8, 10, 14, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 7, 8, 10, 14, 16])
 @pytest.mark.parametrize("E,Ev", [(64, 40), (20, 13)], ids=["tiled", "tails"])
 def test_the_streaming_loop_takes_every_row_and_column_count(rows, E, Ev, dtype, monkeypatch):
     """The streaming loop's register tiles (six- and four-row value tiles of 16 or 8 columns, two

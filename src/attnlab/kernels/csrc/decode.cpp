@@ -326,7 +326,7 @@ inline void dots2(const float* __restrict__ q, int64_t n, int64_t E, const T* __
 // (and widened) once per two rows, and a row's four sums leave as one 4-wide store. The four rows
 // by two keys this replaced left each score as a scalar (eight extracts and stores per tile), and
 // its reductions took a quarter of the loop's time (perf, 2026-12-03, 2-core AVX2 EPYC, q (8, 4, 4,
-// 128) fp32 against S = 2048, one thread). Needs E % 8 == 0 and n even; dots2 takes the rest.
+// 128) fp32 against S = 2048, one thread). Needs E % 8 == 0 and n even (stream_scores: n >= 8).
 template <class T>
 inline void dots4(const float* __restrict__ q, int64_t n, int64_t E, const T* __restrict__ k, int64_t k_ld,
                   const float* f, float* __restrict__ s, int nk, int j0) {
@@ -382,7 +382,10 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
   for (int j = 0; j < std::min(nk, PREFETCH_ROWS); ++j) prefetch_row(k + j * k_ld, E);
   int j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  if (E % 8 == 0 && n % 2 == 0)
+  // two rows by four keys from 8 rows on; at 4 rows (a decode step of one GQA group) dots2's four
+  // rows by two keys read each key once, not twice: 3-5% faster there in fp32 and bf16 (q (1, 32, 1,
+  // 128) against S = 32768, 2 threads, AVX2 EPYC, 2026-12-03; int8 2% slower, within the noise)
+  if (E % 8 == 0 && n % 2 == 0 && n >= 8)
     for (; j + 4 <= nk; j += 4) {
       for (int i = PREFETCH_ROWS; i < PREFETCH_ROWS + 4; ++i)
         if (j + i < nk) prefetch_row(k + (j + i) * k_ld, E);
@@ -502,6 +505,7 @@ inline void value_tile6(const float* __restrict__ p0, int nk, const T* __restric
 template <class T>
 inline void stream_values(const float* __restrict__ s, int64_t n, int64_t Ev, const T* __restrict__ v, int64_t v_ld,
                           int nk, float* __restrict__ acc) {
+  for (int j = 0; j < nk; ++j) prefetch_row(v + j * v_ld, Ev);  // the block's V rows, while the first are used
   int64_t done = 0;  // rows [0, done) are taken by the register tiles
 #if defined(__AVX2__) && defined(__FMA__)
   // six-row tiles, then four-row ones: as many six-row tiles as cover the most rows
@@ -698,8 +702,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
             }
             auto run_block = [&](auto tag) {
               using T = decltype(tag);
-              // the block's V rows, fetched while its scores are computed
-              for (int j = 0; j < nk; ++j) prefetch_row(reinterpret_cast<const T*>(vs.base) + v_off + j * vs.s_row, Ev);
               stream_scores<T>(qn, n, E, reinterpret_cast<const T*>(ks.base) + k_off, ks.s_row, k_sc, nk, scale2, s,
                                col);
               // a NaN or inf score (from Q or K) would be swallowed by the row pass (its max and 2^x drop
