@@ -254,10 +254,10 @@ def test_both_loops_up_to_64_rows_bottom_right(loop, L, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 7, 8, 10, 14, 16])
-@pytest.mark.parametrize("E,Ev", [(64, 40), (20, 13)], ids=["tiled", "tails"])
+@pytest.mark.parametrize("E,Ev", [(64, 40), (32, 64), (20, 13)], ids=["tiled", "wide", "tails"])
 def test_the_streaming_loop_takes_every_row_and_column_count(rows, E, Ev, dtype, monkeypatch):
-    """The streaming loop's register tiles (six- and four-row value tiles of 16 or 8 columns, two
-    rows by four keys for the scores) and what they leave (single rows, odd columns, a block's last
+    """The streaming loop's register tiles (six- and four-row value tiles of 16 or 8 columns, pairs of
+    rows by 32 columns, two rows by four keys for the scores) and what they leave (single rows, odd columns, a block's last
     keys): ``rows`` query heads on one key/value head, 70 keys (a 64-key block and 6 more)."""
     monkeypatch.setenv("ATTNLAB_DECODE", "stream")
     q = randn(1, rows, 1, E).to(dtype)
