@@ -172,15 +172,16 @@ def filled_cache(dtype=torch.float32, page_size=16, steps=(5, 40, 1, 1, 30), **k
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_paged_cache_is_read_through_its_block_table(route, dtype):
+@pytest.mark.parametrize("L", [3, 8], ids=["page_blocks", "spanning_blocks"])  # 6 / 16 rows a head
+def test_a_paged_cache_is_read_through_its_block_table(route, dtype, L):
     cache, k, v = filled_cache(dtype)
     assert cache.length == 77 and cache.block_table.shape == (2, 5)
     assert cache.block_table[0].tolist() == [0, 2, 4, 6, 8]  # sequences' pages interleave in the pool
     dense_k, dense_v = cache.dense()
     assert torch.equal(dense_k, k) and torch.equal(dense_v, v)
-    q = randn(2, 4, 3, 8).to(dtype)
+    q = randn(2, 4, L, 8).to(dtype)
     out = paged_decode_attention(q, cache, is_causal=True, causal_align="bottom_right")
-    close_with_nans(out, torch_math(q, k, v, attn_mask=bottom_right(3, 77), enable_gqa=True), dtype, "output")
+    close_with_nans(out, torch_math(q, k, v, attn_mask=bottom_right(L, 77), enable_gqa=True), dtype, "output")
 
 
 def test_the_pool_grows_without_moving_pages_and_a_fixed_pool_refuses_to_overflow():

@@ -12,8 +12,8 @@
 //   * bf16/fp16 K/V are read as they are stored: each (bk, E) block is widened to float32 in the
 //     thread's scratch (it stays in L1/L2) right before its GEMM; the cache is never copied;
 //   * K/V come from a dense (Nb, S, E) view, or from pages (a block table into a pool laid out
-//     as vLLM's: (num_pages, page_size, Hkv, E)): a block never crosses a page, so both are
-//     strided matrices for the GEMM and nothing is gathered.
+//     as vLLM's: (num_pages, page_size, Hkv, E)): the streaming loop reads each page's rows in
+//     place, one run of one stride at a time; the GEMM loop gathers a block's rows across pages.
 //
 // Two inner loops over a key block (mode): the GEMM loop widens the block into scratch and runs
 // two BLAS GEMMs (for many rows: chunked prefill, speculative decoding); the streaming loop (for
@@ -358,9 +358,8 @@ inline void dots4(const float* __restrict__ q, int64_t n, int64_t E, const T* __
 }
 #endif
 
-// The scores of one key block of nk rows (one stride: inside a page): s (n, nk) = scale2 * Q K^T
-// by dot products, each K row read once as stored (k_scale: the int8 rows' scales, else nullptr;
-// col: scratch of n floats)
+// The scores of nk key rows of one stride (inside a page): s (n, nk), rows ld apart, = scale2 * Q K^T
+// by dot products, each K row read once as stored (k_scale: the int8 rows' scales, else nullptr)
 // Paged rows sit Hkv * E apart (vLLM's (page, Hkv, E) pages), each in its own 4 KiB stretch, where
 // the hardware prefetcher (which stays inside a 4 KiB page) does not follow: ask for the rows
 // PREFETCH_ROWS ahead ourselves. Measured on the 2-core AVX2 EPYC (S=131072, Hkv=8, E=128, fp32):
@@ -370,6 +369,13 @@ inline void dots4(const float* __restrict__ q, int64_t n, int64_t E, const T* __
 // build alternated, q (1,32,1,128) against (1,8,S,128)): fp32 15.7 -> 13.5 ms at S = 32k and
 // 62 -> 54 ms at 131k; bf16 10.9 -> 9.2 ms and 34.9 -> 32.5 ms.
 constexpr int PREFETCH_ROWS = 4;
+// From this many rows a head the streaming loop's blocks span pages: one online-softmax step and one
+// acc load and store per tile for up to STREAM_BLOCK_K keys, not per 16-key page. Paged against
+// contiguous at Lq = 4 (16 rows; q (1, 32, 4, 128) against S = 32768, 2 threads, AVX2 EPYC,
+// 2026-12-03, old and new builds alternated): fp32 1.08-1.10x -> 1.04-1.07x, bf16 1.13-1.15x ->
+// 1.05-1.12x, int8 1.18-1.25x -> 1.13-1.18x. At 4 rows spanning made paged decoding slower (fp32
+// 0.95x -> 1.05-1.08x): a page's rows for every head of the task are then no longer read together.
+constexpr int SPAN_MIN_ROWS = 16;
 template <class T>
 inline void prefetch_row(const T* row, int64_t width) {
   const char* p = reinterpret_cast<const char*>(row);
@@ -378,7 +384,7 @@ inline void prefetch_row(const T* row, int64_t width) {
 
 template <class T>
 inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int64_t k_ld, const float* k_scale,
-                          int nk, float scale2, float* s, float* col) {
+                          int nk, int ld, float scale2, float* s) {
   for (int j = 0; j < std::min(nk, PREFETCH_ROWS); ++j) prefetch_row(k + j * k_ld, E);
   int j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -391,7 +397,7 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
         if (j + i < nk) prefetch_row(k + (j + i) * k_ld, E);
       float f[4];
       for (int i = 0; i < 4; ++i) f[i] = k_scale ? scale2 * k_scale[j + i] : scale2;
-      dots4<T>(q, n, E, k + j * k_ld, k_ld, f, s, nk, j);
+      dots4<T>(q, n, E, k + j * k_ld, k_ld, f, s, ld, j);
     }
 #endif
   for (; j < nk; j += 2) {
@@ -400,9 +406,8 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
     const bool two = j + 1 < nk;
     const float f0 = k_scale ? scale2 * k_scale[j] : scale2;
     const float f1 = two ? (k_scale ? scale2 * k_scale[j + 1] : scale2) : 0.0f;
-    dots2<T>(q, n, E, k + j * k_ld, two ? k + (j + 1) * k_ld : nullptr, f0, f1, s, nk, j);
+    dots2<T>(q, n, E, k + j * k_ld, two ? k + (j + 1) * k_ld : nullptr, f0, f1, s, ld, j);
   }
-  (void)col;
 }
 
 // acc += P~ V for the block, P~ in s (n, nk) (an int8 cache's value scales already folded in: see
@@ -415,13 +420,13 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
 // accumulators GCC would not keep in registers (2026-12-03, 2-core AVX2 EPYC, q (8, 4, 4, 128)
 // against S = 2048 on one thread: perf put most of the kernel's samples on those stores).
 #if defined(__AVX2__) && defined(__FMA__)
-// acc rows a .. a + 3, columns [c, c + 8 * U) (U = 1 or 2) += P~ rows a .. a + 3 (p0, nk apart)
+// acc rows a .. a + 3, columns [c, c + 8 * U) (U = 1 or 2) += P~ rows a .. a + 3 (p0, ld apart)
 // times V's columns
 template <class T, int U>
-inline void value_tile(const float* __restrict__ p0, int nk, const T* __restrict__ v, int64_t v_ld, int64_t c,
-                       float* __restrict__ acc, int64_t Ev) {
+inline void value_tile(const float* __restrict__ p0, int ld, int nk, const T* __restrict__ v, int64_t v_ld,
+                       int64_t c, float* __restrict__ acc, int64_t Ev) {
   static_assert(U == 1 || U == 2, "value_tile: one or two vectors of columns");
-  const float *p1 = p0 + nk, *p2 = p1 + nk, *p3 = p2 + nk;
+  const float *p1 = p0 + ld, *p2 = p1 + ld, *p3 = p2 + ld;
   float *d0 = acc + c, *d1 = d0 + Ev, *d2 = d1 + Ev, *d3 = d2 + Ev;
   __m256 r00 = _mm256_loadu_ps(d0), r10 = _mm256_loadu_ps(d1), r20 = _mm256_loadu_ps(d2), r30 = _mm256_loadu_ps(d3);
   __m256 r01 = r00, r11 = r00, r21 = r00, r31 = r00;
@@ -458,8 +463,8 @@ inline void value_tile(const float* __restrict__ p0, int nk, const T* __restrict
 // (1, 32, 4, 128) fp32 against S = 32768, 2 threads, 2-core AVX2 EPYC, 2026-12-03) six-row tiles
 // took the step from 24.7 to 21.0 ms.
 template <class T, int U>
-inline void value_tile6(const float* __restrict__ p0, int nk, const T* __restrict__ v, int64_t v_ld, int64_t c,
-                        float* __restrict__ acc, int64_t Ev) {
+inline void value_tile6(const float* __restrict__ p0, int ld, int nk, const T* __restrict__ v, int64_t v_ld,
+                        int64_t c, float* __restrict__ acc, int64_t Ev) {
   static_assert(U == 1 || U == 2, "value_tile6: one or two vectors of columns");
   float* d = acc + c;
   __m256 r00 = _mm256_loadu_ps(d), r10 = _mm256_loadu_ps(d + Ev), r20 = _mm256_loadu_ps(d + 2 * Ev);
@@ -477,19 +482,19 @@ inline void value_tile6(const float* __restrict__ p0, int nk, const T* __restric
     __m256 w = _mm256_broadcast_ss(p0 + j);
     r00 = _mm256_fmadd_ps(w, x0, r00);
     if constexpr (U == 2) r01 = _mm256_fmadd_ps(w, x1, r01);
-    w = _mm256_broadcast_ss(p0 + nk + j);
+    w = _mm256_broadcast_ss(p0 + ld + j);
     r10 = _mm256_fmadd_ps(w, x0, r10);
     if constexpr (U == 2) r11 = _mm256_fmadd_ps(w, x1, r11);
-    w = _mm256_broadcast_ss(p0 + 2 * nk + j);
+    w = _mm256_broadcast_ss(p0 + 2 * ld + j);
     r20 = _mm256_fmadd_ps(w, x0, r20);
     if constexpr (U == 2) r21 = _mm256_fmadd_ps(w, x1, r21);
-    w = _mm256_broadcast_ss(p0 + 3 * nk + j);
+    w = _mm256_broadcast_ss(p0 + 3 * ld + j);
     r30 = _mm256_fmadd_ps(w, x0, r30);
     if constexpr (U == 2) r31 = _mm256_fmadd_ps(w, x1, r31);
-    w = _mm256_broadcast_ss(p0 + 4 * nk + j);
+    w = _mm256_broadcast_ss(p0 + 4 * ld + j);
     r40 = _mm256_fmadd_ps(w, x0, r40);
     if constexpr (U == 2) r41 = _mm256_fmadd_ps(w, x1, r41);
-    w = _mm256_broadcast_ss(p0 + 5 * nk + j);
+    w = _mm256_broadcast_ss(p0 + 5 * ld + j);
     r50 = _mm256_fmadd_ps(w, x0, r50);
     if constexpr (U == 2) r51 = _mm256_fmadd_ps(w, x1, r51);
   }
@@ -509,9 +514,9 @@ inline void value_tile6(const float* __restrict__ p0, int nk, const T* __restric
 // 2 threads, AVX2 EPYC, 2026-12-03) took 13.3-14.3 ms this way against 14.2-16.1 ms with the
 // four-row 16-column tile (the same as before the tiles: a four-row 32-column tile that spilled).
 template <class T>
-inline void value_pair32(const float* __restrict__ p0, int nk, const T* __restrict__ v, int64_t v_ld, int64_t c,
-                         float* __restrict__ acc, int64_t Ev) {
-  const float* p1 = p0 + nk;
+inline void value_pair32(const float* __restrict__ p0, int ld, int nk, const T* __restrict__ v, int64_t v_ld,
+                         int64_t c, float* __restrict__ acc, int64_t Ev) {
+  const float* p1 = p0 + ld;
   float *d0 = acc + c, *d1 = d0 + Ev;
   __m256 r00 = _mm256_loadu_ps(d0), r01 = _mm256_loadu_ps(d0 + 8), r02 = _mm256_loadu_ps(d0 + 16);
   __m256 r03 = _mm256_loadu_ps(d0 + 24), r10 = _mm256_loadu_ps(d1), r11 = _mm256_loadu_ps(d1 + 8);
@@ -534,13 +539,13 @@ inline void value_pair32(const float* __restrict__ p0, int nk, const T* __restri
 
 template <class T>
 inline void stream_values(const float* __restrict__ s, int64_t n, int64_t Ev, const T* __restrict__ v, int64_t v_ld,
-                          int nk, float* __restrict__ acc) {
+                          int nk, int ld, float* __restrict__ acc) {
   for (int j = 0; j < nk; ++j) prefetch_row(v + j * v_ld, Ev);  // the block's V rows, while the first are used
   int64_t done = 0;  // rows [0, done) are taken by the register tiles
 #if defined(__AVX2__) && defined(__FMA__)
   if (n < 6 && n % 2 == 0 && Ev % 32 == 0) {  // a decode step's few rows: pairs of rows by 32 columns
     for (int64_t c = 0; c < Ev; c += 32)
-      for (int64_t a = 0; a < n; a += 2) value_pair32<T>(s + a * nk, nk, v, v_ld, c, acc + a * Ev, Ev);
+      for (int64_t a = 0; a < n; a += 2) value_pair32<T>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
     return;
   }
   // six-row tiles, then four-row ones: as many six-row tiles as cover the most rows
@@ -553,16 +558,16 @@ inline void stream_values(const float* __restrict__ s, int64_t n, int64_t Ev, co
   int64_t c = 0;
   for (; c < wide; c += 16) {
     int64_t a = 0;
-    for (; a < 6 * sixes; a += 6) value_tile6<T, 2>(s + a * nk, nk, v, v_ld, c, acc + a * Ev, Ev);
-    for (; a < done; a += 4) value_tile<T, 2>(s + a * nk, nk, v, v_ld, c, acc + a * Ev, Ev);
+    for (; a < 6 * sixes; a += 6) value_tile6<T, 2>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
+    for (; a < done; a += 4) value_tile<T, 2>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
   }
   for (; c < full; c += 8) {
     int64_t a = 0;
-    for (; a < 6 * sixes; a += 6) value_tile6<T, 1>(s + a * nk, nk, v, v_ld, c, acc + a * Ev, Ev);
-    for (; a < done; a += 4) value_tile<T, 1>(s + a * nk, nk, v, v_ld, c, acc + a * Ev, Ev);
+    for (; a < 6 * sixes; a += 6) value_tile6<T, 1>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
+    for (; a < done; a += 4) value_tile<T, 1>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
   }
   for (int64_t a = 0; a < done; ++a) {  // the last columns, one at a time
-    const float* pa = s + a * nk;
+    const float* pa = s + a * ld;
     for (int64_t c = full; c < Ev; ++c) {
       float t = 0.0f;
       for (int j = 0; j < nk; ++j) t += pa[j] * widen<T>(v[j * v_ld + c]);
@@ -571,7 +576,7 @@ inline void stream_values(const float* __restrict__ s, int64_t n, int64_t Ev, co
   }
 #endif
   for (int64_t a = done; a < n; ++a) {  // rows left over (and every row without AVX2): one row at a time
-    const float* pa = s + a * nk;
+    const float* pa = s + a * ld;
     float* dst = acc + a * Ev;
     for (int j = 0; j < nk; ++j) {
       const float w = pa[j];
@@ -683,17 +688,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   const float scale2 = static_cast<float>(scale2_d);
   const float* q = q4.data_ptr<float>();
 
-  // per-thread scratch: scores (n, bk), G heads' acc (n, Ev), m_i, l_i (n), a column (n), scales
-  // (2 bk), and (GEMM loop) a widened K and V block
+  // per-thread scratch: scores (n, bk), G heads' acc (n, Ev), m_i, l_i (n), scales (2 bk), and
+  // (GEMM loop) a widened K and V block
   const int64_t state = n * Ev + 2 * n;
-  const int64_t per_thread = n * bk + G * state + n + 2 * bk + (mode == 0 ? static_cast<int64_t>(bk) * (E + Ev) : 0);
+  const int64_t per_thread = n * bk + G * state + 2 * bk + (mode == 0 ? static_cast<int64_t>(bk) * (E + Ev) : 0);
   std::vector<float> scratch(static_cast<size_t>(per_thread * at::get_num_threads()));
   std::atomic<bool> saw_nonfinite{false};
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     float* s = scratch.data() + per_thread * at::get_thread_num();
     float* states = s + n * bk;  // head g: acc, m_i, l_i at states + g * state
-    float* col = states + G * state;
-    float* kscale = col + n;
+    float* kscale = states + G * state;
     float* vscale = kscale + bk;
     float* kbuf = vscale + bk;
     float* vbuf = kbuf + static_cast<int64_t>(bk) * E;
@@ -711,9 +715,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
       for (int64_t j0 = task.j_begin; j0 < task.j_end;) {
         int64_t run;
         ks.locate(task.nb, j0, &run);
-        // the streaming loop's block stays inside a page (one stride per row pointer); the GEMM
-        // loop's crosses pages (rows gathered into its scratch block)
-        const int64_t page_run = mode == 1 ? run : std::numeric_limits<int64_t>::max();
+        // the GEMM loop's block crosses pages (rows gathered into its scratch block); the streaming
+        // loop's stays inside a page below SPAN_MIN_ROWS rows, and above it spans pages (read page
+        // by page, one online-softmax step for the block)
+        const int64_t page_run = mode == 1 && n < SPAN_MIN_ROWS ? run : std::numeric_limits<int64_t>::max();
         const int nk = static_cast<int>(std::min<int64_t>({static_cast<int64_t>(bk), task.j_end - j0, page_run}));
         auto visible = [&](int64_t a, float*) {  // row a = h * L + i: query position i
           const int64_t seen = causal ? shift + a % L + 1 - j0 : nk;
@@ -726,28 +731,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
           float* l_i = m_i + n;
           const float* qn = q + nb * n * E;
           if (mode == 1) {  // streaming: each row read once, as stored
-            int64_t kr, vr;
-            const int64_t k_off = ks.locate(nb, j0, &kr), v_off = vs.locate(nb, j0, &vr);
-            const float* k_sc = nullptr;
-            const float* v_sc = nullptr;
-            if (int8) {
-              kss.read(ks, nb, j0, nk, kscale);
-              vss.read(vs, nb, j0, nk, vscale);
-              k_sc = kscale, v_sc = vscale;
-            }
             auto run_block = [&](auto tag) {
               using T = decltype(tag);
-              stream_scores<T>(qn, n, E, reinterpret_cast<const T*>(ks.base) + k_off, ks.s_row, k_sc, nk, scale2, s,
-                               col);
+              const T* kb = reinterpret_cast<const T*>(ks.base);
+              const T* vb = reinterpret_cast<const T*>(vs.base);
+              // the block's runs of rows with one stride (one run, or a page each when it spans pages)
+              for (int j = 0, m; j < nk; j += m) {
+                int64_t run;
+                const int64_t off = ks.locate(nb, j0 + j, &run);
+                m = static_cast<int>(std::min<int64_t>(run, nk - j));
+                if (int8) kss.read(ks, nb, j0 + j, m, kscale + j);
+                stream_scores<T>(qn, n, E, kb + off, ks.s_row, int8 ? kscale + j : nullptr, m, nk, scale2, s + j);
+              }
               // a NaN or inf score (from Q or K) would be swallowed by the row pass (its max and 2^x drop
               // NaN): flag it, so the caller redoes the call on the pure path; V's show in the output.
               // The check reads the scores in cache, never the K/V rows again.
               if (!all_finite(s, n * nk)) saw_nonfinite.store(true, std::memory_order_relaxed);
               online_update(s, n, nk, visible, m_i, l_i, acc, Ev);
-              if (v_sc)  // P~ times the value rows' scales once per block (l_i has taken P~ already)
-                for (int64_t a = 0; a < n; ++a)
-                  for (int j = 0; j < nk; ++j) s[a * nk + j] *= v_sc[j];
-              stream_values<T>(s, n, Ev, reinterpret_cast<const T*>(vs.base) + v_off, vs.s_row, nk, acc);
+              for (int j = 0, m; j < nk; j += m) {
+                int64_t run;
+                const int64_t off = vs.locate(nb, j0 + j, &run);
+                m = static_cast<int>(std::min<int64_t>(run, nk - j));
+                if (int8) {  // P~ times the value rows' scales (l_i has taken P~ already)
+                  vss.read(vs, nb, j0 + j, m, vscale);
+                  for (int64_t a = 0; a < n; ++a)
+                    for (int i = 0; i < m; ++i) s[a * nk + j + i] *= vscale[i];
+                }
+                stream_values<T>(s + j, n, Ev, vb + off, vs.s_row, m, nk, acc);
+              }
             };
             switch (ks.dtype) {
               case at::kFloat: run_block(float{}); break;
