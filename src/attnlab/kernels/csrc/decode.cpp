@@ -411,98 +411,54 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
 }
 
 // acc += P~ V for the block, P~ in s (n, nk) (an int8 cache's value scales already folded in: see
-// run_block), each V row read once from memory as stored. Register-blocked: four rows'
-// accumulators for 16 columns stay in eight registers while the block's nk value rows stream past
+// run_block), each V row read once from memory as stored. Register-blocked: four or six rows'
+// accumulators for 16 columns stay in registers while the block's nk value rows stream past
 // (each converted once), so acc is loaded and stored once per block, not once per key (the AXPY
-// form's store port bound it). Eight, not sixteen: with the two value vectors and the four rows'
-// weights that is 14 of AVX2's 16 ymm registers. Sixteen accumulators (32 columns) spilled to
-// the stack, and every key's FMAs then waited on stores and reloads; so did an array of
+// form's store port bound it). At most twelve accumulators: with two value vectors and a weight
+// that is 15 of AVX2's 16 ymm registers. Four rows by 32 columns (sixteen) spilled to the stack, and every key's FMAs then waited on stores and reloads; so did an array of
 // accumulators GCC would not keep in registers (2026-12-03, 2-core AVX2 EPYC, q (8, 4, 4, 128)
 // against S = 2048 on one thread: perf put most of the kernel's samples on those stores).
 #if defined(__AVX2__) && defined(__FMA__)
-// acc rows a .. a + 3, columns [c, c + 8 * U) (U = 1 or 2) += P~ rows a .. a + 3 (p0, ld apart)
-// times V's columns
-template <class T, int U>
+// acc rows a .. a + R - 1, columns [c, c + 8 * U) (R = 4 or 6, U = 1 or 2) += P~ rows a ..
+// a + R - 1 (p0, ld apart) times V's columns. Six rows (twelve accumulators, the two value vectors,
+// one weight at a time: 15 registers) let each value vector feed six FMAs, not four: at 16 rows a
+// head (q (1, 32, 4, 128) fp32 against S = 32768, 2 threads, 2-core AVX2 EPYC, 2026-12-03) they
+// took the step from 24.7 to 21.0 ms.
+template <class T, int R, int U>
 inline void value_tile(const float* __restrict__ p0, int ld, int nk, const T* __restrict__ v, int64_t v_ld,
                        int64_t c, float* __restrict__ acc, int64_t Ev) {
-  static_assert(U == 1 || U == 2, "value_tile: one or two vectors of columns");
-  const float *p1 = p0 + ld, *p2 = p1 + ld, *p3 = p2 + ld;
-  float *d0 = acc + c, *d1 = d0 + Ev, *d2 = d1 + Ev, *d3 = d2 + Ev;
-  __m256 r00 = _mm256_loadu_ps(d0), r10 = _mm256_loadu_ps(d1), r20 = _mm256_loadu_ps(d2), r30 = _mm256_loadu_ps(d3);
-  __m256 r01 = r00, r11 = r00, r21 = r00, r31 = r00;
-  if constexpr (U == 2) {
-    r01 = _mm256_loadu_ps(d0 + 8), r11 = _mm256_loadu_ps(d1 + 8);
-    r21 = _mm256_loadu_ps(d2 + 8), r31 = _mm256_loadu_ps(d3 + 8);
-  }
-  for (int j = 0; j < nk; ++j) {
-    const T* row = v + j * v_ld + c;
-    __m256 x0 = load8<T>(row);
-    in_register(x0);
-    const __m256 w0 = _mm256_broadcast_ss(p0 + j), w1 = _mm256_broadcast_ss(p1 + j);
-    const __m256 w2 = _mm256_broadcast_ss(p2 + j), w3 = _mm256_broadcast_ss(p3 + j);
-    r00 = _mm256_fmadd_ps(w0, x0, r00), r10 = _mm256_fmadd_ps(w1, x0, r10);
-    r20 = _mm256_fmadd_ps(w2, x0, r20), r30 = _mm256_fmadd_ps(w3, x0, r30);
-    if constexpr (U == 2) {
-      __m256 x1 = load8<T>(row + 8);
-      in_register(x1);
-      r01 = _mm256_fmadd_ps(w0, x1, r01), r11 = _mm256_fmadd_ps(w1, x1, r11);
-      r21 = _mm256_fmadd_ps(w2, x1, r21), r31 = _mm256_fmadd_ps(w3, x1, r31);
-    }
-  }
-  _mm256_storeu_ps(d0, r00), _mm256_storeu_ps(d1, r10), _mm256_storeu_ps(d2, r20), _mm256_storeu_ps(d3, r30);
-  if constexpr (U == 2) {
-    _mm256_storeu_ps(d0 + 8, r01), _mm256_storeu_ps(d1 + 8, r11);
-    _mm256_storeu_ps(d2 + 8, r21), _mm256_storeu_ps(d3 + 8, r31);
-  }
-}
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__)
-// value_tile's six-row form: twelve accumulators (U = 2), the two value vectors and one weight at
-// a time (15 registers), so each value vector feeds six FMAs, not four. At 16 rows a head (q
-// (1, 32, 4, 128) fp32 against S = 32768, 2 threads, 2-core AVX2 EPYC, 2026-12-03) six-row tiles
-// took the step from 24.7 to 21.0 ms.
-template <class T, int U>
-inline void value_tile6(const float* __restrict__ p0, int ld, int nk, const T* __restrict__ v, int64_t v_ld,
-                        int64_t c, float* __restrict__ acc, int64_t Ev) {
-  static_assert(U == 1 || U == 2, "value_tile6: one or two vectors of columns");
+  static_assert((R == 4 || R == 6) && (U == 1 || U == 2), "value_tile: 4 or 6 rows, one or two vectors");
   float* d = acc + c;
   __m256 r00 = _mm256_loadu_ps(d), r10 = _mm256_loadu_ps(d + Ev), r20 = _mm256_loadu_ps(d + 2 * Ev);
-  __m256 r30 = _mm256_loadu_ps(d + 3 * Ev), r40 = _mm256_loadu_ps(d + 4 * Ev), r50 = _mm256_loadu_ps(d + 5 * Ev);
+  __m256 r30 = _mm256_loadu_ps(d + 3 * Ev), r40 = r00, r50 = r00;
+  if constexpr (R == 6) r40 = _mm256_loadu_ps(d + 4 * Ev), r50 = _mm256_loadu_ps(d + 5 * Ev);
   __m256 r01 = r00, r11 = r00, r21 = r00, r31 = r00, r41 = r00, r51 = r00;
   if constexpr (U == 2) {
     r01 = _mm256_loadu_ps(d + 8), r11 = _mm256_loadu_ps(d + Ev + 8), r21 = _mm256_loadu_ps(d + 2 * Ev + 8);
-    r31 = _mm256_loadu_ps(d + 3 * Ev + 8), r41 = _mm256_loadu_ps(d + 4 * Ev + 8), r51 = _mm256_loadu_ps(d + 5 * Ev + 8);
+    r31 = _mm256_loadu_ps(d + 3 * Ev + 8);
+    if constexpr (R == 6) r41 = _mm256_loadu_ps(d + 4 * Ev + 8), r51 = _mm256_loadu_ps(d + 5 * Ev + 8);
   }
   for (int j = 0; j < nk; ++j) {
     const T* row = v + j * v_ld + c;
     __m256 x0 = load8<T>(row), x1 = x0;
     in_register(x0);
     if constexpr (U == 2) x1 = load8<T>(row + 8), in_register(x1);
-    __m256 w = _mm256_broadcast_ss(p0 + j);
-    r00 = _mm256_fmadd_ps(w, x0, r00);
-    if constexpr (U == 2) r01 = _mm256_fmadd_ps(w, x1, r01);
-    w = _mm256_broadcast_ss(p0 + ld + j);
-    r10 = _mm256_fmadd_ps(w, x0, r10);
-    if constexpr (U == 2) r11 = _mm256_fmadd_ps(w, x1, r11);
-    w = _mm256_broadcast_ss(p0 + 2 * ld + j);
-    r20 = _mm256_fmadd_ps(w, x0, r20);
-    if constexpr (U == 2) r21 = _mm256_fmadd_ps(w, x1, r21);
-    w = _mm256_broadcast_ss(p0 + 3 * ld + j);
-    r30 = _mm256_fmadd_ps(w, x0, r30);
-    if constexpr (U == 2) r31 = _mm256_fmadd_ps(w, x1, r31);
-    w = _mm256_broadcast_ss(p0 + 4 * ld + j);
-    r40 = _mm256_fmadd_ps(w, x0, r40);
-    if constexpr (U == 2) r41 = _mm256_fmadd_ps(w, x1, r41);
-    w = _mm256_broadcast_ss(p0 + 5 * ld + j);
-    r50 = _mm256_fmadd_ps(w, x0, r50);
-    if constexpr (U == 2) r51 = _mm256_fmadd_ps(w, x1, r51);
+    // one row's weight times the value vectors
+    auto row_fma = [&](int i, __m256& ra, __m256& rb) {
+      const __m256 w = _mm256_broadcast_ss(p0 + i * ld + j);
+      ra = _mm256_fmadd_ps(w, x0, ra);
+      if constexpr (U == 2) rb = _mm256_fmadd_ps(w, x1, rb);
+    };
+    row_fma(0, r00, r01), row_fma(1, r10, r11), row_fma(2, r20, r21), row_fma(3, r30, r31);
+    if constexpr (R == 6) row_fma(4, r40, r41), row_fma(5, r50, r51);
   }
   _mm256_storeu_ps(d, r00), _mm256_storeu_ps(d + Ev, r10), _mm256_storeu_ps(d + 2 * Ev, r20);
-  _mm256_storeu_ps(d + 3 * Ev, r30), _mm256_storeu_ps(d + 4 * Ev, r40), _mm256_storeu_ps(d + 5 * Ev, r50);
+  _mm256_storeu_ps(d + 3 * Ev, r30);
+  if constexpr (R == 6) _mm256_storeu_ps(d + 4 * Ev, r40), _mm256_storeu_ps(d + 5 * Ev, r50);
   if constexpr (U == 2) {
     _mm256_storeu_ps(d + 8, r01), _mm256_storeu_ps(d + Ev + 8, r11), _mm256_storeu_ps(d + 2 * Ev + 8, r21);
-    _mm256_storeu_ps(d + 3 * Ev + 8, r31), _mm256_storeu_ps(d + 4 * Ev + 8, r41), _mm256_storeu_ps(d + 5 * Ev + 8, r51);
+    _mm256_storeu_ps(d + 3 * Ev + 8, r31);
+    if constexpr (R == 6) _mm256_storeu_ps(d + 4 * Ev + 8, r41), _mm256_storeu_ps(d + 5 * Ev + 8, r51);
   }
 }
 #endif
@@ -558,13 +514,13 @@ inline void stream_values(const float* __restrict__ s, int64_t n, int64_t Ev, co
   int64_t c = 0;
   for (; c < wide; c += 16) {
     int64_t a = 0;
-    for (; a < 6 * sixes; a += 6) value_tile6<T, 2>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
-    for (; a < done; a += 4) value_tile<T, 2>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
+    for (; a < 6 * sixes; a += 6) value_tile<T, 6, 2>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
+    for (; a < done; a += 4) value_tile<T, 4, 2>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
   }
   for (; c < full; c += 8) {
     int64_t a = 0;
-    for (; a < 6 * sixes; a += 6) value_tile6<T, 1>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
-    for (; a < done; a += 4) value_tile<T, 1>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
+    for (; a < 6 * sixes; a += 6) value_tile<T, 6, 1>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
+    for (; a < done; a += 4) value_tile<T, 4, 1>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
   }
   for (int64_t a = 0; a < done; ++a) {  // the last columns, one at a time
     const float* pa = s + a * ld;
