@@ -369,6 +369,16 @@ inline void dots4(const float* __restrict__ q, int64_t n, int64_t E, const T* __
 // build alternated, q (1,32,1,128) against (1,8,S,128)): fp32 15.7 -> 13.5 ms at S = 32k and
 // 62 -> 54 ms at 131k; bf16 10.9 -> 9.2 ms and 34.9 -> 32.5 ms.
 constexpr int PREFETCH_ROWS = 4;
+// A run of at most this many rows (a 16-token page of a paged cache, one head's rows 1 KiB or more
+// apart) is asked for whole at its start, as stream_values asks for its value rows: four rows ahead
+// left the dot products waiting on each page's first key rows (perf: most of the scores' samples
+// on the loads after vpmovsxbd). Paged against contiguous, q (1, 32, 1, 128) against S = 32768,
+// one thread, CPU time, 2-core AVX2 EPYC, 2026-12-03, old and new builds alternated, three rounds:
+// int8 1.45-1.48x -> 1.32-1.33x, bf16 1.18-1.23x -> 1.06-1.11x, fp32 1.08-1.14x -> 1.00-1.05x; at
+// Lq = 4 (blocks span pages) within the noise. Longer (dense) runs keep 4 ahead: dense times did not
+// move. Also tried there: asking for the next head's rows one head ahead (all of them, or the first
+// 2-8): the prefetches then stalled on full miss buffers, no better in int8 and worse in bf16.
+constexpr int PREFETCH_RUN_ROWS = 16;
 // From this many rows a head the streaming loop's blocks span pages: one online-softmax step and one
 // acc load and store per tile for up to STREAM_BLOCK_K keys, not per 16-key page. Paged against
 // contiguous at Lq = 4 (16 rows; q (1, 32, 4, 128) against S = 32768, 2 threads, AVX2 EPYC,
@@ -385,7 +395,7 @@ inline void prefetch_row(const T* row, int64_t width) {
 template <class T>
 inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int64_t k_ld, const float* k_scale,
                           int nk, int ld, float scale2, float* s) {
-  for (int j = 0; j < std::min(nk, PREFETCH_ROWS); ++j) prefetch_row(k + j * k_ld, E);
+  for (int j = 0; j < (nk <= PREFETCH_RUN_ROWS ? nk : PREFETCH_ROWS); ++j) prefetch_row(k + j * k_ld, E);
   int j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   // two rows by four keys from 8 rows on; at 4 rows (a decode step of one GQA group) dots2's four
