@@ -184,6 +184,25 @@ def test_a_paged_cache_is_read_through_its_block_table(route, dtype, L):
     close_with_nans(out, torch_math(q, k, v, attn_mask=bottom_right(L, 77), enable_gqa=True), dtype, "output")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("Hkv,page_size", [(3, 5), (2, 16), (5, 1)], ids=["3_heads_pages_of_5", "2_heads_pages_of_16",
+                                                                          "5_heads_pages_of_1"])
+@pytest.mark.parametrize("L", [1, 8], ids=["page_blocks", "spanning_blocks"])  # 2 / 16 rows a head
+def test_pages_and_heads_of_any_count_are_located(route, dtype, Hkv, page_size, L):
+    """The native kernel finds a paged row with a shift and a mask when the page size and Hkv are
+    powers of two, else by division: both against the cache's own dense contents."""
+    cache = PagedKVCache(2, Hkv, 8, page_size=page_size, dtype=dtype,
+                         **({"smooth_keys": False} if dtype == torch.int8 else {}))
+    for i, T in enumerate((7, 23, 1)):  # sequences' pages interleave; the last page partly filled
+        cache.append(randn(2, Hkv, T, 8, seed=10 + i), randn(2, Hkv, T, 8, seed=50 + i))
+    k, v = cache.dense()
+    q = randn(2, 2 * Hkv, L, 8)
+    out = paged_decode_attention(q if dtype == torch.int8 else q.to(dtype), cache, is_causal=True,
+                                 causal_align="bottom_right")
+    exact = torch_math(q.double(), k.double(), v.double(), attn_mask=bottom_right(L, 31), enable_gqa=True)
+    assert_close(out, exact.to(out.dtype), dtype=out.dtype)
+
+
 def test_the_pool_grows_without_moving_pages_and_a_fixed_pool_refuses_to_overflow():
     cache, k, v = filled_cache(page_size=4, steps=(3, 30, 10))
     assert cache.k_pages.shape[0] >= cache.pages_used == 2 * 11
