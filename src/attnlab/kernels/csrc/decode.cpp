@@ -377,7 +377,9 @@ inline void dots4(const float* __restrict__ q, int64_t n, int64_t E, const T* __
 #endif
 
 // The scores of nk key rows of one stride (inside a page): s (n, nk), rows ld apart, = scale2 * Q K^T
-// by dot products, each K row read once as stored (k_scale: the int8 rows' scales, else nullptr)
+// by dot products, each K row read once as stored (k_scale: the int8 rows' scales, else nullptr);
+// v: the same keys' value rows (v_ld apart, Ev wide), asked for into L2 as their keys are used, or
+// nullptr
 // Paged rows sit Hkv * E apart (vLLM's (page, Hkv, E) pages), each in its own 4 KiB stretch, where
 // the hardware prefetcher (which stays inside a 4 KiB page) does not follow: ask for the rows
 // PREFETCH_ROWS ahead ourselves. Measured on the 2-core AVX2 EPYC (S=131072, Hkv=8, E=128, fp32):
@@ -404,15 +406,27 @@ constexpr int PREFETCH_RUN_ROWS = 16;
 // 1.05-1.12x, int8 1.18-1.25x -> 1.13-1.18x. At 4 rows spanning made paged decoding slower (fp32
 // 0.95x -> 1.05-1.08x): a page's rows for every head of the task are then no longer read together.
 constexpr int SPAN_MIN_ROWS = 16;
-template <class T>
+// ask for a row's lines into L1 (Locality 3) or L2 (2)
+//
+// A head-major (contiguous) cache's value rows are also asked for into L2 while the same keys'
+// scores are computed (stream_scores' v): the value pass asked for a 64-key block's rows only as it
+// began (512 prefetches at once in fp32), and perf put most of stream_values' samples on that burst
+// and on the first value loads waiting behind it. q (1, 32, Lq, 128) against (1, 8, 32768, 128), one
+// thread, CPU time, 2-core AVX2 EPYC (Zen 3), 2026-12-03, old and new builds alternated, three
+// rounds: Lq = 1 fp32 33.8-35.7 -> 26.5-29.0 ms, bf16 21.2-23.7 -> 15.7-17.3, int8 14.7-19.4 ->
+// 12.2-17.9; Lq = 4 fp32 52.1-55.2 -> 47.6-51.2, bf16 47.1-51.5 -> 44.0-50.8, int8 39.9-43.6 ->
+// 37.5-39.4. Paged caches (rows Hkv * E apart) are left out: there the extra prefetches made the
+// step slower (bf16 at Lq = 1 22.9-28.5 -> 24.6-29.6 ms), as did the next page's bytes in stored
+// order, spread over the scores (no change).
+template <class T, int Locality = 3>
 inline void prefetch_row(const T* row, int64_t width) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
+  for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, Locality);
 }
 
 template <class T>
 inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int64_t k_ld, const float* k_scale,
-                          int nk, int ld, float scale2, float* s) {
+                          int nk, int ld, float scale2, float* s, const T* v = nullptr, int64_t v_ld = 0, int64_t Ev = 0) {
   for (int j = 0; j < (nk <= PREFETCH_RUN_ROWS ? nk : PREFETCH_ROWS); ++j) prefetch_row(k + j * k_ld, E);
   int j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -423,6 +437,8 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
     for (; j + 4 <= nk; j += 4) {
       for (int i = PREFETCH_ROWS; i < PREFETCH_ROWS + 4; ++i)
         if (j + i < nk) prefetch_row(k + (j + i) * k_ld, E);
+      if (v)
+        for (int i = 0; i < 4; ++i) prefetch_row<T, 2>(v + (j + i) * v_ld, Ev);
       float f[4];
       for (int i = 0; i < 4; ++i) f[i] = k_scale ? scale2 * k_scale[j + i] : scale2;
       dots4<T>(q, n, E, k + j * k_ld, k_ld, f, s, ld, j);
@@ -430,6 +446,10 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
 #endif
   for (; j < nk; j += 2) {
     if (j + PREFETCH_ROWS < nk) prefetch_row(k + (j + PREFETCH_ROWS) * k_ld, E);
+    if (v) {
+      prefetch_row<T, 2>(v + j * v_ld, Ev);
+      if (j + 1 < nk) prefetch_row<T, 2>(v + (j + 1) * v_ld, Ev);
+    }
     if (j + 1 + PREFETCH_ROWS < nk) prefetch_row(k + (j + 1 + PREFETCH_ROWS) * k_ld, E);
     const bool two = j + 1 < nk;
     const float f0 = k_scale ? scale2 * k_scale[j] : scale2;
@@ -725,7 +745,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
                 const int64_t off = ks.locate(nb, j0 + j, &run);
                 m = static_cast<int>(std::min<int64_t>(run, nk - j));
                 if (int8) kss.read(ks, nb, j0 + j, m, kscale + j);
-                stream_scores<T>(qn, n, E, kb + off, ks.s_row, int8 ? kscale + j : nullptr, m, nk, scale2, s + j);
+                int64_t vrun;  // head-major caches: the same keys' value rows, asked for into L2 as the scores go
+                const T* vrows = G == 1 ? vb + vs.locate(nb, j0 + j, &vrun) : nullptr;
+                stream_scores<T>(qn, n, E, kb + off, ks.s_row, int8 ? kscale + j : nullptr, m, nk, scale2, s + j,
+                                 vrows, vs.s_row, Ev);
               }
               // a NaN or inf score (from Q or K) would be swallowed by the row pass (its max and 2^x drop
               // NaN): flag it, so the caller redoes the call on the pure path; V's show in the output.
