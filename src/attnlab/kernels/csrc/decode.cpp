@@ -389,6 +389,18 @@ inline void dots4(const float* __restrict__ q, int64_t n, int64_t E, const T* __
 // build alternated, q (1,32,1,128) against (1,8,S,128)): fp32 15.7 -> 13.5 ms at S = 32k and
 // 62 -> 54 ms at 131k; bf16 10.9 -> 9.2 ms and 34.9 -> 32.5 ms.
 constexpr int PREFETCH_ROWS = 4;
+//
+// A head-major (contiguous) cache's value rows are also asked for into L2 while the same keys'
+// scores are computed (stream_scores' v): the value pass asked for a 64-key block's rows only as it
+// began (512 prefetches at once in fp32), and perf put most of stream_values' samples on that burst
+// and on the first value loads waiting behind it. q (1, 32, Lq, 128) against (1, 8, 32768, 128), one
+// thread, CPU time, 2-core AVX2 EPYC (Zen 3), 2026-12-03, old and new builds alternated, three
+// rounds: Lq = 1 fp32 33.8-35.7 -> 26.5-29.0 ms, bf16 21.2-23.7 -> 15.7-17.3, int8 14.7-19.4 ->
+// 12.2-17.9; Lq = 4 fp32 52.1-55.2 -> 47.6-51.2, bf16 47.1-51.5 -> 44.0-50.8, int8 39.9-43.6 ->
+// 37.5-39.4. Paged caches (rows Hkv * E apart) are left out: there the extra prefetches made the
+// step slower (bf16 at Lq = 1 22.9-28.5 -> 24.6-29.6 ms), as did the next page's bytes in stored
+// order, spread over the scores (no change).
+//
 // A run of at most this many rows (a 16-token page of a paged cache, one head's rows 1 KiB or more
 // apart) is asked for whole at its start, as stream_values asks for its value rows: four rows ahead
 // left the dot products waiting on each page's first key rows (perf: most of the scores' samples
@@ -407,17 +419,6 @@ constexpr int PREFETCH_RUN_ROWS = 16;
 // 0.95x -> 1.05-1.08x): a page's rows for every head of the task are then no longer read together.
 constexpr int SPAN_MIN_ROWS = 16;
 // ask for a row's lines into L1 (Locality 3) or L2 (2)
-//
-// A head-major (contiguous) cache's value rows are also asked for into L2 while the same keys'
-// scores are computed (stream_scores' v): the value pass asked for a 64-key block's rows only as it
-// began (512 prefetches at once in fp32), and perf put most of stream_values' samples on that burst
-// and on the first value loads waiting behind it. q (1, 32, Lq, 128) against (1, 8, 32768, 128), one
-// thread, CPU time, 2-core AVX2 EPYC (Zen 3), 2026-12-03, old and new builds alternated, three
-// rounds: Lq = 1 fp32 33.8-35.7 -> 26.5-29.0 ms, bf16 21.2-23.7 -> 15.7-17.3, int8 14.7-19.4 ->
-// 12.2-17.9; Lq = 4 fp32 52.1-55.2 -> 47.6-51.2, bf16 47.1-51.5 -> 44.0-50.8, int8 39.9-43.6 ->
-// 37.5-39.4. Paged caches (rows Hkv * E apart) are left out: there the extra prefetches made the
-// step slower (bf16 at Lq = 1 22.9-28.5 -> 24.6-29.6 ms), as did the next page's bytes in stored
-// order, spread over the scores (no change).
 template <class T, int Locality = 3>
 inline void prefetch_row(const T* row, int64_t width) {
   const char* p = reinterpret_cast<const char*>(row);
