@@ -76,8 +76,8 @@ struct RowSource {
   at::ScalarType dtype = at::kFloat;
   int64_t s_head = 0, s_row = 0; // dense: head and row strides (elements); paged: head within a page, row
   const int64_t* table = nullptr;
-  int64_t table_s0 = 0, page = 0, s_page = 0, Hkv = 1;
-  Divisor by_page, by_head;  // page, Hkv
+  int64_t table_s0 = 0, s_page = 0;
+  Divisor by_page, by_head;  // paged: the page size and Hkv
 
   // element offset of row j of head nb, and the rows from j on that share its stride
   int64_t locate(int64_t nb, int64_t j, int64_t* run) const {
@@ -87,7 +87,7 @@ struct RowSource {
     }
     const int64_t b = by_head.div(nb), g = by_head.mod(nb), i = by_page.mod(j);
     const int64_t p = table[b * table_s0 + by_page.div(j)];
-    *run = page - i;
+    *run = by_page.d - i;
     return p * s_page + i * s_row + g * s_head;
   }
 
@@ -212,7 +212,6 @@ RowSource make_source(const at::Tensor& t, bool paged, int64_t page, const at::T
     s.s_page = t.stride(0), s.s_row = t.stride(1), s.s_head = t.stride(2);
     s.table = table->data_ptr<int64_t>();
     s.table_s0 = table->stride(0);
-    s.page = page, s.Hkv = Hkv;
     s.by_page = Divisor(page), s.by_head = Divisor(Hkv);
   } else {
     TORCH_CHECK(t.dim() == 3, "attnlab native decode: ", name, " must be (Nb, S, E)");
@@ -428,7 +427,8 @@ inline void prefetch_row(const T* row, int64_t width) {
 template <class T>
 inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int64_t k_ld, const float* k_scale,
                           int nk, int ld, float scale2, float* s, const T* v = nullptr, int64_t v_ld = 0, int64_t Ev = 0) {
-  for (int j = 0; j < (nk <= PREFETCH_RUN_ROWS ? nk : PREFETCH_ROWS); ++j) prefetch_row(k + j * k_ld, E);
+  const int first = nk <= PREFETCH_RUN_ROWS ? nk : PREFETCH_ROWS;  // rows asked for here; the loops ask for the rest
+  for (int j = 0; j < first; ++j) prefetch_row(k + j * k_ld, E);
   int j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
   // two rows by four keys from 8 rows on; at 4 rows (a decode step of one GQA group) dots2's four
@@ -437,7 +437,7 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
   if (E % 8 == 0 && n % 2 == 0 && n >= 8)
     for (; j + 4 <= nk; j += 4) {
       for (int i = PREFETCH_ROWS; i < PREFETCH_ROWS + 4; ++i)
-        if (j + i < nk) prefetch_row(k + (j + i) * k_ld, E);
+        if (j + i >= first && j + i < nk) prefetch_row(k + (j + i) * k_ld, E);
       if (v)
         for (int i = 0; i < 4; ++i) prefetch_row<T, 2>(v + (j + i) * v_ld, Ev);
       float f[4];
@@ -446,12 +446,13 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
     }
 #endif
   for (; j < nk; j += 2) {
-    if (j + PREFETCH_ROWS < nk) prefetch_row(k + (j + PREFETCH_ROWS) * k_ld, E);
+    if (j + PREFETCH_ROWS >= first && j + PREFETCH_ROWS < nk) prefetch_row(k + (j + PREFETCH_ROWS) * k_ld, E);
     if (v) {
       prefetch_row<T, 2>(v + j * v_ld, Ev);
       if (j + 1 < nk) prefetch_row<T, 2>(v + (j + 1) * v_ld, Ev);
     }
-    if (j + 1 + PREFETCH_ROWS < nk) prefetch_row(k + (j + 1 + PREFETCH_ROWS) * k_ld, E);
+    if (j + 1 + PREFETCH_ROWS >= first && j + 1 + PREFETCH_ROWS < nk)
+      prefetch_row(k + (j + 1 + PREFETCH_ROWS) * k_ld, E);
     const bool two = j + 1 < nk;
     const float f0 = k_scale ? scale2 * k_scale[j] : scale2;
     const float f1 = two ? (k_scale ? scale2 * k_scale[j + 1] : scale2) : 0.0f;
