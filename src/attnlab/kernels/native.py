@@ -39,16 +39,41 @@ from attnlab._validation import compute_dtype
 from attnlab.kernels.numerics import finite_inputs
 
 __all__ = ["can_run", "NativeStatus", "Bf16Route", "SgemmRoute", "status", "ops", "bf16_route", "sgemm_route",
-           "operand_dtype", "BF16_CHOICES", "SGEMM_CHOICES", "SGEMM_CODES", "sgemm_routes_built", "cache_root"]
+           "operand_dtype", "BF16_CHOICES", "SGEMM_CHOICES", "SGEMM_CODES", "sgemm_routes_built", "cache_root",
+           "build_isa", "ISA_CHOICES"]
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "flash.cpp", _CSRC / "block_sparse.cpp", _CSRC / "decode.cpp")
-_HEADERS = (_CSRC / "kernels.h", _CSRC / "bf16_gemm.h", _CSRC / "sgemm.h")
+_HEADERS = (_CSRC / "kernels.h", _CSRC / "bf16_gemm.h", _CSRC / "sgemm.h", _CSRC / "avx512_emulated.h")
 _NAME = "attnlab_native"
 # -march=native: the build runs on the machine that uses it; -fopenmp: at::parallel_for's
 # pragmas (the library resolves to the libgomp torch has already loaded, so one thread pool)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
+# ATTNLAB_NATIVE_ISA=avx512-emulated: the kernels' AVX-512 source on portable stand-ins for its
+# instructions (csrc/avx512_emulated.h), so that it runs, and is tested, on a CPU without AVX-512
+_EMULATE_AVX512_FLAGS = ["-DATTNLAB_EMULATE_AVX512", "-Wno-psabi"]
+ISA_CHOICES = ("native", "avx512-emulated")
+
+
+def build_isa() -> str:
+    """Which build of the native kernels this process loads: ``$ATTNLAB_NATIVE_ISA``.
+
+    ``native`` (the default) compiles for this CPU's instructions (``-march=native``).
+    ``avx512-emulated`` compiles the kernels' AVX-512 branches (the row pass, the 12 x 32 zmm GEMM
+    tile, the ``vdpbf16ps`` bf16 GEMM) with each AVX-512 instruction written out in portable C++
+    (``csrc/avx512_emulated.h``): a test build, several times slower, that lets an AVX2-only CPU run
+    the AVX-512 source (``tests/kernels/test_avx512_emulated.py``). On a CPU with AVX-512 the two
+    builds are the same code. Each has its own cache folder.
+    """
+    choice = os.environ.get("ATTNLAB_NATIVE_ISA", "native").strip().lower() or "native"
+    if choice not in ISA_CHOICES:
+        raise ValueError(f"ATTNLAB_NATIVE_ISA must be one of {', '.join(ISA_CHOICES)}, got {choice!r}")
+    return choice
+
+
+def _cflags() -> list[str]:
+    return _CFLAGS + (_EMULATE_AVX512_FLAGS if build_isa() == "avx512-emulated" else [])
 
 
 @dataclass(frozen=True)
@@ -147,7 +172,7 @@ def _cache_dir() -> Path:
     key = hashlib.sha256()
     for source in (*_SOURCES, *_HEADERS):
         key.update(source.read_bytes())
-    key.update(" ".join(_CFLAGS + _LDFLAGS).encode())
+    key.update(" ".join(_cflags() + _LDFLAGS).encode())
     key.update(f"{torch.__version__} {sys.version_info[:2]} {platform.machine()}".encode())
     key.update(f"{torch.backends.cpu.get_cpu_capability()} {' '.join(sorted(cpu_features()))}".encode())
     return Path(root) / f"native-{key.hexdigest()[:16]}"
@@ -183,7 +208,7 @@ def _load() -> tuple[Optional[Any], NativeStatus]:
                   file=sys.stderr, flush=True)
             from torch.utils import cpp_extension  # imported only to build: it is slow to import
 
-            cpp_extension.load(name=_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+            cpp_extension.load(name=_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=_cflags(), extra_ldflags=_LDFLAGS,
                                build_directory=str(build_dir), is_python_module=False, verbose=False)
             (build_dir / _FEATURES_FILE).write_text(" ".join(sorted(cpu_features())) + "\n")
         namespace = torch.ops.attnlab_native
@@ -196,7 +221,8 @@ def _load() -> tuple[Optional[Any], NativeStatus]:
                       f"pure-PyTorch code (same results, ~1.3x slower). Set ATTNLAB_NATIVE=0 to silence this.",
                       RuntimeWarning, stacklevel=3)
         return None, NativeStatus(False, f"build or load failed: {reason}")
-    return namespace, NativeStatus(True, f"loaded from {library}")
+    built = " (the avx512-emulated test build: ATTNLAB_NATIVE_ISA)" if build_isa() == "avx512-emulated" else ""
+    return namespace, NativeStatus(True, f"loaded from {library}{built}")
 
 
 def _get() -> tuple[Optional[Any], NativeStatus]:
@@ -343,6 +369,8 @@ def sgemm_route() -> SgemmRoute:
                                                  "its tile walk runs on pairs of ymm")
         return SgemmRoute("blas", f"forced by ATTNLAB_SGEMM={choice}, but this build has no AVX2 + FMA")
     if "avx512" in built:
+        if build_isa() == "avx512-emulated":
+            return SgemmRoute("avx512", "the avx512-emulated build: AVX-512 source, its instructions emulated")
         return SgemmRoute("avx512", "this CPU has avx512f")
     if "avx2" in built:
         return SgemmRoute("avx2", "this CPU has avx2 and fma")

@@ -13,6 +13,9 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+#if defined(ATTNLAB_EMULATE_AVX512)  // the avx512-emulated test build (attnlab.kernels.native)
+#include "avx512_emulated.h"
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>

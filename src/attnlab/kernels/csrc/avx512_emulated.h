@@ -1,0 +1,190 @@
+// The AVX-512 instructions the native kernels use, in portable C++: the "avx512-emulated" build
+// (attnlab.kernels.native, ATTNLAB_NATIVE_ISA=avx512-emulated) includes this on a CPU without
+// AVX-512, so that the kernels' AVX-512 source (kernels.h's row pass and 2^x, sgemm.h's 12 x 32
+// zmm tile, bf16_gemm.h's vdpbf16ps micro-kernel and packing) runs, and is tested, on an
+// AVX2-only machine. It is a test build: correct, slow.
+//
+// Why not the real instructions' names from <immintrin.h>: those need a compiler target with
+// AVX-512 and a CPU that has it. Here each name the kernels use is a macro for a function below
+// on GCC vector types of 64 bytes (16 float32 lanes), written from Intel's pseudocode for the
+// instruction, lane by lane; after it, __AVX512F__ and __AVX512BF16__ are defined, so that the
+// kernels take their AVX-512 branches. Only the instructions the kernels use are here: a new one
+// fails to compile in this build, and the build's test (tests/kernels/test_avx512_emulated.py)
+// says so.
+//
+// Exactness, where it matters to the tests: fused multiply-adds round once (std::fma), the
+// reductions add in the order GCC's _mm512_reduce_add_ps does, round-to-nearest-even is the
+// default rounding mode's, and vdpbf16ps and vcvtne2ps2bf16 treat denormal inputs as zero, as
+// the instructions do.
+#pragma once
+
+#if !defined(__AVX512F__)
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"  // 64-byte vectors passed without AVX-512: inline, never across a library ABI
+
+namespace attnlab_avx512_emulated {
+
+typedef float m512 __attribute__((vector_size(64)));
+typedef long long m512i __attribute__((vector_size(64)));
+typedef short m512bh __attribute__((vector_size(64)));  // 32 bf16, as GCC 12's __m512bh
+typedef uint16_t mmask16;
+
+inline m512 loadu_ps(const void* p) {
+  m512 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+inline void storeu_ps(void* p, m512 x) { std::memcpy(p, &x, sizeof x); }
+inline m512i loadu_si512(const void* p) {
+  m512i x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+inline void storeu_si512(void* p, m512i x) { std::memcpy(p, &x, sizeof x); }
+inline m512 setzero_ps() { return m512{}; }
+inline m512 set1_ps(float a) { return m512{} + a; }
+inline m512i set1_epi32(int32_t a) {
+  int32_t lanes[16];
+  for (int i = 0; i < 16; ++i) lanes[i] = a;
+  return loadu_si512(lanes);
+}
+inline m512 add_ps(m512 a, m512 b) { return a + b; }
+inline m512 sub_ps(m512 a, m512 b) { return a - b; }
+inline m512 mul_ps(m512 a, m512 b) { return a * b; }
+inline m512 fmadd_ps(m512 a, m512 b, m512 c) {  // one rounding, as vfmadd
+  m512 r;
+  for (int i = 0; i < 16; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+}
+inline m512 max_ps(m512 a, m512 b) {  // vmaxps: the second operand when either is NaN or both are 0
+  m512 r;
+  for (int i = 0; i < 16; ++i) r[i] = a[i] > b[i] ? a[i] : b[i];
+  return r;
+}
+// vrndscaleps with scale 0; imm's low bits pick the rounding: the kernels use only to-nearest-even
+inline m512 roundscale_ps(m512 a, int imm) {
+  m512 r;
+  for (int i = 0; i < 16; ++i) {
+    switch (imm & 3) {
+      case 0: r[i] = std::nearbyint(a[i]); break;  // the default mode: to nearest, ties to even
+      case 1: r[i] = std::floor(a[i]); break;
+      case 2: r[i] = std::ceil(a[i]); break;
+      default: r[i] = std::trunc(a[i]); break;
+    }
+  }
+  return r;
+}
+// vscalefps: a * 2^floor(b), to 0 on underflow (b finite here: kernels.h clamps it)
+inline m512 scalef_ps(m512 a, m512 b) {
+  m512 r;
+  for (int i = 0; i < 16; ++i) r[i] = std::ldexp(a[i], static_cast<int>(std::floor(b[i])));
+  return r;
+}
+inline m512 mask_loadu_ps(m512 src, mmask16 k, const void* p) {  // unset lanes never touch memory
+  const float* f = static_cast<const float*>(p);
+  for (int i = 0; i < 16; ++i)
+    if (k >> i & 1) src[i] = f[i];
+  return src;
+}
+inline m512 maskz_loadu_ps(mmask16 k, const void* p) { return mask_loadu_ps(m512{}, k, p); }
+inline void mask_storeu_ps(void* p, mmask16 k, m512 x) {
+  float* f = static_cast<float*>(p);
+  for (int i = 0; i < 16; ++i)
+    if (k >> i & 1) f[i] = x[i];
+}
+inline m512 maskz_mov_ps(mmask16 k, m512 x) {
+  for (int i = 0; i < 16; ++i)
+    if (!(k >> i & 1)) x[i] = 0.0f;
+  return x;
+}
+// GCC's _mm512_reduce_{add,max}_ps: the high 256 bits against the low, then 128, then 64, then 32
+template <class Op>
+inline float reduce(m512 a, Op op) {
+  float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = op(a[i + 8], a[i]);
+  for (int i = 0; i < 4; ++i) t[i] = op(t[i + 4], t[i]);
+  for (int i = 0; i < 2; ++i) t[i] = op(t[i], t[i + 2]);
+  return op(t[0], t[1]);
+}
+inline float reduce_add_ps(m512 a) {
+  return reduce(a, [](float x, float y) { return x + y; });
+}
+inline float reduce_max_ps(m512 a) {
+  return reduce(a, [](float x, float y) { return x > y ? x : y; });
+}
+
+// bf16 <-> float32 as the bf16 instructions see them: denormal inputs are zero
+inline float bf16_daz(uint16_t h) {
+  const uint32_t bits = (h & 0x7f80u) == 0 ? (static_cast<uint32_t>(h) & 0x8000u) << 16 : static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint16_t to_bf16_rne(float f) {  // vcvtne2ps2bf16: to nearest even, denormals to 0, NaN quiet
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  if ((bits & 0x7f800000u) == 0) return static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+// lanes 0..15 from b, 16..31 from a
+inline m512bh cvtne2ps_pbh(m512 a, m512 b) {
+  m512bh r;
+  for (int i = 0; i < 16; ++i) {
+    r[i] = static_cast<short>(to_bf16_rne(b[i]));
+    r[i + 16] = static_cast<short>(to_bf16_rne(a[i]));
+  }
+  return r;
+}
+// vdpbf16ps: src[j] + a[2j + 1] b[2j + 1] + a[2j] b[2j] (Intel's order; each bf16 product is exact
+// in float32, each sum rounds)
+inline m512 dpbf16_ps(m512 src, m512bh a, m512bh b) {
+  for (int j = 0; j < 16; ++j) {
+    const auto at = [](m512bh x, int i) { return bf16_daz(static_cast<uint16_t>(x[i])); };
+    const float t = src[j] + at(a, 2 * j + 1) * at(b, 2 * j + 1);
+    src[j] = t + at(a, 2 * j) * at(b, 2 * j);
+  }
+  return src;
+}
+
+}  // namespace attnlab_avx512_emulated
+
+#pragma GCC diagnostic pop
+
+// the names the kernels use, for the functions above; then their AVX-512 branches
+#define __m512 attnlab_avx512_emulated::m512
+#define __m512i attnlab_avx512_emulated::m512i
+#define __m512bh attnlab_avx512_emulated::m512bh
+#define __mmask16 attnlab_avx512_emulated::mmask16
+#define _mm512_loadu_ps attnlab_avx512_emulated::loadu_ps
+#define _mm512_storeu_ps attnlab_avx512_emulated::storeu_ps
+#define _mm512_loadu_si512 attnlab_avx512_emulated::loadu_si512
+#define _mm512_storeu_si512 attnlab_avx512_emulated::storeu_si512
+#define _mm512_setzero_ps attnlab_avx512_emulated::setzero_ps
+#define _mm512_set1_ps attnlab_avx512_emulated::set1_ps
+#define _mm512_set1_epi32 attnlab_avx512_emulated::set1_epi32
+#define _mm512_add_ps attnlab_avx512_emulated::add_ps
+#define _mm512_sub_ps attnlab_avx512_emulated::sub_ps
+#define _mm512_mul_ps attnlab_avx512_emulated::mul_ps
+#define _mm512_fmadd_ps attnlab_avx512_emulated::fmadd_ps
+#define _mm512_max_ps attnlab_avx512_emulated::max_ps
+#define _mm512_roundscale_ps attnlab_avx512_emulated::roundscale_ps
+#define _mm512_scalef_ps attnlab_avx512_emulated::scalef_ps
+#define _mm512_mask_loadu_ps attnlab_avx512_emulated::mask_loadu_ps
+#define _mm512_maskz_loadu_ps attnlab_avx512_emulated::maskz_loadu_ps
+#define _mm512_mask_storeu_ps attnlab_avx512_emulated::mask_storeu_ps
+#define _mm512_maskz_mov_ps attnlab_avx512_emulated::maskz_mov_ps
+#define _mm512_reduce_add_ps attnlab_avx512_emulated::reduce_add_ps
+#define _mm512_reduce_max_ps attnlab_avx512_emulated::reduce_max_ps
+#define _mm512_cvtne2ps_pbh attnlab_avx512_emulated::cvtne2ps_pbh
+#define _mm512_dpbf16_ps attnlab_avx512_emulated::dpbf16_ps
+#define __AVX512F__ 1
+#define __AVX512BF16__ 1
+
+#endif  // !__AVX512F__
