@@ -43,6 +43,25 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(parity_stats.summary())
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist ('make test' runs two workers) each worker hands its parity statistics
+    to the controller, which prints the one summary."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        from helpers import parity_stats
+
+        workeroutput["parity_stats"] = parity_stats.export()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    from helpers import parity_stats
+
+    data = getattr(node, "workeroutput", {}).get("parity_stats")
+    if data:
+        parity_stats.merge(data)
+
+
 def _become_subreaper() -> None:
     """Orphans of this test process's descendants (a sandbox whose grader was killed, a
     learner's double-forked daemon) are re-parented to this process instead of pid 1, so

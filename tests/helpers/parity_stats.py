@@ -26,3 +26,15 @@ def summary() -> str:
                  for d in order if (path, d, "output") in WORST]
         lines.append(f"  {path}: " + "; ".join(parts))
     return "\n".join(lines)
+
+
+def export() -> dict:
+    """This process's statistics as plain data (a pytest-xdist worker hands them to the controller)."""
+    return {"cases": COUNT["cases"], "worst": [[*key, err] for key, err in WORST.items()]}
+
+
+def merge(data: dict) -> None:
+    """Add a worker's :func:`export` to this process's statistics."""
+    COUNT["cases"] += data["cases"]
+    for path, dtype, kind, err in data["worst"]:
+        WORST[(path, dtype, kind)] = max(WORST.get((path, dtype, kind), 0.0), err)
