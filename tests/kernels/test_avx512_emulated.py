@@ -6,7 +6,8 @@ written out in portable C++ (``csrc/avx512_emulated.h``), so the AVX-512 branche
 pass and 2^x, the 12 x 32 zmm GEMM tile of the ``avx512`` float32 route, the ``vdpbf16ps`` bf16
 GEMM and its packing) run on an AVX2-only CPU. Here that build runs the kernels' own parity
 suites in a child process: the same checks, against torch and float64, that the native build
-passes. On a CPU with AVX-512 the header does nothing and the child runs the native code again.
+passes. On a CPU with AVX-512F only the bf16 instructions are emulated; on one with AVX512_BF16
+too the header does nothing and the child runs the native code again.
 """
 
 from __future__ import annotations

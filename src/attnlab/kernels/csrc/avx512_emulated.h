@@ -12,13 +12,16 @@
 // fails to compile in this build, and the build's test (tests/kernels/test_avx512_emulated.py)
 // says so.
 //
+// A build for a CPU with AVX-512F but not AVX512_BF16 (Skylake-X, Ice Lake) emulates the two bf16
+// instructions only; for a CPU with both this header adds nothing.
+//
 // Exactness, where it matters to the tests: fused multiply-adds round once (std::fma), the
 // reductions add in the order GCC's _mm512_reduce_add_ps does, round-to-nearest-even is the
 // default rounding mode's, and vdpbf16ps and vcvtne2ps2bf16 treat denormal inputs as zero, as
 // the instructions do.
 #pragma once
 
-#if !defined(__AVX512F__)
+#if !defined(__AVX512F__) || !defined(__AVX512BF16__)
 
 #include <cmath>
 #include <cstdint>
@@ -158,9 +161,9 @@ inline m512 dpbf16_ps(m512 src, m512bh a, m512bh b) {
 #pragma GCC diagnostic pop
 
 // the names the kernels use, for the functions above; then their AVX-512 branches
+#if !defined(__AVX512F__)
 #define __m512 attnlab_avx512_emulated::m512
 #define __m512i attnlab_avx512_emulated::m512i
-#define __m512bh attnlab_avx512_emulated::m512bh
 #define __mmask16 attnlab_avx512_emulated::mmask16
 #define _mm512_loadu_ps attnlab_avx512_emulated::loadu_ps
 #define _mm512_storeu_ps attnlab_avx512_emulated::storeu_ps
@@ -182,9 +185,14 @@ inline m512 dpbf16_ps(m512 src, m512bh a, m512bh b) {
 #define _mm512_maskz_mov_ps attnlab_avx512_emulated::maskz_mov_ps
 #define _mm512_reduce_add_ps attnlab_avx512_emulated::reduce_add_ps
 #define _mm512_reduce_max_ps attnlab_avx512_emulated::reduce_max_ps
+#define __AVX512F__ 1
+#endif  // !__AVX512F__
+
+#if !defined(__AVX512BF16__)
+#define __m512bh attnlab_avx512_emulated::m512bh
 #define _mm512_cvtne2ps_pbh attnlab_avx512_emulated::cvtne2ps_pbh
 #define _mm512_dpbf16_ps attnlab_avx512_emulated::dpbf16_ps
-#define __AVX512F__ 1
 #define __AVX512BF16__ 1
+#endif  // !__AVX512BF16__
 
-#endif  // !__AVX512F__
+#endif  // !__AVX512F__ || !__AVX512BF16__
