@@ -74,3 +74,12 @@ def test_the_avx512_source_passes_the_kernel_suites_on_emulated_instructions():
     counts = dict((kind, int(n)) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|error)", run.stdout))
     assert counts.get("failed", 0) == 0 and counts.get("skipped", 0) == 0, tail
     assert counts.get("passed", 0) >= 1400, tail  # every suite ran, not a collection that found little
+
+
+def test_the_bench_says_when_its_times_are_of_the_emulated_build(monkeypatch):
+    from attnlab.bench.machine import machine_line
+
+    monkeypatch.delenv("ATTNLAB_NATIVE_ISA", raising=False)
+    assert "avx512-emulated" not in machine_line()
+    monkeypatch.setenv("ATTNLAB_NATIVE_ISA", "avx512-emulated")
+    assert "attnlab's times below are of a test build, not this CPU's speed" in machine_line()

@@ -84,5 +84,7 @@ def machine_line() -> str:
 
     # the flags that choose code paths (attnlab's row passes, torch's and oneDNN's GEMMs)
     flags = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in _native.cpu_features()]
+    emulated = ("; NOTE: ATTNLAB_NATIVE_ISA=avx512-emulated, attnlab's times below are of a test build, not this CPU's "
+                "speed" if _native.build_isa() == "avx512-emulated" else "")
     return (f"{cpu} ({' '.join(flags) or 'no AVX2'}), {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, "
-            f"torch {torch.__version__}, Python {sys.version.split()[0]}; {_native.status()}")
+            f"torch {torch.__version__}, Python {sys.version.split()[0]}; {_native.status()}{emulated}")
