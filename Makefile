@@ -55,7 +55,7 @@ browser:
 	  || echo "note: chromium is not installed; the HTML page test will say it cannot run"
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "$(FAST)"
+	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal -m "$(FAST)"
 
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict --site-dir site

@@ -15,7 +15,14 @@ settings.register_profile(
 settings.register_profile("large", parent=settings.get_profile("default"), max_examples=1000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist ('make test': two workers on two cores) each worker's torch takes one thread.
+# Two workers of two threads each left torch's parallel regions waiting on descheduled threads: in
+# CI's run on two workers (2026-12-03, 2-core AVX2 EPYC) the doctor's seed test took 50-88 s, under
+# 13 s in one process. Tests of thread counts set their own.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
 
 # Triton kernels (attnlab.triton, lab 05) run on the CPU through Triton's interpreter, which is
 # chosen when @triton.jit decorates a kernel: set before any test imports one. Nothing else reads it.
