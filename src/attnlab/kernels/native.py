@@ -64,7 +64,7 @@ def build_isa() -> str:
     ``native`` (the default) compiles for this CPU's instructions (``-march=native``).
     ``avx512-emulated`` compiles the kernels' AVX-512 branches (the row pass, the 12 x 32 zmm GEMM
     tile, the ``vdpbf16ps`` bf16 GEMM) with each AVX-512 instruction written out in portable C++
-    (``csrc/avx512_emulated.h``): a test build, several times slower, that lets an AVX2-only CPU run
+    (``csrc/avx512_emulated.h``): a test build (its times are not the CPU's) that lets an AVX2-only CPU run
     the AVX-512 source (``tests/kernels/test_avx512_emulated.py``). On a CPU with AVX-512F but not
     AVX512_BF16 only the bf16 instructions are emulated; on one with both the two builds are the same
     code. Each has its own cache folder.
