@@ -204,3 +204,23 @@ def test_without_a_mount_namespace_the_identity_says_what_it_is(monkeypatch):
     monkeypatch.setattr(bwrap, "can_stage", lambda: True)
     plan = bwrap.plan("/usr/bin/bwrap", ["true"])
     assert plan.uid is not None and plan.stage == bwrap.STAGE and bwrap.STAGE in " ".join(plan.argv)
+
+
+WARMED = '''
+import sys
+
+def warmed():
+    return repr({name: name in sys.modules for name in ("triton", "triton.compiler.code_generator")})
+'''
+
+
+@pytest.mark.parametrize("how", ["bwrap", "template"])
+def test_triton_s_interpreter_is_warmed_in_the_zygote_before_any_child(tmp_path, how):
+    """Every exercise of lab 05 runs in a fresh fork: the zygote has already run one trusted kernel
+    through Triton's interpreter (server.warm_triton_interpreter), so no child imports the modules a
+    first launch needs again. A module that only a launch imports is already there for the
+    learner's first call (without the warm-up: False, shown by removing the call)."""
+    needs_sandbox()
+    with made_by(how):
+        found = run(tmp_path, WARMED, "warmed")
+    assert found == {"triton": True, "triton.compiler.code_generator": True}, found
