@@ -297,6 +297,27 @@ def test_unequal_cache_lengths_split_into_equal_tasks(monkeypatch):
         assert_close(out[b:b + 1], want, dtype=torch.float32, msg=f"batch {b}")
 
 
+@pytest.mark.parametrize("dot", ["int16", "float32"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 10, 16])
+@pytest.mark.parametrize("E,Ev", [(64, 40), (32, 64), (20, 13)], ids=["tiled", "wide", "tails"])
+def test_the_streaming_loop_takes_every_row_and_column_count_of_an_int8_cache(rows, E, Ev, dot, monkeypatch):
+    """The same counts on an int8 cache, each dot-product route forced: the int16 route's four-row
+    integer tiles and the single rows they leave (rows % 4), the value tiles an int8 cache takes, and
+    E = 20 (not a multiple of 16: the int16 route gives way to float32 there). Exact against float64
+    over the dequantised cache and the query the route's scores see (_query_seen)."""
+    from attnlab.decoding import dequantize, quantize
+
+    monkeypatch.setenv("ATTNLAB_DECODE", "stream")
+    monkeypatch.setenv("ATTNLAB_INT8_DOT", dot)
+    q = randn(1, rows, 1, E)
+    (k8, ks), (v8, vs) = quantize(randn(1, 1, 70, E, seed=1)), quantize(randn(1, 1, 70, Ev, seed=2))
+    out = decode_attention(q, k8, v8, enable_gqa=True, k_scale=ks, v_scale=vs)
+    native_int16 = _native.ops() is not None and dot == "int16" and E % 16 == 0
+    assert kernel.int8_dot(E, "stream") == ("int16" if native_int16 else "float32")
+    want = torch_math(_query_seen(q, 1), dequantize(k8, ks).double(), dequantize(v8, vs).double(), enable_gqa=True)
+    assert_close(out, want.float(), dtype=torch.float32)
+
+
 def _activations(*shape, seed: int) -> torch.Tensor:
     """Real-looking activations: normal rows with a few outlier channels (x8), as LLM keys have."""
     x = randn(*shape, seed=seed)
@@ -304,26 +325,50 @@ def _activations(*shape, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("loop", ["stream", "gemm"])
+def _query_seen(q: torch.Tensor, Hkv: int, lam=None) -> torch.Tensor:
+    """The query ``(B, H, L, E)`` an int8 cache's scores see: on the int16 route
+    (``kernel.int8_dot``: the native streaming loop) each row of ``q * lambda`` (smoothed keys'
+    factors, ``(B, Hkv, E)``) rounded to int16 as the kernel rounds it (``kernel.int16_rounded``),
+    divided by lambda again; on the float32 route ``q`` itself. In float64."""
+    rows = q.shape[1] // Hkv * q.shape[2]
+    if _native.ops() is None or kernel.int8_dot(q.shape[-1], kernel.loop(rows)) != "int16":
+        return q.double()
+    if lam is None:
+        return kernel.int16_rounded(q)
+    lam_h = lam.repeat_interleave(q.shape[1] // Hkv, dim=1)[:, :, None, :]  # (B, Hkv, E) -> (B, H, 1, E)
+    return kernel.int16_rounded(q * lam_h) / lam_h.double()
+
+
+@pytest.mark.parametrize("loop,dot", [("stream", "int16"), ("stream", "float32"), ("gemm", "float32")])
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 @pytest.mark.parametrize("L,causal", [(1, False), (4, True)])
-def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(paged, L, causal, loop, monkeypatch):
-    """The kernel reads int8 rows and their scales (the streaming loop in its dot products, the
-    GEMM loop dequantising each block, across pages); the reference is float64 attention over the
-    dequantised cache, so the only error allowed is float32's. Per-token scales differ (outlier
-    rows), so a scale applied to the wrong row, or the keys' to the values, shows."""
+def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(paged, L, causal, loop, dot, monkeypatch):
+    """The kernel reads int8 rows and their scales (the streaming loop in its dot products, on
+    integers or widened to float32; the GEMM loop dequantising each block, across pages); the
+    reference is float64 attention over the dequantised cache (and, on the int16 route, the query
+    rounded as that route rounds it: kernel.int16_rounded), so the only error allowed is float32's.
+    Per-token scales differ (outlier rows), so a scale applied to the wrong row, or the keys' to
+    the values, shows; so does a query left unrounded on the int16 route (checked below)."""
     from attnlab.decoding import dequantize, quantize
 
     monkeypatch.setenv("ATTNLAB_DECODE", loop)
+    monkeypatch.setenv("ATTNLAB_INT8_DOT", dot)
+    native = _native.ops() is not None
+    assert kernel.int8_dot(64, loop) == (dot if native else "float32")
 
     q, k, v = randn(2, 8, L, 64), _activations(2, 2, 520, 64, seed=1), _activations(2, 2, 520, 64, seed=2)
     k[:, :, 100:110] *= 3  # tokens larger than the rest: their scales are their own
+    q_used = _query_seen(q, 2).float()  # the query the kernel's scores see
+    if native and dot == "int16":
+        q_err = (q_used.double() - q.double()).abs().max().item()
+        assert 0 < q_err <= q.abs().max().item() / 65534 * 1.001  # rounded, by half a step at most
     if paged:
         cache = PagedKVCache(2, 2, 64, dtype=torch.int8)
         cache.append(k[:, :, :300], v[:, :, :300])
         cache.append(k[:, :, 300:], v[:, :, 300:])
         out = paged_decode_attention(q, cache, is_causal=causal, causal_align="bottom_right")
         k_deq, v_deq = cache.dense()
+        q_used = _query_seen(q, 2, cache.k_channel_scale).float()  # the cache smooths its keys: q * lambda rounded
     else:
         (k8, ks), (v8, vs) = quantize(k), quantize(v)
         out = decode_attention(q, k8, v8, causal, enable_gqa=True, causal_align="bottom_right", k_scale=ks,
@@ -333,7 +378,7 @@ def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(paged, L, 
         swapped = decode_attention(q, k8, v8, causal, enable_gqa=True, causal_align="bottom_right", k_scale=vs,
                                    v_scale=ks)
         with pytest.raises(AssertionError):
-            assert_close(swapped, torch_math(q.double(), k_deq.double(), v_deq.double(), enable_gqa=True,
+            assert_close(swapped, torch_math(q_used.double(), k_deq.double(), v_deq.double(), enable_gqa=True,
                                              attn_mask=bottom_right(L, 520) if causal else None).float(),
                          dtype=torch.float32)
     mask = bottom_right(L, 520) if causal else None
@@ -343,7 +388,11 @@ def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(paged, L, 
 
     # the shared rule: the scores reach a few hundred on these activations, so float32's own error
     # (torch's, measured on the same inputs) sets the bound, not an O(1) tolerance
-    assert_close_to_sdpa(on_the_cache, q, k_deq, v_deq, attn_mask=mask, enable_gqa=True, check_grads=False)
+    assert_close_to_sdpa(on_the_cache, q_used, k_deq, v_deq, attn_mask=mask, enable_gqa=True, check_grads=False)
+    if native and dot == "int16":  # the rounding is what the int16 route computes: the unrounded query's reference fails
+        with pytest.raises(AssertionError):
+            assert_close(out, torch_math(q.double(), k_deq.double(), v_deq.double(), attn_mask=mask,
+                                         enable_gqa=True).float(), dtype=torch.float32)
     # and against the unquantised cache: int8's own error, a few percent of the output's size at most
     # (measured on these activations: BENCHMARKS.md, "int8 KV cache")
     exact = torch_math(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
@@ -373,7 +422,7 @@ def test_smoothed_int8_keys_are_exact_against_their_own_reference_and_cut_the_ou
     (k8, ks), (v8, vs) = quantize(k / lam[..., None, :]), quantize(v)
     out = decode_attention(q, k8, v8, enable_gqa=True, k_scale=ks, v_scale=vs, k_channel_scale=lam)
     k_deq, v_deq = dequantize(k8, ks, lam), dequantize(v8, vs)
-    want = torch_math(q.double(), k_deq.double(), v_deq.double(), enable_gqa=True)
+    want = torch_math(_query_seen(q, 2, lam), k_deq.double(), v_deq.double(), enable_gqa=True)
     assert_close(out, want.float(), dtype=torch.float32)
     if outlier:  # the factors are what make it exact: without them on the query the check fails
         unscaled = decode_attention(q, k8, v8, enable_gqa=True, k_scale=ks, v_scale=vs)
@@ -426,7 +475,7 @@ def test_int8_caches_smooth_their_keys_from_the_prompt(kind):
     lam = cache.k_channel_scale
     assert lam is not None and lam.shape == (1, 2, 64) and bool((lam[..., [5, 40]] > 10).all())
     k_deq, v_deq = contents(cache)
-    want = torch_math(q.double(), k_deq.double(), v_deq.double(), enable_gqa=True)
+    want = torch_math(_query_seen(q, 2, lam), k_deq.double(), v_deq.double(), enable_gqa=True)
     assert_close(step(cache), want.float(), dtype=torch.float32)
     exact = torch_math(q.double(), k.double(), v.double(), enable_gqa=True)
     channel_err = (k_deq - k).abs().amax(dim=(0, 1, 2))[[5, 40]]  # outlier channels kept within 1% of their size
@@ -442,7 +491,7 @@ def test_int8_caches_smooth_their_keys_from_the_prompt(kind):
     for plain in (short, off):
         assert plain.k_channel_scale is None
         k_deq, v_deq = contents(plain)
-        want = torch_math(q.double(), k_deq.double(), v_deq.double(), enable_gqa=True)
+        want = torch_math(_query_seen(q, 2), k_deq.double(), v_deq.double(), enable_gqa=True)
         assert_close(step(plain), want.float(), dtype=torch.float32)
     per_token_err = (step(off).double() - exact).abs().max().item()
     assert smoothed_err < 0.25 * per_token_err, (smoothed_err, per_token_err)

@@ -25,7 +25,8 @@ row once, as stored, into the few rows' dot products and AXPYs (a decode step: `
 prefill, speculative decoding). An int8 cache (``k_scale``, ``v_scale``: a float32 scale per
 token and head) takes either: the streaming loop scales its dot products and AXPYs, the GEMM loop
 dequantises each block into its scratch (at Lq = 64 the streaming loop took 1.6x the GEMM loop's
-time on the 2-core AVX2 EPYC, 2026-12-03).
+time on the 2-core AVX2 EPYC, 2026-12-03). The streaming loop's int8 dot products run on integers
+against the query rounded to int16 (:func:`int8_dot`, ``$ATTNLAB_INT8_DOT`` forces a route).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from attnlab.kernels import online
 from attnlab.kernels.numerics import merge_
 
 __all__ = ["forward", "forward_eager", "choose_chunk", "loop", "CAUSAL", "BLOCK_K", "MIN_CHUNK", "STREAM_MAX_ROWS",
-           "STREAM_BLOCK_K", "LOOPS", "dequantize"]
+           "STREAM_BLOCK_K", "LOOPS", "dequantize", "int8_dot", "int16_rounded", "INT8_DOTS", "INT8_DOT_CODES"]
 
 Causal = Literal["none", "top_left", "bottom_right"]
 CAUSAL = {"none": 0, "top_left": 1, "bottom_right": 2}
@@ -60,6 +61,8 @@ TASKS_PER_THREAD = 4  # enough tasks that the threads finish together when chunk
 STREAM_MAX_ROWS = 32
 STREAM_BLOCK_K = 64  # keys per online-softmax step in the streaming loop: its scores stay in L1
 LOOPS = ("auto", "stream", "gemm")
+INT8_DOTS = ("auto", "int16", "float32")
+INT8_DOT_CODES = {"float32": 0, "int16": 1}  # what csrc/decode.cpp's decode_forward takes as int8_dot
 
 
 def loop(rows: int) -> str:
@@ -72,6 +75,45 @@ def loop(rows: int) -> str:
     if choice != "auto":
         return choice
     return "stream" if rows <= STREAM_MAX_ROWS else "gemm"
+
+
+def int8_dot(E: int, mode: str) -> str:
+    """How the native streaming loop takes an int8 cache's dot products for head size ``E`` on loop
+    ``mode``: ``$ATTNLAB_INT8_DOT`` (``auto``, the default; ``int16`` or ``float32`` force one).
+
+    ``"int16"``: each query row rounded to int16 on a scale of its own (:func:`int16_rounded`), the
+    key rows' int8 values multiplied in integers (``vpmaddwd``), one scale per row and key applied
+    to the exact int32 sum. ``"float32"``: each int8 element widened to float32 for an FMA. The
+    int16 route needs the streaming loop, ``E`` a multiple of 16 and at most 4096 (its int32 sums
+    stay exact), and the native kernels; ``auto`` takes it where the build has AVX2.
+
+    The rounding is at most half of ``amax / 32767`` per query element, 1/258 of what the int8
+    keys' own rounding allows; results agree with the float32 route to about 1e-5 of the output's
+    size (3e-5 on ``q (1, 32, 1, 128)`` against Gaussian keys). On the 2-core AVX2 EPYC it took
+    int8 decoding from 0.79-0.88x bf16's time to 0.64-0.75x at ``Lq = 1`` (one thread, CPU time,
+    old and new builds alternated; BENCHMARKS.md, "int8 dot products on integers").
+    """
+    choice = os.environ.get("ATTNLAB_INT8_DOT", "auto").strip().lower() or "auto"
+    if choice not in INT8_DOTS:
+        raise ValueError(f"ATTNLAB_INT8_DOT must be one of {', '.join(INT8_DOTS)}, got {choice!r}")
+    if mode != "stream" or E % 16 or E > 4096 or _native.ops() is None or choice == "float32":
+        return "float32"
+    if choice == "int16" or "avx2" in _native.sgemm_routes_built():
+        return "int16"
+    return "float32"
+
+
+def int16_rounded(q: Tensor) -> Tensor:
+    """``q (..., E)`` float32 as the int16 route uses it: each row rounded to int16 on the scale
+    ``amax / 32767`` (``amax`` its largest magnitude; half to even), returned dequantised in
+    float64 (``qi * qs``), so that a reference over it is exact. The same float32 operations as
+    ``quantize_rows`` in ``csrc/decode.cpp``."""
+    q = q.float()
+    amax = q.abs().amax(-1, keepdim=True)
+    safe = torch.where(amax == 0, torch.ones_like(amax), amax)
+    qi = torch.round(q * (torch.tensor(32767.0) / safe)).clamp(-32767, 32767)
+    qs = torch.where(amax == 0, torch.zeros_like(amax), amax / torch.tensor(32767.0))
+    return qi.double() * qs.double()
 
 
 def choose_chunk(S: int, Nb: int, threads: int, page: int = 1) -> int:
@@ -107,9 +149,10 @@ def forward(q4: Tensor, k: Tensor, v: Tensor, *, Hkv: int, S: int, scale2: float
     if native:
         block = STREAM_BLOCK_K if mode == "stream" else BLOCK_K
         # chunk 0: the kernel splits every head's own keys into about TASKS_PER_THREAD tasks per thread
+        dot = INT8_DOT_CODES[int8_dot(q4.shape[-1], mode)] if int8 else 0
         out, lse2, nonfinite = _native.ops().decode_forward(
             q4.contiguous(), k, v, table, seqlens, k_scale, v_scale, Hkv, S, scale2, CAUSAL[causal], chunk or 0,
-            block, 1 if mode == "stream" else 0, _native.sgemm_route().code)
+            block, 1 if mode == "stream" else 0, _native.sgemm_route().code, dot)
         return out, lse2, bool(nonfinite)
     page = k.shape[1] if table is not None else 1
     chunk = chunk or choose_chunk(S, q4.shape[0], torch.get_num_threads(), page)

@@ -20,8 +20,9 @@
 // the few rows of a decode step) reads each K and V row once, in its stored dtype, straight into
 // the n rows' dot products and AXPYs: no scratch copy of the block, no GEMM that packs it again.
 // int8 caches (a float32 scale per token and head, as ONNX Runtime's and vLLM's): the streaming
-// loop takes the dot product on the int8 row and scales it once, and scales P by the value row's
-// scale before its AXPY; the GEMM loop dequantises the block into its scratch (many rows share it).
+// loop takes the dot product on the int8 row and scales it once (in integers against the query
+// rounded to int16 when int8_dot = 1: idots2), and scales P by the value row's scale before its
+// AXPY; the GEMM loop dequantises the block into its scratch (many rows share it).
 //
 // Work is split into tasks of about `chunk` keys of one head, over the keys each head really
 // has (seqlens, the causal stop), so unequal caches give equal tasks.
@@ -35,6 +36,8 @@
 //     k_scale, v_scale  int8 caches only: float32 (Nb, S) (dense) or (P, page, Hkv) (paged)
 //     causal  0: none; 1: top-left (SDPA's is_causal: row i sees keys 0..i);
 //             2: bottom-right (row i sees keys 0..S_b - L + i: new tokens after the cache)
+//     int8_dot  int8 caches on the streaming loop: 0 each element widened to float32; 1 integer dot
+//             products against the query rounded to int16 per row (E % 16 == 0, E <= 4096; else 0)
 // Returns out (Nb, r, L, Ev) float32, lse2 (Nb, r, L) (base 2; -inf where a row saw no key) and a
 // bool scalar: true when some score was NaN or inf (the result is then not to be used).
 // There is no backward: decoding runs without gradients (attnlab.decoding refuses them).
@@ -48,7 +51,9 @@
 #include "kernels.h"
 
 #include <atomic>
+#include <cmath>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -375,6 +380,97 @@ inline void dots4(const float* __restrict__ q, int64_t n, int64_t E, const T* __
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+inline void in_register(__m256i& x) { asm("" : "+x"(x)); }
+
+// the four sums of the int32 lanes of s0..s3, as floats (sum8x4's tree on integers: exact)
+inline __m128 isum8x4(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
+  const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+  return _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
+}
+#endif
+
+// An int8 cache's scores on integer dot products (int8_dot = 1: decode.py's "int16" route): the query rows rounded to int16
+// (qi, one scale per row in qs: quantize_rows), the key rows sign-extended to int16, and
+// vpmaddwd's pairs summed in int32 (exact: |sum| <= 2 * 32767 * 128 * E / 2 < 2^31 for E <= 4096).
+// s[a * nk + j] = f_j * qs[a] * sum_c qi[a, c] * k_j[c]. One vpmovsxbw, four vpmaddwd and four
+// vpaddd per 16 elements of a key and four rows, where the float32 route takes two conversions of
+// two instructions and eight FMAs. Needs E % 16 == 0 (decode_forward checks). The query's rounding
+// is at most half of amax / 32767 per element, 1/258 of the int8 keys' own (half of amax / 127).
+// With the four-row value tile for int8 (stream_values), old and new builds alternated (q (1, 32,
+// Lq, 128) against (1, 8, S, 128), one thread, CPU time, 2-core AVX2 EPYC, 2026-12-03, three rounds):
+// int8 / bf16 time at Lq = 1 0.79-0.88x -> 0.64-0.75x (S = 4096 and 32768), at Lq = 4 0.85-0.96x ->
+// 0.65-0.92x (one round of 1.03x in this VM's noise). BENCHMARKS.md, "int8 dot products on integers".
+inline void idots2(const int16_t* __restrict__ qi, const float* __restrict__ qs, int64_t n, int64_t E,
+                   const int8_t* __restrict__ k0, const int8_t* __restrict__ k1, float f0, float f1,
+                   float* __restrict__ s, int nk, int j0) {
+  int64_t a = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; a + 4 <= n; a += 4) {
+    const int16_t *q0 = qi + a * E, *q1 = q0 + E, *q2 = q1 + E, *q3 = q2 + E;
+    __m256i x0 = _mm256_setzero_si256(), x1 = x0, x2 = x0, x3 = x0;  // key 0, rows a .. a + 3
+    __m256i y0 = x0, y1 = x0, y2 = x0, y3 = x0;                       // key 1
+    for (int64_t c = 0; c < E; c += 16) {
+      __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + c));
+      __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q1 + c));
+      __m256i a2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q2 + c));
+      __m256i a3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q3 + c));
+      in_register(a0), in_register(a1), in_register(a2), in_register(a3);
+      __m256i kc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k0 + c)));
+      in_register(kc);
+      x0 = _mm256_add_epi32(x0, _mm256_madd_epi16(a0, kc)), x1 = _mm256_add_epi32(x1, _mm256_madd_epi16(a1, kc));
+      x2 = _mm256_add_epi32(x2, _mm256_madd_epi16(a2, kc)), x3 = _mm256_add_epi32(x3, _mm256_madd_epi16(a3, kc));
+      if (k1) {
+        __m256i kd = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k1 + c)));
+        in_register(kd);
+        y0 = _mm256_add_epi32(y0, _mm256_madd_epi16(a0, kd)), y1 = _mm256_add_epi32(y1, _mm256_madd_epi16(a1, kd));
+        y2 = _mm256_add_epi32(y2, _mm256_madd_epi16(a2, kd)), y3 = _mm256_add_epi32(y3, _mm256_madd_epi16(a3, kd));
+      }
+    }
+    const __m128 scale = _mm_loadu_ps(qs + a);
+    alignas(16) float rx[4], ry[4];
+    _mm_store_ps(rx, _mm_mul_ps(_mm_mul_ps(isum8x4(x0, x1, x2, x3), scale), _mm_set1_ps(f0)));
+    _mm_store_ps(ry, _mm_mul_ps(_mm_mul_ps(isum8x4(y0, y1, y2, y3), scale), _mm_set1_ps(f1)));
+    for (int i = 0; i < 4; ++i) {
+      s[(a + i) * nk + j0] = rx[i];
+      if (k1) s[(a + i) * nk + j0 + 1] = ry[i];
+    }
+  }
+#endif
+  for (; a < n; ++a) {  // rows left over (and every row without AVX2): the same integer sums
+    const int16_t* qa = qi + a * E;
+    int32_t r0 = 0, r1 = 0;
+    for (int64_t c = 0; c < E; ++c) {
+      r0 += static_cast<int32_t>(qa[c]) * k0[c];
+      if (k1) r1 += static_cast<int32_t>(qa[c]) * k1[c];
+    }
+    s[a * nk + j0] = static_cast<float>(r0) * qs[a] * f0;
+    if (k1) s[a * nk + j0 + 1] = static_cast<float>(r1) * qs[a] * f1;
+  }
+}
+
+// qi (m, E) = the rows of q (m, E) rounded to int16 on a scale of their own, qs (m) = amax / 32767
+// (round half to even, as torch.round: the reference rounds them the same way, attnlab.decoding).
+// False when a row holds NaN or inf (the caller then redoes the call on the pure path).
+inline bool quantize_rows(const float* q, int64_t m, int64_t E, int16_t* qi, float* qs) {
+  for (int64_t a = 0; a < m; ++a) {
+    const float* row = q + a * E;
+    float amax = 0.0f;
+    for (int64_t c = 0; c < E; ++c) amax = std::max(amax, std::fabs(row[c]));
+    if (!std::isfinite(amax)) return false;
+    if (amax == 0.0f) {
+      std::fill(qi + a * E, qi + (a + 1) * E, int16_t(0));
+      qs[a] = 0.0f;
+      continue;
+    }
+    const float inv = 32767.0f / amax;
+    for (int64_t c = 0; c < E; ++c)
+      qi[a * E + c] = static_cast<int16_t>(std::clamp(std::nearbyint(row[c] * inv), -32767.0f, 32767.0f));
+    qs[a] = amax / 32767.0f;
+  }
+  return true;
+}
+
 // The scores of nk key rows of one stride (inside a page): s (n, nk), rows ld apart, = scale2 * Q K^T
 // by dot products, each K row read once as stored (k_scale: the int8 rows' scales, else nullptr);
 // v: the same keys' value rows (v_ld apart, Ev wide), asked for into L2 as their keys are used, or
@@ -426,7 +522,8 @@ inline void prefetch_row(const T* row, int64_t width) {
 
 template <class T>
 inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int64_t k_ld, const float* k_scale,
-                          int nk, int ld, float scale2, float* s, const T* v = nullptr, int64_t v_ld = 0, int64_t Ev = 0) {
+                          int nk, int ld, float scale2, float* s, const T* v = nullptr, int64_t v_ld = 0, int64_t Ev = 0,
+                          const int16_t* qi = nullptr, const float* qs = nullptr) {
   const int first = nk <= PREFETCH_RUN_ROWS ? nk : PREFETCH_ROWS;  // rows asked for here; the loops ask for the rest
   for (int j = 0; j < first; ++j) prefetch_row(k + j * k_ld, E);
   int j = 0;
@@ -434,7 +531,7 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
   // two rows by four keys from 8 rows on; at 4 rows (a decode step of one GQA group) dots2's four
   // rows by two keys read each key once, not twice: 3-5% faster there in fp32 and bf16 (q (1, 32, 1,
   // 128) against S = 32768, 2 threads, AVX2 EPYC, 2026-12-03; int8 2% slower, within the noise)
-  if (E % 8 == 0 && n % 2 == 0 && n >= 8)
+  if (E % 8 == 0 && n % 2 == 0 && n >= 8 && qi == nullptr)
     for (; j + 4 <= nk; j += 4) {
       for (int i = PREFETCH_ROWS; i < PREFETCH_ROWS + 4; ++i)
         if (j + i >= first && j + i < nk) prefetch_row(k + (j + i) * k_ld, E);
@@ -456,6 +553,12 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
     const bool two = j + 1 < nk;
     const float f0 = k_scale ? scale2 * k_scale[j] : scale2;
     const float f1 = two ? (k_scale ? scale2 * k_scale[j + 1] : scale2) : 0.0f;
+    if constexpr (std::is_same_v<T, int8_t>) {
+      if (qi) {
+        idots2(qi, qs, n, E, k + j * k_ld, two ? k + (j + 1) * k_ld : nullptr, f0, f1, s, ld, j);
+        continue;
+      }
+    }
     dots2<T>(q, n, E, k + j * k_ld, two ? k + (j + 1) * k_ld : nullptr, f0, f1, s, ld, j);
   }
 }
@@ -549,7 +652,12 @@ inline void stream_values(const float* __restrict__ s, int64_t n, int64_t Ev, co
   for (int j = 0; j < nk; ++j) prefetch_row(v + j * v_ld, Ev);  // the block's V rows, while the first are used
   int64_t done = 0;  // rows [0, done) are taken by the register tiles
 #if defined(__AVX2__) && defined(__FMA__)
-  if (n < 6 && n % 2 == 0 && Ev % 32 == 0) {  // a decode step's few rows: pairs of rows by 32 columns
+  // a decode step's few rows: pairs of rows by 32 columns. Not for int8 rows: each pair of rows
+  // converts every value element again (vpmovsxbd, vcvtdq2ps), so 4 rows take the four-row tile
+  // below, which converts it once. int8 at 4 rows a head, with the int16 dot products (q (1, 32, 1,
+  // 128) against (1, 8, S, 128), one thread, CPU time, 2-core AVX2 EPYC, 2026-12-03): 0.72-0.87x
+  // bf16's time with the pairs, 0.69-0.72x with the four-row tile (three rounds each, S = 4096 and 32768).
+  if (n < 6 && n % 2 == 0 && Ev % 32 == 0 && !std::is_same_v<T, int8_t>) {
     for (int64_t c = 0; c < Ev; c += 32)
       for (int64_t a = 0; a < n; a += 2) value_pair32<T>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
     return;
@@ -605,7 +713,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
                                                   const std::optional<at::Tensor>& k_scale,
                                                   const std::optional<at::Tensor>& v_scale, int64_t Hkv, int64_t S,
                                                   double scale2_d, int64_t causal, int64_t chunk, int64_t block_k,
-                                                  int64_t mode, int64_t sgemm_route) {
+                                                  int64_t mode, int64_t sgemm_route, int64_t int8_dot) {
   TORCH_CHECK(q4.dim() == 4 && q4.scalar_type() == at::kFloat && q4.is_contiguous() && q4.device().is_cpu(),
               "attnlab native decode: q4 must be a contiguous float32 (Nb, r, L, E) CPU tensor");
   TORCH_CHECK(causal >= 0 && causal <= 2, "attnlab native decode: causal must be 0, 1 or 2");
@@ -693,6 +801,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   std::vector<float> part_l(static_cast<size_t>(n_parts * n));
   const float scale2 = static_cast<float>(scale2_d);
   const float* q = q4.data_ptr<float>();
+  // an int8 cache on the streaming loop with int8_dot = 1: the query rows rounded to int16 once
+  // (idots2); E a multiple of 16 (vpmaddwd's 16 lanes), E <= 4096 (its int32 sums stay exact)
+  const bool int16_dots = int8 && mode == 1 && int8_dot == 1 && E % 16 == 0 && E <= 4096;
+  std::vector<int16_t> q_int16(int16_dots ? static_cast<size_t>(Nb * n * E) : 0);
+  std::vector<float> q_scale(int16_dots ? static_cast<size_t>(Nb * n) : 0);
+  if (int16_dots && !quantize_rows(q, Nb * n, E, q_int16.data(), q_scale.data()))
+    return {out, lse2, at::scalar_tensor(true, at::TensorOptions().dtype(at::kBool))};  // NaN or inf in q
 
   // per-thread scratch: scores (n, bk), G heads' acc (n, Ev), m_i, l_i (n), scales (2 bk), and
   // (GEMM loop) a widened K and V block
@@ -750,7 +865,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
                 int64_t vrun;  // head-major caches: the same keys' value rows, asked for into L2 as the scores go
                 const T* vrows = G == 1 ? vb + vs.locate(nb, j0 + j, &vrun) : nullptr;
                 stream_scores<T>(qn, n, E, kb + off, ks.s_row, int8 ? kscale + j : nullptr, m, nk, scale2, s + j,
-                                 vrows, vs.s_row, Ev);
+                                 vrows, vs.s_row, Ev, int16_dots ? q_int16.data() + nb * n * E : nullptr,
+                                 int16_dots ? q_scale.data() + nb * n : nullptr);
               }
               // a NaN or inf score (from Q or K) would be swallowed by the row pass (its max and 2^x drop
               // NaN): flag it, so the caller redoes the call on the pure path; V's show in the output.
@@ -820,7 +936,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
 
 TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
   m.def("decode_forward(Tensor q4, Tensor k, Tensor v, Tensor? table, Tensor? seqlens, Tensor? k_scale, "
-        "Tensor? v_scale, int Hkv, int S, float scale2, int causal, int chunk, int block_k, int mode, int sgemm=0) -> (Tensor, "
+        "Tensor? v_scale, int Hkv, int S, float scale2, int causal, int chunk, int block_k, int mode, int sgemm=0, "
+        "int int8_dot=0) -> (Tensor, "
         "Tensor, Tensor)");
 }
 
