@@ -318,6 +318,28 @@ def test_the_streaming_loop_takes_every_row_and_column_count_of_an_int8_cache(ro
     assert_close(out, want.float(), dtype=torch.float32)
 
 
+@pytest.mark.parametrize("E", [512, 528])
+def test_the_int16_route_s_sums_stay_exact_at_its_largest_head_size(E, monkeypatch):
+    """The int16 route's int32 sums hold 32767 * 128 * E at most: exact up to E = 512, its limit;
+    past it (E = 528) the route gives way to float32. Keys at -128 (an int8 row's extreme) against a
+    query whose every element rounds to 32767 reach that bound at E = 512; a wrapped sum would turn
+    key 0's score from the most negative to the largest."""
+    from attnlab.decoding import dequantize
+
+    monkeypatch.setenv("ATTNLAB_DECODE", "stream")
+    monkeypatch.setenv("ATTNLAB_INT8_DOT", "int16")
+    assert kernel.int8_dot(E, "stream") == ("int16" if _native.ops() is not None and E <= 512 else "float32")
+    q = torch.ones(1, 4, 1, E)
+    k8 = torch.zeros(1, 1, 40, E, dtype=torch.int8)
+    k8[:, :, 0] = -128
+    k8[:, :, 1:20] = torch.randint(-128, 128, (19, E), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    v8 = torch.randint(-127, 128, (1, 1, 40, 16), generator=torch.Generator().manual_seed(1), dtype=torch.int8)
+    ks, vs = torch.full((1, 1, 40), 1e-3), torch.full((1, 1, 40), 0.01)
+    out = decode_attention(q, k8, v8, enable_gqa=True, k_scale=ks, v_scale=vs)
+    want = torch_math(_query_seen(q, 1), dequantize(k8, ks).double(), dequantize(v8, vs).double(), enable_gqa=True)
+    assert_close(out, want.float(), dtype=torch.float32)
+
+
 def _activations(*shape, seed: int) -> torch.Tensor:
     """Real-looking activations: normal rows with a few outlier channels (x8), as LLM keys have."""
     x = randn(*shape, seed=seed)
@@ -389,7 +411,7 @@ def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(paged, L, 
     # the shared rule: the scores reach a few hundred on these activations, so float32's own error
     # (torch's, measured on the same inputs) sets the bound, not an O(1) tolerance
     assert_close_to_sdpa(on_the_cache, q_used, k_deq, v_deq, attn_mask=mask, enable_gqa=True, check_grads=False)
-    if native and dot == "int16":  # the rounding is what the int16 route computes: the unrounded query's reference fails
+    if native and dot == "int16":  # the rounding is what the int16 route computes: without it the check fails
         with pytest.raises(AssertionError):
             assert_close(out, torch_math(q.double(), k_deq.double(), v_deq.double(), attn_mask=mask,
                                          enable_gqa=True).float(), dtype=torch.float32)

@@ -158,9 +158,10 @@ def test_native_status_names_the_float32_gemm(route):
     assert f"float32 GEMM: {route} (forced by ATTNLAB_SGEMM={route})" in str(_native.status())
 
 
-def spy_routes(monkeypatch, op_name: str) -> list:
-    """The sgemm route code (the last argument) of each call of the native ``op_name``."""
-    return spy_calls(monkeypatch, op_name, lambda args: args[-1])
+def spy_routes(monkeypatch, op_name: str, at: int = -1) -> list:
+    """The sgemm route code (argument ``at``: the last, or decode_forward's 15th, before int8_dot)
+    of each call of the native ``op_name``."""
+    return spy_calls(monkeypatch, op_name, lambda args: args[at])
 
 
 def randn(*shape, seed=0):
@@ -207,7 +208,7 @@ def test_the_backward_and_flex_and_decode_take_the_route(route, monkeypatch):
     monkeypatch.setenv("ATTNLAB_SGEMM", route)
 
     # decoding with many query rows takes the GEMM blocks (mode "gemm")
-    seen_d = spy_routes(monkeypatch, "decode_forward")
+    seen_d = spy_routes(monkeypatch, "decode_forward", at=14)
     qd, kd, vd = randn(1, 8, 40, 64, seed=8), randn(1, 2, 300, 64, seed=9), randn(1, 2, 300, 64, seed=10)
 
     def dec(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):

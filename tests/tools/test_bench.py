@@ -154,7 +154,8 @@ def test_decode_benchmark_times_each_implementation_against_torch(capsys):
     rows = bench.decode_benchmark([64], dtypes=("float32",), H=4, Hkv=2, E=8, repeats=2)
     by = {r["impl"]: r for r in rows}
     assert set(by) == {"attnlab (auto: decode)", "attnlab decode: stream", "attnlab decode: gemm", "attnlab paged (16)",
-                       "attnlab int8", "attnlab int8 paged (16)", "attnlab tiled", "attnlab reference", "torch SDPA",
+                       "attnlab int8", "attnlab int8: float32 dots", "attnlab int8 paged (16)",
+                       "attnlab tiled", "attnlab reference", "torch SDPA",
                        "torch SDPA (GQA folded)"}
     assert by["torch SDPA"]["ratio"] == 1.0
     for r in rows:  # int8 rows count their int8 bytes and one float32 scale per row
@@ -164,7 +165,7 @@ def test_decode_benchmark_times_each_implementation_against_torch(capsys):
     assert all(r["peak_share"] > 0 and r["peak_share"] == pytest.approx(r["gb_s"] / peak, rel=1e-9) for r in rows)
     chunk = bench.decode_benchmark([300], dtypes=("bfloat16",), H=4, Hkv=2, E=8, L=3, repeats=1)
     # a chunk has no folded torch row (the group cannot fold into L > 1 rows under a causal mask)
-    assert len(chunk) == 9 and "torch SDPA (GQA folded)" not in {r["impl"] for r in chunk}
+    assert len(chunk) == 10 and "torch SDPA (GQA folded)" not in {r["impl"] for r in chunk}
     assert "| 300 | bfloat16 | attnlab tiled |" in bench.decode_table(chunk)
     from attnlab.cli import main
 

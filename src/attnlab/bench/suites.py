@@ -147,7 +147,8 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
     The implementations: attnlab's front door (``auto``: the decode path), its decode kernel
     with each inner loop forced (``ATTNLAB_DECODE=stream`` / ``gemm``), a
     :class:`~attnlab.decoding.PagedKVCache` of ``page_size``-token pages, the int8 caches (dense
-    and paged), its tiled path, and torch's SDPA, as called and with the GQA group folded into
+    and paged; dense also with the key dot products widened to float32, ``ATTNLAB_INT8_DOT``,
+    against the default integer ones), its tiled path, and torch's SDPA, as called and with the GQA group folded into
     the query rows (``(B, Hkv, r * L, E)``: one K/V read per group, torch's best form). ``L > 1``
     is a causal chunk (speculative decoding, chunked prefill): bottom-right aligned, given to
     torch as ``masks.causal(..., align="bottom_right")`` (SDPA's ``is_causal`` is top-left)."""
@@ -182,6 +183,8 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
                    "attnlab decode: gemm": _with_env("ATTNLAB_DECODE", "gemm", decode),
                    f"attnlab paged ({page_size})": lambda: decoding.paged_decode_attention(q, paged, **step),
                    "attnlab int8": lambda: decode(k8, v8, k_scale=ks, v_scale=vs),
+                   "attnlab int8: float32 dots": _with_env(
+                       "ATTNLAB_INT8_DOT", "float32", lambda: decode(k8, v8, k_scale=ks, v_scale=vs)),
                    f"attnlab int8 paged ({page_size})": lambda: decoding.paged_decode_attention(q.float(), paged8,
                                                                                                 **step),
                    "attnlab tiled": lambda: dispatch.attention(q, k, v, mask, enable_gqa=True, impl="tiled"),

@@ -84,19 +84,19 @@ def int8_dot(E: int, mode: str) -> str:
     ``"int16"``: each query row rounded to int16 on a scale of its own (:func:`int16_rounded`), the
     key rows' int8 values multiplied in integers (``vpmaddwd``), one scale per row and key applied
     to the exact int32 sum. ``"float32"``: each int8 element widened to float32 for an FMA. The
-    int16 route needs the streaming loop, ``E`` a multiple of 16 and at most 4096 (its int32 sums
+    int16 route needs the streaming loop, ``E`` a multiple of 16 and at most 512 (its int32 sums
     stay exact), and the native kernels; ``auto`` takes it where the build has AVX2.
 
     The rounding is at most half of ``amax / 32767`` per query element, 1/258 of what the int8
-    keys' own rounding allows; results agree with the float32 route to about 1e-5 of the output's
-    size (3e-5 on ``q (1, 32, 1, 128)`` against Gaussian keys). On the 2-core AVX2 EPYC it took
+    keys' own rounding allows; results agree with the float32 route to a few 1e-5 of the output's
+    largest value (2.9e-5 at S = 4096, 4.0e-5 at S = 32768: ``q (1, 32, 1, 128)``, Gaussian). On the 2-core AVX2 EPYC it took
     int8 decoding from 0.79-0.88x bf16's time to 0.64-0.75x at ``Lq = 1`` (one thread, CPU time,
     old and new builds alternated; BENCHMARKS.md, "int8 dot products on integers").
     """
     choice = os.environ.get("ATTNLAB_INT8_DOT", "auto").strip().lower() or "auto"
     if choice not in INT8_DOTS:
         raise ValueError(f"ATTNLAB_INT8_DOT must be one of {', '.join(INT8_DOTS)}, got {choice!r}")
-    if mode != "stream" or E % 16 or E > 4096 or _native.ops() is None or choice == "float32":
+    if mode != "stream" or E % 16 or E > 512 or _native.ops() is None or choice == "float32":
         return "float32"
     if choice == "int16" or "avx2" in _native.sgemm_routes_built():
         return "int16"

@@ -37,7 +37,7 @@
 //     causal  0: none; 1: top-left (SDPA's is_causal: row i sees keys 0..i);
 //             2: bottom-right (row i sees keys 0..S_b - L + i: new tokens after the cache)
 //     int8_dot  int8 caches on the streaming loop: 0 each element widened to float32; 1 integer dot
-//             products against the query rounded to int16 per row (E % 16 == 0, E <= 4096; else 0)
+//             products against the query rounded to int16 per row (E % 16 == 0, E <= 512; else 0)
 // Returns out (Nb, r, L, Ev) float32, lse2 (Nb, r, L) (base 2; -inf where a row saw no key) and a
 // bool scalar: true when some score was NaN or inf (the result is then not to be used).
 // There is no backward: decoding runs without gradients (attnlab.decoding refuses them).
@@ -390,9 +390,10 @@ inline __m128 isum8x4(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
 }
 #endif
 
-// An int8 cache's scores on integer dot products (int8_dot = 1: decode.py's "int16" route): the query rows rounded to int16
-// (qi, one scale per row in qs: quantize_rows), the key rows sign-extended to int16, and
-// vpmaddwd's pairs summed in int32 (exact: |sum| <= 2 * 32767 * 128 * E / 2 < 2^31 for E <= 4096).
+// An int8 cache's scores on integer dot products (int8_dot = 1: decode.py's "int16" route): the
+// query rows rounded to int16 (qi, one scale per row in qs: quantize_rows), the key rows
+// sign-extended to int16, and vpmaddwd's pairs summed in int32: exact, as |sum| <= 32767 * 128 * E
+// < 2^31 for E <= 512 (every lane and the horizontal sum).
 // s[a * nk + j] = f_j * qs[a] * sum_c qi[a, c] * k_j[c]. One vpmovsxbw, four vpmaddwd and four
 // vpaddd per 16 elements of a key and four rows, where the float32 route takes two conversions of
 // two instructions and eight FMAs. Needs E % 16 == 0 (decode_forward checks). The query's rounding
@@ -802,8 +803,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   const float scale2 = static_cast<float>(scale2_d);
   const float* q = q4.data_ptr<float>();
   // an int8 cache on the streaming loop with int8_dot = 1: the query rows rounded to int16 once
-  // (idots2); E a multiple of 16 (vpmaddwd's 16 lanes), E <= 4096 (its int32 sums stay exact)
-  const bool int16_dots = int8 && mode == 1 && int8_dot == 1 && E % 16 == 0 && E <= 4096;
+  // (idots2); E a multiple of 16 (vpmaddwd's 16 lanes), E <= 512 (its int32 sums stay exact)
+  const bool int16_dots = int8 && mode == 1 && int8_dot == 1 && E % 16 == 0 && E <= 512;
   std::vector<int16_t> q_int16(int16_dots ? static_cast<size_t>(Nb * n * E) : 0);
   std::vector<float> q_scale(int16_dots ? static_cast<size_t>(Nb * n) : 0);
   if (int16_dots && !quantize_rows(q, Nb * n, E, q_int16.data(), q_scale.data()))
