@@ -32,8 +32,22 @@ def _spin() -> None:
         pass
 
 
+def _spin_and_sleep() -> None:
+    """Busy 2 ms, asleep 1.5 ms, for ever: what other gradings' processes look like to the
+    scheduler (each waits on pipes and children), and what made the kernel's tick-sampled CPU
+    count overcharge a busy process sharing its core (the server's _budget_signal)."""
+    import time
+
+    os.setsid()
+    while True:
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.002:
+            pass
+        time.sleep(0.0015)
+
+
 @contextmanager
-def loaded_core(graders: int):
+def loaded_core(graders: int, spinners: "int | None" = None, target=_spin):
     """LOAD runnable processes per core, the ``graders`` gradings included, on one core.
 
     The calling thread is pinned to one of its cores first: the spinners and the graders'
@@ -44,7 +58,8 @@ def loaded_core(graders: int):
     allowed = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {max(allowed)})
     ctx = multiprocessing.get_context("fork")
-    spinners = [ctx.Process(target=_spin, daemon=True) for _ in range(max(1, LOAD - graders))]
+    count = max(1, LOAD - graders) if spinners is None else spinners
+    spinners = [ctx.Process(target=target, daemon=True) for _ in range(count)]
     try:
         for p in spinners:
             p.start()
@@ -110,3 +125,46 @@ def attention_scores(Q, K):
     assert "did not finish within 1.5 s of CPU time" in by_ex["ex2"][0].verdict.message
     independent = [r for ex in ("ex3", "ex4", "ex5", "ex6", "ex7", "ex10", "ex11") for r in by_ex[ex]]
     assert all(r.verdict.passed for r in independent), [r.name for r in independent if not r.verdict.passed]
+
+
+BUDGET = """
+import time
+
+
+def honest(seconds):  # busy for this much CPU time, as the scheduler counts it
+    t = time.process_time()
+    while time.process_time() - t < seconds:
+        pass
+    return 42
+
+
+def ignore_the_signals(seconds):
+    import resource, signal
+    signal.signal(signal.SIGPROF, signal.SIG_IGN)
+    signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))
+    return honest(seconds)
+"""
+
+
+def test_a_loaded_core_does_not_shrink_the_cpu_budget_and_ignoring_it_is_still_a_timeout(tmp_path):
+    """Beside two processes that spin and sleep on the same core, a task that needs 85% of its
+    1 s budget of CPU passes, and one that ignores the budget's signals to run 1.6 s is a timeout.
+    With the budget's signal from ITIMER_PROF, whose count the kernel samples at each tick, the
+    first was stopped as a timeout at 0.75-0.84 s of real CPU under this load, and RLIMIT_CPU's
+    SIGKILL at the budget's whole second ended the second at 0.81-0.85 s, read as a crash (seen in
+    CI as 1.90 s of a 2 s budget, with the grader's threshold at 1.9 s)."""
+    from attnlab.grading.sandbox import Call, Sandbox
+
+    needs_sandbox()
+    path = tmp_path / "attention.py"
+    path.write_text(BUDGET)
+    with loaded_core(1, spinners=2, target=_spin_and_sleep), \
+            Sandbox(path, Limits(timeout_s=1.0), mode="bwrap") as box:
+        honest = box.run([Call("honest", (0.85,))], policy=False)
+        ignoring = box.run([Call("ignore_the_signals", (1.6,))], policy=False)
+    assert honest.status == "ok" and honest.results[0]["value"] == 42, (honest.status, honest.cpu_s, honest.message)
+    assert 0.85 <= honest.cpu_s < 1.0, honest.cpu_s
+    assert ignoring.status == "timeout", (ignoring.status, ignoring.cpu_s, ignoring.message)
+    assert ignoring.cpu_s > 1.0, ignoring.cpu_s

@@ -24,7 +24,6 @@ says so, and refuses other people's code unless told otherwise (:mod:`..grader`)
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import shutil
@@ -395,7 +394,7 @@ class Sandbox:
         if payload and header["code"] == 0:
             outcome = self._decode(payload, output, elapsed, len(sent))
         else:
-            outcome = self._failure(header["code"], output, elapsed, timeout, cpu_s)
+            outcome = self._failure(header["code"], output, elapsed, timeout)
         outcome.cpu_s = cpu_s
         return outcome
 
@@ -444,14 +443,13 @@ class Sandbox:
                        violations=[clean_text(v, 200) for v in msg.get("violations", [])],
                        output=output, elapsed_s=elapsed)
 
-    def _failure(self, exitcode: int, output: str, elapsed: float, timeout: float = 0.0,
-                 cpu_s: float = 0.0) -> Outcome:
+    def _failure(self, exitcode: int, output: str, elapsed: float, timeout: float = 0.0) -> Outcome:
         if exitcode < 0:
             sig = -exitcode
-            # RLIMIT_CPU's SIGKILL comes at the budget's whole second, as the kernel's tick counts it: the
-            # CPU read back can be a few ticks short of it
-            if sig in (signal.SIGPROF, signal.SIGXCPU) or (sig == signal.SIGKILL and timeout
-                                                            and cpu_s >= 0.95 * math.ceil(timeout)):
+            # SIGPROF: the budget's own signal. RLIMIT_CPU's SIGKILL sits well past the budget (the
+            # server's _set_limits), so a task it ended used more CPU than the budget and was taken
+            # for a timeout above, by that count, before it came here
+            if sig in (signal.SIGPROF, signal.SIGXCPU):
                 output, where = stuck_at(output, submission_name(self.path))
                 return Outcome("timeout", message=f"did not finish within {timeout:g} s of CPU time (an endless "
                                                   f"loop?){where}", output=output, elapsed_s=elapsed)

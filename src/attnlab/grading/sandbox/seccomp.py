@@ -61,10 +61,11 @@ ROUTES = ("libseccomp", "bpf")
 # linux/audit.h
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 # the calls measured by tools/trace_syscalls.py (every lab's solution and stub, the server's whole life)
-MEASURED = tuple("""access arch_prctl brk chdir clock_nanosleep clone close dup2 epoll_create1 execve exit_group fcntl fstat futex getcwd getdents64 getpid getrandom gettid ioctl kill lseek mbind mkdir mmap mprotect munmap newfstatat open openat pidfd_open pipe2 prctl pread64 prlimit64 pselect6 read readlink rmdir rseq rt_sigaction sched_getaffinity sched_setaffinity seccomp set_robust_list set_tid_address setitimer setsid sysinfo uname unlink wait4 write""".split())
+MEASURED = tuple("""access arch_prctl brk chdir clock_nanosleep clone close dup2 epoll_create1 execve exit_group fcntl fstat futex getcwd getdents64 getpid getrandom getrusage gettid ioctl kill lseek mbind mkdir mmap mprotect munmap newfstatat open openat pidfd_open pipe2 prctl pread64 prlimit64 pselect6 read readlink rmdir rseq rt_sigaction sched_getaffinity sched_setaffinity seccomp set_robust_list set_tid_address setsid sysinfo timer_create timer_settime uname unlink wait4 write""".split())
 # the same work's calls elsewhere (other glibc, CPython and kernel versions), by what they are for
 EXTRA = {
-    "signals": "rt_sigreturn rt_sigprocmask rt_sigsuspend rt_sigpending rt_sigtimedwait sigaltstack tgkill tkill restart_syscall alarm getitimer pause",
+    # setitimer: the server's budget signal where libc has no timer_create (server._budget_signal)
+    "signals": "rt_sigreturn rt_sigprocmask rt_sigsuspend rt_sigpending rt_sigtimedwait sigaltstack tgkill tkill restart_syscall alarm getitimer setitimer pause",
     "threads and time": "exit sched_yield nanosleep clock_gettime clock_getres gettimeofday time membarrier get_robust_list sched_getparam sched_getscheduler sched_get_priority_max sched_get_priority_min getcpu",
     "memory": "madvise mremap msync mincore mlock munlock get_mempolicy set_mempolicy",
     "files (as glibc and CPython ask for them on other systems)": "stat lstat statx fstatfs statfs faccessat faccessat2 readlinkat getdents lseek pwrite64 readv writev preadv pwritev dup dup3 pipe fcntl flock fsync fdatasync ftruncate truncate unlinkat mkdirat rename renameat renameat2 fchdir umask close_range fadvise64 openat2 utimensat chmod fchmod fchmodat",
@@ -117,7 +118,7 @@ _NR_ALLOWED = {
         "rt_sigtimedwait": 128, "sched_get_priority_max": 146, "sched_get_priority_min": 147,
         "sched_getaffinity": 204, "sched_getparam": 143, "sched_getscheduler": 145, "sched_setaffinity": 203,
         "sched_yield": 24, "seccomp": 317, "select": 23, "set_mempolicy": 238, "set_robust_list": 273,
-        "set_tid_address": 218, "setitimer": 38, "setpgid": 109, "setrlimit": 160, "setsid": 112, "sigaltstack": 131,
+        "set_tid_address": 218, "setitimer": 38, "timer_create": 222, "timer_settime": 223, "setpgid": 109, "setrlimit": 160, "setsid": 112, "sigaltstack": 131,
         "stat": 4, "statfs": 137, "statx": 332, "sysinfo": 99, "tgkill": 234, "time": 201, "times": 100,
         "tkill": 200, "truncate": 76, "umask": 95, "uname": 63, "unlink": 87, "unlinkat": 263, "utimensat": 280,
         "vfork": 58, "wait4": 61, "waitid": 247, "write": 1, "writev": 20,
@@ -142,7 +143,7 @@ _NR_ALLOWED = {
         "rt_sigtimedwait": 137, "sched_get_priority_max": 125, "sched_get_priority_min": 126,
         "sched_getaffinity": 123, "sched_getparam": 121, "sched_getscheduler": 120, "sched_setaffinity": 122,
         "sched_yield": 124, "seccomp": 277, "set_mempolicy": 237, "set_robust_list": 99, "set_tid_address": 96,
-        "setitimer": 103, "setpgid": 154, "setrlimit": 164, "setsid": 157, "sigaltstack": 132, "statfs": 43,
+        "setitimer": 103, "timer_create": 107, "timer_settime": 110, "setpgid": 154, "setrlimit": 164, "setsid": 157, "sigaltstack": 132, "statfs": 43,
         "statx": 291, "sysinfo": 179, "tgkill": 131, "times": 153, "tkill": 130, "truncate": 45, "umask": 166,
         "uname": 160, "unlinkat": 35, "utimensat": 88, "wait4": 260, "waitid": 95, "write": 64, "writev": 66,
     },

@@ -27,6 +27,7 @@ format as the answers (:func:`protocol.encode_request`), so no attnlab class is 
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import math
@@ -117,6 +118,62 @@ def _vm_kb(status_fd: Optional[int] = None) -> int:
     return 0
 
 
+class _Sigevent(ctypes.Structure):
+    """glibc's ``struct sigevent`` on 64-bit Linux (64 bytes): the value, the signal, how to notify."""
+    _fields_ = [("sigev_value", ctypes.c_void_p), ("sigev_signo", ctypes.c_int), ("sigev_notify", ctypes.c_int),
+                ("_pad", ctypes.c_int * 12)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("interval_s", ctypes.c_long), ("interval_ns", ctypes.c_long), ("value_s", ctypes.c_long),
+                ("value_ns", ctypes.c_long)]
+
+
+_CLOCK_PROCESS_CPUTIME_ID, _SIGEV_SIGNAL = 2, 0
+
+
+def _timer_calls() -> Any:
+    """libc's timer_create and timer_settime (glibc 2.34 on: in libc itself; before: librt), or
+    None. Looked up in the zygote (prepare) so that no child pays for it."""
+    global _TIMER_CALLS
+    if _TIMER_CALLS is None:
+        _TIMER_CALLS = False
+        if ctypes.sizeof(ctypes.c_void_p) == 8 and ctypes.sizeof(_Sigevent) == 64:
+            for name in (None, "librt.so.1"):
+                try:
+                    lib = ctypes.CDLL(name, use_errno=True)
+                    _TIMER_CALLS = (lib.timer_create, lib.timer_settime)
+                    break
+                except (OSError, AttributeError):
+                    continue
+    return _TIMER_CALLS or None
+
+
+_TIMER_CALLS: Any = None
+
+
+def _budget_signal(seconds: float) -> str:
+    """SIGPROF once this process has used ``seconds`` of CPU, as the scheduler counts it: a POSIX
+    timer on CLOCK_PROCESS_CPUTIME_ID. ITIMER_PROF (setitimer) counts CPU by sampling it at each
+    timer tick, and under load the sampling overcharged a busy process: sharing one core with two
+    processes that each spin 2 ms and sleep 1.5 ms, its 1 s signal came at 0.80-0.83 s of the
+    process's real CPU, the POSIX timer's at 1.002-1.004 s (2-core AVX2 EPYC, 2026-12-03; five
+    children each, pinned with taskset). A learner's budget then shrank by a fifth on a busy
+    grading machine. Returns which clock was set; ITIMER_PROF where timer_create is missing."""
+    calls = _timer_calls()
+    if calls is not None:
+        create, settime = calls
+        event = _Sigevent(sigev_signo=signal.SIGPROF, sigev_notify=_SIGEV_SIGNAL)
+        timer = ctypes.c_void_p()
+        whole = int(seconds)
+        spec = _Itimerspec(0, 0, whole, int(round((seconds - whole) * 1e9)))
+        if create(_CLOCK_PROCESS_CPUTIME_ID, ctypes.byref(event), ctypes.byref(timer)) == 0:
+            if settime(timer, 0, ctypes.byref(spec), None) == 0:
+                return "cpu-clock"
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    return "itimer"
+
+
 SIGPENDING = 64  # queued signals a learner's process may hold: a handful (tools/trace_syscalls.py: none sent)
 
 
@@ -126,21 +183,25 @@ def _set_limits(limits: SimpleNamespace, sandboxed: bool, vm_kb: Optional[int] =
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     file_cap = limits.file_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_cap, file_cap))
-    # The budget is CPU time, so a loaded machine does not shrink it: SIGPROF after exactly
-    # timeout_s of this process's CPU (all its threads), and RLIMIT_CPU a second later as the
-    # fence a learner cannot lift (SIGPROF can be ignored; the hard limit is SIGKILL).
-    # SIGPROF a little before the budget (50 ms, or 5% of a short one): its handler (_stuck) says which
-    # line was running, which it cannot once RLIMIT_CPU's SIGKILL at the whole second has come
-    signal.setitimer(signal.ITIMER_PROF, max(limits.timeout_s - 0.05, 0.95 * limits.timeout_s))
-    # the hard limit is the budget (whole seconds: what RLIMIT_CPU counts in), soft = hard: raising
-    # the soft limit or ignoring SIGXCPU buys nothing. Past it the kernel's SIGKILL; and whatever
-    # the exit, a task whose processes used more CPU than the budget is a timeout (_run_task's count)
-    cpu = max(1, math.ceil(limits.timeout_s))
+    # The budget is CPU time, so a loaded machine does not shrink it: SIGPROF a little before
+    # timeout_s of this process's CPU (all its threads; 50 ms, or 5% of a short budget, so that its
+    # handler, _stuck, can say which line was running), counted as the scheduler counts it
+    # (_budget_signal). Whatever the exit, a task whose processes used more CPU than the budget is
+    # a timeout (_run_task's count, and the grader's).
+    clock = _budget_signal(max(limits.timeout_s - 0.05, 0.95 * limits.timeout_s))
+    # RLIMIT_CPU is the fence a learner cannot lift (SIGPROF can be ignored; the hard limit is
+    # SIGKILL), soft = hard. The kernel checks it against CPU sampled at each timer tick, which under
+    # load overcharged a busy process by up to 36% (_budget_signal's measurement; the SIGKILL of a
+    # 1 s limit came at 0.74-0.83 s of real CPU): so it sits at twice the budget and a second, past
+    # where honest work is stopped by the budget's own signal
+    cpu = math.ceil(2 * limits.timeout_s) + 1
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     # Queued signals count per host uid above the submission's own user namespace (shared by the
     # class template's forks); a learner's share is bounded by its own limit. The labs queue none.
-    resource.setrlimit(resource.RLIMIT_SIGPENDING, (SIGPENDING, SIGPENDING))
+    # (the budget's POSIX timer holds one entry of that count: its signal's, allocated up front)
+    pending = SIGPENDING + (clock == "cpu-clock")
+    resource.setrlimit(resource.RLIMIT_SIGPENDING, (pending, pending))
     if sandboxed:  # outside a sandbox of its own uid the count would include the user's other processes
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_procs, limits.max_procs))
 
@@ -500,6 +561,7 @@ def prepare() -> None:
         from . import recorder  # noqa: F401
     except ImportError:
         import recorder  # type: ignore[no-redef] # noqa: F401
+    _timer_calls()
     torch.set_num_threads(1)
 
 
