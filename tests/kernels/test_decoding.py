@@ -203,6 +203,30 @@ def test_pages_and_heads_of_any_count_are_located(route, dtype, Hkv, page_size, 
     assert_close(out, exact.to(out.dtype), dtype=out.dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("page_size", [3, 8, 13, 16])
+@pytest.mark.parametrize("L", [1, 4])  # 2 / 8 rows a head
+def test_rows_interleaved_by_head_are_read_in_stored_order_tile_by_tile(dtype, page_size, L, monkeypatch):
+    """The native streaming loop reads a block of a paged cache in stored order: tiles of at most
+    8 keys inside one page, every head's tile of those keys in turn, each into that head's own
+    scores, scales and acc (decode.cpp's stored_block). Four heads and 203 keys: tiles cut short
+    by page ends at every offset, 64-key blocks across pages, a last short tile; int8 rows have a
+    scale per token and head. Against float64 attention over the cache's own dense contents."""
+    monkeypatch.setenv("ATTNLAB_DECODE", "stream")
+    assert _native.ops() is not None, _native.status()
+    int8 = dtype == torch.int8
+    cache = PagedKVCache(2, 4, 16, page_size=page_size, dtype=dtype, **({"smooth_keys": False} if int8 else {}))
+    for i, T in enumerate((150, 53)):
+        cache.append(_activations(2, 4, T, 16, seed=10 + i), _activations(2, 4, T, 16, seed=50 + i))
+    k, v = cache.dense()
+    q = randn(2, 8, L, 16)
+    out = paged_decode_attention(q if int8 else q.to(dtype), cache, is_causal=L > 1, causal_align="bottom_right")
+    q_seen = _query_seen(q, 4) if int8 else q.to(dtype).double()
+    exact = torch_math(q_seen, k.double(), v.double(), attn_mask=bottom_right(L, 203) if L > 1 else None,
+                       enable_gqa=True)
+    assert_close(out, exact.to(out.dtype), dtype=out.dtype)
+
+
 def test_the_pool_grows_without_moving_pages_and_a_fixed_pool_refuses_to_overflow():
     cache, k, v = filled_cache(page_size=4, steps=(3, 30, 10))
     assert cache.k_pages.shape[0] >= cache.pages_used == 2 * 11
