@@ -211,6 +211,12 @@ import sys
 
 def warmed():
     return repr({name: name in sys.modules for name in ("triton", "triton.compiler.code_generator")})
+
+
+def overflow_checks():
+    from triton.runtime import interpreter
+    options = interpreter.interpreter_builder.options
+    return repr({"sanitize_overflow": options.sanitize_overflow, "debug": options.debug})
 '''
 
 
@@ -224,3 +230,15 @@ def test_triton_s_interpreter_is_warmed_in_the_zygote_before_any_child(tmp_path,
     with made_by(how):
         found = run(tmp_path, WARMED, "warmed")
     assert found == {"triton": True, "triton.compiler.code_generator": True}, found
+
+
+@pytest.mark.parametrize("how", ["bwrap", "template"])
+def test_the_zygote_drops_triton_s_dead_overflow_checks(tmp_path, how):
+    """The learner's child runs Triton's interpreter without the integer-overflow checks it would
+    build and throw away (server.drop_dead_overflow_checks; with the call removed the child finds
+    sanitize_overflow True). That they are dead: tests/kernels/test_triton.py's
+    test_the_interpreter_s_overflow_checks_change_nothing_without_debug."""
+    needs_sandbox()
+    with made_by(how):
+        found = run(tmp_path, WARMED, "overflow_checks")
+    assert found == {"sanitize_overflow": False, "debug": False}, found

@@ -32,6 +32,20 @@ def interpreter():
     assert at.interpreted(), "tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_dead_overflow_checks():
+    """The interpreter as the grader's sandbox runs it: without the overflow checks it builds and
+    drops (test_the_interpreter_s_overflow_checks_change_nothing_without_debug); put back after."""
+    from triton.runtime import interpreter
+
+    from attnlab.grading.sandbox.server import drop_dead_overflow_checks
+
+    before = interpreter.interpreter_builder.options
+    drop_dead_overflow_checks()
+    yield
+    interpreter.interpreter_builder.options = before
+
+
 def qkv(B, H, Hkv, L, S, E, Ev, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(B, H, L, E, generator=g).to(dtype), torch.randn(B, Hkv, S, E, generator=g).to(dtype),
@@ -211,3 +225,33 @@ def test_bottom_right_causality_matches_the_tiled_kernel(L, S):
     g_ours, = torch.autograd.grad(ours.sum(), q)
     g_theirs, = torch.autograd.grad(theirs.sum(), q)
     assert_close(g_ours, g_theirs)
+
+
+def test_the_interpreter_s_overflow_checks_change_nothing_without_debug(monkeypatch):
+    """Triton's interpreter builds an int64 overflow check for each integer +, -, * when
+    ``sanitize_overflow`` is set, but asserts it only under ``debug``, which the interpreter never
+    sets: an int32 sum that wraps gives the same answer, and no error, with the checks and without
+    them (which is why the grader's sandbox drops them: server.drop_dead_overflow_checks). The
+    check is live only with ``debug``: then the same kernel fails (so this test can see one)."""
+    import dataclasses
+
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    @triton.jit
+    def wrap(X, a):
+        tl.store(X + tl.arange(0, 2), a + 1 + tl.arange(0, 2))
+
+    builder = interpreter.interpreter_builder
+    assert builder.options.debug is False
+    answers = {}
+    for sanitize in (True, False):
+        monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=sanitize))
+        out = torch.zeros(2, dtype=torch.int32)
+        wrap[(1,)](out, 2**31 - 1)
+        answers[sanitize] = out.tolist()
+    assert answers[True] == answers[False] == [-(2**31), -(2**31) + 1], answers
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=True, debug=True))
+    with pytest.raises(Exception, match="overflow"):
+        wrap[(1,)](torch.zeros(2, dtype=torch.int32), 2**31 - 1)

@@ -52,7 +52,7 @@ except ImportError:  # python -I puts no script folder on sys.path: the runner's
     import protocol  # type: ignore[no-redef]
     import seccomp  # type: ignore[no-redef]
 
-__all__ = ["serve", "submission_name", "warm_triton_interpreter", "MAX_RESULT_BYTES", "MAX_TEXT", "SUBMISSION_NAME"]
+__all__ = ["serve", "submission_name", "warm_triton_interpreter", "drop_dead_overflow_checks", "MAX_RESULT_BYTES", "MAX_TEXT", "SUBMISSION_NAME"]
 
 MAX_RESULT_BYTES = 64 * 1024 * 1024  # one child's message
 MAX_TEXT = 4000  # characters of learner text kept per message field
@@ -541,6 +541,31 @@ def warm_triton_interpreter() -> bool:
     return True
 
 
+def drop_dead_overflow_checks() -> bool:
+    """Stop Triton's interpreter from building integer-overflow checks that it then throws away.
+    With ``sanitize_overflow`` set (the interpreter's default) every integer ``+``, ``-`` and ``*``
+    of a kernel is also done in int64 and compared against int32's range, to feed a
+    ``device_assert`` that returns at once unless the options' ``debug`` is set, which the
+    interpreter's never is: the answer, and whether anything is raised, are the same without the
+    checks. Only done where ``debug`` is off. True when it was done.
+
+    Measured on the 2-core AVX2 EPYC (2026-12-03), lab 05's solution, its 7 exercises run twice
+    in one process, the second time timed: 2.27-2.44 s of CPU with the checks, 1.49-1.74 s
+    without (cProfile put 0.61 s of ex7's 1.74 s in the checks of its multiplications alone)."""
+    import dataclasses
+
+    try:
+        from triton.runtime import interpreter
+
+        builder = interpreter.interpreter_builder
+        if builder.options.debug or not builder.options.sanitize_overflow:
+            return False
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    except (ImportError, AttributeError, TypeError):  # another Triton: its interpreter as it comes
+        return False
+    return True
+
+
 def prepare() -> None:
     """What every child would otherwise import or warm up itself: done once, in the zygote."""
     import torch
@@ -556,6 +581,7 @@ def prepare() -> None:
         except ImportError:
             pass
         else:
+            drop_dead_overflow_checks()
             warm_triton_interpreter()
     try:
         from . import recorder  # noqa: F401
