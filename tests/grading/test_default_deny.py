@@ -16,6 +16,7 @@ import pytest
 from attnlab import labs
 from attnlab.grading import Limits, grade
 from attnlab.grading.static import check_source
+from helpers import procs
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.subprocess]
 
@@ -254,14 +255,7 @@ stable_softmax = cheat
 
 
 # ------------------------------------------------------------------ 4. CPU counted where it is spent
-SPREAD = '''
-import os, time
-
-def burn(seconds):
-    t = time.process_time()
-    while time.process_time() - t < seconds:
-        pass
-
+SPREAD = procs.BURN + '''
 def spread(n, each):
     """The answer is right, but n double-forked orphans did the work: each under the per-process
     limits, the sum far over the task's budget."""
@@ -276,15 +270,6 @@ def spread(n, each):
             os._exit(0)
     for _ in range(n):
         signal.sigwaitinfo([signal.SIGRTMIN])
-    return 42
-
-def ignore_the_signals(seconds):
-    import resource, signal
-    signal.signal(signal.SIGPROF, signal.SIG_IGN)
-    signal.signal(signal.SIGXCPU, signal.SIG_IGN)
-    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
-    resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))
-    burn(seconds)
     return 42
 '''
 

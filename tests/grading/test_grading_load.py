@@ -17,6 +17,7 @@ import pytest
 
 from attnlab import labs
 from attnlab.grading import Limits, grade
+from helpers import procs
 from helpers.procs import needs_sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.subprocess]
@@ -127,27 +128,6 @@ def attention_scores(Q, K):
     assert all(r.verdict.passed for r in independent), [r.name for r in independent if not r.verdict.passed]
 
 
-BUDGET = """
-import time
-
-
-def honest(seconds):  # busy for this much CPU time, as the scheduler counts it
-    t = time.process_time()
-    while time.process_time() - t < seconds:
-        pass
-    return 42
-
-
-def ignore_the_signals(seconds):
-    import resource, signal
-    signal.signal(signal.SIGPROF, signal.SIG_IGN)
-    signal.signal(signal.SIGXCPU, signal.SIG_IGN)
-    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
-    resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))
-    return honest(seconds)
-"""
-
-
 def test_a_loaded_core_does_not_shrink_the_cpu_budget_and_ignoring_it_is_still_a_timeout(tmp_path):
     """Beside two processes that spin and sleep on the same core, a task that needs 85% of its
     1 s budget of CPU passes, and one that ignores the budget's signals to run 1.6 s is a timeout.
@@ -159,10 +139,10 @@ def test_a_loaded_core_does_not_shrink_the_cpu_budget_and_ignoring_it_is_still_a
 
     needs_sandbox()
     path = tmp_path / "attention.py"
-    path.write_text(BUDGET)
+    path.write_text(procs.BURN)
     with loaded_core(1, spinners=2, target=_spin_and_sleep), \
             Sandbox(path, Limits(timeout_s=1.0), mode="bwrap") as box:
-        honest = box.run([Call("honest", (0.85,))], policy=False)
+        honest = box.run([Call("burn", (0.85,))], policy=False)
         ignoring = box.run([Call("ignore_the_signals", (1.6,))], policy=False)
     assert honest.status == "ok" and honest.results[0]["value"] == 42, (honest.status, honest.cpu_s, honest.message)
     assert 0.85 <= honest.cpu_s < 1.0, honest.cpu_s

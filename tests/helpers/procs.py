@@ -88,3 +88,25 @@ def crippled_bwrap(folder: Path) -> Path:
                     'echo "bwrap: setting up uid map: Permission denied" >&2\nexit 1\n')
     fake.chmod(0o755)
     return fake
+
+
+# A learner's file that spends CPU time: burn(s) works for s seconds of its own CPU (as the scheduler
+# counts it) and returns 42; ignore_the_signals(s) first ignores the budget's signals and lifts
+# RLIMIT_CPU's soft limit to the hard one (tests/grading: test_default_deny, test_grading_load)
+BURN = '''
+import os, time
+
+def burn(seconds):
+    t = time.process_time()
+    while time.process_time() - t < seconds:
+        pass
+    return 42
+
+def ignore_the_signals(seconds):
+    import resource, signal
+    signal.signal(signal.SIGPROF, signal.SIG_IGN)
+    signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))
+    return burn(seconds)
+'''
