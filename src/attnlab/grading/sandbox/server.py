@@ -166,7 +166,7 @@ def _budget_signal(seconds: float) -> str:
         event = _Sigevent(sigev_signo=signal.SIGPROF, sigev_notify=_SIGEV_SIGNAL)
         timer = ctypes.c_void_p()
         whole = int(seconds)
-        spec = _Itimerspec(0, 0, whole, int(round((seconds - whole) * 1e9)))
+        spec = _Itimerspec(0, 0, whole, min(999_999_999, int(round((seconds - whole) * 1e9))))
         if create(_CLOCK_PROCESS_CPUTIME_ID, ctypes.byref(event), ctypes.byref(timer)) == 0:
             if settime(timer, 0, ctypes.byref(spec), None) == 0:
                 return "cpu-clock"

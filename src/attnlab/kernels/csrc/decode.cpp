@@ -730,9 +730,9 @@ constexpr int STORED_KEYS = 8;
 // cache's (the numbers above). Here the block is read in stored order, STORED_KEYS keys at a time,
 // every head's tile of those keys in turn, so each 4 KiB is read whole before the next; while a tile
 // is used, the same head's next tile is asked for (its K rows in the score pass, its V rows in the
-// value pass), one round of G tiles ahead. At S = 4096 (q (1, 32, 1, 128), one thread, as above)
-// the paged step then takes 0.93-0.98x the contiguous one, and at S = 1024 0.80-0.94x (the tiles'
-// smaller strides). Also tried, within the noise or worse: the V rows asked for into L2 during the
+// value pass), one round of G tiles ahead. q (1, 32, 1, 128), one thread, as above, the old and new
+// builds in turn: the paged step then takes 1.16-1.22x the contiguous one at S = 32768 (was
+// 1.58-1.92x) and 1.06-1.27x at 4096 (was 1.26-1.65x); at S = 1024 (in L3) 0.80-0.94x. Also tried, within the noise or worse: the V rows asked for into L2 during the
 // score pass, the next block's K rows during the value pass, a tile two or three ahead, 16- and
 // 32-key blocks, and the value pass head by head over those L2 rows (1.28-1.42x against 1.11-1.27x).
 template <class T, class Visible>
