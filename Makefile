@@ -30,9 +30,10 @@ demo: $(STAMP) sandbox
 	$(BIN)/attnlab example
 
 # Two workers (pytest-xdist), one torch thread each (tests/conftest.py): the machines have 2 cores.
-# In CI's fresh clone on the 2-core AVX2 EPYC (2026-12-03) the suite took 19m26s so, against 25m10s
-# in one process. Each test then also runs beside another one, which is what the tests promise
-# (hermetic, load-proof). WORKERS=0 runs them in this one process.
+# In CI's fresh clone on the 2-core AVX2 EPYC (2026-12-03) the suite took 17m24s so (docs/development.md),
+# against 25m10s in one process (fewer tests, an earlier session). Each test then also runs beside
+# another one, which is what the tests promise (hermetic, load-proof). WORKERS=0 runs them in this
+# one process.
 WORKERS ?= 2
 
 test: $(STAMP) browser sandbox
