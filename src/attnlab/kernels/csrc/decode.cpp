@@ -710,6 +710,17 @@ inline void stream_values(const float* __restrict__ s, int64_t n, int64_t Ev, co
   }
 }
 
+// f(T{}) for the cache's stored element type T
+template <class F>
+inline void with_row_type(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: f(int8_t{}); break;
+  }
+}
+
 // the keys row a of head nb sees end at limit(a); the head's last key (seqlens, the causal stop)
 struct Span {
   int64_t nb, j_begin, j_end;
@@ -732,9 +743,10 @@ constexpr int STORED_KEYS = 8;
 // is used, the same head's next tile is asked for (its K rows in the score pass, its V rows in the
 // value pass), one round of G tiles ahead. q (1, 32, 1, 128), one thread, as above, the old and new
 // builds in turn: the paged step then takes 1.16-1.22x the contiguous one at S = 32768 (was
-// 1.58-1.92x) and 1.06-1.27x at 4096 (was 1.26-1.65x); at S = 1024 (in L3) 0.80-0.94x. Also tried, within the noise or worse: the V rows asked for into L2 during the
-// score pass, the next block's K rows during the value pass, a tile two or three ahead, 16- and
-// 32-key blocks, and the value pass head by head over those L2 rows (1.28-1.42x against 1.11-1.27x).
+// 1.58-1.92x) and 1.06-1.27x at 4096 (was 1.26-1.65x); at S = 1024 (in L3) 0.80-0.94x. Also
+// tried, within the noise or worse: the V rows asked for into L2 during the score pass, the next
+// block's K rows during the value pass, a tile two or three ahead, 16- and 32-key blocks, and the
+// value pass head by head over those L2 rows (1.28-1.42x against 1.11-1.27x).
 template <class T, class Visible>
 void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& kss, const ScaleSource& vss, bool int8,
                   const Span& task, int64_t j0, int nk, int64_t G, int64_t n, int64_t E, int64_t Ev, float scale2,
@@ -896,19 +908,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   if (int16_dots && !quantize_rows(q, Nb * n, E, q_int16.data(), q_scale.data()))
     return {out, lse2, at::scalar_tensor(true, at::TensorOptions().dtype(at::kBool))};  // NaN or inf in q
 
-  // per-thread scratch: scores (n, bk), G heads' acc (n, Ev), m_i, l_i (n), scales (2 bk), and
-  // (GEMM loop) a widened K and V block
-  const int64_t state = n * Ev + 2 * n;
   // the streaming loop over rows interleaved by head (G > 1) reads each block in stored order
   const bool stored_order = mode == 1 && G > 1;
-  const int64_t per_thread = G * n * bk + G * state + (G + 1) * bk + (mode == 0 ? static_cast<int64_t>(bk) * (E + Ev) : 0);
+  // per-thread scratch: scores (n, bk), G heads' acc (n, Ev), m_i, l_i (n), key and value scales
+  // (bk each), and (GEMM loop) a widened K and V block; in stored order scores and key scales per head
+  const int64_t per_head = stored_order ? G : 1;
+  const int64_t state = n * Ev + 2 * n;
+  const int64_t per_thread = per_head * n * bk + G * state + (per_head + 1) * bk +
+                             (mode == 0 ? static_cast<int64_t>(bk) * (E + Ev) : 0);
   std::vector<float> scratch(static_cast<size_t>(per_thread * at::get_num_threads()));
   std::atomic<bool> saw_nonfinite{false};
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     float* s = scratch.data() + per_thread * at::get_thread_num();
-    float* states = s + G * n * bk;  // head g: acc, m_i, l_i at states + g * state
+    float* states = s + per_head * n * bk;  // head g: acc, m_i, l_i at states + g * state
     float* kscale = states + G * state;
-    float* vscale = kscale + G * bk;
+    float* vscale = kscale + per_head * bk;
     float* kbuf = vscale + bk;
     float* vbuf = kbuf + static_cast<int64_t>(bk) * E;
     for (int64_t t = begin; t < end; ++t) {
@@ -923,38 +937,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
         std::fill(acc + n * Ev + n, acc + state, 0.0f);
       }
       for (int64_t j0 = task.j_begin; j0 < task.j_end;) {
-        if (stored_order) {  // rows interleaved by head: the block read in stored order (stored_block)
-          const int nk = static_cast<int>(std::min<int64_t>(bk, task.j_end - j0));
-          auto visible = [&](int64_t a, float*) {  // row a = h * L + i: query position i
-            const int64_t seen = causal ? shift + a % L + 1 - j0 : nk;
-            return static_cast<int>(std::clamp<int64_t>(seen, 0, nk));
-          };
-          auto run_block = [&](auto tag) {
-            using T = decltype(tag);
-            stored_block<T>(ks, vs, kss, vss, int8, task, j0, nk, G, n, E, Ev, scale2, q, int16_dots ? q_int16.data() : nullptr,
-                            int16_dots ? q_scale.data() : nullptr, s, bk, kscale, vscale, states, state, visible,
-                            saw_nonfinite);
-          };
-          switch (ks.dtype) {
-            case at::kFloat: run_block(float{}); break;
-            case at::kBFloat16: run_block(c10::BFloat16{}); break;
-            case at::kHalf: run_block(c10::Half{}); break;
-            default: run_block(int8_t{}); break;
-          }
-          j0 += nk;
-          continue;
-        }
-        int64_t run;
-        ks.locate(task.nb, j0, &run);
         // the GEMM loop's block crosses pages (rows gathered into its scratch block); the streaming
-        // loop's stays inside a page below SPAN_MIN_ROWS rows, and above it spans pages (read page
-        // by page, one online-softmax step for the block)
-        const int64_t page_run = mode == 1 && n < SPAN_MIN_ROWS ? run : std::numeric_limits<int64_t>::max();
-        const int nk = static_cast<int>(std::min<int64_t>({static_cast<int64_t>(bk), task.j_end - j0, page_run}));
+        // loop's stays inside a page below SPAN_MIN_ROWS rows of head-major pages (Hkv = 1), and
+        // spans pages above it and in stored order (read page by page, one online-softmax step)
+        int64_t run = std::numeric_limits<int64_t>::max();
+        if (mode == 1 && n < SPAN_MIN_ROWS && !stored_order) ks.locate(task.nb, j0, &run);
+        const int nk = static_cast<int>(std::min<int64_t>({static_cast<int64_t>(bk), task.j_end - j0, run}));
         auto visible = [&](int64_t a, float*) {  // row a = h * L + i: query position i
           const int64_t seen = causal ? shift + a % L + 1 - j0 : nk;
           return static_cast<int>(std::clamp<int64_t>(seen, 0, nk));
         };
+        if (stored_order) {  // rows interleaved by head: the block read in stored order (stored_block)
+          with_row_type(ks.dtype, [&](auto tag) {
+            stored_block<decltype(tag)>(ks, vs, kss, vss, int8, task, j0, nk, G, n, E, Ev, scale2, q,
+                                        int16_dots ? q_int16.data() : nullptr, int16_dots ? q_scale.data() : nullptr,
+                                        s, bk, kscale, vscale, states, state, visible, saw_nonfinite);
+          });
+          j0 += nk;
+          continue;
+        }
         for (int64_t g = 0; g < G; ++g) {
           const int64_t nb = task.nb + g;
           float* acc = states + g * state;
@@ -972,8 +973,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
                 const int64_t off = ks.locate(nb, j0 + j, &run);
                 m = static_cast<int>(std::min<int64_t>(run, nk - j));
                 if (int8) kss.read(ks, nb, j0 + j, m, kscale + j);
-                int64_t vrun;  // head-major caches: the same keys' value rows, asked for into L2 as the scores go
-                const T* vrows = G == 1 ? vb + vs.locate(nb, j0 + j, &vrun) : nullptr;
+                int64_t vrun;  // head-major rows (G = 1 here): the same keys' value rows, asked for into L2 as the scores go
+                const T* vrows = vb + vs.locate(nb, j0 + j, &vrun);
                 stream_scores<T>(qn, n, E, kb + off, ks.s_row, int8 ? kscale + j : nullptr, m, nk, scale2, s + j,
                                  vrows, vs.s_row, Ev, int16_dots ? q_int16.data() + nb * n * E : nullptr,
                                  int16_dots ? q_scale.data() + nb * n : nullptr);
@@ -995,12 +996,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
                 stream_values<T>(s + j, n, Ev, vb + off, vs.s_row, m, nk, acc);
               }
             };
-            switch (ks.dtype) {
-              case at::kFloat: run_block(float{}); break;
-              case at::kBFloat16: run_block(c10::BFloat16{}); break;
-              case at::kHalf: run_block(c10::Half{}); break;
-              default: run_block(int8_t{}); break;
-            }
+            with_row_type(ks.dtype, run_block);
           } else {  // GEMM: the block widened into scratch, two BLAS GEMMs (many rows)
             int64_t k_ld, v_ld;
             auto k_scales = [&](int64_t j, int m, float* out) { kss.read(ks, nb, j, m, out); };
