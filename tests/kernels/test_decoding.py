@@ -1,6 +1,6 @@
 """The decode path (attnlab.decoding, csrc/decode.cpp): exact against torch's SDPA for every
 input it takes, special values included, on its routes: the native kernel (auto, then each of
-its inner loops forced: streaming and GEMM), the pure PyTorch code, and the native kernel cut
+its inner loops forced: streaming, streaming with the bf16 route on, and GEMM), the pure PyTorch code, and the native kernel cut
 into tiny chunks and blocks (so every chunk boundary
 and the log-sum-exp merge of many parts are exercised). Then the caches: a paged cache read
 through its block table, KVCache and PagedKVCache decoding through MultiHeadAttention, and the
@@ -23,12 +23,14 @@ from helpers.semantics import SPECIAL, close_with_nans, randn, torch_math
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
-@pytest.fixture(params=["native", "stream", "gemm", "pure", "tiny_chunks"])
+@pytest.fixture(params=["native", "stream", "stream_bf16", "gemm", "pure", "tiny_chunks"])
 def route(request, monkeypatch):
-    if request.param in ("native", "stream", "gemm"):  # auto, then each inner loop forced (ATTNLAB_DECODE)
+    if request.param in ("native", "stream", "stream_bf16", "gemm"):  # auto, then each loop forced (ATTNLAB_DECODE)
         assert _native.ops() is not None, _native.status()  # make demo / make test build it
         if request.param != "native":
-            monkeypatch.setenv("ATTNLAB_DECODE", request.param)
+            monkeypatch.setenv("ATTNLAB_DECODE", request.param.split("_")[0])
+        if request.param == "stream_bf16":  # bf16 caches' scores on vdpbf16ps where the build has it (kernel.bf16_dot)
+            monkeypatch.setenv("ATTNLAB_BF16", "bf16")
     elif request.param == "pure":
         monkeypatch.setattr(kernel._native, "ops", lambda: None)
     else:  # chunks of 4 keys in blocks of 3: many parts, partial blocks, a merge per row
@@ -443,6 +445,97 @@ def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(paged, L, 
     # (measured on these activations: BENCHMARKS.md, "int8 KV cache")
     exact = torch_math(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
     assert (out.double() - exact).abs().max().item() < 0.05 * exact.abs().max().item()
+
+
+def _bf16_step(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, Hkv: int, *, L: int = 1, paged: bool = False):
+    """The decode kernel's float32 ``(out, lse2)`` (``kernel.forward``: not rounded to bf16, so that
+    float32's tolerance applies) for ``q4 (Nb, r, L, E)`` against bf16 ``k, v (Nb, S, E)``, the
+    cache dense or copied into 16-token pages; and float64 attention over the same values."""
+    Nb, r, _, E = q4.shape
+    S = k.shape[1]
+    scale = E ** -0.5
+    causal = "bottom_right" if L > 1 else "none"
+    if paged:
+        cache = PagedKVCache(Nb // Hkv, Hkv, E, dtype=torch.bfloat16)
+        cache.append(k.view(Nb // Hkv, Hkv, S, E), v.view(Nb // Hkv, Hkv, S, E))
+        out, _, _ = kernel.forward(q4, cache.k_pages, cache.v_pages, Hkv=Hkv, S=S,
+                                   scale2=scale * 1.4426950408889634, causal=causal, table=cache.block_table)
+    else:
+        out, _, _ = kernel.forward(q4, k, v, Hkv=Hkv, S=S, scale2=scale * 1.4426950408889634, causal=causal)
+    scores = torch.einsum("nrle,nse->nrls", q4.double(), k.double()) * scale  # (Nb, r, L, S)
+    if L > 1:
+        scores = scores.masked_fill(~bottom_right(L, S), float("-inf"))
+    want = torch.einsum("nrls,nse->nrle", scores.softmax(-1), v.double())  # (Nb, r, L, Ev)
+    return out, want
+
+
+def _units() -> bool:
+    return _native.ops() is not None and bool(_native.ops().bf16_units())
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("rows,L", [(1, 1), (3, 1), (4, 1), (5, 1), (8, 1), (2, 4)])
+@pytest.mark.parametrize("E", [16, 48, 128, 40])
+def test_a_bf16_cache_s_scores_on_vdpbf16ps_are_exact_against_float64(rows, L, E, paged, monkeypatch):
+    """The bf16 route forced (``ATTNLAB_BF16=bf16``): where the build has AVX512_BF16 (the
+    avx512-emulated build runs this file on any CPU) a bf16 cache's scores take ``vdpbf16ps``
+    (:func:`kernel.bf16_dot`); E = 40 (not a multiple of 16) and builds without the instruction
+    take the float32 route. Either way exact against float64 to float32's rounding: the products of
+    bf16 values are exact, as the float32 route's FMAs are. And the route really runs: its sums
+    round in another order, so its answer differs in the last bits from the float32 route's."""
+    monkeypatch.setenv("ATTNLAB_DECODE", "stream")
+    monkeypatch.setenv("ATTNLAB_BF16", "bf16")
+    taken = kernel.bf16_dot(E, "stream") == "vdpbf16ps"
+    assert taken == (_units() and E % 16 == 0)
+    Hkv, S = 2, 203
+    q4 = randn(Hkv, rows, L, E).bfloat16().float()  # a bf16 query, widened: the route's input
+    k, v = randn(Hkv, S, E, seed=1).bfloat16(), randn(Hkv, S, E, seed=2).bfloat16()
+    out, want = _bf16_step(q4, k, v, Hkv, L=L, paged=paged)
+    assert_close(out, want.float(), dtype=torch.float32)
+    monkeypatch.setenv("ATTNLAB_BF16", "fp32")
+    widened, _ = _bf16_step(q4, k, v, Hkv, L=L, paged=paged)
+    assert_close(widened, want.float(), dtype=torch.float32)
+    assert torch.equal(out, widened) == (not taken)
+
+
+def _huge_key_case(q_value: float, k_value: float):
+    """One key (key 0) whose first element times the query's first element is the only non-zero
+    product of the call: ``q_value * k_value`` moves key 0's score, and with it the output, by a few
+    percent; every other score is 0."""
+    Hkv, r, S, E = 1, 4, 40, 32
+    q4 = torch.zeros(Hkv, r, 1, E)
+    q4[..., 0] = q_value
+    k = torch.zeros(Hkv, S, E, dtype=torch.bfloat16)
+    k[0, 0, 0] = k_value
+    v = randn(Hkv, S, E, seed=2).bfloat16()
+    return q4, k, v, Hkv
+
+
+@pytest.mark.parametrize("case", ["float32_query", "denormal_query", "huge_query"])
+def test_the_vdpbf16ps_route_leaves_queries_it_would_change_to_the_float32_route(case, monkeypatch):
+    """vdpbf16ps reads a bf16 query and reads denormals as zero, so the kernel takes it only where that
+    changes nothing (``bf16_query_rows`` in csrc/decode.cpp), and each query here needs the float32
+    route to be exact: one that is not bf16 (a float32 query, its low bits lost in bf16), a bf16
+    denormal query element against a key element of 2^127 (a product of 1/8, read as 0), and a
+    query of 2^126 against a denormal key element (|q * scale| past 2^64: the same product, the key
+    read as 0). On a build with the instruction each case fails with that check removed."""
+    monkeypatch.setenv("ATTNLAB_DECODE", "stream")
+    monkeypatch.setenv("ATTNLAB_BF16", "bf16")
+    if case == "float32_query":
+        q4, Hkv = randn(2, 4, 1, 64), 2
+        k, v = randn(2, 100, 64, seed=1).bfloat16(), randn(2, 100, 64, seed=2).bfloat16()
+        assert not torch.equal(q4.bfloat16().float(), q4)
+    elif case == "denormal_query":
+        q4, k, v, Hkv = _huge_key_case(2.0 ** -130, 2.0 ** 127)  # 2^-130: a bf16 denormal, exactly
+    else:
+        q4, k, v, Hkv = _huge_key_case(2.0 ** 126, 2.0 ** -129)
+    assert torch.equal(q4.bfloat16().float(), q4) == (case != "float32_query")
+    out, want = _bf16_step(q4, k, v, Hkv)
+    if case != "float32_query":  # the product is large enough to show: key 0's weight is not 1/S
+        flushed = torch.einsum("s,se->e", torch.full((k.shape[1],), 1 / k.shape[1], dtype=torch.float64),
+                               v[0].double())
+        assert (want[0, 0, 0] - flushed).abs().max() > 1e-3
+    assert_close(out, want.float(), dtype=torch.float32)
 
 
 def _smoothing_case(outlier: bool, S: int = 1024):

@@ -174,6 +174,31 @@ def test_decode_benchmark_times_each_implementation_against_torch(capsys):
     assert "machine:" in out and "| 128 | float32 | torch SDPA |" in out and "GB/s" in out
 
 
+def test_decode_benchmark_adds_a_float32_dots_row_where_bf16_caches_take_vdpbf16ps(monkeypatch):
+    """On a CPU whose bf16 route takes vdpbf16ps for a bf16 cache's scores (faked here: no CPU of
+    ours need have it), --decode also times the streaming loop with them widened, right after the
+    stream row, run with ATTNLAB_BF16=fp32; float32 caches, and CPUs without it, have no such row."""
+    import os
+
+    from attnlab.kernels import decode as kernel_decode
+
+    asked = []
+
+    def vdpbf16ps(E, mode):
+        asked.append(os.environ.get("ATTNLAB_BF16"))
+        return "vdpbf16ps"
+
+    name = "attnlab decode: stream, float32 dots"
+    assert name not in {r["impl"] for r in bench.decode_benchmark([64], dtypes=("bfloat16",), H=4, Hkv=2, E=8,
+                                                                    repeats=1)}
+    monkeypatch.setattr(kernel_decode, "bf16_dot", vdpbf16ps)
+    impls = [r["impl"] for r in bench.decode_benchmark([64], dtypes=("bfloat16",), H=4, Hkv=2, E=8, repeats=1)]
+    assert impls.index(name) == impls.index("attnlab decode: stream") + 1
+    assert "fp32" in asked and None in asked  # the row forces the float32 route; the others leave it alone
+    assert name not in {r["impl"] for r in bench.decode_benchmark([64], dtypes=("float32",), H=4, Hkv=2, E=8,
+                                                                    repeats=1)}
+
+
 def test_gemm_benchmark_rates_each_route_against_the_fma_peak(capsys):
     """--gemm: each tile product on each fast route this build has (not the emulated test route),
     GFLOP/s from the product's own FLOPs, the FMA peak measured in the run, attention rows per

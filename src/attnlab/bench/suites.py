@@ -148,13 +148,16 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
     with each inner loop forced (``ATTNLAB_DECODE=stream`` / ``gemm``), a
     :class:`~attnlab.decoding.PagedKVCache` of ``page_size``-token pages, the int8 caches (dense
     and paged; dense also with the key dot products widened to float32, ``ATTNLAB_INT8_DOT``,
-    against the default integer ones), its tiled path, and torch's SDPA, as called and with the GQA group folded into
-    the query rows (``(B, Hkv, r * L, E)``: one K/V read per group, torch's best form). ``L > 1``
+    against the default integer ones), on a CPU whose bf16 route takes ``vdpbf16ps`` for a bf16
+    cache's dot products (:func:`attnlab.kernels.decode.bf16_dot`) the streaming loop with them
+    widened to float32 as well (``ATTNLAB_BF16=fp32``), its tiled path, and torch's SDPA, as called
+    and with the GQA group folded into the query rows (``(B, Hkv, r * L, E)``: one K/V read per group, torch's best form). ``L > 1``
     is a causal chunk (speculative decoding, chunked prefill): bottom-right aligned, given to
     torch as ``masks.causal(..., align="bottom_right")`` (SDPA's ``is_causal`` is top-left)."""
     import torch.nn.functional as F
 
     from attnlab import decoding, dispatch, masks
+    from attnlab.kernels import decode as kernel_decode
 
     rows, done, total = [], 0, len(seq_lens) * len(dtypes)
     peak = read_bandwidth()
@@ -180,6 +183,10 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
 
             fns = {"attnlab (auto: decode)": lambda: dispatch.attention(q, k, v, enable_gqa=True, **step),
                    "attnlab decode: stream": _with_env("ATTNLAB_DECODE", "stream", decode),
+                   # the same with a bf16 cache's dot products widened, where they take vdpbf16ps
+                   **({"attnlab decode: stream, float32 dots": _with_env(
+                       "ATTNLAB_BF16", "fp32", _with_env("ATTNLAB_DECODE", "stream", decode))}
+                      if dtype == torch.bfloat16 and kernel_decode.bf16_dot(E, "stream") == "vdpbf16ps" else {}),
                    "attnlab decode: gemm": _with_env("ATTNLAB_DECODE", "gemm", decode),
                    f"attnlab paged ({page_size})": lambda: decoding.paged_decode_attention(q, paged, **step),
                    "attnlab int8": lambda: decode(k8, v8, k_scale=ks, v_scale=vs),

@@ -26,7 +26,8 @@ prefill, speculative decoding). An int8 cache (``k_scale``, ``v_scale``: a float
 token and head) takes either: the streaming loop scales its dot products and AXPYs, the GEMM loop
 dequantises each block into its scratch (at Lq = 64 the streaming loop took 1.6x the GEMM loop's
 time on the 2-core AVX2 EPYC, 2026-12-03). The streaming loop's int8 dot products run on integers
-against the query rounded to int16 (:func:`int8_dot`, ``$ATTNLAB_INT8_DOT`` forces a route).
+against the query rounded to int16 (:func:`int8_dot`, ``$ATTNLAB_INT8_DOT`` forces a route); a
+bfloat16 cache's on ``vdpbf16ps`` where the bf16 route is on (:func:`bf16_dot`, ``$ATTNLAB_BF16``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from attnlab.kernels import online
 from attnlab.kernels.numerics import merge_
 
 __all__ = ["forward", "forward_eager", "choose_chunk", "loop", "CAUSAL", "BLOCK_K", "MIN_CHUNK", "STREAM_MAX_ROWS",
-           "STREAM_BLOCK_K", "LOOPS", "dequantize", "int8_dot", "int16_rounded", "INT8_DOTS", "INT8_DOT_CODES"]
+           "STREAM_BLOCK_K", "LOOPS", "dequantize", "int8_dot", "int16_rounded", "INT8_DOTS", "INT8_DOT_CODES",
+           "bf16_dot", "BF16_DOT_CODES"]
 
 Causal = Literal["none", "top_left", "bottom_right"]
 CAUSAL = {"none": 0, "top_left": 1, "bottom_right": 2}
@@ -63,6 +65,7 @@ STREAM_BLOCK_K = 64  # keys per online-softmax step in the streaming loop: its s
 LOOPS = ("auto", "stream", "gemm")
 INT8_DOTS = ("auto", "int16", "float32")
 INT8_DOT_CODES = {"float32": 0, "int16": 1}  # what csrc/decode.cpp's decode_forward takes as int8_dot
+BF16_DOT_CODES = {"float32": 0, "vdpbf16ps": 1}  # and as bf16_dot
 
 
 def loop(rows: int) -> str:
@@ -101,6 +104,26 @@ def int8_dot(E: int, mode: str) -> str:
     if choice == "int16" or "avx2" in _native.sgemm_routes_built():
         return "int16"
     return "float32"
+
+
+def bf16_dot(E: int, mode: str) -> str:
+    """How the native streaming loop takes a bfloat16 cache's dot products for head size ``E`` on
+    loop ``mode``: ``"vdpbf16ps"`` (the query's bf16 rows against each key row as stored, 16
+    elements an instruction: AVX512_BF16) where the native kernels' bf16 route is ``bf16``
+    (:func:`attnlab.kernels.native.bf16_route`: ``$ATTNLAB_BF16``, ``auto`` on a CPU with
+    ``avx512_bf16``), ``mode`` is ``"stream"`` and ``E`` a multiple of 16; else ``"float32"`` (each
+    key element widened for an FMA).
+
+    The route gives the float32 route's answers to float32's rounding: each pair of bf16 products is
+    exact in float32 and summed with one rounding each, as an FMA chain is. The kernel takes it only
+    for a query whose values are bf16 already (a bf16 query widened: no rounding), with no denormal
+    (the instruction reads those as zero) and ``|q * scale|`` below ``2^64`` (so that key denormals,
+    read as zero, move a score by less than ``E * 2^-62``); for any other query the call runs on the
+    float32 route. Not measured yet: no session has had an AVX512_BF16 CPU since it was written.
+    """
+    if mode != "stream" or E % 16 or _native.ops() is None:
+        return "float32"
+    return "vdpbf16ps" if _native.bf16_route().name == "bf16" else "float32"
 
 
 def int16_rounded(q: Tensor) -> Tensor:
@@ -150,9 +173,10 @@ def forward(q4: Tensor, k: Tensor, v: Tensor, *, Hkv: int, S: int, scale2: float
         block = STREAM_BLOCK_K if mode == "stream" else BLOCK_K
         # chunk 0: the kernel splits every head's own keys into about TASKS_PER_THREAD tasks per thread
         dot = INT8_DOT_CODES[int8_dot(q4.shape[-1], mode)] if int8 else 0
+        bdot = BF16_DOT_CODES[bf16_dot(q4.shape[-1], mode)] if k.dtype == torch.bfloat16 else 0
         out, lse2, nonfinite = _native.ops().decode_forward(
             q4.contiguous(), k, v, table, seqlens, k_scale, v_scale, Hkv, S, scale2, CAUSAL[causal], chunk or 0,
-            block, 1 if mode == "stream" else 0, _native.sgemm_route().code, dot)
+            block, 1 if mode == "stream" else 0, _native.sgemm_route().code, dot, bdot)
         return out, lse2, bool(nonfinite)
     page = k.shape[1] if table is not None else 1
     chunk = chunk or choose_chunk(S, q4.shape[0], torch.get_num_threads(), page)

@@ -22,6 +22,7 @@ Run ``python -m attnlab.kernels.native`` to build it and print the status.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -145,8 +146,10 @@ _lock = threading.Lock()
 _state: Optional[tuple[Optional[Any], NativeStatus]] = None
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_features() -> frozenset[str]:
-    """The instruction-set flags of this CPU (``/proc/cpuinfo``), or an empty set off Linux."""
+    """The instruction-set flags of this CPU (``/proc/cpuinfo``, read once: every bf16 route choice
+    asks), or an empty set off Linux."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):

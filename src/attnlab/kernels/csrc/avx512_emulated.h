@@ -1,8 +1,8 @@
 // The AVX-512 instructions the native kernels use, in portable C++: the "avx512-emulated" build
 // (attnlab.kernels.native, ATTNLAB_NATIVE_ISA=avx512-emulated) includes this on a CPU without
 // AVX-512, so that the kernels' AVX-512 source (kernels.h's row pass and 2^x, sgemm.h's 12 x 32
-// zmm tile, bf16_gemm.h's vdpbf16ps micro-kernel and packing) runs, and is tested, on an
-// AVX2-only machine. It is a test build: correct, slow.
+// zmm tile, bf16_gemm.h's vdpbf16ps micro-kernel and packing, decode.cpp's bf16 dot products on
+// 256-bit vdpbf16ps) runs, and is tested, on an AVX2-only machine. It is a test build: correct, slow.
 //
 // Why not the real instructions' names from <immintrin.h>: those need a compiler target with
 // AVX-512 and a CPU that has it. Here each name the kernels use is a macro for a function below
@@ -12,7 +12,7 @@
 // fails to compile in this build, and the build's test (tests/kernels/test_avx512_emulated.py)
 // says so.
 //
-// A build for a CPU with AVX-512F but not AVX512_BF16 (Skylake-X, Ice Lake) emulates the two bf16
+// A build for a CPU with AVX-512F but not AVX512_BF16 (Skylake-X, Ice Lake) emulates the bf16
 // instructions only; for a CPU with both this header adds nothing.
 //
 // Exactness, where it matters to the tests: fused multiply-adds round once (std::fma), the
@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <immintrin.h>
 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"  // 64-byte vectors passed without AVX-512: inline, never across a library ABI
@@ -156,6 +157,18 @@ inline m512 dpbf16_ps(m512 src, m512bh a, m512bh b) {
   return src;
 }
 
+// vdpbf16ps on 256 bits (AVX512_BF16 with AVX512VL: decode.cpp's bf16 dot products): 8 lanes, the
+// same per-lane sums. __m256 is AVX's own type here (the emulated build runs on AVX2 CPUs).
+typedef short m256bh __attribute__((vector_size(32)));  // 16 bf16, as GCC 12's __m256bh
+inline __m256 dpbf16_ps256(__m256 src, m256bh a, m256bh b) {
+  for (int j = 0; j < 8; ++j) {
+    const auto at = [](m256bh x, int i) { return bf16_daz(static_cast<uint16_t>(x[i])); };
+    const float t = src[j] + at(a, 2 * j + 1) * at(b, 2 * j + 1);
+    src[j] = t + at(a, 2 * j) * at(b, 2 * j);
+  }
+  return src;
+}
+
 }  // namespace attnlab_avx512_emulated
 
 #pragma GCC diagnostic pop
@@ -192,6 +205,8 @@ inline m512 dpbf16_ps(m512 src, m512bh a, m512bh b) {
 #define __m512bh attnlab_avx512_emulated::m512bh
 #define _mm512_cvtne2ps_pbh attnlab_avx512_emulated::cvtne2ps_pbh
 #define _mm512_dpbf16_ps attnlab_avx512_emulated::dpbf16_ps
+#define __m256bh attnlab_avx512_emulated::m256bh
+#define _mm256_dpbf16_ps attnlab_avx512_emulated::dpbf16_ps256
 #define __AVX512BF16__ 1
 #endif  // !__AVX512BF16__
 

@@ -38,6 +38,9 @@
 //             2: bottom-right (row i sees keys 0..S_b - L + i: new tokens after the cache)
 //     int8_dot  int8 caches on the streaming loop: 0 each element widened to float32; 1 integer dot
 //             products against the query rounded to int16 per row (E % 16 == 0, E <= 512; else 0)
+//     bf16_dot  bf16 caches on the streaming loop: 0 each element widened to float32; 1 vdpbf16ps
+//             against the query's bf16 rows (a build with AVX512_BF16, E % 16 == 0, a query that is
+//             bf16 already: bf16_query_rows; else 0)
 // Returns out (Nb, r, L, Ev) float32, lse2 (Nb, r, L) (base 2; -inf where a row saw no key) and a
 // bool scalar: true when some score was NaN or inf (the result is then not to be used).
 // There is no backward: decoding runs without gradients (attnlab.decoding refuses them).
@@ -53,6 +56,7 @@
 #include <atomic>
 #include <cmath>
 #include <optional>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -472,6 +476,80 @@ inline bool quantize_rows(const float* q, int64_t m, int64_t E, int16_t* qi, flo
   return true;
 }
 
+// A bfloat16 cache's scores on vdpbf16ps (bf16_dot = 1: decode.py's "vdpbf16ps" route, AVX512_BF16
+// with AVX512VL; the avx512-emulated build runs it on any CPU): the query rows as bf16 (qb) against
+// each key row as stored, 16 elements a 256-bit instruction, each pair's products exact in float32
+// and summed into the lane (one rounding each, as an FMA's). The float32 route loads and widens
+// every 8 key elements (two instructions) and runs an FMA per row; here a load and one instruction a
+// row per 16. 256 bits, not 512: Zen 4 runs a 512-bit vdpbf16ps as two halves anyway, and 8-lane
+// sums reuse sum8x4's tree.
+// NOT MEASURED: no AVX512_BF16 CPU in the session that wrote it (2026-12-03, 2-core AVX2 EPYC);
+// `attnlab bench --decode` names the route in its rows, so the first run on one measures it.
+// Same answers as the float32 route to float32's rounding, given bf16_query_rows' conditions.
+#if defined(__AVX512BF16__) && (defined(__AVX512VL__) || defined(ATTNLAB_EMULATE_AVX512))
+#define ATTNLAB_DECODE_BF16_DOTS 1
+// s[a * nk + j] (j = j0, j0 + 1) = f_j * qb[a] . k_j: four rows by two keys, as dots2. E % 16 == 0.
+inline void bdots2(const c10::BFloat16* __restrict__ qb, int64_t n, int64_t E, const c10::BFloat16* __restrict__ k0,
+                   const c10::BFloat16* __restrict__ k1, float f0, float f1, float* __restrict__ s, int nk, int j0) {
+  auto load = [](const c10::BFloat16* p) {
+    return reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  int64_t a = 0;
+  for (; a + 4 <= n; a += 4) {
+    const c10::BFloat16 *q0 = qb + a * E, *q1 = q0 + E, *q2 = q1 + E, *q3 = q2 + E;
+    __m256 x0 = _mm256_setzero_ps(), x1 = x0, x2 = x0, x3 = x0;  // key 0, rows a .. a + 3
+    __m256 y0 = x0, y1 = x0, y2 = x0, y3 = x0;                    // key 1
+    for (int64_t c = 0; c < E; c += 16) {
+      const __m256bh a0 = load(q0 + c), a1 = load(q1 + c), a2 = load(q2 + c), a3 = load(q3 + c);
+      const __m256bh kc = load(k0 + c);
+      x0 = _mm256_dpbf16_ps(x0, a0, kc), x1 = _mm256_dpbf16_ps(x1, a1, kc);
+      x2 = _mm256_dpbf16_ps(x2, a2, kc), x3 = _mm256_dpbf16_ps(x3, a3, kc);
+      if (k1) {
+        const __m256bh kd = load(k1 + c);
+        y0 = _mm256_dpbf16_ps(y0, a0, kd), y1 = _mm256_dpbf16_ps(y1, a1, kd);
+        y2 = _mm256_dpbf16_ps(y2, a2, kd), y3 = _mm256_dpbf16_ps(y3, a3, kd);
+      }
+    }
+    alignas(16) float rx[4], ry[4];
+    _mm_store_ps(rx, _mm_mul_ps(sum8x4(x0, x1, x2, x3), _mm_set1_ps(f0)));
+    _mm_store_ps(ry, _mm_mul_ps(sum8x4(y0, y1, y2, y3), _mm_set1_ps(f1)));
+    for (int i = 0; i < 4; ++i) {
+      s[(a + i) * nk + j0] = rx[i];
+      if (k1) s[(a + i) * nk + j0 + 1] = ry[i];
+    }
+  }
+  for (; a < n; ++a) {  // rows left over, one at a time
+    __m256 x = _mm256_setzero_ps(), y = x;
+    for (int64_t c = 0; c < E; c += 16) {
+      const __m256bh qa = load(qb + a * E + c);
+      x = _mm256_dpbf16_ps(x, qa, load(k0 + c));
+      if (k1) y = _mm256_dpbf16_ps(y, qa, load(k1 + c));
+    }
+    alignas(16) float r[4];
+    _mm_store_ps(r, sum8x4(x, y, _mm256_setzero_ps(), _mm256_setzero_ps()));
+    s[a * nk + j0] = f0 * r[0];
+    if (k1) s[a * nk + j0 + 1] = f1 * r[1];
+  }
+}
+#endif
+
+// qb (m, E) = q (m, E) as bf16, when the route gives the float32 route's answers: every element
+// is a bf16 value (its low 16 bits zero: a bf16 query widened), none is a denormal (vdpbf16ps
+// reads those as zero), and |q| * |scale2| < 2^64, so that the key elements it reads as zero
+// (denormals, below 2^-126) move a score by less than E * 2^-62: nothing at float32's precision
+// next to the softmax's other scores. False otherwise (the caller takes the float32 route).
+inline bool bf16_query_rows(const float* q, int64_t m, int64_t E, float scale2, c10::BFloat16* qb) {
+  const float limit = std::ldexp(1.0f, 64) / std::max(std::fabs(scale2), 1e-30f);
+  for (int64_t i = 0; i < m * E; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, q + i, 4);
+    const bool denormal = (bits & 0x7f800000u) == 0 && (bits & 0x007fffffu) != 0;
+    if ((bits & 0xffffu) != 0 || denormal || !(std::fabs(q[i]) < limit)) return false;
+    qb[i] = c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+  }
+  return true;
+}
+
 // The scores of nk key rows of one stride (inside a page): s (n, nk), rows ld apart, = scale2 * Q K^T
 // by dot products, each K row read once as stored (k_scale: the int8 rows' scales, else nullptr);
 // v: the same keys' value rows (v_ld apart, Ev wide), asked for into L2 as their keys are used, or
@@ -528,7 +606,8 @@ inline void prefetch_row(const T* row, int64_t width) {
 template <class T>
 inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int64_t k_ld, const float* k_scale,
                           int nk, int ld, float scale2, float* s, const T* v = nullptr, int64_t v_ld = 0, int64_t Ev = 0,
-                          const int16_t* qi = nullptr, const float* qs = nullptr, bool own_prefetch = true) {
+                          const int16_t* qi = nullptr, const float* qs = nullptr, bool own_prefetch = true,
+                          const c10::BFloat16* qb = nullptr) {
   // rows asked for here; the loops ask for the rest (none when the caller asks for them: own_prefetch false)
   const int first = !own_prefetch || nk <= PREFETCH_RUN_ROWS ? nk : PREFETCH_ROWS;
   if (own_prefetch)
@@ -538,7 +617,7 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
   // two rows by four keys from 8 rows on; at 4 rows (a decode step of one GQA group) dots2's four
   // rows by two keys read each key once, not twice: 3-5% faster there in fp32 and bf16 (q (1, 32, 1,
   // 128) against S = 32768, 2 threads, AVX2 EPYC, 2026-12-03; int8 2% slower, within the noise)
-  if (E % 8 == 0 && n % 2 == 0 && n >= 8 && qi == nullptr)
+  if (E % 8 == 0 && n % 2 == 0 && n >= 8 && qi == nullptr && qb == nullptr)
     for (; j + 4 <= nk; j += 4) {
       for (int i = PREFETCH_ROWS; i < PREFETCH_ROWS + 4; ++i)
         if (j + i >= first && j + i < nk) prefetch_row(k + (j + i) * k_ld, E);
@@ -566,6 +645,14 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
         continue;
       }
     }
+#if defined(ATTNLAB_DECODE_BF16_DOTS)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (qb) {
+        bdots2(qb, n, E, k + j * k_ld, two ? k + (j + 1) * k_ld : nullptr, f0, f1, s, ld, j);
+        continue;
+      }
+    }
+#endif
     dots2<T>(q, n, E, k + j * k_ld, two ? k + (j + 1) * k_ld : nullptr, f0, f1, s, ld, j);
   }
 }
@@ -575,9 +662,10 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
 // accumulators for 16 columns stay in registers while the block's nk value rows stream past
 // (each converted once), so acc is loaded and stored once per block, not once per key (the AXPY
 // form's store port bound it). At most twelve accumulators: with two value vectors and a weight
-// that is 15 of AVX2's 16 ymm registers. Four rows by 32 columns (sixteen) spilled to the stack, and every key's FMAs then waited on stores and reloads; so did an array of
-// accumulators GCC would not keep in registers (2026-12-03, 2-core AVX2 EPYC, q (8, 4, 4, 128)
-// against S = 2048 on one thread: perf put most of the kernel's samples on those stores).
+// that is 15 of AVX2's 16 ymm registers. Four rows by 32 columns (sixteen) spilled to the stack,
+// and every key's FMAs then waited on stores and reloads; so did an array of accumulators GCC
+// would not keep in registers (2026-12-03, 2-core AVX2 EPYC, q (8, 4, 4, 128) against S = 2048 on
+// one thread: perf put most of the kernel's samples on those stores).
 #if defined(__AVX2__) && defined(__FMA__)
 // acc rows a .. a + R - 1, columns [c, c + 8 * U) (R = 4 or 6, U = 1 or 2) += P~ rows a ..
 // a + R - 1 (p0, ld apart) times V's columns. Six rows (twelve accumulators, the two value vectors,
@@ -750,7 +838,8 @@ constexpr int STORED_KEYS = 8;
 template <class T, class Visible>
 void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& kss, const ScaleSource& vss, bool int8,
                   const Span& task, int64_t j0, int nk, int64_t G, int64_t n, int64_t E, int64_t Ev, float scale2,
-                  const float* q, const int16_t* q_int16, const float* q_scale, float* s, int bk, float* kscale,
+                  const float* q, const int16_t* q_int16, const float* q_scale, const c10::BFloat16* q_bf16,
+                  float* s, int bk, float* kscale,
                   float* vscale, float* states, int64_t state, const Visible& visible, std::atomic<bool>& saw_nonfinite) {
   const T* kb = reinterpret_cast<const T*>(ks.base);
   const T* vb = reinterpret_cast<const T*>(vs.base);
@@ -777,7 +866,8 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
       for (int i = 0; i < ahead; ++i) prefetch_row(kb + noff + g * ks.s_head + i * ks.s_row, E);
       stream_scores<T>(q + nb * n * E, n, E, kb + off + g * ks.s_head, ks.s_row, int8 ? kscale_g + j : nullptr, m, nk,
                        scale2, s + g * n * bk + j, nullptr, 0, 0, q_int16 ? q_int16 + nb * n * E : nullptr,
-                       q_scale ? q_scale + nb * n : nullptr, /*own_prefetch=*/false);
+                       q_scale ? q_scale + nb * n : nullptr, /*own_prefetch=*/false,
+                       q_bf16 ? q_bf16 + nb * n * E : nullptr);
     }
   }
   for (int64_t g = 0; g < G; ++g) {  // each head's online-softmax step over the block
@@ -812,7 +902,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
                                                   const std::optional<at::Tensor>& k_scale,
                                                   const std::optional<at::Tensor>& v_scale, int64_t Hkv, int64_t S,
                                                   double scale2_d, int64_t causal, int64_t chunk, int64_t block_k,
-                                                  int64_t mode, int64_t sgemm_route, int64_t int8_dot) {
+                                                  int64_t mode, int64_t sgemm_route, int64_t int8_dot,
+                                                  int64_t bf16_dot) {
   TORCH_CHECK(q4.dim() == 4 && q4.scalar_type() == at::kFloat && q4.is_contiguous() && q4.device().is_cpu(),
               "attnlab native decode: q4 must be a contiguous float32 (Nb, r, L, E) CPU tensor");
   TORCH_CHECK(causal >= 0 && causal <= 2, "attnlab native decode: causal must be 0, 1 or 2");
@@ -907,6 +998,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   std::vector<float> q_scale(int16_dots ? static_cast<size_t>(Nb * n) : 0);
   if (int16_dots && !quantize_rows(q, Nb * n, E, q_int16.data(), q_scale.data()))
     return {out, lse2, at::scalar_tensor(true, at::TensorOptions().dtype(at::kBool))};  // NaN or inf in q
+  // a bf16 cache on the streaming loop with bf16_dot = 1 (a build with the instruction): the query
+  // rows as bf16 once (bdots2), when that changes no answer (bf16_query_rows), else the float32 route
+#if defined(ATTNLAB_DECODE_BF16_DOTS)
+  bool bf16_dots = ks.dtype == at::kBFloat16 && mode == 1 && bf16_dot == 1 && E % 16 == 0;
+#else
+  bool bf16_dots = false;
+#endif
+  std::vector<c10::BFloat16> q_bf16(bf16_dots ? static_cast<size_t>(Nb * n * E) : 0);
+  if (bf16_dots) bf16_dots = bf16_query_rows(q, Nb * n, E, scale2, q_bf16.data());
 
   // the streaming loop over rows interleaved by head (G > 1) reads each block in stored order
   const bool stored_order = mode == 1 && G > 1;
@@ -951,7 +1051,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
           with_row_type(ks.dtype, [&](auto tag) {
             stored_block<decltype(tag)>(ks, vs, kss, vss, int8, task, j0, nk, G, n, E, Ev, scale2, q,
                                         int16_dots ? q_int16.data() : nullptr, int16_dots ? q_scale.data() : nullptr,
-                                        s, bk, kscale, vscale, states, state, visible, saw_nonfinite);
+                                        bf16_dots ? q_bf16.data() : nullptr, s, bk, kscale, vscale, states, state,
+                                        visible, saw_nonfinite);
           });
           j0 += nk;
           continue;
@@ -977,7 +1078,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
                 const T* vrows = vb + vs.locate(nb, j0 + j, &vrun);
                 stream_scores<T>(qn, n, E, kb + off, ks.s_row, int8 ? kscale + j : nullptr, m, nk, scale2, s + j,
                                  vrows, vs.s_row, Ev, int16_dots ? q_int16.data() + nb * n * E : nullptr,
-                                 int16_dots ? q_scale.data() + nb * n : nullptr);
+                                 int16_dots ? q_scale.data() + nb * n : nullptr, /*own_prefetch=*/true,
+                                 bf16_dots ? q_bf16.data() + nb * n * E : nullptr);
               }
               // a NaN or inf score (from Q or K) would be swallowed by the row pass (its max and 2^x drop
               // NaN): flag it, so the caller redoes the call on the pure path; V's show in the output.
@@ -1043,7 +1145,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
   m.def("decode_forward(Tensor q4, Tensor k, Tensor v, Tensor? table, Tensor? seqlens, Tensor? k_scale, "
         "Tensor? v_scale, int Hkv, int S, float scale2, int causal, int chunk, int block_k, int mode, int sgemm=0, "
-        "int int8_dot=0) -> (Tensor, "
+        "int int8_dot=0, int bf16_dot=0) -> (Tensor, "
         "Tensor, Tensor)");
 }
 
