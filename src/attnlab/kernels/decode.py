@@ -85,7 +85,8 @@ def int8_dot(E: int, mode: str) -> str:
     ``mode``: ``$ATTNLAB_INT8_DOT`` (``auto``, the default; ``int16`` or ``float32`` force one).
 
     ``"int16"``: each query row rounded to int16 on a scale of its own (:func:`int16_rounded`), the
-    key rows' int8 values multiplied in integers (``vpmaddwd``), one scale per row and key applied
+    key rows' int8 values multiplied in integers (``vpmaddwd``; ``vpdpwssd`` where the build has
+    AVX512_VNNI: the same exact sums in half the instructions), one scale per row and key applied
     to the exact int32 sum. ``"float32"``: each int8 element widened to float32 for an FMA. The
     int16 route needs the streaming loop, ``E`` a multiple of 16 and at most 512 (its int32 sums
     stay exact), and the native kernels; ``auto`` takes it where the build has AVX2.

@@ -2,18 +2,20 @@
 // (attnlab.kernels.native, ATTNLAB_NATIVE_ISA=avx512-emulated) includes this on a CPU without
 // AVX-512, so that the kernels' AVX-512 source (kernels.h's row pass and 2^x, sgemm.h's 12 x 32
 // zmm tile, bf16_gemm.h's vdpbf16ps micro-kernel and packing, decode.cpp's bf16 dot products on
-// 256-bit vdpbf16ps) runs, and is tested, on an AVX2-only machine. It is a test build: correct, slow.
+// 256-bit vdpbf16ps, and its int8 dot products on 256-bit vpdpwssd) runs, and is tested, on an
+// AVX2-only machine. It is a test build: correct, slow.
 //
 // Why not the real instructions' names from <immintrin.h>: those need a compiler target with
 // AVX-512 and a CPU that has it. Here each name the kernels use is a macro for a function below
 // on GCC vector types of 64 bytes (16 float32 lanes), written from Intel's pseudocode for the
-// instruction, lane by lane; after it, __AVX512F__ and __AVX512BF16__ are defined, so that the
-// kernels take their AVX-512 branches. Only the instructions the kernels use are here: a new one
+// instruction, lane by lane; after it, __AVX512F__, __AVX512BF16__ and __AVX512VNNI__ are defined,
+// so that the kernels take their AVX-512 branches. Only the instructions the kernels use are here: a new one
 // fails to compile in this build, and the build's test (tests/kernels/test_avx512_emulated.py)
 // says so.
 //
 // A build for a CPU with AVX-512F but not AVX512_BF16 (Skylake-X, Ice Lake) emulates the bf16
-// instructions only; for a CPU with both this header adds nothing.
+// instructions only (and vpdpwssd where it lacks AVX512_VNNI); for a CPU with all three this
+// header adds nothing.
 //
 // Exactness, where it matters to the tests: fused multiply-adds round once (std::fma), the
 // reductions add in the order GCC's _mm512_reduce_add_ps does, round-to-nearest-even is the
@@ -21,7 +23,7 @@
 // the instructions do.
 #pragma once
 
-#if !defined(__AVX512F__) || !defined(__AVX512BF16__)
+#if !defined(__AVX512F__) || !defined(__AVX512BF16__) || !defined(__AVX512VNNI__)
 
 #include <cmath>
 #include <cstdint>
@@ -169,6 +171,22 @@ inline __m256 dpbf16_ps256(__m256 src, m256bh a, m256bh b) {
   return src;
 }
 
+// vpdpwssd on 256 bits (AVX512_VNNI with AVX512VL: decode.cpp's int8 dot products): each int32
+// lane of src plus the two products of its int16 pairs, wrapping as the instruction does (not the
+// saturating vpdpwssds)
+inline __m256i dpwssd_epi32(__m256i src, __m256i a, __m256i b) {
+  int32_t s[8];
+  int16_t x[16], y[16];
+  std::memcpy(s, &src, 32), std::memcpy(x, &a, 32), std::memcpy(y, &b, 32);
+  for (int j = 0; j < 8; ++j) {
+    const int64_t t = int64_t(s[j]) + int32_t(x[2 * j]) * y[2 * j] + int32_t(x[2 * j + 1]) * y[2 * j + 1];
+    s[j] = static_cast<int32_t>(static_cast<uint32_t>(t));
+  }
+  __m256i r;
+  std::memcpy(&r, s, 32);
+  return r;
+}
+
 }  // namespace attnlab_avx512_emulated
 
 #pragma GCC diagnostic pop
@@ -210,4 +228,9 @@ inline __m256 dpbf16_ps256(__m256 src, m256bh a, m256bh b) {
 #define __AVX512BF16__ 1
 #endif  // !__AVX512BF16__
 
-#endif  // !__AVX512F__ || !__AVX512BF16__
+#if !defined(__AVX512VNNI__)
+#define _mm256_dpwssd_epi32 attnlab_avx512_emulated::dpwssd_epi32
+#define __AVX512VNNI__ 1
+#endif  // !__AVX512VNNI__
+
+#endif  // !__AVX512F__ || !__AVX512BF16__ || !__AVX512VNNI__

@@ -392,14 +392,29 @@ inline __m128 isum8x4(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
   const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
   return _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
 }
+
+// acc + the sums of a's and b's int16 pairs, per int32 lane: one vpdpwssd where the build has
+// AVX512_VNNI (with AVX512VL; the avx512-emulated build has it everywhere), else vpmaddwd and vpaddd.
+// The same wrapping int32 sums either way, so the two give the same bits. Half the instructions
+// of idots2's inner loop on a CPU with it (Zen 4, Ice Lake and later). NOT MEASURED: no such CPU in
+// the session that wrote it (2026-12-03, 2-core AVX2 EPYC); `attnlab bench --decode`'s "int8" rows
+// measure it on the first.
+inline __m256i dot_pairs(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && (defined(__AVX512VL__) || defined(ATTNLAB_EMULATE_AVX512))
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
 #endif
 
 // An int8 cache's scores on integer dot products (int8_dot = 1: decode.py's "int16" route): the
 // query rows rounded to int16 (qi, one scale per row in qs: quantize_rows), the key rows
-// sign-extended to int16, and vpmaddwd's pairs summed in int32: exact, as |sum| <= 32767 * 128 * E
-// < 2^31 for E <= 512 (every lane and the horizontal sum).
+// sign-extended to int16, and their pairs' products summed in int32 (dot_pairs: vpmaddwd and
+// vpaddd, or vpdpwssd): exact, as |sum| <= 32767 * 128 * E < 2^31 for E <= 512 (every lane and the
+// horizontal sum).
 // s[a * nk + j] = f_j * qs[a] * sum_c qi[a, c] * k_j[c]. One vpmovsxbw, four vpmaddwd and four
-// vpaddd per 16 elements of a key and four rows, where the float32 route takes two conversions of
+// vpaddd (or four vpdpwssd) per 16 elements of a key and four rows, where the float32 route takes two conversions of
 // two instructions and eight FMAs. Needs E % 16 == 0 (decode_forward checks). The query's rounding
 // is at most half of amax / 32767 per element, 1/258 of the int8 keys' own (half of amax / 127).
 // With the four-row value tile for int8 (stream_values), old and new builds alternated (q (1, 32,
@@ -423,13 +438,11 @@ inline void idots2(const int16_t* __restrict__ qi, const float* __restrict__ qs,
       in_register(a0), in_register(a1), in_register(a2), in_register(a3);
       __m256i kc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k0 + c)));
       in_register(kc);
-      x0 = _mm256_add_epi32(x0, _mm256_madd_epi16(a0, kc)), x1 = _mm256_add_epi32(x1, _mm256_madd_epi16(a1, kc));
-      x2 = _mm256_add_epi32(x2, _mm256_madd_epi16(a2, kc)), x3 = _mm256_add_epi32(x3, _mm256_madd_epi16(a3, kc));
+      x0 = dot_pairs(x0, a0, kc), x1 = dot_pairs(x1, a1, kc), x2 = dot_pairs(x2, a2, kc), x3 = dot_pairs(x3, a3, kc);
       if (k1) {
         __m256i kd = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k1 + c)));
         in_register(kd);
-        y0 = _mm256_add_epi32(y0, _mm256_madd_epi16(a0, kd)), y1 = _mm256_add_epi32(y1, _mm256_madd_epi16(a1, kd));
-        y2 = _mm256_add_epi32(y2, _mm256_madd_epi16(a2, kd)), y3 = _mm256_add_epi32(y3, _mm256_madd_epi16(a3, kd));
+        y0 = dot_pairs(y0, a0, kd), y1 = dot_pairs(y1, a1, kd), y2 = dot_pairs(y2, a2, kd), y3 = dot_pairs(y3, a3, kd);
       }
     }
     const __m128 scale = _mm_loadu_ps(qs + a);
