@@ -148,28 +148,22 @@ inline m512bh cvtne2ps_pbh(m512 a, m512 b) {
   }
   return r;
 }
-// vdpbf16ps: src[j] + a[2j + 1] b[2j + 1] + a[2j] b[2j] (Intel's order; each bf16 product is exact
-// in float32, each sum rounds)
-inline m512 dpbf16_ps(m512 src, m512bh a, m512bh b) {
-  for (int j = 0; j < 16; ++j) {
-    const auto at = [](m512bh x, int i) { return bf16_daz(static_cast<uint16_t>(x[i])); };
+// vdpbf16ps over Lanes float32 lanes: src[j] + a[2j + 1] b[2j + 1] + a[2j] b[2j] (Intel's order;
+// each bf16 product is exact in float32, each sum rounds)
+template <int Lanes, class F, class BH>
+inline F dpbf16(F src, BH a, BH b) {
+  for (int j = 0; j < Lanes; ++j) {
+    const auto at = [](BH x, int i) { return bf16_daz(static_cast<uint16_t>(x[i])); };
     const float t = src[j] + at(a, 2 * j + 1) * at(b, 2 * j + 1);
     src[j] = t + at(a, 2 * j) * at(b, 2 * j);
   }
   return src;
 }
-
-// vdpbf16ps on 256 bits (AVX512_BF16 with AVX512VL: decode.cpp's bf16 dot products): 8 lanes, the
-// same per-lane sums. __m256 is AVX's own type here (the emulated build runs on AVX2 CPUs).
+inline m512 dpbf16_ps(m512 src, m512bh a, m512bh b) { return dpbf16<16>(src, a, b); }
+// on 256 bits (AVX512_BF16 with AVX512VL: decode.cpp's bf16 dot products); __m256 is AVX's own
+// type here (the emulated build runs on AVX2 CPUs)
 typedef short m256bh __attribute__((vector_size(32)));  // 16 bf16, as GCC 12's __m256bh
-inline __m256 dpbf16_ps256(__m256 src, m256bh a, m256bh b) {
-  for (int j = 0; j < 8; ++j) {
-    const auto at = [](m256bh x, int i) { return bf16_daz(static_cast<uint16_t>(x[i])); };
-    const float t = src[j] + at(a, 2 * j + 1) * at(b, 2 * j + 1);
-    src[j] = t + at(a, 2 * j) * at(b, 2 * j);
-  }
-  return src;
-}
+inline __m256 dpbf16_ps256(__m256 src, m256bh a, m256bh b) { return dpbf16<8>(src, a, b); }
 
 // vpdpwssd on 256 bits (AVX512_VNNI with AVX512VL: decode.cpp's int8 dot products): each int32
 // lane of src plus the two products of its int16 pairs, wrapping as the instruction does (not the
