@@ -1,8 +1,8 @@
 """The decode path (attnlab.decoding, csrc/decode.cpp): exact against torch's SDPA for every
 input it takes, special values included, on its routes: the native kernel (auto, then each of
-its inner loops forced: streaming, streaming with the bf16 route on, and GEMM), the pure PyTorch code, and the native kernel cut
-into tiny chunks and blocks (so every chunk boundary
-and the log-sum-exp merge of many parts are exercised). Then the caches: a paged cache read
+its inner loops forced: streaming, streaming with the bf16 route on, and GEMM), the pure PyTorch
+code, and the native kernel cut into tiny chunks and blocks (so every chunk boundary and the
+log-sum-exp merge of many parts are exercised). Then the caches: a paged cache read
 through its block table, KVCache and PagedKVCache decoding through MultiHeadAttention, and the
 front door's choice.
 """
@@ -448,9 +448,9 @@ def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(paged, L, 
 
 
 def _bf16_step(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, Hkv: int, *, L: int = 1, paged: bool = False):
-    """The decode kernel's float32 ``(out, lse2)`` (``kernel.forward``: not rounded to bf16, so that
-    float32's tolerance applies) for ``q4 (Nb, r, L, E)`` against bf16 ``k, v (Nb, S, E)``, the
-    cache dense or copied into 16-token pages; and float64 attention over the same values."""
+    """``(out, want)``: the decode kernel's float32 output (``kernel.forward``: not rounded to bf16,
+    so that float32's tolerance applies) for ``q4 (Nb, r, L, E)`` against bf16 ``k, v (Nb, S, E)``,
+    the cache dense or copied into 16-token pages, and float64 attention over the same values."""
     Nb, r, _, E = q4.shape
     S = k.shape[1]
     scale = E ** -0.5

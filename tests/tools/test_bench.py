@@ -182,6 +182,7 @@ def test_decode_benchmark_adds_a_float32_dots_row_where_bf16_caches_take_vdpbf16
 
     from attnlab.kernels import decode as kernel_decode
 
+    monkeypatch.delenv("ATTNLAB_BF16", raising=False)
     asked = []
 
     def vdpbf16ps(E, mode):

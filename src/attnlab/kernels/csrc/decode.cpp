@@ -55,8 +55,8 @@
 
 #include <atomic>
 #include <cmath>
-#include <optional>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -414,8 +414,8 @@ inline __m256i dot_pairs(__m256i acc, __m256i a, __m256i b) {
 // vpaddd, or vpdpwssd): exact, as |sum| <= 32767 * 128 * E < 2^31 for E <= 512 (every lane and the
 // horizontal sum).
 // s[a * nk + j] = f_j * qs[a] * sum_c qi[a, c] * k_j[c]. One vpmovsxbw, four vpmaddwd and four
-// vpaddd (or four vpdpwssd) per 16 elements of a key and four rows, where the float32 route takes two conversions of
-// two instructions and eight FMAs. Needs E % 16 == 0 (decode_forward checks). The query's rounding
+// vpaddd (or four vpdpwssd) per 16 elements of a key and four rows, where the float32 route takes
+// two conversions of two instructions and eight FMAs. Needs E % 16 == 0 (decode_forward checks). The query's rounding
 // is at most half of amax / 32767 per element, 1/258 of the int8 keys' own (half of amax / 127).
 // With the four-row value tile for int8 (stream_values), old and new builds alternated (q (1, 32,
 // Lq, 128) against (1, 8, S, 128), one thread, CPU time, 2-core AVX2 EPYC, 2026-12-03, three rounds):
@@ -497,7 +497,8 @@ inline bool quantize_rows(const float* q, int64_t m, int64_t E, int16_t* qi, flo
 // row per 16. 256 bits, not 512: Zen 4 runs a 512-bit vdpbf16ps as two halves anyway, and 8-lane
 // sums reuse sum8x4's tree.
 // NOT MEASURED: no AVX512_BF16 CPU in the session that wrote it (2026-12-03, 2-core AVX2 EPYC);
-// `attnlab bench --decode` names the route in its rows, so the first run on one measures it.
+// on a CPU that takes it `attnlab bench --decode` adds a row "stream, float32 dots" (the same loop
+// without it), so the first run there measures it.
 // Same answers as the float32 route to float32's rounding, given bf16_query_rows' conditions.
 #if defined(__AVX512BF16__) && (defined(__AVX512VL__) || defined(ATTNLAB_EMULATE_AVX512))
 #define ATTNLAB_DECODE_BF16_DOTS 1
@@ -852,8 +853,8 @@ template <class T, class Visible>
 void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& kss, const ScaleSource& vss, bool int8,
                   const Span& task, int64_t j0, int nk, int64_t G, int64_t n, int64_t E, int64_t Ev, float scale2,
                   const float* q, const int16_t* q_int16, const float* q_scale, const c10::BFloat16* q_bf16,
-                  float* s, int bk, float* kscale,
-                  float* vscale, float* states, int64_t state, const Visible& visible, std::atomic<bool>& saw_nonfinite) {
+                  float* s, int bk, float* kscale, float* vscale, float* states, int64_t state,
+                  const Visible& visible, std::atomic<bool>& saw_nonfinite) {
   const T* kb = reinterpret_cast<const T*>(ks.base);
   const T* vb = reinterpret_cast<const T*>(vs.base);
   // a tile: m <= STORED_KEYS keys from key j (one stride: inside a page); head g's rows at + g * s_head
