@@ -60,12 +60,14 @@ def test_the_avx512_source_passes_the_kernel_suites_on_emulated_instructions():
     probe = _child(["-c", textwrap.dedent("""
         from attnlab.kernels import native
         print(native.status())
-        print("UNITS", bool(native.ops().bf16_units()), "ROUTES", *native.sgemm_routes_built())
+        print("UNITS", bool(native.ops().bf16_units()), "DECODE", int(native.ops().decode_dot_instructions()),
+              "ROUTES", *native.sgemm_routes_built())
     """)], timeout=900)
     assert probe.returncode == 0, probe.stderr[-3000:]
     assert "avx512-emulated test build" in probe.stdout or "avx512f" in _native.cpu_features(), probe.stdout
     assert "float32 GEMM: avx512" in probe.stdout, probe.stdout
     assert "UNITS True" in probe.stdout and " avx512 " in probe.stdout.split("ROUTES", 1)[1] + " ", probe.stdout
+    assert "DECODE 3 " in probe.stdout, probe.stdout  # decoding's vdpbf16ps and vpdpwssd branches too
 
     run = _child(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", SELECT, "-o", "addopts=",
                   *(str(TESTS / s) for s in SUITES)], timeout=1500)

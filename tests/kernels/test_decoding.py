@@ -498,6 +498,21 @@ def test_a_bf16_cache_s_scores_on_vdpbf16ps_are_exact_against_float64(rows, L, E
     assert torch.equal(out, widened) == (not taken)
 
 
+def test_the_status_names_the_decode_loop_s_dot_product_instructions(monkeypatch):
+    """``decode_dot_instructions``: vdpbf16ps where the build has the bf16 units (AVX512_BF16), vpdpwssd
+    where it has AVX512_VNNI with VL (the avx512-emulated build has both, on any CPU); the status
+    line says which a bf16 and an int8 cache's dot products take now."""
+    bits = int(_native.ops().decode_dot_instructions())
+    vnni = _native.build_isa() == "avx512-emulated" or {"avx512_vnni", "avx512vl"} <= _native.cpu_features()
+    assert bool(bits & 1) == _units() and bool(bits & 2) == vnni
+    for route in ("bf16", "fp32"):
+        monkeypatch.setenv("ATTNLAB_BF16", route)
+        said = _native.decode_dot_products()
+        assert ("bf16 caches on vdpbf16ps" in said) == (bool(bits & 1) and route == "bf16"), said
+        assert ("int8 caches on vpdpwssd" in said) == bool(bits & 2), said
+        assert said in str(_native.status())
+
+
 def _huge_key_case(q_value: float, k_value: float):
     """One key (key 0) whose first element times the query's first element is the only non-zero
     product of the call: ``q_value * k_value`` moves key 0's score, and with it the output, by a few

@@ -41,7 +41,7 @@ from attnlab.kernels.numerics import finite_inputs
 
 __all__ = ["can_run", "NativeStatus", "Bf16Route", "SgemmRoute", "status", "ops", "bf16_route", "sgemm_route",
            "operand_dtype", "BF16_CHOICES", "SGEMM_CHOICES", "SGEMM_CODES", "sgemm_routes_built", "cache_root",
-           "build_isa", "ISA_CHOICES"]
+           "build_isa", "ISA_CHOICES", "decode_dot_products"]
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "flash.cpp", _CSRC / "block_sparse.cpp", _CSRC / "decode.cpp")
@@ -135,10 +135,11 @@ class NativeStatus:
     detail: str  # where it was loaded from, or the reason it is not used
     bf16: Optional[Bf16Route] = None
     sgemm: Optional[SgemmRoute] = None
+    decode_dots: Optional[str] = None  # decode_dot_products(): the decode loop's dot-product instructions
 
     def __str__(self) -> str:
         state = "native C++ forward and backward" if self.available else "pure-PyTorch forward and backward"
-        routes = "".join(f"; {r}" for r in (self.sgemm, self.bf16) if r is not None)
+        routes = "".join(f"; {r}" for r in (self.sgemm, self.bf16, self.decode_dots) if r is not None)
         return f"tiled path: {state} ({self.detail}){routes}"
 
 
@@ -219,7 +220,8 @@ def _load() -> tuple[Optional[Any], NativeStatus]:
             (build_dir / _FEATURES_FILE).write_text(" ".join(sorted(cpu_features())) + "\n")
         namespace = torch.ops.attnlab_native
         for op in ("flash_forward", "flash_forward_", "flash_backward_", "block_sparse_forward",
-                   "block_sparse_backward_", "decode_forward", "bf16_units", "sgemm_route_built", "tile_gemm_"):
+                   "block_sparse_backward_", "decode_forward", "bf16_units", "sgemm_route_built", "tile_gemm_",
+                   "decode_dot_instructions"):
             getattr(namespace, op)  # all registered
     except Exception as exc:  # no compiler, no ninja, a failed build: the pure path still works
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
@@ -257,7 +259,24 @@ def status() -> NativeStatus:
     loaded = _get()[1]
     if not loaded.available:
         return NativeStatus(loaded.available, loaded.detail, bf16_route())
-    return NativeStatus(loaded.available, loaded.detail, bf16_route(), sgemm_route())
+    return NativeStatus(loaded.available, loaded.detail, bf16_route(), sgemm_route(), decode_dot_products())
+
+
+def decode_dot_products() -> str:
+    """Which instructions the loaded build's streaming decode loop has for a cache's dot products,
+    in words: ``vdpbf16ps`` for bf16 caches (taken on the ``bf16`` route, :func:`bf16_route`) and
+    ``vpdpwssd`` for int8 ones (AVX512_VNNI), or what runs without them (bf16 widened to float32;
+    int8 on ``vpmaddwd`` and ``vpaddd`` with AVX2). Asked of the library (``decode_dot_instructions``): the build,
+    not the CPU's flags, decides."""
+    native = ops()
+    bits = int(native.decode_dot_instructions()) if native is not None else 0
+    if bits & 1:
+        bf16 = "on vdpbf16ps" if bf16_route().name == "bf16" else \
+            "widened to float32 (vdpbf16ps is built: ATTNLAB_BF16=bf16 takes it)"
+    else:
+        bf16 = "widened to float32"
+    int8 = "on vpdpwssd" if bits & 2 else "without vpdpwssd"
+    return f"decode dot products: bf16 caches {bf16}, int8 caches {int8}"
 
 
 _CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

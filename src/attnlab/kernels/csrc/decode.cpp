@@ -399,8 +399,11 @@ inline __m128 isum8x4(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
 // of idots2's inner loop on a CPU with it (Zen 4, Ice Lake and later). NOT MEASURED: no such CPU in
 // the session that wrote it (2026-12-03, 2-core AVX2 EPYC); `attnlab bench --decode`'s "int8" rows
 // measure it on the first.
-inline __m256i dot_pairs(__m256i acc, __m256i a, __m256i b) {
 #if defined(__AVX512VNNI__) && (defined(__AVX512VL__) || defined(ATTNLAB_EMULATE_AVX512))
+#define ATTNLAB_DECODE_VNNI_DOTS 1
+#endif
+inline __m256i dot_pairs(__m256i acc, __m256i a, __m256i b) {
+#if defined(ATTNLAB_DECODE_VNNI_DOTS)
   return _mm256_dpwssd_epi32(acc, a, b);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
@@ -1154,9 +1157,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   return {out, lse2, at::scalar_tensor(saw_nonfinite.load(), at::TensorOptions().dtype(at::kBool))};
 }
 
+// The dot-product instructions this build's streaming decode loop has (attnlab.kernels.native's
+// status names them): bit 0 vdpbf16ps for bf16 caches (bdots2), bit 1 vpdpwssd for int8 caches
+// (dot_pairs). Without them: bf16 widened to float32, int8 on vpmaddwd and vpaddd.
+int64_t decode_dot_instructions() {
+  int64_t bits = 0;
+#if defined(ATTNLAB_DECODE_BF16_DOTS)
+  bits |= 1;
+#endif
+#if defined(ATTNLAB_DECODE_VNNI_DOTS)
+  bits |= 2;
+#endif
+  return bits;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
+  m.def("decode_dot_instructions() -> int");
   m.def("decode_forward(Tensor q4, Tensor k, Tensor v, Tensor? table, Tensor? seqlens, Tensor? k_scale, "
         "Tensor? v_scale, int Hkv, int S, float scale2, int causal, int chunk, int block_k, int mode, int sgemm=0, "
         "int int8_dot=0, int bf16_dot=0) -> (Tensor, "
@@ -1165,4 +1183,8 @@ TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
   m.impl("decode_forward", &decode_forward);
+}
+
+TORCH_LIBRARY_IMPL(attnlab_native, CompositeExplicitAutograd, m) {
+  m.impl("decode_dot_instructions", &decode_dot_instructions);
 }
