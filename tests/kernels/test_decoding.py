@@ -462,10 +462,9 @@ def _bf16_step(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, Hkv: int, *, 
                                    scale2=scale * 1.4426950408889634, causal=causal, table=cache.block_table)
     else:
         out, _, _ = kernel.forward(q4, k, v, Hkv=Hkv, S=S, scale2=scale * 1.4426950408889634, causal=causal)
-    scores = torch.einsum("nrle,nse->nrls", q4.double(), k.double()) * scale  # (Nb, r, L, S)
-    if L > 1:
-        scores = scores.masked_fill(~bottom_right(L, S), float("-inf"))
-    want = torch.einsum("nrls,nse->nrle", scores.softmax(-1), v.double())  # (Nb, r, L, Ev)
+    # each head nb as a batch of r query heads on one key/value head: (Nb, r, L, E) against (Nb, 1, S, E)
+    want = torch_math(q4.double(), k[:, None].double(), v[:, None].double(), bottom_right(L, S) if L > 1 else None,
+                      enable_gqa=True)
     return out, want
 
 

@@ -152,8 +152,9 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
     cache's dot products (:func:`attnlab.kernels.decode.bf16_dot`) the streaming loop with them
     widened to float32 as well (``ATTNLAB_BF16=fp32``), its tiled path, and torch's SDPA, as called
     and with the GQA group folded into the query rows (``(B, Hkv, r * L, E)``: one K/V read per
-    group, torch's best form). ``L > 1`` is a causal chunk (speculative decoding, chunked prefill): bottom-right aligned, given to
-    torch as ``masks.causal(..., align="bottom_right")`` (SDPA's ``is_causal`` is top-left)."""
+    group, torch's best form). ``L > 1`` is a causal chunk (speculative decoding, chunked
+    prefill): bottom-right aligned, given to torch as ``masks.causal(..., align="bottom_right")``
+    (SDPA's ``is_causal`` is top-left)."""
     import torch.nn.functional as F
 
     from attnlab import decoding, dispatch, masks

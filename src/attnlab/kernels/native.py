@@ -266,8 +266,8 @@ def decode_dot_products() -> str:
     """Which instructions the loaded build's streaming decode loop has for a cache's dot products,
     in words: ``vdpbf16ps`` for bf16 caches (taken on the ``bf16`` route, :func:`bf16_route`) and
     ``vpdpwssd`` for int8 ones (AVX512_VNNI), or what runs without them (bf16 widened to float32;
-    int8 on ``vpmaddwd`` and ``vpaddd`` with AVX2). Asked of the library (``decode_dot_instructions``): the build,
-    not the CPU's flags, decides."""
+    int8 on ``vpmaddwd`` and ``vpaddd`` with AVX2). Asked of the library
+    (``decode_dot_instructions``): the build, not the CPU's flags, decides."""
     native = ops()
     bits = int(native.decode_dot_instructions()) if native is not None else 0
     if bits & 1:

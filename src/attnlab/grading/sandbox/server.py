@@ -52,7 +52,8 @@ except ImportError:  # python -I puts no script folder on sys.path: the runner's
     import protocol  # type: ignore[no-redef]
     import seccomp  # type: ignore[no-redef]
 
-__all__ = ["serve", "submission_name", "warm_triton_interpreter", "drop_dead_overflow_checks", "MAX_RESULT_BYTES", "MAX_TEXT", "SUBMISSION_NAME"]
+__all__ = ["serve", "submission_name", "warm_triton_interpreter", "drop_dead_overflow_checks", "MAX_RESULT_BYTES",
+           "MAX_TEXT", "SUBMISSION_NAME"]
 
 MAX_RESULT_BYTES = 64 * 1024 * 1024  # one child's message
 MAX_TEXT = 4000  # characters of learner text kept per message field
