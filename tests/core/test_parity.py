@@ -69,3 +69,22 @@ def test_output_dtype_and_shape_follow_sdpa():
         out = attnlab_sdpa(q, k, v, attn_mask=torch.ones(3, 6, dtype=torch.bool))
         assert out.dtype == dtype and out.shape == (2, 5, 3, 7)
 
+
+
+def test_the_training_bound_is_tight_first_then_doubles_and_names_each_step_outside_it():
+    from attnlab.testing import TRAINING_TIGHT_STEPS, assert_training_close, training_tolerance
+
+    tight = [training_tolerance(s) for s in range(1, TRAINING_TIGHT_STEPS + 1)]
+    assert tight == [1e-6] * TRAINING_TIGHT_STEPS
+    assert training_tolerance(TRAINING_TIGHT_STEPS + 3) == pytest.approx(8e-6)
+    assert_training_close([4.0, 3.9], [4.0 * (1 + 9e-7), 3.9])
+    with pytest.raises(AssertionError, match=r"step 2: .*relative 2\.6e-06, allowed 1e-06"):
+        assert_training_close([4.0, 3.9], [4.0, 3.89999])
+    with pytest.raises(AssertionError, match="step 1"):
+        assert_training_close([float("nan")], [4.0])
+    with pytest.raises(AssertionError, match="1 and 2 steps"):
+        assert_training_close([4.0], [4.0, 3.0])
+    with pytest.raises(ValueError, match="step must be an int >= 1"):
+        training_tolerance(0)
+    with pytest.raises(ValueError, match="no measured bound for dtype torch.float16"):
+        training_tolerance(1, torch.float16)
