@@ -65,6 +65,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    if args.command in _GRADER_COMMANDS:  # learner text reaches this terminal: the output boundary
+        from attnlab.grading.output import guarded_streams
+
+        with guarded_streams():
+            return _run(args)
+    return _run(args)
+
+
+# the commands that print what learners wrote (names, messages, source lines)
+_GRADER_COMMANDS = ("grade", "autograder")
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return args.func(args)
     except UsageError as exc:

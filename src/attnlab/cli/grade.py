@@ -232,6 +232,10 @@ def _run_class(args: argparse.Namespace, mode: str, lab, folder: Path) -> int:
         print(f"  skipped {s.name}: {s.reason}")
     if len(result.skipped) > 10:
         print(f"  ... and {len(result.skipped) - 10} more in {out / 'skipped.txt'}")
+    twice = [s.name for s in result.skipped if s.reason.startswith("one learner under")]
+    if twice:
+        print(f"NOT GRADED: {plural(len(twice), 'entry', 'entries')} name one learner more than once ({', '.join(twice[:6])}"
+              f"{', ...' if len(twice) > 6 else ''}): keep one entry per learner and grade again")
     unread = statuses.get("could not be read") or []
     if unread:
         print("could not be read: " + ", ".join(r.learner for r in unread))

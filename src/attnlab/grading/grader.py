@@ -29,6 +29,7 @@ from attnlab.grading import errors, intake
 from attnlab.grading.exercise import Exercise, Verdict, judge_outcome
 from attnlab import labs, mistakes
 from attnlab.grading.sandbox import pool
+from attnlab.grading.output import write_atomically, write_json
 from attnlab.grading.sandbox import Limits, Outcome, Sandbox, clean_text, printable, submission_name
 from attnlab.grading.static import check_source, describe, shape_digest
 from attnlab.grading.submission import SubmissionBytes, Unreadable, read_submission
@@ -577,18 +578,6 @@ def supports_colour(stream=sys.stdout) -> bool:
     return stream.isatty() and os.environ.get("NO_COLOR") is None and os.environ.get("TERM") != "dumb"
 
 
-def write_atomically(path: os.PathLike, text: str) -> None:
-    """Write to a temporary file beside ``path``, then rename it over ``path``: a reader
-    sees the old file or the new one, never half of one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # threads of a class
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class ResultsFile:
     """Gradescope's results.json at ``path``, kept valid through a grading run.
 
@@ -608,4 +597,4 @@ class ResultsFile:
     def checkpoint(self, report: GradeReport) -> None:
         self.latest = report
         if self.path is not None:
-            write_atomically(self.path, json.dumps(report.to_gradescope(), indent=2, ensure_ascii=False) + "\n")
+            write_json(self.path, report.to_gradescope())

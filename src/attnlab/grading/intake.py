@@ -18,10 +18,14 @@ into Python (:func:`prepare`):
   other than imports, definitions and constants (the cells that try things out) are left out
   and said so, since the grader runs only what the exercises call;
 * a zip archive is read in memory: no member path outside the archive's folder, no links,
-  at most :data:`ZIP_MAX_MEMBERS` members, and the chosen member read up to the submission's
-  own size cap, whatever its header claims.
+  no zip inside it, at most :data:`ZIP_MAX_MEMBERS` members, and the chosen member read up to
+  the submission's own size cap, whatever its header claims.
 
-Nothing here runs the learner's code.
+Every function here is total on hostile input: a folder, archive or notebook it cannot use is
+a reason (:class:`Choice.why`, :class:`~attnlab.grading.submission.Unreadable`), never another
+exception; learner trees are descended at most :data:`MAX_DEPTH` folders. Another lab's file,
+by its name in any spelling (:func:`other_lab_file`), is never taken for this lab's
+(:class:`OtherLabFile`). Nothing here runs the learner's code.
 """
 
 from __future__ import annotations
@@ -38,10 +42,20 @@ from typing import Optional
 
 from attnlab.grading.submission import MAX_SOURCE_BYTES, Unreadable
 
-__all__ = ["Choice", "choose", "Prepared", "LineMap", "prepare", "read_cap", "ZIP_MAX_MEMBERS", "ZIP_MAX_BYTES", "is_variant"]
+__all__ = ["Choice", "choose", "Prepared", "LineMap", "prepare", "read_cap", "ZIP_MAX_MEMBERS", "ZIP_MAX_BYTES", "is_variant",
+           "other_lab_file", "OtherLabFile", "MAX_DEPTH"]
 
 ZIP_MAX_MEMBERS = 500  # a lab folder zipped with its walkthrough and checkpoints holds a few dozen
 ZIP_MAX_BYTES = 8 << 20  # the archive itself: a lab's files with a notebook's outputs are well under
+MAX_DEPTH = 8  # folders below a learner's own that are searched (an LMS export nests one or two)
+
+
+class OtherLabFile(Unreadable):
+    """The submission is another lab's file (``file``: that lab's file name), not this lab's."""
+
+    def __init__(self, message: str, file: str) -> None:
+        super().__init__(message)
+        self.file = file
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,24 @@ def is_variant(name: str, file: str, suffixes: tuple[str, ...] = (".py",)) -> Op
 _HOW = {"case": "named like the lab's file in another case", "lms": "an LMS re-download of the lab's file"}
 
 
+def other_lab_file(name: str, other_files: tuple[str, ...]) -> Optional[str]:
+    """The other lab's file that ``name`` is, in any spelling (:func:`is_variant`, ``.py`` or
+    ``.ipynb``), or None."""
+    for other in other_files:
+        if is_variant(name, other, (".py", ".ipynb")):
+            return other
+    return None
+
+
+def _other_lab_reason(names: list[str], other: str) -> str:
+    from attnlab import labs
+
+    lab = next((lab for lab in labs.LABS if lab.file == other), None)
+    which = f"lab {lab.name}'s {other}" if lab is not None else other
+    return (f"it holds {', '.join(names)}: another lab's file ({which}); grade it with --lab "
+            f"{lab.name.split('-')[0] if lab is not None else 'NN'}")
+
+
 def _regular(p: Path) -> bool:
     try:
         return stat.S_ISREG(p.lstat().st_mode)
@@ -79,15 +111,18 @@ def _regular(p: Path) -> bool:
         return False
 
 
-def choose(folder: Path, file: str, other_files: tuple[str, ...] = ()) -> Choice:
+def choose(folder: Path, file: str, other_files: tuple[str, ...] = (), depth: int = 0) -> Choice:
     """The learner's submission in ``folder`` for a lab whose file is ``file`` (rules in the
-    module's docstring); ``other_files``: the other labs' files, never taken for this one.
-    Looks only (``lstat``): a link is never taken, and the one read refuses what is not a
-    regular file."""
+    module's docstring); ``other_files``: the other labs' files, never taken for this one (in
+    any spelling). Looks only (``lstat``): a link is never taken, and the one read refuses what
+    is not a regular file. Total: any folder gives a :class:`Choice`."""
+    if depth > MAX_DEPTH:
+        return Choice(None, why=f"its files are nested more than {MAX_DEPTH} folders deep: put the lab's file "
+                                "at the top of the learner's folder")
     try:
         entries = sorted((p for p in folder.iterdir() if not p.name.startswith(".")), key=lambda p: p.name)
-    except OSError as exc:
-        return Choice(None, why=f"the folder cannot be listed ({exc.strerror or exc})")
+    except (OSError, ValueError) as exc:
+        return Choice(None, why=f"the folder cannot be listed ({getattr(exc, 'strerror', None) or type(exc).__name__})")
     files = [p for p in entries if _regular(p)]
     if not entries:
         return Choice(None, why="the folder is empty")
@@ -101,10 +136,11 @@ def choose(folder: Path, file: str, other_files: tuple[str, ...] = ()) -> Choice
     notebooks = [p for p in files if is_variant(p.name, file, (".ipynb",))]
     if len(notebooks) == 1:
         return Choice(notebooks[0], f"{notebooks[0].name}: the notebook of the lab's file (its code cells)")
-    others = [p.name for p in files if p.name in other_files]
+    others = [p for p in files if other_lab_file(p.name, other_files)]
+    files = [p for p in files if p not in others]
     py = [p for p in files if p.suffix.lower() == ".py"]
-    if others and not [p for p in py if p.name not in other_files]:
-        return Choice(None, why=f"it holds {', '.join(others)}, another lab's file (see --lab)")
+    if others and not py:
+        return Choice(None, why=_other_lab_reason([p.name for p in others], other_lab_file(others[0].name, other_files)))
     if len(py) == 1:
         return Choice(py[0], f"{py[0].name}: the folder's only .py file")
     if len(py) > 1:
@@ -118,8 +154,8 @@ def choose(folder: Path, file: str, other_files: tuple[str, ...] = ()) -> Choice
     if len(zips) == 1:
         return Choice(zips[0], f"{zips[0].name}: a zip archive (the same rules choose inside it)")
     subfolders = [p for p in entries if p.is_dir() and not p.is_symlink()]
-    if not files and len(subfolders) == 1:  # an export that nests the learner's files one level down
-        inner = choose(subfolders[0], file, other_files)
+    if not files and not others and len(subfolders) == 1:  # an export that nests the learner's files down
+        inner = choose(subfolders[0], file, other_files, depth + 1)
         if inner.path is not None:
             return Choice(inner.path, f"{subfolders[0].name}/{inner.how or inner.path.name}")
         return Choice(None, why=f"{subfolders[0].name}/: {inner.why}")
@@ -252,13 +288,26 @@ def notebook_to_python(data: bytes) -> Prepared:
 
 
 # --------------------------------------------------------------------------- zip archives
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
 def _zip_member(data: bytes, file: str, other_files: tuple[str, ...]) -> tuple[str, bytes]:
-    """``(member name, its bytes)``: the member the rules choose inside a zip archive."""
+    """``(member name, its bytes)``: the member the rules choose inside a zip archive. Total:
+    whatever the archive holds (flags, methods, CRCs, names, sizes), anything wrong is
+    :class:`Unreadable` with why."""
     try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
-        infos = archive.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError, RuntimeError) as exc:
-        raise Unreadable(f"the zip archive cannot be read ({exc}): zip the lab's file again") from None
+        return _zip_member_unchecked(data, file, other_files)
+    except Unreadable:
+        raise
+    except Exception as exc:  # zipfile's errors for a hostile archive: BadZipFile, NotImplementedError, ...
+        why = "it is encrypted" if "encrypted" in str(exc) or "password" in str(exc) else f"{type(exc).__name__}: {exc}"
+        raise Unreadable(f"the zip archive cannot be read ({why}): zip the lab's file again, without a password")\
+            from None
+
+
+def _zip_member_unchecked(data: bytes, file: str, other_files: tuple[str, ...]) -> tuple[str, bytes]:
+    archive = zipfile.ZipFile(io.BytesIO(data))
+    infos = archive.infolist()
     if len(infos) > ZIP_MAX_MEMBERS:
         raise Unreadable(f"the zip archive has {len(infos)} members (at most {ZIP_MAX_MEMBERS}): submit the lab's "
                          f"file ({file}) alone")
@@ -270,12 +319,11 @@ def _zip_member(data: bytes, file: str, other_files: tuple[str, ...]) -> tuple[s
             raise Unreadable(f"the zip archive has a member outside its folder ({name!r}): zip the lab's file again")
         if stat.S_ISLNK(info.external_attr >> 16):
             continue  # a link is never followed, in an archive either
-        if info.is_dir() or "__MACOSX" in parts or parts[-1].startswith("."):
+        if info.is_dir() or not parts or "__MACOSX" in parts or parts[-1].startswith("."):
             continue
         if len(parts) > 3:
             continue
         usable.append(info)
-    by_name = {Path(i.filename).name: i for i in usable}
     pick = None
     for kind in ("exact", "case", "lms"):
         hits = [i for i in usable if is_variant(Path(i.filename).name, file) == kind]
@@ -285,20 +333,29 @@ def _zip_member(data: bytes, file: str, other_files: tuple[str, ...]) -> tuple[s
             pick = hits[0]
             break
     if pick is None:
+        others = [i for i in usable if other_lab_file(Path(i.filename).name, other_files)]
         notebooks = [i for i in usable if is_variant(Path(i.filename).name, file, (".ipynb",))]
-        py = [i for i in usable if i.filename.lower().endswith(".py") and Path(i.filename).name not in other_files]
+        py = [i for i in usable if i.filename.lower().endswith(".py") and i not in others]
+        zips = [i for i in usable if i.filename.lower().endswith(".zip")]
         if len(notebooks) == 1:
             pick = notebooks[0]
         elif len(py) == 1:
             pick = py[0]
+        elif others and not py:
+            other = other_lab_file(Path(others[0].filename).name, other_files) or ""
+            raise OtherLabFile(f"the zip archive {_other_lab_reason([i.filename for i in others], other)}", other)
+        elif zips:
+            raise Unreadable(f"the zip archive holds a zip archive inside it ({zips[0].filename}), which is not "
+                             f"opened: zip the lab's file ({file}) itself")
         else:
-            others = [n for n in by_name if n in other_files]
-            hint = f" (it holds {', '.join(others)}, another lab's file)" if others else ""
-            raise Unreadable(f"the zip archive holds no {file} and not exactly one .py file{hint}")
+            raise Unreadable(f"the zip archive holds no {file} and not exactly one .py file")
     with archive.open(pick) as member:  # read up to the cap, whatever the header says the size is
         body = member.read(MAX_SOURCE_BYTES + 1)
     if len(body) > MAX_SOURCE_BYTES:
         raise Unreadable(f"{pick.filename} in the zip archive is larger than {MAX_SOURCE_BYTES:,} bytes")
+    if body[:4] == _ZIP_MAGIC:
+        raise Unreadable(f"{pick.filename} in the zip archive is a zip archive inside it, which is not opened: zip "
+                         f"the lab's file ({file}) itself")
     return pick.filename, body
 
 
@@ -310,21 +367,28 @@ def read_cap(path: Path) -> int:
 
 def prepare(name: str, data: bytes, file: str = "attention.py", other_files: tuple[str, ...] = ()) -> Prepared:
     """The Python to grade from a submission's bytes (one read): a ``.py`` file as it is, a
-    notebook's code cells, or the file the rules choose inside a zip archive.
+    notebook's code cells, or the file the rules choose inside a zip archive (never a zip in it).
 
     Raises:
         Unreadable: a notebook that is not one, an archive that cannot be read or breaks the
-            rules above; the message says why.
+            rules above; the message says why. :class:`OtherLabFile` (an Unreadable): the
+            archive holds only another lab's file. Nothing else, whatever the bytes.
     """
-    suffix = Path(name).suffix.lower()
-    if suffix == ".zip" or data[:4] == b"PK\x03\x04":
-        member, body = _zip_member(data, file, other_files)
-        inner = prepare(member, body, file, other_files)
-        inner.notes.insert(0, f"graded {member} from the zip archive {name}")
-        return inner
-    if suffix == ".ipynb":
-        made = notebook_to_python(data)
-        if len(made.source) > MAX_SOURCE_BYTES:
-            raise Unreadable(f"the notebook's code is larger than {MAX_SOURCE_BYTES:,} bytes")
-        return made
-    return Prepared(data)
+    try:
+        suffix = Path(name).suffix.lower()
+        if suffix == ".zip" or data[:4] == _ZIP_MAGIC:
+            member, body = _zip_member(data, file, other_files)
+            inner = prepare(member, body, file, other_files)
+            inner.notes.insert(0, f"graded {member} from the zip archive {name}")
+            return inner
+        if suffix == ".ipynb":
+            made = notebook_to_python(data)
+            if len(made.source) > MAX_SOURCE_BYTES:
+                raise Unreadable(f"the notebook's code is larger than {MAX_SOURCE_BYTES:,} bytes")
+            return made
+        return Prepared(data)
+    except Unreadable:
+        raise
+    except Exception as exc:  # a parser's failure on hostile bytes is that learner's reason, never a traceback
+        raise Unreadable(f"the submission could not be read ({type(exc).__name__}): submit the lab's file "
+                         f"({file}) as plain Python") from None

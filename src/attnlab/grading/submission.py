@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,15 +123,9 @@ def read_submission(path: os.PathLike, within: Optional[os.PathLike] = None,
         os.close(fd)
 
 
-# the characters a terminal acts on (as :func:`.sandbox.clean_text` removes them from learner text)
-_CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-_SURROGATE_RE = re.compile(r"[\ud800-\udfff]")
-
-
 def printable(path: Any) -> str:
-    """A path (a learner names their file and folder) as it may be printed: control
-    characters, escape sequences and bidi overrides shown as ``\\xNN`` / ``\\uNNNN``,
-    never sent to the terminal."""
-    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
-    text = _SURROGATE_RE.sub("\ufffd", text)
-    return _CONTROL_RE.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+    """A path (a learner names their file and folder) as it may be printed: the output
+    boundary's :func:`attnlab.grading.output.sanitise`."""
+    from attnlab.grading.output import sanitise
+
+    return sanitise(path)

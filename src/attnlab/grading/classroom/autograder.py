@@ -148,14 +148,35 @@ def run_gradescope(root: os.PathLike, lab: str) -> dict:
     ``root/results/results.json``. The sandbox is :func:`choose_sandbox`'s; in mode 'user'
     the bundle (``root/source``), attnlab's own package and the results folder are out of
     the learner's reach while it runs, and every process of its uid is killed before
-    results.json is written, last, by this process. Returns what was written."""
+    results.json is written, last, by this process. Returns what was written.
+
+    Total: whatever the submission holds and whatever fails in the grader, a valid results.json
+    is written (the grader's own failure: "the grader failed on this submission", 0 points)."""
     from attnlab import labs
-    from attnlab.grading.grader import grade, not_graded, write_atomically
+    from attnlab.grading.grader import not_graded
+    from attnlab.grading.output import write_json
 
     root = Path(root)
     the_lab = labs.find_lab(lab)
     results = root / "results"
     results.mkdir(parents=True, exist_ok=True)
+    try:
+        data = _graded_on_gradescope(root, the_lab, results)
+    except Exception as exc:  # the grader's failure, never the learner's: still a results.json
+        why = (f"the grader failed on this submission ({type(exc).__name__}); for the instructor: grade it again, "
+               "or report this")
+        try:
+            data = not_graded(root / "submission" / the_lab.file, why, lab=the_lab).to_gradescope()
+        except Exception:
+            data = {"score": 0.0, "output": why, "tests": [], "extra_data": {}}
+    write_json(results / "results.json", data, indent=1)
+    return data
+
+
+def _graded_on_gradescope(root: Path, the_lab: "Lab", results: Path) -> dict:
+    """:func:`run_gradescope`'s grading: the report as Gradescope's dict."""
+    from attnlab.grading.grader import grade, not_graded
+
     submission, chosen_as = choose_submission(root / "submission", the_lab.file)
     mode, how = choose_sandbox()
     if not mode:
@@ -171,7 +192,6 @@ def run_gradescope(root: os.PathLike, lab: str) -> dict:
                            note=f"graded {chosen_as}" if chosen_as else "")  # its processes: all dead now
     data = report.to_gradescope()
     data["extra_data"]["sandbox"]["chosen"] = how
-    write_atomically(results / "results.json", json.dumps(data, indent=1, ensure_ascii=False))
     return data
 
 

@@ -50,12 +50,13 @@ from typing import Callable, Optional
 
 from attnlab import labs
 from attnlab.grading import intake
-from attnlab.grading.grader import GradeReport, grade, write_atomically
+from attnlab.grading.grader import GradeReport, grade
+from attnlab.grading.output import sanitise, write_atomically, write_json, write_text
 from attnlab.grading.sandbox import Limits, pool, printable
 from attnlab.grading.submission import read_submission
 
 __all__ = ["Submission", "Skipped", "Row", "ClassResult", "ClassPlan", "ClassRefused", "find_submissions",
-           "grade_class", "plan_class", "infer_lab", "learner_seed", "name_problem", "folder_name", "SUBMISSION_FILE",
+           "grade_class", "plan_class", "infer_lab", "learner_seed", "name_problem", "folder_name", "identity", "SUBMISSION_FILE",
            "STATUSES"]
 
 SUBMISSION_FILE = "attention.py"
@@ -157,55 +158,105 @@ def folder_name(learner: str) -> str:
 SUFFIXES = (".py", ".ipynb", ".zip")  # what a DIR/<learner>.<suffix> submission may be
 
 
+def identity(learner: str) -> str:
+    """Who a name stands for: Unicode-normalised (NFKC), case-folded, an LMS copy's `` (N)``
+    dropped. Two entries of one class with the same identity are one learner twice."""
+    return re.sub(r"\s*\(\d{1,3}\)$", "", unicodedata.normalize("NFKC", learner).casefold()).strip()
+
+
 def find_submissions(folder: os.PathLike, file: str = SUBMISSION_FILE,
                      exclude: "dict[str, str] | None" = None) -> tuple[list[Submission], list[Skipped]]:
     """The submissions in ``folder`` (sorted by learner) and what was skipped, with why;
     ``file`` is the lab's file name: inside a learner's folder the rule of
     :func:`attnlab.grading.intake.choose` picks it (another case, an LMS re-download, a
     notebook, the only .py file, a zip archive). ``exclude``: entry name -> the reason it is
-    skipped (another lab's submissions in a mixed class)."""
+    skipped (another lab's submissions in a mixed class).
+
+    Total: an entry that cannot be examined is skipped with why; another lab's file (by name,
+    or by the functions it defines) is skipped as such; entries that are one learner
+    (:func:`identity`) are all skipped, none graded."""
     folder = Path(folder)
-    found: dict[str, Submission] = {}
     skipped: list[Skipped] = []
-    folders: set[str] = set()
-    others = tuple(f for f in labs.LAB_FILES if f != file)
+    candidates: list[tuple[str, str, Path, str]] = []  # (entry name, learner, path, how)
     for entry in sorted(folder.iterdir(), key=lambda p: p.name):
-        name = entry.name
-        if name.startswith("."):
-            skipped.append(Skipped(printable(name), "hidden"))
-            continue
-        if exclude and name in exclude:
-            skipped.append(Skipped(printable(name), exclude[name]))
-            continue
-        if entry.is_symlink():
-            skipped.append(Skipped(printable(name), "a symbolic link (not followed)"))
-            continue
-        how = ""
-        if entry.is_dir():
-            choice = intake.choose(entry, file, others)
-            if choice.path is None:
-                skipped.append(Skipped(printable(name), choice.why))
-                continue
-            learner, path, how = name, choice.path, choice.how
-        elif entry.is_file() and entry.suffix.lower() in SUFFIXES:
-            learner, path = entry.stem, entry
+        try:
+            why, found = _examine(entry, folder, file, exclude or {})
+        except Exception as exc:  # one learner's entry never ends the class
+            why, found = f"could not be examined ({type(exc).__name__})", None
+        if found is None:
+            skipped.append(Skipped(printable(entry.name), why))
         else:
-            skipped.append(Skipped(printable(name), f"not a .py, .ipynb or .zip file, nor a folder with {file}"))
+            candidates.append((entry.name, *found))
+    by_identity: dict[str, list[tuple[str, str, Path, str]]] = {}
+    for c in candidates:
+        by_identity.setdefault(identity(c[1]), []).append(c)
+    subs: list[Submission] = []
+    folders: set[str] = set()
+    for group in by_identity.values():
+        if len(group) > 1:
+            names = ", ".join(printable(c[0]) for c in group)
+            for c in group:
+                skipped.append(Skipped(printable(c[0]), f"one learner under {len(group)} entries ({names}: the same "
+                                                        "name after Unicode normalisation, case or an LMS copy's "
+                                                        "'(N)'): none is graded; keep one and grade again"))
             continue
-        learner = unicodedata.normalize("NFC", learner)
-        problem = name_problem(learner)
-        if problem:
-            skipped.append(Skipped(printable(name), problem))
-        elif learner in found:
-            skipped.append(Skipped(printable(name), f"learner {learner!r} has another submission ({found[learner].path.name})"))
-        else:
-            base = folder_name(learner)
-            out_name, n = base, 2
-            while out_name.lower() in folders:  # case-insensitive file systems too
-                out_name, n = f"{base}-{n}", n + 1
-            folders.add(out_name.lower())
-            found[learner] = Submission(learner, path, out_name, how)
-    return sorted(found.values(), key=lambda s: s.learner), skipped
+        _, learner, path, how = group[0]
+        base = folder_name(learner)
+        out_name, n = base, 2
+        while out_name.lower() in folders:  # case-insensitive file systems too
+            out_name, n = f"{base}-{n}", n + 1
+        folders.add(out_name.lower())
+        subs.append(Submission(learner, path, out_name, how))
+    return sorted(subs, key=lambda s: s.learner), sorted(skipped, key=lambda s: s.name)
+
+
+def _examine(entry: Path, folder: Path, file: str, exclude: dict[str, str]) -> tuple[str, "tuple[str, Path, str] | None"]:
+    """One entry of a class folder: ``(why it is skipped, None)`` or ``('', (learner, path, how))``."""
+    name = entry.name
+    if name.startswith("."):
+        return "hidden", None
+    if name in exclude:
+        return exclude[name], None
+    if entry.is_symlink():
+        return "a symbolic link (not followed)", None
+    others = tuple(f for f in labs.LAB_FILES if f != file)
+    how = ""
+    if entry.is_dir():
+        choice = intake.choose(entry, file, others)
+        if choice.path is None:
+            return choice.why, None
+        learner, path, how = name, choice.path, choice.how
+    elif entry.is_file() and entry.suffix.lower() in SUFFIXES:
+        learner, path = entry.stem, entry
+    else:
+        return f"not a .py, .ipynb or .zip file, nor a folder with {file}", None
+    learner = unicodedata.normalize("NFC", learner)
+    problem = name_problem(learner)
+    if problem:
+        return problem, None
+    if how or not entry.is_dir():  # not the lab's file by name: is it another lab's by what it holds?
+        other = _other_lab_by_content(path, folder, file, others)
+        if other:
+            return other, None
+    return "", (learner, path, how)
+
+
+def _other_lab_by_content(path: Path, folder: Path, file: str, others: tuple[str, ...]) -> str:
+    """Why ``path`` is another lab's file by what it holds ('' when it is not, or cannot be read:
+    grading then says why): a zip holding only another lab's file, or Python that defines
+    another lab's functions. One bounded read that follows no link; nothing of it runs."""
+    try:
+        data = read_submission(path, within=folder, max_bytes=intake.read_cap(path)).data
+        source = intake.prepare(path.name, data, file, others).source
+    except intake.OtherLabFile as exc:
+        return str(exc)
+    except OSError:
+        return ""
+    lab = labs.lab_for_source(source)
+    if lab is not None and lab.file != file:
+        return (f"{path.name} defines lab {lab.name}'s functions: another lab's file; grade it with --lab "
+                f"{lab.name.split('-')[0]}")
+    return ""
 
 
 def infer_lab(folder: os.PathLike) -> dict[str, list[str]]:
@@ -242,11 +293,11 @@ def _files(folder: Path) -> list[Path]:
 
 def _lab_of_file(entry: Path, folder: os.PathLike) -> "labs.Lab | None":
     """The lab whose functions a DIR/<learner>.py (or .ipynb) defines: one bounded read that
-    follows no link and opens no FIFO, and nothing of it runs."""
+    follows no link and opens no FIFO, and nothing of it runs. None for what cannot be read."""
     try:
         data = read_submission(entry, within=folder, max_bytes=intake.read_cap(entry)).data
         return labs.lab_for_source(intake.prepare(entry.name, data).source)
-    except OSError:
+    except Exception:  # total: grading says why this learner's file cannot be read
         return None
 
 
@@ -407,7 +458,7 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     the_lab, submissions, skipped = plan.lab, plan.submissions, plan.skipped
-    write_atomically(out / "skipped.txt", "".join(f"{s.name}: {s.reason}\n" for s in skipped))
+    write_text(out / "skipped.txt", "".join(f"{s.name}: {s.reason}\n" for s in skipped))
     base = seed if seed is not None else secrets.randbelow(2**31)
     key = _resume_key(out)
     rows: dict[str, Row] = {}
@@ -440,7 +491,7 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
         results = folder_out / "results.json"
 
         def checkpoint(report: GradeReport) -> None:
-            write_atomically(results, json.dumps(report.to_gradescope(), indent=2, ensure_ascii=False) + "\n")
+            write_json(results, report.to_gradescope())
 
         report = grade(sub.path, limits=limits, total_timeout_s=total_timeout_s, seed=learner_seed(base, sub.learner),
                        sandbox=sandbox, untrusted=sandbox != "none", checkpoint=checkpoint, lab=the_lab,
@@ -503,7 +554,7 @@ def write_feedback(path: Path, learner: str, report: GradeReport) -> None:
     import html
 
     text = html.escape(report.to_text())
-    write_atomically(path, "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+    write_text(path, "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
                            "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; style-src "
                            "'unsafe-inline'\"><title>feedback: " + html.escape(learner) + "</title><style>body{font:14px/"
                            "1.45 system-ui,sans-serif;margin:2em auto;max-width:60em;padding:0 1em}pre{white-space:"
@@ -530,6 +581,7 @@ def write_csv(rows: list[Row], path: Path, exercises: list) -> None:
 
 
 def csv_cell(text: str) -> str:
-    """A cell a spreadsheet shows as text: one that begins with = + - @, a tab or a CR gets a
-    leading apostrophe (OWASP's advice against formula injection)."""
-    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+    """A cell a spreadsheet shows as text, sanitised (:func:`attnlab.grading.output.sanitise`):
+    one that begins with = + - @, a tab or a CR gets a leading apostrophe (OWASP's advice
+    against formula injection)."""
+    return "'" + sanitise(text) if text[:1] in ("=", "+", "-", "@", "\t", "\r") else sanitise(text)

@@ -195,7 +195,7 @@ def render_report(result) -> str:
 
 
 def write_report(result, path: os.PathLike) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(render_report(result), encoding="utf-8")
-    os.replace(tmp, path)
+    """The page at ``path``, through the output boundary (:func:`attnlab.grading.output.write_text`)."""
+    from attnlab.grading.output import write_text
+
+    write_text(path, render_report(result))

@@ -1,0 +1,225 @@
+"""Hostile intake (issue 47): one learner's zip, notebook, folder or name never ends the class,
+never takes another learner's row, and never reaches a person's terminal or file unescaped.
+
+Each case here failed on the code before it: a traceback from ``zipfile`` (an encrypted member,
+an unknown method, a bad CRC, a local name that differs, 1200 nested zips), a class stopped at
+planning by a ``.py`` that is a zip, ``RecursionError`` from a folder nested 1200 deep,
+``UnicodeEncodeError`` writing a name that is not UTF-8, ``José`` in NFC and NFD graded as one
+learner, and another lab's file graded 0 under ``--lab``. The properties are fuzzed in
+tests/grading/test_fuzz_intake.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import unicodedata
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from attnlab import labs
+from attnlab.grading import intake
+from attnlab.grading.classroom import batch
+from attnlab.grading.output import UNSAFE, sanitise, write_json, write_text
+from attnlab.grading.submission import Unreadable
+
+ROOT = Path(__file__).resolve().parents[2]
+SOLUTION = (ROOT / "labs/track1/01-attention/solutions/attention.py").read_bytes()
+LAB05 = (ROOT / "labs/track1/05-triton-flash/flash_triton.py").read_bytes()
+
+
+def zipped(members: dict[str, bytes], method: int = zipfile.ZIP_STORED) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", method) as z:
+        for name, body in members.items():
+            z.writestr(name, body)
+    return buf.getvalue()
+
+
+def _headers(data: bytes) -> tuple[int, int]:
+    """Offsets of the first local header and the first central directory header."""
+    return data.index(b"PK\x03\x04"), data.index(b"PK\x01\x02")
+
+
+def encrypted(data: bytes) -> bytes:
+    b = bytearray(data)
+    local, central = _headers(data)
+    b[local + 6] |= 1  # general purpose flag bit 0: encrypted
+    b[central + 8] |= 1
+    return bytes(b)
+
+
+def unknown_method(data: bytes) -> bytes:
+    b = bytearray(data)
+    local, central = _headers(data)
+    struct.pack_into("<H", b, local + 8, 99)
+    struct.pack_into("<H", b, central + 10, 99)
+    return bytes(b)
+
+
+def bad_crc(data: bytes) -> bytes:
+    b = bytearray(data)
+    local, _ = _headers(data)
+    name_len, extra_len = struct.unpack_from("<HH", b, local + 26)
+    b[local + 30 + name_len + extra_len] ^= 0xFF  # the member's first byte, stored
+    return bytes(b)
+
+
+def renamed_locally(data: bytes) -> bytes:
+    b = bytearray(data)
+    local, _ = _headers(data)
+    b[local + 30] = ord("X")  # the local header's name differs from the central directory's
+    return bytes(b)
+
+
+def nested(depth: int) -> bytes:
+    data = SOLUTION
+    name = "attention.py"
+    for i in range(depth):
+        data, name = zipped({name: data}), f"layer{i}.zip"
+    return data
+
+
+@pytest.mark.parametrize("broken", [encrypted, unknown_method, bad_crc, renamed_locally],
+                         ids=["encrypted", "unknown-method", "bad-crc", "local-name-differs"])
+def test_a_broken_zip_member_is_unreadable_with_a_reason_not_a_traceback(broken):
+    with pytest.raises(Unreadable, match="zip"):
+        intake.prepare("attention.zip", broken(zipped({"attention.py": SOLUTION})))
+
+
+@pytest.mark.parametrize("depth", [2, 1200])
+def test_a_zip_inside_a_zip_is_refused(depth):
+    with pytest.raises(Unreadable, match="zip archive inside"):
+        intake.prepare("attention.zip", nested(depth))
+
+
+def test_a_folder_nested_1200_deep_is_a_reason(tmp_path):
+    deep = path = tmp_path / "alice"
+    deep.mkdir()
+    for _ in range(1200):  # one level at a time: os.makedirs recurses once per level
+        path = path / "d"
+        path.mkdir()
+    try:
+        choice = intake.choose(deep, "attention.py")
+        assert choice.path is None and "nested more than" in choice.why
+    finally:  # bottom up, one level at a time: shutil.rmtree (pytest's clean-up) recurses once per level
+        while path != deep:
+            path.rmdir()
+            path = path.parent
+
+
+def _class(tmp_path: Path, entries: dict[str, bytes]) -> Path:
+    folder = tmp_path / "class"
+    folder.mkdir()
+    for rel, body in entries.items():
+        path = folder / os.fsdecode(rel.encode("utf-8", "surrogateescape"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(body)
+    return folder
+
+
+def test_a_py_that_is_a_zip_costs_its_learner_not_the_class(tmp_path):
+    folder = _class(tmp_path, {"alice.py": SOLUTION, "bob.py": unknown_method(zipped({"attention.py": SOLUTION}))})
+    plan = batch.plan_class(folder)  # the lab is found from the files: bob's is read too
+    assert [s.learner for s in plan.submissions] == ["alice", "bob"]
+
+
+def test_a_name_that_is_not_utf8_is_written_escaped(tmp_path):
+    folder = _class(tmp_path, {"alice/attention.py": SOLUTION, "caf\udce9/notes.txt": b"x", "d\udcff.txt": b"x"})
+    plan = batch.plan_class(folder)
+    text = "".join(f"{s.name}: {s.reason}\n" for s in plan.skipped)
+    write_text(tmp_path / "skipped.txt", text)
+    written = (tmp_path / "skipped.txt").read_text(encoding="utf-8")
+    assert "caf\\xe9" in written and "d\\xff.txt" in written and not UNSAFE.search(written)
+    write_json(tmp_path / "results.json", {"output": text})
+    assert "caf\\xe9" in json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))["output"]
+
+
+def test_one_learner_named_twice_is_graded_under_neither_entry(tmp_path):
+    nfc, nfd = unicodedata.normalize("NFC", "José"), unicodedata.normalize("NFD", "José")
+    assert nfc != nfd
+    folder = _class(tmp_path, {f"{nfc}/attention.py": SOLUTION, f"{nfd}/attention.py": b"# a stub\n",
+                               "Ann/attention.py": SOLUTION, "ann.py": SOLUTION,
+                               "bo.py": SOLUTION, "bo (1).py": SOLUTION, "carl.py": SOLUTION})
+    subs, skipped = batch.find_submissions(folder)
+    assert [s.learner for s in subs] == ["carl"]
+    reasons = {s.name: s.reason for s in skipped}
+    assert sorted(reasons) == sorted([nfc, nfd, "Ann", "ann.py", "bo.py", "bo (1).py"])
+    assert all("one learner" in r for r in reasons.values())
+
+
+@pytest.mark.parametrize("entry", ["Flash_Triton.py", "flash_triton (1).py", "flash_triton.ipynb", "work.zip",
+                                   "mine.py"])
+def test_another_labs_file_is_skipped_under_lab_not_graded_zero(tmp_path, entry):
+    body = LAB05
+    if entry.endswith(".ipynb"):
+        body = json.dumps({"cells": [{"cell_type": "code", "source": LAB05.decode()}], "nbformat": 4}).encode()
+    elif entry.endswith(".zip"):
+        body = zipped({"flash_triton.py": LAB05})
+    folder = _class(tmp_path, {f"alice/{entry}": body, "bob/attention.py": SOLUTION})
+    plan = batch.plan_class(folder, lab="01")
+    assert [s.learner for s in plan.submissions] == ["bob"]
+    (skip,) = [s for s in plan.skipped if s.name == "alice"]
+    assert "another lab's file" in skip.reason and "05" in skip.reason
+
+
+def test_the_sanitiser_escapes_what_a_terminal_acts_on_and_is_idempotent():
+    hostile = "a\x1b]0;owned\x07b\x1b[2Jc\rd\u202ee\udcfff\u2066g\x9bh\ttab\nline"
+    once = sanitise(hostile)
+    assert not UNSAFE.search(once) and sanitise(once) == once
+    assert once == "a\\x1b]0;owned\\x07b\\x1b[2Jc\\x0dd\\u202ee\\xfff\\u2066g\\x9bh\ttab\nline"
+    assert sanitise("\x1b[31mred\x1b[0m\x1b[2J", colour=True) == "\x1b[31mred\x1b[0m\\x1b[2J"
+
+
+def test_every_labs_file_is_known_to_the_other_labs_check():
+    assert len(labs.LAB_FILES) == len(set(labs.LAB_FILES)) == len(labs.LABS)
+
+
+def _gradescope_root(tmp_path: Path, files: dict[str, bytes]) -> Path:
+    root = tmp_path / "autograder"
+    sub = root / "submission"
+    sub.mkdir(parents=True)
+    for name, body in files.items():
+        (sub / os.fsdecode(name.encode("utf-8", "surrogateescape"))).write_bytes(body)
+    return root
+
+
+def test_run_autograder_writes_results_json_whatever_the_grader_does(tmp_path, monkeypatch):
+    from attnlab.grading.classroom import autograder
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the grader broke")
+
+    monkeypatch.setattr(autograder, "choose_sandbox", broken)
+    root = _gradescope_root(tmp_path, {"attention.py": SOLUTION})
+    autograder.run_gradescope(root, "01")
+    results = root / "results"
+    data = json.loads((results / "results.json").read_text(encoding="utf-8"))
+    assert data["score"] == 0 and "the grader failed on this submission (RuntimeError)" in data["output"]
+    assert sorted(p.name for p in results.iterdir()) == ["results.json"]  # no temporary file left
+
+
+def test_run_autograder_on_a_name_that_is_not_utf8_writes_escaped_results(tmp_path, monkeypatch):
+    from attnlab.grading.classroom import autograder
+
+    monkeypatch.setattr(autograder, "choose_sandbox", lambda: ("", "no sandbox in this test"))
+    root = _gradescope_root(tmp_path, {"attenti\udcf3n.py": SOLUTION, "\x1b]0;owned\x07.py": SOLUTION})
+    autograder.run_gradescope(root, "01")
+    text = (root / "results" / "results.json").read_text(encoding="utf-8")
+    data = json.loads(text)
+    assert data["score"] == 0 and "cannot isolate" in data["output"]
+    assert not any(UNSAFE.search(s) for s in _strings(data))
+
+
+def _strings(data) -> list[str]:
+    if isinstance(data, str):
+        return [data]
+    if isinstance(data, dict):
+        return [s for k, v in data.items() for s in _strings(k) + _strings(v)]
+    if isinstance(data, list):
+        return [s for v in data for s in _strings(v)]
+    return []
