@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,7 +101,8 @@ def test_each_learner_gets_gradescope_results_json(graded):
     root, cls, before, result, seen = graded
     for r in read_csv(root / "out" / "grades.csv"):
         data = json.loads((root / "out" / r["learner"] / "results.json").read_text())
-        assert data["score"] == float(r["total"]) and data["extra_data"]["seed"] == int(r["seed"])
+        assert data["score"] == float(r["total"]) and data["extra_data"]["run"] == r["run"]
+        assert "seed" not in data["extra_data"] and r["seed"] not in json.dumps(data)  # the seed is the instructor's
         assert data["tests"] and data["extra_data"]["sandbox"]["os_sandbox"] is True
         # every sandbox was forked from the class template (torch imported once for the class); a file
         # the static check refused whole never needed one
@@ -140,12 +142,14 @@ def test_hostile_members_changed_nothing_of_anyone_else(graded):
 
 
 def test_same_seed_same_grades_from_a_bwrap_per_submission_too(graded, tmp_path, monkeypatch):
-    """The same seed gives the same grades; and the fallback where the class template cannot
-    run grades alike: here the template's bwrap too is made with --disable-userns, as a container
-    that forbids nested user namespaces would, so the template's forks cannot make their own."""
+    """The same seed and class key give the same grades; and the fallback where the class template
+    cannot run grades alike: here the template's bwrap too is made with --disable-userns, as a
+    container that forbids nested user namespaces would, so the template's forks cannot make their own."""
     root, cls, before, result, seen = graded
     small = tmp_path / "again"
     small.mkdir()
+    (tmp_path / "out").mkdir()
+    shutil.copy2(root / "out" / batch.CLASS_KEY_FILE, tmp_path / "out" / batch.CLASS_KEY_FILE)
     for name in ("dave.py", "erin.py"):
         (small / name).write_text((cls / name).read_text())
     plain = bwrap.plan

@@ -251,7 +251,7 @@ stable_softmax = cheat
 '''
     report = check_source(source, "attention.py", NAMES)
     assert not report.module_level(), [str(v) for v in report.violations]
-    assert report.for_exercise("stable_softmax", allow_attention=False)
+    assert [v.function for v in report.refusals()] == ["cheat"]
 
 
 # ------------------------------------------------------------------ 4. CPU counted where it is spent

@@ -157,13 +157,10 @@ def test_policy_catches_softmax_under_any_alias(tmp_path, call):
     path = make_variant(tmp_path, (SOFTMAX_BODY, f"    {call}\n{SOFTMAX_BODY}"))
     report = grade(path, limits=FAST)
     text = exercise_text(report, "ex3")
-    assert scores(report)["ex3"][0] == 0 and "stable_softmax() breaks the rules of the lab" in text, report.to_text()
-    assert "softmax" in text and "line 3" in text  # the line of the call is named
-    # compare_with_sdpa may reach torch's attention; the unsafe routes (a computed getattr,
-    # a private attribute) cost every exercise that reaches them, ex9 included
-    unsafe = "getattr" in call or "._" in call
-    assert scores(report)["ex9"] == ((0, 5) if unsafe else (5, 5)), report.to_text()
-    assert scores(report)["ex1"] == (8, 8)  # what does not reach the violation still counts
+    assert "the file breaks the rules of the lab, so none of it was run" in report.problem, report.to_text()
+    assert "softmax" in text and "in stable_softmax()" in text  # the line of the call is named
+    # complete mediation: a violation anywhere refuses the whole file (issue 47), ex1 included
+    assert report.score == 0 and scores(report)["ex1"] == (0, 8), report.to_text()
 
 
 def test_policy_catches_sdpa_and_multihead_attention(tmp_path):
@@ -221,7 +218,10 @@ def test_misbehaving_code_is_a_clear_failed_check(tmp_path, name, code, ex_id, w
     assert got == 0, report.to_text()
     assert words in exercise_text(report, ex_id), exercise_text(report, ex_id)
     others = [s for k, (s, m) in scores(report).items() if k == "ex1" and ex_id != "ex1"]
-    assert all(s > 0 for s in others)  # one bad function does not sink the rest
+    if name == "forbidden_import":  # the rule, broken anywhere, refuses the whole file (issue 47)
+        assert report.score == 0 and "none of it was run" in report.problem
+    else:
+        assert all(s > 0 for s in others)  # one bad function does not sink the rest
 
 
 def test_syntax_error_fails_every_check_with_the_line(tmp_path):

@@ -63,16 +63,16 @@ def test_static_check_accepts_the_stub_and_the_solution():
     assert check_source(STUB, allowed_attributes=names).violations == []
     only = check_source(SOLUTION, allowed_attributes=names).violations  # compare_with_sdpa calls SDPA, allowed in ex9
     assert [(v.function, v.kind) for v in only] == [("compare_with_sdpa", "attention")]
-    assert check_source(SOLUTION, allowed_attributes=names).for_exercise("compare_with_sdpa", allow_attention=True) == []
+    assert check_source(SOLUTION, allowed_attributes=names).refusals({"compare_with_sdpa"}) == []
 
 
-def test_a_violation_costs_only_the_exercises_that_reach_it(tmp_path):
+def test_a_violation_anywhere_refuses_the_whole_file(tmp_path):
+    """Complete mediation (issue 47): a reach graph once decided which exercises a violation
+    cost, and missed helpers reached through an alias or a class attribute."""
     path = tmp_path / "attention.py"
     path.write_text(SOLUTION.replace("    return weights @ V", "    return eval('weights @ V')"))
     report = grade(path, limits=FAST, sandbox="auto")
-    scores = report.exercise_scores()
-    # attend is used by ex4 and, through self_attention, by ex8, ex9 and ex12
-    assert {k for k, (s, m) in scores.items() if s < m} == {"ex4", "ex8", "ex9", "ex12"}, report.to_text()
+    assert report.score == 0 and all(s == 0 for s, _ in report.exercise_scores().values()), report.to_text()
     assert "line" in report.to_text() and "eval is not allowed" in report.to_text()
 
 
@@ -88,7 +88,9 @@ def test_inputs_change_per_run_and_the_seed_reproduces_a_run(tmp_path):
     a, b = grade(path, limits=FAST, seed=11), grade(path, limits=FAST, seed=11)
     c = grade(path, limits=FAST)
     assert a.seed == b.seed == 11 and message(a) == message(b)
-    assert c.seed != 11 and c.to_gradescope()["extra_data"]["seed"] == c.seed
+    assert c.seed != 11 and "seed" not in c.to_gradescope()["extra_data"]  # the learner sees a run id only
+    assert len({a.run_id, b.run_id, c.run_id}) == 3 and c.to_gradescope()["extra_data"]["run"] == c.run_id
+    assert str(c.seed) not in c.to_text() and c.run_id in c.to_text()
     assert a.score == c.score  # the same mistake costs the same points whatever the inputs
 
 

@@ -15,6 +15,7 @@ import io
 import json
 import os
 import struct
+import tempfile
 import unicodedata
 import zipfile
 from pathlib import Path
@@ -223,3 +224,41 @@ def _strings(data) -> list[str]:
     if isinstance(data, list):
         return [s for v in data for s in _strings(v)]
     return []
+
+
+def test_a_learners_inputs_come_from_a_key_no_learner_has():
+    """Issue 47: inputs came from crc32(seed:learner), the seed printed in the learner's own report,
+    so a table of answers computed offline scored 100. Now an HMAC of the class's secret key."""
+    key_a, key_b = b"a" * 32, b"b" * 32
+    assert batch.learner_seed(key_a, 7, "alice") == batch.learner_seed(key_a, 7, "alice")
+    seeds = {batch.learner_seed(k, s, n) for k in (key_a, key_b) for s in (7, 8) for n in ("alice", "bob")}
+    assert len(seeds) == 8 and all(0 <= s < 2**62 for s in seeds)
+
+
+def test_the_class_key_is_kept_with_the_gradebook_and_reproduces_only_with_it(tmp_path):
+    out_a, out_b = tmp_path / "a", tmp_path / "b"
+    out_a.mkdir()
+    out_b.mkdir()
+    key = batch.class_key(out_a)
+    assert len(key) == 32 and key == batch.class_key(out_a) != batch.class_key(out_b)
+    assert (out_a / batch.CLASS_KEY_FILE).stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("road", ["alias", "class_attribute"])
+def test_a_violation_reached_through_an_alias_or_a_class_attribute_refuses_the_file(road):
+    """Issue 47: the reach graph charged a helper reached through ``go = helper`` or
+    ``class Box: sum = helper`` to no exercise (43/100 from a stub with torch's softmax)."""
+    from attnlab.grading import grade
+
+    helper = "\n\ndef helper(scores, dim=-1):\n    return torch.softmax(scores, dim)\n"
+    road_text = ("go = helper\n\n\ndef stable_softmax(scores, dim=-1):\n    return go(scores, dim)\n"
+                 if road == "alias" else
+                 "class Box:\n    sum = helper\n\n\ndef stable_softmax(scores, dim=-1):\n    return Box.sum(scores, dim)\n")
+    source = SOLUTION.decode().split("def stable_softmax")[0] + helper + "\n\n" + road_text + \
+        "\n\ndef _rest():\n    pass\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "attention.py"
+        path.write_text(source)
+        report = grade(path, lab="01", sandbox="none", seed=1)
+    assert report.score == 0 and "softmax" in report.problem and "in helper()" in report.problem, report.to_text()
+    assert any(f["code"] == "policy" for r in report.results for f in r.verdict.findings)

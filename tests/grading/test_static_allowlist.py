@@ -74,8 +74,7 @@ def test_a_way_past_the_old_check_is_refused_with_its_line(name, attack, line, w
     report = check_source(source, "attention.py", NAMES)
     hits = [v for v in report.violations if words in v.message]
     assert hits and any(v.line == offset + line for v in hits), [str(v) for v in report.violations]
-    if "def project_qkv" in attack:  # inside a function: it costs the exercises that reach it
-        assert report.for_exercise("project_qkv", allow_attention=False)
+    assert report.refusals({"compare_with_sdpa"})  # anywhere in the file: the whole file is refused
 
 
 @pytest.mark.parametrize("lab", labs.LABS, ids=lambda lab: lab.name)

@@ -53,7 +53,9 @@ def add(sub) -> argparse.ArgumentParser:
                    help="pictures of failed checks (default: ./attnlab-grade-images)")
     p.add_argument("--no-images", action="store_true", help="save no pictures")
     p.add_argument("--seed", type=seed, default=None, metavar="N",
-                   help="the inputs' seed (default: drawn and printed)")
+                   help="the inputs' seed (default: drawn from the OS's secrets for each run). For a class, "
+                        "the inputs come from the seed and OUT's secret class key together: the same seed "
+                        "reproduces a class's inputs only into the same OUT")
     p.add_argument("--untrusted", action="store_true",
                    help="someone else's file: only inside the OS sandbox")
     p.add_argument("--no-sandbox", action="store_true",
@@ -120,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
                          "Or pass --no-sandbox to run it with process limits only.")
     pool.prestart(mode, args.memory_mb * 2)  # the sandbox server imports torch while this process does the same
     from attnlab.grading import Limits, grade, supports_colour
-    from attnlab.grading.grader import ResultsFile, write_atomically
+    from attnlab.grading.grader import ResultsFile
+    from attnlab.grading.output import sanitise_data, write_atomically
 
     if mode == "auto" and pool.bwrap_path() is None:
         print(f"note: bwrap was not found, so this file runs with process limits only, NOT in an OS sandbox; "
@@ -129,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
     to_stdout = args.json == "-"
     if not to_stdout:
         print(f"grading {printable(path)} (lab {lab.name})", file=sys.stderr, flush=True)
+        if args.seed is not None:
+            print(f"note: --seed {args.seed} gives the same inputs to anyone who passes it; without it each run draws "
+                  "fresh ones", file=sys.stderr)
     progress = None
     if not to_stdout and sys.stderr.isatty():
         progress = lambda text: print(f"\rgrading {text:<40}", end="", file=sys.stderr, flush=True)  # noqa: E731
@@ -155,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     if progress:
         print("\r" + " " * 50 + "\r", end="", file=sys.stderr, flush=True)
     if args.json:
-        text = json.dumps(report.to_gradescope(), indent=2, ensure_ascii=False)
+        text = json.dumps(sanitise_data(report.to_gradescope()), indent=2, ensure_ascii=False)  # every string
         if to_stdout:
             print(text)
         else:
@@ -206,6 +212,10 @@ def _run_class(args: argparse.Namespace, mode: str, lab, folder: Path) -> int:
     print(f"grading {plural(len(plan.submissions), 'learner')} of lab {plan.lab.name} from {printable(folder)}"
           + (f" ({plural(len(plan.skipped), 'entry', 'entries')} skipped)" if plan.skipped else ""),
           file=sys.stderr, flush=True)
+    if args.seed is not None:
+        print(f"note: --seed {args.seed} reproduces these inputs only together with {printable(args.out)}'s secret class "
+              f"key ({batch.CLASS_KEY_FILE}): keep it with the gradebook, and never give it to learners",
+              file=sys.stderr)
 
     def progress(done: int, total: int, text: str) -> None:
         elapsed = time.perf_counter() - started

@@ -84,7 +84,8 @@ class GradeReport:
     results: list[TestResult] = field(default_factory=list)
     elapsed_s: float = 0.0
     problem: str = ""  # a problem with the whole file (it does not import, ...)
-    seed: int = 0  # the inputs' seed: grade(seed=...) / --seed reproduces the run
+    seed: int = 0  # the inputs' seed, for the instructor only: never in what the learner reads
+    run_id: str = field(default_factory=lambda: secrets.token_hex(6))  # what the learner sees of this run
     sandboxed: bool = False  # ran inside the bwrap OS sandbox
     memory_fence: str = ""  # how the submission's memory was capped
     identity: str = ""  # whom its processes ran as on the host
@@ -177,7 +178,7 @@ class GradeReport:
         total = f"{self.score:g}/{self.max_score:g}"
         where = ("in the OS sandbox" if self.sandboxed else "as an unprivileged user of its own, without an OS "
                  "sandbox" if self.launcher == "user" else "not in an OS sandbox")
-        lines += ["", f"{bold}Score: {total}{reset}   ({self.elapsed_s:.1f} s of grading, wall clock; seed {self.seed}; "
+        lines += ["", f"{bold}Score: {total}{reset}   ({self.elapsed_s:.1f} s of grading, wall clock; run {self.run_id}; "
                       f"{where})"]
         nxt = self.first_unfinished()
         again = f"then run 'attnlab grade' again (graded: {shown})"
@@ -220,7 +221,7 @@ class GradeReport:
             "extra_data": {
                 "file": printable(self.path),
                 "lab": self.lab,
-                "seed": self.seed,
+                "run": self.run_id,  # the seed is the instructor's: a learner who knows it knows the inputs
                 "sha256": self.source_sha256,
                 "sandbox": {"os_sandbox": self.sandboxed, "memory": self.memory_fence, "identity": self.identity,
                             "made_by": self.launcher, "server_restarts": self.restarts},
@@ -246,8 +247,9 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         total_timeout_s: stop running exercises once they have used this much CPU time (or
             :data:`TOTAL_WALL_FACTOR` times as much wall-clock time); the rest fail as not run.
         progress: called with a short line before each exercise (e.g. to print progress).
-        seed: seed of the inputs; None draws one (recorded in the report: pass it back to
-            reproduce a run). Inputs differ between runs, so answers cannot be precomputed.
+        seed: seed of the inputs; None draws a fresh one from the OS's secrets (kept in
+            ``report.seed`` for whoever graded, never in what the learner reads: they see
+            ``report.run_id``). Inputs differ between runs, so answers cannot be precomputed.
         images_dir: save a yours / reference / |difference| picture there for each failed
             numeric check (when matplotlib is installed); None saves none.
         sandbox: 'auto' (the bwrap OS sandbox where installed, else process limits only),
@@ -281,7 +283,7 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
 
         viz.matplotlib_available()
     if seed is None:
-        seed = secrets.randbelow(2**31)
+        seed = secrets.randbits(62)
     path = Path(path) if path is not None else default_lab_path()
     # One read (:mod:`.submission`): these bytes, and only these, are checked, run, hashed and signed.
     try:
@@ -324,6 +326,12 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
     return report
 
 
+def exercise_seed(seed: int, index: int) -> int:
+    """The generator seed of exercise ``index``'s inputs: distinct per exercise, below 2**63
+    (torch's limit) for a run seed of any size (a class's seeds are 62-bit HMACs)."""
+    return (seed * 1000 + index) % (1 << 63)
+
+
 def _map_lines(report: GradeReport, lines: "intake.LineMap", file_name: str) -> None:
     report.problem = lines.rewrite(report.problem, file_name)
     seen: set[int] = set()
@@ -351,13 +359,14 @@ def _graded(report: GradeReport, path: Path, source_bytes: bytes, prepared: "int
         return _environment_problem(report, EXERCISES, t0,
                                     f"the file imports {', '.join(missing)}, which is not installed where the grader "
                                     f"runs. Install it with: {install_command(missing)}, then grade again.")
+    refused = static.refusals({ex.function for ex in EXERCISES if not ex.policy})
     if static.syntax_error:
         report.problem = f"could not import the file:\n{static.syntax_error}"
-    elif static.module_level():
-        report.problem = ("the file breaks the rules of the lab at module level, so none of it was run:\n"
-                          + describe(static.module_level()) + f"\n{the_lab.rule}")
+    elif refused:  # complete mediation: a violation anywhere refuses the whole file
+        report.problem = ("the file breaks the rules of the lab, so none of it was run:\n"
+                          + describe(refused) + f"\n{the_lab.rule}")
     if report.problem:
-        _fail_all(report, EXERCISES, Verdict(False, report.problem, _policy_findings(static.module_level())))
+        _fail_all(report, EXERCISES, Verdict(False, report.problem, _policy_findings(refused)))
         report.elapsed_s = time.perf_counter() - t0
         return report
 
@@ -385,19 +394,14 @@ def _graded(report: GradeReport, path: Path, source_bytes: bytes, prepared: "int
         names = (path.name, box_path.name, the_lab.file)
         cpu_used = first.cpu_s  # the total budget is CPU time too; wall clock only as a backstop
         for i, ex in enumerate(EXERCISES):
-            broken = static.for_exercise(ex.function, allow_attention=not ex.policy)
             if cpu_used > total_timeout_s or time.perf_counter() - t0 > total_timeout_s * TOTAL_WALL_FACTOR:
                 _fail_all(report, [ex], Verdict(False, f"not run: the total time limit ({total_timeout_s:g} s of CPU"
                                                        f", {total_timeout_s * TOTAL_WALL_FACTOR:g} s of wall clock) "
                                                        "was reached"))
-            elif broken:
-                _fail_all(report, [ex], Verdict(False, f"not run: {ex.function}() breaks the rules of the lab:\n"
-                                                       + describe(broken) + f"\n{the_lab.rule}",
-                                                _policy_findings(broken)))
             else:
                 if progress:
                     progress(f"{ex.id} {ex.function}")
-                calls, ctx = ex.prepare(torch.Generator().manual_seed(seed * 1000 + i))
+                calls, ctx = ex.prepare(torch.Generator().manual_seed(exercise_seed(seed, i)))
                 outcome = box.run(calls, policy=ex.policy,
                                   limits=dataclasses.replace(limits, **ex.limits) if ex.limits else None)
                 cpu_used += outcome.cpu_s

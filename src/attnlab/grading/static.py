@@ -23,15 +23,16 @@ with the line:
 **The rule covers everything that runs.** What runs at import (the module body, class
 bodies, decorators, default values, annotations, bases) costs the whole file, and it may not
 use the file's own code at all: a submission, when imported, only defines functions and
-classes, and alias them (``attention = my_attention``; an alias reaches what it names).
-``if __name__ == "__main__":`` blocks never run when graded, and ``__name__`` cannot be
-assigned. Decorators are an allow-list (:data:`ALLOWED_DECORATORS`), and so are the
-dunder methods a class may define (:data:`ALLOWED_DUNDER_METHODS`), since Python calls the
-others by itself. So the only file code that runs is what the grader's calls reach, and a
-violation inside a function (or a class: lab 04's ``torch.autograd.Function``) costs the
-exercises whose function reaches it by name. The exercise that measures the learner
-against torch (``compare_with_sdpa``) may reach torch's attention, so only the unsafe
-kinds cost it.
+classes, and alias them (``attention = my_attention``). ``if __name__ == "__main__":``
+blocks never run when graded, and ``__name__`` cannot be assigned. Decorators are an
+allow-list (:data:`ALLOWED_DECORATORS`), and so are the dunder methods a class may define
+(:data:`ALLOWED_DUNDER_METHODS`), since Python calls the others by itself.
+
+**A violation anywhere refuses the whole file** (:meth:`StaticReport.refusals`), with its
+line: honest files have none, and no graph of which function reaches which decides what a
+violation costs (it missed a helper reached through a module-level alias or a class
+attribute). The one exception is torch's attention written directly in the function of the
+exercise that measures the learner against it (``compare_with_sdpa``).
 
 The walk is iterative (a file nested thousands deep is refused or passed like any other,
 never a ``RecursionError``).
@@ -157,11 +158,13 @@ class StaticReport:
     def module_level(self) -> list[Violation]:
         return [v for v in self.violations if v.function is None]
 
-    def for_exercise(self, function: str, allow_attention: bool) -> list[Violation]:
-        """What costs the exercise that calls ``function``."""
-        reach = self.reachable(function)
-        return [v for v in self.violations if v.function in reach
-                and not (allow_attention and v.kind == "attention")]
+    def refusals(self, attention_allowed_in: "set[str] | frozenset[str]" = frozenset()) -> list[Violation]:
+        """Every violation in the file, each of which refuses the whole file (complete mediation:
+        no reach graph decides what a violation costs, so no alias, class attribute or other
+        road to a helper escapes it). The one exception: torch's attention written directly in
+        a function of ``attention_allowed_in`` (the exercises that compare against it:
+        ``compare_with_sdpa``); the unsafe kinds are refused there too."""
+        return [v for v in self.violations if not (v.kind == "attention" and v.function in attention_allowed_in)]
 
 
 def _banned_fragment(name: str) -> Optional[str]:

@@ -86,7 +86,8 @@ README = """attnlab {version} autograder for Gradescope.
 Upload this zip as the autograder of a programming assignment (Ubuntu base image). Learners
 submit {file} (lab track1/{lab}: {title}). Each submission is graded by `attnlab grade`
 in its own container; results.json carries the score, one test per check with the named
-mistakes as tags, and the seed of the inputs (extra_data.seed).
+mistakes as tags, and a run id (extra_data.run). Each submission's inputs are drawn fresh from the
+OS's secrets: no learner can know them in advance.
 """
 
 

@@ -10,7 +10,7 @@ are not allowed, each gets a ``bwrap`` of its own instead (``ClassResult.sandbox
 What comes out, in ``OUTDIR``:
 
 * ``grades.csv``: one row per learner, sorted: learner, total, max, points per exercise,
-  named mistakes, seed, seconds, status (``graded`` / ``timed out`` / ``could not be read``);
+  named mistakes, seed, seconds, status (``graded`` / ``timed out`` / ``could not be read``), run;
 * ``<learner>/results.json``: Gradescope's schema, as ``attnlab grade FILE --json`` writes it;
 * ``report.html``: one self-contained page (:mod:`attnlab.grading.classroom.report`);
 * ``skipped.txt``: what in ``DIR`` was not a submission, and why.
@@ -22,8 +22,13 @@ says which was taken), and ``DIR/<learner>.py`` (``.ipynb``, ``.zip``). Hidden e
 links, other files, empty folders, another lab's submissions (in a mixed class: the lab most
 learners hold is graded) and a learner present twice are skipped with a reason.
 
-Seeds: with ``seed`` each learner's inputs come from ``crc32(f"{seed}:{learner}")``, so a
-rerun with the same seed gives the same grades; without, a seed is drawn and recorded.
+Inputs no learner can know in advance: each learner's seed is an HMAC-SHA256 of the class's
+secret key (``OUT/.attnlab-class-key``, 0600, made on the first run into ``OUT`` and kept with
+the gradebook like the resume key) over the class seed and the learner's name
+(:func:`learner_seed`). Without ``seed`` a class seed is drawn for each run; with it, a rerun
+into the same ``OUT`` (the same key) gives the same inputs and grades, and into another ``OUT``
+other ones. The seeds are in grades.csv, for the instructor; a learner's results.json and
+feedback page show a run id, never a seed.
 ``resume``: learners whose ``row.json`` an earlier run into the same ``out`` wrote are not graded
 again; each row is signed (HMAC-SHA256 with a key kept in ``out``, over the row and the
 submission's content), so a planted or stale row is graded anew, and ``out`` must lie outside
@@ -56,7 +61,7 @@ from attnlab.grading.sandbox import Limits, pool, printable
 from attnlab.grading.submission import read_submission
 
 __all__ = ["Submission", "Skipped", "Row", "ClassResult", "ClassPlan", "ClassRefused", "find_submissions",
-           "grade_class", "plan_class", "infer_lab", "learner_seed", "name_problem", "folder_name", "identity", "SUBMISSION_FILE",
+           "grade_class", "plan_class", "infer_lab", "learner_seed", "name_problem", "folder_name", "identity", "class_key", "CLASS_KEY_FILE", "SUBMISSION_FILE",
            "STATUSES"]
 
 SUBMISSION_FILE = "attention.py"
@@ -101,6 +106,7 @@ class Row:
     sha256: str = ""  # the graded bytes' SHA-256 (identical submissions share it)
     shape: str = ""  # the syntax tree's shape (grading.static.shape_digest): near-identical ones share it
     similar: list[str] = field(default_factory=list)  # the other learners with the same or near-identical file
+    run: str = ""  # the run id the learner's report shows (the seed above is never shown to them)
 
 
 @dataclass
@@ -140,7 +146,8 @@ def name_problem(name: str) -> Optional[str]:
 
 # the gradebook's own names in OUT: no learner's folder may take one (a learner named
 # 'grades.csv' turned the gradebook into a folder), whatever the case
-RESERVED_NAMES = frozenset({"grades.csv", "report.html", "skipped.txt", ".attnlab-resume-key", "learners"})
+RESERVED_NAMES = frozenset({"grades.csv", "report.html", "skipped.txt", ".attnlab-resume-key", ".attnlab-class-key",
+                            "learners"})
 
 
 def folder_name(learner: str) -> str:
@@ -340,9 +347,12 @@ def plan_class(folder: os.PathLike, out: Optional[os.PathLike] = None, *,
     return ClassPlan(the_lab, submissions, skipped)
 
 
-def learner_seed(seed: int, learner: str) -> int:
-    """The inputs' seed of one learner: the same for the same class seed, different per learner."""
-    return zlib.crc32(f"{seed}:{learner}".encode()) & 0x7FFFFFFF
+def learner_seed(key: bytes, seed: int, learner: str) -> int:
+    """The inputs' seed of one learner: HMAC-SHA256 of the class's secret ``key`` over the class
+    ``seed`` and the learner's name, as a 62-bit integer. The same for the same key and seed,
+    different per learner, and not computable without the key (which no learner sees)."""
+    digest = hmac.new(key, f"{seed}:{learner}".encode("utf-8", "surrogateescape"), hashlib.sha256).digest()
+    return int.from_bytes(digest[:8], "big") >> 2
 
 
 def _row(learner: str, report: GradeReport, lab: "labs.Lab", folder: str = "") -> Row:
@@ -367,7 +377,7 @@ def _row(learner: str, report: GradeReport, lab: "labs.Lab", folder: str = "") -
     return Row(learner, report.score, report.max_score or sum(ex.max_score for ex in exercise_list),
                exercises, sorted(messages), report.seed, round(report.elapsed_s, 2), status, messages,
                folder or learner, problem.strip()[:PROBLEM_CHARS] if status != "graded" and problem else "",
-               report.source_sha256, report.shape_sha256)
+               report.source_sha256, report.shape_sha256, run=report.run_id)
 
 
 PROBLEM_CHARS = 2000  # of a whole-file problem kept in the gradebook (a SyntaxError with its line is ~200)
@@ -390,11 +400,12 @@ def flag_similar(rows: list[Row], stub_shape: str = "") -> None:
 
 
 KEY_FILE = ".attnlab-resume-key"  # in OUT: the HMAC key of this gradebook's rows (never in a learner's reach)
+CLASS_KEY_FILE = ".attnlab-class-key"  # in OUT: the key learners' inputs are derived from (learner_seed)
 
 
-def _resume_key(out: Path) -> bytes:
-    """The key that signs this OUT's rows, made on the first run (0600)."""
-    path = out / KEY_FILE
+def _resume_key(out: Path, name: str = KEY_FILE) -> bytes:
+    """The key ``name`` of this OUT (the rows' signing key, the class key), made on the first run (0600)."""
+    path = out / name
     try:
         key = path.read_bytes()
         if len(key) == 32:
@@ -406,6 +417,12 @@ def _resume_key(out: Path) -> bytes:
     with os.fdopen(fd, "wb") as f:
         f.write(key)
     return key
+
+
+def class_key(out: os.PathLike) -> bytes:
+    """The secret class key of the gradebook in ``out`` (:data:`CLASS_KEY_FILE`, 0600, made on the
+    first run): with the class seed, it decides every learner's inputs (:func:`learner_seed`)."""
+    return _resume_key(Path(out), CLASS_KEY_FILE)
 
 
 def _signature(key: bytes, row: dict, source_digest: str) -> str:
@@ -461,6 +478,7 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
     write_text(out / "skipped.txt", "".join(f"{s.name}: {s.reason}\n" for s in skipped))
     base = seed if seed is not None else secrets.randbelow(2**31)
     key = _resume_key(out)
+    secret = class_key(out)
     rows: dict[str, Row] = {}
     todo = []
     for sub in submissions:
@@ -493,7 +511,7 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
         def checkpoint(report: GradeReport) -> None:
             write_json(results, report.to_gradescope())
 
-        report = grade(sub.path, limits=limits, total_timeout_s=total_timeout_s, seed=learner_seed(base, sub.learner),
+        report = grade(sub.path, limits=limits, total_timeout_s=total_timeout_s, seed=learner_seed(secret, base, sub.learner),
                        sandbox=sandbox, untrusted=sandbox != "none", checkpoint=checkpoint, lab=the_lab,
                        within=folder, note=f"graded {sub.how}" if sub.how else "")
         checkpoint(report)
@@ -571,12 +589,12 @@ def write_csv(rows: list[Row], path: Path, exercises: list) -> None:
     with open(tmp, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(["learner", "total", "max", *ex_ids, "mistakes", "seed", "seconds", "status", "folder",
-                    "similar_to"])
+                    "similar_to", "run"])
         for r in sorted(rows, key=lambda r: r.learner):
             w.writerow([csv_cell(r.learner), f"{r.total:g}", f"{r.max_total:g}",
                         *(f"{r.exercises.get(e, 0):g}" for e in ex_ids), " ".join(r.mistakes), r.seed,
                         f"{r.seconds:.2f}", r.status, csv_cell(r.folder or r.learner),
-                        csv_cell(" ".join(r.similar))])
+                        csv_cell(" ".join(r.similar)), r.run])
     os.replace(tmp, path)
 
 
