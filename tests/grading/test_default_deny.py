@@ -445,6 +445,68 @@ def test_no_learner_can_hold_the_shared_uids_pipe_pages(tmp_path, mode):
     assert outcome.results[0]["value"] == [errno.EPERM, errno.EPERM, errno.EPERM, 65536], outcome.results
 
 
+SHARED_OBJECTS = '''
+import ctypes, errno, fcntl, os, resource, struct, threading
+
+def reach_shared_objects():
+    out = {}
+    f = open(os.__file__, "rb")  # the read-only standard library every sandbox shares
+    libc = ctypes.CDLL(None, use_errno=True)
+    def attempt(name, call):
+        try:
+            call()
+            out[name] = "done"
+        except OSError as exc:
+            out[name] = exc.errno
+    attempt("flock", lambda: fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB))
+    attempt("F_SETLK", lambda: fcntl.lockf(f, fcntl.LOCK_SH | fcntl.LOCK_NB))
+    attempt("F_GETLK", lambda: fcntl.fcntl(f, fcntl.F_GETLK, struct.pack("hhllhh", fcntl.F_RDLCK, 0, 0, 0, 0, 0)))
+    attempt("F_OFD_SETLK", lambda: fcntl.fcntl(f, 37, struct.pack("hhllhh", fcntl.F_RDLCK, 0, 0, 0, 0, 0)))
+    attempt("F_SETLEASE", lambda: fcntl.fcntl(f, 1024, fcntl.F_RDLCK))
+    attempt("F_NOTIFY", lambda: fcntl.fcntl(os.open("/", os.O_RDONLY), 1026, 1))
+    attempt("prlimit_parent", lambda: resource.prlimit(os.getppid(), resource.RLIMIT_NOFILE))
+    def clone_parent():  # clone(CLONE_PARENT | SIGCHLD): the child exits at once
+        pid = libc.syscall(56, 0x00008000 | 17, 0, 0, 0, 0)
+        if pid == 0:
+            os._exit(0)
+        if pid < 0:
+            raise OSError(ctypes.get_errno(), "clone")
+    attempt("clone_parent", clone_parent)
+    # what a learner's code does need still works: its own limits, fcntl's flags, threads
+    out["own_limits"] = resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 0
+    out["F_GETFL"] = fcntl.fcntl(f, fcntl.F_GETFL) >= 0
+    t = threading.Thread(target=lambda: None)
+    t.start()
+    t.join()
+    out["thread"] = True
+    return out
+'''
+
+
+@pytest.mark.parametrize("mode", ["template", "bwrap"])
+def test_no_learner_reaches_a_kernel_object_another_learner_shares(tmp_path, mode):
+    """Issue 47: flock on the read-only standard library (locks live on the inode, across mount
+    and user namespaces) carried one learner's 64-bit token to another. The learner layer refuses
+    locks, leases and notify, prlimit64 of another pid and clone with CLONE_PARENT."""
+    import errno
+    import platform
+
+    from attnlab.grading.sandbox import Call, Sandbox
+    from helpers.procs import made_by, needs_sandbox
+
+    needs_sandbox()
+    path = tmp_path / "attention.py"
+    path.write_text(SHARED_OBJECTS)
+    with made_by(mode), Sandbox(path, Limits(timeout_s=5.0), mode="bwrap") as box:
+        outcome = box.run([Call("reach_shared_objects")], policy=False)
+    got = outcome.results[0]["value"]
+    refused = ["flock", "F_SETLK", "F_GETLK", "F_OFD_SETLK", "F_SETLEASE", "F_NOTIFY", "prlimit_parent"]
+    if platform.machine() == "x86_64":  # the clone call above is x86-64's number
+        refused.append("clone_parent")
+    assert {k: got[k] for k in refused} == {k: errno.EPERM for k in refused}, got
+    assert got["own_limits"] and got["F_GETFL"] and got["thread"], got
+
+
 SIGNALS = '''
 import os, signal
 
@@ -515,3 +577,18 @@ def test_failed_checks_keep_no_tensors_unless_pictures_are_drawn(tmp_path):
     report = grade(path, limits=FAST, sandbox="none")
     failed = [r for r in report.results if not r.verdict.passed]
     assert failed and all(r.verdict.arrays is None for r in failed)
+
+
+@pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
+def test_the_learner_layer_is_a_valid_program_for_each_architecture(arch):
+    """Every jump of the written-out learner layer lands inside it and it ends in a return, on
+    both architectures (only this machine's is loaded by the test above: an out-of-range jump is
+    EINVAL, and the server then runs the learner without the layer)."""
+    from attnlab.grading.sandbox import seccomp
+
+    prog = seccomp._learner_program(arch)  # noqa: SLF001 (the program itself is what is checked)
+    jumps = (0x15, 0x45, 0x35)  # JEQ, JSET, JGE with a constant
+    for i, (code, jt, jf, _) in enumerate(prog):
+        if code in jumps:
+            assert i + 1 + max(jt, jf) < len(prog), (arch, i)
+    assert prog[-1][0] == 0x06 and len(prog) < 4096

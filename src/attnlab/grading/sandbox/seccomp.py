@@ -26,6 +26,10 @@ a filter cannot be removed, and every process the learner starts inherits it.
 A second, narrower layer goes on the learner's own process only (:func:`install_learner_layer`,
 after :func:`install` in each exercise's child): no new pipes (``pipe``, ``pipe2``), no resizing
 of a pipe (``fcntl(F_SETPIPE_SZ)``) and no epoll instance (``epoll_create``, ``epoll_create1``),
+no file lock, lease or change notification (``flock``; ``fcntl``'s ``F_*LK*``, ``F_OFD_*``,
+``F_SETLEASE``/``F_GETLEASE``, ``F_NOTIFY``: locks live on inodes, which the read-only binds
+of every sandbox share, and one learner read another's token through them), no ``prlimit64``
+of another process, and no ``clone`` with ``CLONE_PARENT`` (a sibling outside its count),
 each ``EPERM``. The kernel counts pipe pages (``fs.pipe-user-pages-soft``) and epoll watches
 (``fs.epoll.max_user_watches``) per *host* uid, and the class template's forks share one: one
 learner holding thousands of pipe pages left the next one 8 KiB pipes. The server needs pipes
@@ -54,7 +58,7 @@ import platform
 import struct
 from typing import Any, Callable
 
-__all__ = ["install", "install_learner_layer", "LEARNER_DENIED", "program_bytes", "route", "ROUTES", "ALLOWED", "MEASURED", "EXTRA", "DENIED", "NAMESPACE_FLAGS"]
+__all__ = ["install", "install_learner_layer", "LEARNER_DENIED", "LEARNER_FCNTL_DENIED", "CLONE_PARENT", "program_bytes", "route", "ROUTES", "ALLOWED", "MEASURED", "EXTRA", "DENIED", "NAMESPACE_FLAGS"]
 
 ROUTES = ("libseccomp", "bpf")
 
@@ -186,16 +190,25 @@ def _program(arch: str) -> list[tuple[int, int, int, int]]:
 
 
 # the learner layer (module docstring): call numbers as in _NR; aarch64 has no pipe nor epoll_create
-LEARNER_DENIED = ("pipe", "pipe2", "epoll_create", "epoll_create1")
+LEARNER_DENIED = ("pipe", "pipe2", "epoll_create", "epoll_create1", "flock")
 _NR_LEARNER = {
-    "x86_64": {"pipe": 22, "pipe2": 293, "epoll_create": 213, "epoll_create1": 291, "fcntl": 72},
-    "aarch64": {"pipe2": 59, "epoll_create1": 20, "fcntl": 25},
+    "x86_64": {"pipe": 22, "pipe2": 293, "epoll_create": 213, "epoll_create1": 291, "flock": 73, "fcntl": 72,
+               "prlimit64": 302, "clone": 56},
+    "aarch64": {"pipe2": 59, "epoll_create1": 20, "flock": 32, "fcntl": 25, "prlimit64": 261, "clone": 220},
 }
 _F_SETPIPE_SZ = 1031  # F_LINUX_SPECIFIC_BASE (1024) + 7, linux/fcntl.h
+# fcntl's commands that reach a kernel object other processes share (linux/fcntl.h, asm-generic/fcntl.h):
+# record locks F_GETLK/SETLK/SETLKW (5-7), open-file-description locks F_OFD_* (36-38), leases
+# F_SETLEASE/GETLEASE (1024, 1025) and F_NOTIFY (1026). Locks live on the inode, across mount and
+# user namespaces: on the read-only standard library every sandbox shares, one learner read another's
+# token through them bit by bit. None is needed by a learner's exercise (issue 47).
+LEARNER_FCNTL_DENIED = (_F_SETPIPE_SZ, 5, 6, 7, 36, 37, 38, 1024, 1025, 1026)
+CLONE_PARENT = 0x00008000  # linux/sched.h: a child of the caller's parent, outside its own count
 
 
 def _learner_program(arch: str) -> list[tuple[int, int, int, int]]:
-    """The learner layer as (code, jt, jf, k): everything else is left to the filter below it."""
+    """The learner layer as (code, jt, jf, k): everything else is left to the filter below it.
+    ``seccomp_data``: nr at 0, arch at 4, args[i] at 16 + 8 i (low 32 bits first)."""
     nr = _NR_LEARNER[arch]
     deny = _RET_ERRNO | errno.EPERM
     prog = [(_LD_W_ABS, 0, 0, 4), (_JEQ_K, 1, 0, _AUDIT_ARCH[arch]), (_RET_K, 0, 0, deny),
@@ -203,11 +216,26 @@ def _learner_program(arch: str) -> list[tuple[int, int, int, int]]:
     for name in LEARNER_DENIED:
         if name in nr:
             prog += [(_JEQ_K, 0, 1, nr[name]), (_RET_K, 0, 0, deny)]
-    prog += [(_JEQ_K, 0, 3, nr["fcntl"]),
-             (_LD_W_ABS, 0, 0, 24),                    # A = low 32 bits of args[1]: fcntl's cmd
-             (_JEQ_K, 0, 1, _F_SETPIPE_SZ),
+    # fcntl: the shared-object commands refused, the rest allowed
+    prog += [(_JEQ_K, 0, 2 * len(LEARNER_FCNTL_DENIED) + 2, nr["fcntl"]),
+             (_LD_W_ABS, 0, 0, 24)]                    # A = low 32 bits of args[1]: fcntl's cmd
+    for cmd in LEARNER_FCNTL_DENIED:
+        prog += [(_JEQ_K, 0, 1, cmd), (_RET_K, 0, 0, deny)]
+    prog += [(_RET_K, 0, 0, _RET_ALLOW)]
+    # prlimit64: only on itself (pid 0, all 64 bits); another pid (the server, a sibling) refused
+    prog += [(_JEQ_K, 0, 6, nr["prlimit64"]),
+             (_LD_W_ABS, 0, 0, 16),                    # A = low 32 bits of args[0]: the pid
+             (_JEQ_K, 0, 3, 0),
+             (_LD_W_ABS, 0, 0, 20),                    # A = high 32 bits of args[0]
+             (_JEQ_K, 0, 1, 0),
+             (_RET_K, 0, 0, _RET_ALLOW),
+             (_RET_K, 0, 0, deny)]
+    # clone with CLONE_PARENT: a sibling of the learner's process, outside what it is counted on
+    prog += [(_JEQ_K, 0, 3, nr["clone"]),
+             (_LD_W_ABS, 0, 0, 16),                    # A = low 32 bits of args[0]: clone's flags
+             (_JSET_K, 0, 1, CLONE_PARENT),
              (_RET_K, 0, 0, deny),
-             (_RET_K, 0, 0, _RET_ALLOW)]
+             (_RET_K, 0, 0, _RET_ALLOW)]               # clone without it, and every other call
     return prog
 
 
@@ -252,7 +280,8 @@ def install_learner_layer() -> str:
     if arch not in _NR_LEARNER:
         return f"no learner layer: system call numbers for {arch} are not written here"
     _load_program(_learner_program(arch))
-    return "learner layer: no new pipe, pipe resize or epoll instance"
+    return ("learner layer: no new pipe, pipe resize or epoll instance; no lock, lease or notify (flock, fcntl); "
+            "no prlimit64 of another process; no clone with CLONE_PARENT")
 
 
 # --------------------------------------------------------------------------- libseccomp
