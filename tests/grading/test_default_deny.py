@@ -507,6 +507,37 @@ def test_no_learner_reaches_a_kernel_object_another_learner_shares(tmp_path, mod
     assert got["own_limits"] and got["F_GETFL"] and got["thread"], got
 
 
+REWRITE = '''
+VERSION = "checked"
+
+def rewrite():
+    with open(__file__, "w") as f:  # the copy in the sandbox: the learner's uid can write it
+        f.write('VERSION = "rewritten"\\ndef which():\\n    return VERSION\\n')
+    return "wrote"
+
+def which():
+    return VERSION
+'''
+
+
+@pytest.mark.parametrize("mode", ["template", "bwrap"])
+def test_an_exercise_that_rewrites_the_submission_changes_nothing_the_next_one_runs(tmp_path, mode):
+    """Issue 47: each exercise's child imported the sandbox's copy of the file again, which the
+    learner's uid could write: one child rewrote it and the later exercises ran a file nobody
+    checked. The zygote compiles the bytes it was sent once; every child runs that code object."""
+    from attnlab.grading.sandbox import Call, Sandbox
+    from helpers.procs import made_by, needs_sandbox
+
+    needs_sandbox()
+    path = tmp_path / "attention.py"
+    path.write_text(REWRITE)
+    with made_by(mode), Sandbox(path, Limits(timeout_s=5.0), mode="bwrap") as box:
+        wrote = box.run([Call("rewrite")], policy=False)
+        after = box.run([Call("which")], policy=False)
+    assert wrote.results[0]["value"] == "wrote", wrote  # the write itself is not what is refused
+    assert after.results[0]["value"] == "checked", after.results
+
+
 SIGNALS = '''
 import os, signal
 

@@ -14,8 +14,13 @@ below and the seccomp filter (:mod:`.seccomp`).
 
 The zygote (:func:`serve`) imports torch once, then forks one child per task:
 
+* on ``load`` the zygote compiles the bytes it received, once, before any learner code has run
+  (:func:`_load`): the checked bytes all the way to the use. Each child runs that code object
+  in a fresh module; the copy on disk (for tracebacks and ``inspect``, served from a linecache
+  entry made from the same bytes) is never read back as code, so nothing a learner's child
+  writes reaches the next exercise;
 * the child sets its limits (memory, CPU time, file size, processes, no core dumps), installs
-  the seccomp filter, imports the learner's file, makes the calls, and writes exactly one
+  the seccomp filter, runs the learner's code object, makes the calls, and writes exactly one
   message (:func:`protocol.encode_message`) on a pipe, then ``_exit``-s;
 * the zygote enforces the wall-clock backstop on the child's exit, caps its pipes, and kills
   every other process of the sandbox (``kill(-1)`` in its pid namespace) afterwards.
@@ -276,10 +281,33 @@ def _stuck(frame, path: str) -> None:
     os.kill(os.getpid(), signal.SIGPROF)
 
 
+# what 'load' compiled: (the code object, None) or (None, the SyntaxError or ValueError); the
+# children inherit it through fork
+_LOADED: "tuple[Optional[Any], Optional[BaseException]]" = (None, None)
+
+
+def _load(source: bytes, path: str) -> None:
+    """Write the submission to ``path`` (for tracebacks and ``inspect``), register those bytes'
+    lines in ``linecache`` (an entry with no mtime, never checked against the file again), and
+    compile them once into :data:`_LOADED`: the children run this code object, never the file."""
+    import linecache
+
+    global _LOADED
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(source)
+    text = source.decode("utf-8", "replace")
+    linecache.cache[path] = (len(source), None, text.splitlines(keepends=True), path)
+    try:
+        _LOADED = (compile(source, path, "exec", dont_inherit=True), None)
+    except (SyntaxError, ValueError, MemoryError, RecursionError) as exc:  # reported by each child as at import
+        _LOADED = (None, exc)
+
+
 def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir: str,
                 vm_kb: Optional[int] = None) -> None:
     """Entry point of the forked child. Sends exactly one message (bytes), then exits."""
-    import importlib.util
+    import types
 
     import torch
 
@@ -311,10 +339,13 @@ def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir:
     try:
         if recorder is not None:
             recorder.__enter__()  # before the import: module-level code is watched too
-        spec = importlib.util.spec_from_file_location("learner_submission", path)
-        module = importlib.util.module_from_spec(spec)
+        code, error = _LOADED
+        module = types.ModuleType("learner_submission")  # fresh for every child
+        module.__file__ = path
         try:
-            spec.loader.exec_module(module)
+            if error is not None:
+                raise error
+            exec(code, module.__dict__)  # the code object 'load' compiled from the checked bytes
         except BaseException as exc:  # SyntaxError, ImportError, SystemExit at import...
             message = {"status": "import_error", "message": _cap("".join(
                 traceback.format_exception_only(type(exc), exc)).strip()),
@@ -643,9 +674,7 @@ def serve(request_fd: int = 0, reply_fd: int = 1, sandboxed: bool = False, statu
                 return
             if req["op"] == "load":
                 path = os.path.join(root, "submission", submission_name(req["name"]))
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "wb") as f:
-                    f.write(req["source"].numpy().tobytes())
+                _load(req["source"].numpy().tobytes(), path)
                 frames.write_frame(reply_fd, b"loaded")
                 continue
             header, payload, output = _run_task(_task(req), path, private, sandboxed, root, status_fd)
