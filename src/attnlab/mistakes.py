@@ -81,6 +81,9 @@ CODES: dict[str, str] = {
     "accumulate_dtype": "accumulate in float32 (tl.zeros(..., tl.float32)), whatever the inputs' dtype: a float16 "
                         "or bfloat16 accumulator loses precision over the tiles and overflows past 65504 (float16); "
                         "cast once, when storing",
+    "kernel_not_launched": "the answer came back but your @triton.jit kernel for this exercise never ran: the "
+                           "points are for the kernel, so the given launcher must launch it (kernel[grid](...)) "
+                           "and its stores must make the answer",
     "scores_materialized": "an [L, S] tensor (the scores or the weights) is built or saved: tiled attention keeps "
                            "one [block_q, block_k] tile at a time and saves lse ([B, H, L]) for the backward",
     # reading the weights

@@ -262,3 +262,42 @@ def test_a_violation_reached_through_an_alias_or_a_class_attribute_refuses_the_f
         report = grade(path, lab="01", sandbox="none", seed=1)
     assert report.score == 0 and "softmax" in report.problem and "in helper()" in report.problem, report.to_text()
     assert any(f["code"] == "policy" for r in report.results for f in r.verdict.findings)
+
+
+TORCH_FORWARD = '''
+def flash_forward(q, k, v, is_causal=False):
+    """Given, replaced: plain torch arithmetic, no kernel launched."""
+    r = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    s = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if is_causal:
+        L, S = s.shape[-2], s.shape[-1]
+        keep = torch.ones(L, S, dtype=torch.bool).tril(S - L)
+        s = s.masked_fill(~keep, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp(s - m)
+    l = p.sum(dim=-1, keepdim=True)
+    return (p / l @ v.float()).to(q.dtype), (m + torch.log(l)).squeeze(-1)
+'''
+
+
+def test_a_lab05_answer_made_without_the_learners_kernel_scores_zero_with_its_code():
+    """Issue 47: replacing lab 05's launchers with plain torch arithmetic, so that no kernel of the
+    learner's ever ran, scored 100/100 in a lab whose every point is for writing Triton kernels."""
+    from attnlab.grading import grade
+
+    solution = (ROOT / "labs/track1/05-triton-flash/solutions/flash_triton.py").read_text()
+    start = solution.index("def flash_forward(")
+    end = solution.index("\n\n\n", start)
+    source = solution[:start] + TORCH_FORWARD.strip() + solution[end:]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "flash_triton.py"
+        path.write_text(source)
+        report = grade(path, lab="05", sandbox="none", seed=1)
+    scores = report.exercise_scores()
+    assert not report.problem, report.to_text()
+    for ex in ("ex1", "ex2", "ex3", "ex6", "ex7"):  # every exercise whose answer needs the forward kernel
+        assert scores[ex][0] == 0, report.to_text()
+    codes = {f["code"] for r in report.results if r.exercise.id == "ex1" for f in r.verdict.findings}
+    assert codes == {"kernel_not_launched"}, report.to_text()
+    assert scores["ex4"] == (8, 8) and scores["ex5"][0] == scores["ex5"][1]  # its own kernels still count

@@ -45,6 +45,9 @@ class Exercise:
     policy: bool = True  # the from-scratch policy applies
     on_error: Optional[Callable[[str, str], list[dict]]] = None  # (error, traceback) -> the mistake behind it
     limits: dict = field(default_factory=dict)  # this exercise's own Limits fields (lab 04's memory cap)
+    # the learner's kernels that must have been launched for its answer to count (lab 05: the points
+    # are for writing them); an answer without them scores 0 as 'kernel_not_launched'
+    kernels: tuple[str, ...] = ()
 
     @property
     def max_score(self) -> float:

@@ -326,6 +326,21 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
     return report
 
 
+def _require_kernels(ex: Exercise, verdicts: dict, outcome: Outcome) -> None:
+    """Grade what the rule names: a check of an exercise with :attr:`Exercise.kernels` passes only
+    when each of those learner kernels was launched for it (the child's count, evidence that the
+    static rule keeps honest: no file can reach the counter); otherwise it is 0 as
+    'kernel_not_launched', whatever the values."""
+    missing = [k for k in ex.kernels if not outcome.launches.get(k)]
+    if not missing:
+        return
+    message = (f"{ex.function}() answered without launching {', '.join(missing)}: this exercise's points are for "
+               f"the kernel{'s' if len(missing) > 1 else ''}, so an answer computed any other way scores 0")
+    for check, v in verdicts.items():
+        if v.passed:
+            verdicts[check] = Verdict(False, message, [{"code": "kernel_not_launched", "message": message}])
+
+
 def exercise_seed(seed: int, index: int) -> int:
     """The generator seed of exercise ``index``'s inputs: distinct per exercise, below 2**63
     (torch's limit) for a run seed of any size (a class's seeds are 62-bit HMACs)."""
@@ -412,6 +427,7 @@ def _graded(report: GradeReport, path: Path, source_bytes: bytes, prepared: "int
                 for v in verdicts.values():
                     if not v.passed and not v.findings:
                         v.findings = errors.explain(v.message, tree, names)
+                _require_kernels(ex, verdicts, outcome)
                 _share_within(verdicts)
                 _blame_upstream(report, ex, verdicts, static)
                 for check, points in ex.checks.items():

@@ -91,6 +91,7 @@ class Outcome:
     elapsed_s: float = 0.0
     cpu_s: float = 0.0  # CPU time of the task's process (what the time budget counts)
     environment: str = ""  # set when the sandbox itself could not start here: the grader's problem, not the learner's
+    launches: dict[str, int] = field(default_factory=dict)  # kernel name -> launches of the learner's kernels (lab 05)
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
@@ -184,8 +185,13 @@ def _check_str(v: Any, what: str) -> None:
 def validate_message(msg: Any, n_calls: int) -> None:
     """Raise :class:`BadMessage` unless ``msg`` is exactly what the runner's child
     (:mod:`.server`) sends for ``n_calls`` calls."""
-    if not isinstance(msg, dict) or not set(msg) <= {"status", "results", "violations", "message", "traceback"}:
+    if not isinstance(msg, dict) or not set(msg) <= {"status", "results", "violations", "message", "traceback",
+                                                     "launches"}:
         raise BadMessage("the message is not a dict of the known fields")
+    launches = msg.get("launches", {})
+    if not isinstance(launches, dict) or len(launches) > 64 or not all(
+            isinstance(k, str) and len(k) <= 100 and type(n) is int and 0 < n < 2**31 for k, n in launches.items()):
+        raise BadMessage("launches is not a short map of kernel names to counts")
     if msg.get("status") not in _STATUSES:
         raise BadMessage(f"unknown status {str(msg.get('status'))[:40]!r}")
     for key in ("message", "traceback"):
@@ -441,7 +447,8 @@ class Sandbox:
         return Outcome(msg["status"], results=results, message=clean_text(msg.get("message", "")),
                        traceback=clean_text(msg.get("traceback", "")),
                        violations=[clean_text(v, 200) for v in msg.get("violations", [])],
-                       output=output, elapsed_s=elapsed)
+                       output=output, elapsed_s=elapsed,
+                       launches={clean_text(k, 100): n for k, n in msg.get("launches", {}).items()})
 
     def _failure(self, exitcode: int, output: str, elapsed: float, timeout: float = 0.0) -> Outcome:
         if exitcode < 0:

@@ -304,6 +304,36 @@ def _load(source: bytes, path: str) -> None:
         _LOADED = (None, exc)
 
 
+MAX_KERNELS = 32  # kernel names a child reports launches of (lab 05's file has four)
+
+
+def _count_launches(path: str) -> dict:
+    """Count each launch, under Triton's interpreter, of a ``@triton.jit`` kernel whose code was
+    compiled from the learner's file (``path``), by the kernel's name: the evidence that an
+    exercise's answer came from the learner's kernel (lab 05), which the grader checks against
+    the exercise's kernels (:attr:`attnlab.grading.exercise.Exercise.kernels`). Installed before
+    the learner's code runs; empty where Triton's interpreter is not in use."""
+    counts: dict = {}
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return counts
+    try:
+        from triton.runtime import interpreter
+    except Exception:  # no triton here: nothing of the learner's can launch a kernel either
+        return counts
+    run = interpreter.InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        code = getattr(getattr(self, "fn", None), "__code__", None)
+        if code is not None and code.co_filename == path and not kwargs.get("warmup"):
+            name = str(self.fn.__name__)[:100]
+            if name in counts or len(counts) < MAX_KERNELS:
+                counts[name] = counts.get(name, 0) + 1
+        return run(self, *args, **kwargs)
+
+    interpreter.InterpretedFunction.run = counted
+    return counts
+
+
 def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir: str,
                 vm_kb: Optional[int] = None) -> None:
     """Entry point of the forked child. Sends exactly one message (bytes), then exits."""
@@ -336,6 +366,7 @@ def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir:
         recorder = _recorder.Policy()
 
     message: dict = {"status": "ok", "results": [], "violations": []}
+    launches = _count_launches(path)
     try:
         if recorder is not None:
             recorder.__enter__()  # before the import: module-level code is watched too
@@ -362,6 +393,8 @@ def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir:
                 message["violations"] = recorder.violations()
             except Exception:  # the learner popped the recorders off the stack
                 message["violations"] = ["the grader's call recorder (it was removed or tampered with)"]
+        if launches:
+            message["launches"] = dict(launches)
     try:
         payload = protocol.encode_message(message)  # safetensors + JSON: the grader parses nothing else
     except Exception as exc:
