@@ -44,7 +44,7 @@ from attnlab._validation import compute_dtype
 from attnlab.kernels import online
 from attnlab.kernels.numerics import merge_
 
-__all__ = ["forward", "forward_eager", "choose_chunk", "loop", "CAUSAL", "BLOCK_K", "MIN_CHUNK", "STREAM_MAX_ROWS",
+__all__ = ["forward", "forward_eager", "choose_chunk", "loop", "CAUSAL", "BLOCK_K", "MIN_CHUNK", "MAX_CHUNK", "STREAM_MAX_ROWS",
            "STREAM_BLOCK_K", "LOOPS", "dequantize", "int8_dot", "int16_rounded", "INT8_DOTS", "INT8_DOT_CODES",
            "bf16_dot", "BF16_DOT_CODES"]
 
@@ -55,6 +55,11 @@ BLOCK_K = 256  # keys per GEMM inside a chunk: flash.cpp's default tile (BENCHMA
 # outweighs its GEMMs. With 8 key/value heads on 2 threads, S = 32768 measured 21.5 ms at
 # 4 chunks per thread (chunks of 2048) (2026-12-01, the 2-core Zen 4 EPYC, BENCHMARKS.md "Decoding").
 MIN_CHUNK = 256
+# The largest chunk: one task's keys share one float32 accumulator, whose error grows with their
+# number (q (1, 32, 1, 128) against 8 key/value heads of S = 131072 on 2 threads: one task per head,
+# 9.9e-6 of the output's largest value off float64, torch's SDPA 1.1e-5). csrc/decode.cpp caps its
+# own choice the same way; the measurement with the cap is in BENCHMARKS.md ("decode accuracy").
+MAX_CHUNK = 16384
 TASKS_PER_THREAD = 4  # enough tasks that the threads finish together when chunks differ (causal, seqlens)
 # The streaming loop serves up to this many rows (r * L) per key/value head; above it the block's
 # GEMMs win (their packing is shared by many rows). q (1, 32, Lq, 128) against S = 32768, 2 threads,
@@ -142,9 +147,9 @@ def int16_rounded(q: Tensor) -> Tensor:
 
 def choose_chunk(S: int, Nb: int, threads: int, page: int = 1) -> int:
     """Keys per chunk: about ``TASKS_PER_THREAD`` tasks per thread over the ``Nb`` heads, at least
-    ``MIN_CHUNK``, a whole number of pages."""
+    ``MIN_CHUNK`` and at most ``MAX_CHUNK`` (accuracy), a whole number of pages."""
     splits = max(1, math.ceil(TASKS_PER_THREAD * threads / max(Nb, 1)))
-    chunk = max(MIN_CHUNK, math.ceil(S / splits))
+    chunk = min(MAX_CHUNK, max(MIN_CHUNK, math.ceil(S / splits)))
     return math.ceil(chunk / page) * page
 
 

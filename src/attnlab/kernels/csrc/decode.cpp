@@ -988,6 +988,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   if (chunk <= 0) {  // about 4 tasks per thread over every group's keys, at least 256 keys (decode.py's MIN_CHUNK)
     const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
     chunk = std::max<int64_t>(256, (total + want - 1) / std::max<int64_t>(want, 1));
+    // and at most 16384 (decode.py's MAX_CHUNK): one fp32 accumulator over a whole head's 131072
+    // keys was 1e-5 off float64, as far as torch's own SDPA; 16384-key tasks merged in float32 are not
+    chunk = std::min<int64_t>(chunk, 16384);
     if (paged) chunk = (chunk + page - 1) / page * page;
   }
   // task (group, c) covers keys [c * chunk, ...) of the group's G heads; head nb's partial
