@@ -1,6 +1,7 @@
 # class: false-pass
 # base: solution
-# expect: 47
+# expect: 0
+# (47 while a violation cost only the exercises reaching it; the whole file since issue 47)
 # reaches torch's softmax through a name the text never spells
 
 

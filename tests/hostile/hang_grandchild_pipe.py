@@ -1,9 +1,9 @@
 # class: hang
 # static: refused
 # base: solution
-# expect: 59
+# expect: 0
 # a grandchild keeps the result pipe open forever; the answer itself is right (the allow-list refuses
-# torch.multiprocessing in project_qkv: 59 without ex1 and the exercises that reach it; the harness
+# torch.multiprocessing in project_qkv, which refuses the whole file since issue 47; the harness
 # still runs the code straight in the sandbox)
 
 
