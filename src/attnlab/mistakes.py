@@ -96,8 +96,10 @@ CODES: dict[str, str] = {
     "shape_error": "the function fails or returns the wrong shape on valid inputs: check broadcasting "
                    "over leading dims, L != S, and Ev != E",
     "not_implemented": "the exercise still raises NotImplementedError: replace the raise line with your code",
-    "policy": "the lab's from-scratch rule was broken (torch's softmax/SDPA, or an import or construct the "
-              "lab does not allow): build it from exp, sum and matmul",
+    "policy": "the lab's rule refused a construct in your file, named above with its line: torch's softmax or "
+              "SDPA, an import outside the lab's list (os, sys, numpy...), eval, exec or open, a private or dunder "
+              "attribute, or a decorator or hook the lab does not allow; the file is not run until it is gone "
+              "(each lab's rule says what its code is built from)",
     "unknown": "the output differs from SDPA in a way the doctor has no model for",
 }
 

@@ -301,3 +301,32 @@ def test_a_lab05_answer_made_without_the_learners_kernel_scores_zero_with_its_co
     codes = {f["code"] for r in report.results if r.exercise.id == "ex1" for f in r.verdict.findings}
     assert codes == {"kernel_not_launched"}, report.to_text()
     assert scores["ex4"] == (8, 8) and scores["ex5"][0] == scores["ex5"][1]  # its own kernels still count
+
+
+def _notebook_of(*cells: str) -> bytes:
+    return json.dumps({"cells": [{"cell_type": "code", "source": c} for c in cells], "nbformat": 4}).encode()
+
+
+def test_a_notebook_set_up_like_the_walkthrough_leaves_its_environment_lines_out():
+    """Issue 48: a notebook whose first cell sets os.environ['TRITON_INTERPRET'] = '1', as lab 05's
+    walkthrough does, was refused as policy (0 points)."""
+    made = intake.prepare("flash_triton.ipynb", _notebook_of(
+        'import os\n\nos.environ["TRITON_INTERPRET"] = "1"  # before triton is imported', LAB05.decode()))
+    assert b"os.environ" not in made.source and b"import os" not in made.source
+    assert any("environment lines of cell 1" in n for n in made.notes), made.notes
+    # os used for anything else is still the file's, and the rule still refuses it
+    other = intake.prepare("attention.ipynb", _notebook_of("import os\nos.environ['X'] = '1'",
+                                                           "def f():\n    return os.getcwd()"))
+    assert b"os.getcwd()" in other.source
+
+
+@pytest.mark.slow
+def test_the_lab05_solution_as_a_walkthrough_style_notebook_scores_100():
+    from attnlab.grading import grade
+
+    solution = (ROOT / "labs/track1/05-triton-flash/solutions/flash_triton.py").read_text()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "flash_triton.ipynb"
+        path.write_bytes(_notebook_of('import os\nos.environ["TRITON_INTERPRET"] = "1"', solution))
+        report = grade(path, lab="05", sandbox="none", seed=1)
+    assert report.score == 100, report.to_text()

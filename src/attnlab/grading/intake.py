@@ -227,6 +227,20 @@ def _kept(node: ast.stmt) -> bool:
     return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
 
 
+def _environment_line(node: ast.stmt) -> bool:
+    """The environment set-up of the labs' own walkthroughs: ``import os`` and
+    ``os.environ["NAME"] = "value"`` (lab 05's ``TRITON_INTERPRET``). The grader sets each lab's
+    environment itself; in a notebook these lines are left out rather than refused."""
+    if isinstance(node, ast.Import):
+        return all(a.name == "os" and a.asname is None for a in node.names)
+    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Subscript):
+        t = node.targets[0]
+        return (isinstance(t.value, ast.Attribute) and t.value.attr == "environ" and isinstance(t.value.value, ast.Name)
+                and t.value.value.id == "os" and isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str)
+                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str))
+    return False
+
+
 def notebook_to_python(data: bytes) -> Prepared:
     """The code cells of a notebook (its JSON, at most the submission's size) as Python."""
     from attnlab.grading.static import parse
@@ -243,6 +257,7 @@ def notebook_to_python(data: bytes) -> Prepared:
     line_map = LineMap()
     refused: list[str] = []
     left_out: list[int] = []
+    environment: list[int] = []
     for c, cell in enumerate(cells, start=1):
         if not isinstance(cell, dict) or cell.get("cell_type") != "code":
             continue
@@ -269,6 +284,9 @@ def notebook_to_python(data: bytes) -> Prepared:
             refused.append(f"cell {c}: too deeply nested to parse")
             continue
         for node in tree.body:
+            if _environment_line(node):
+                environment.append(c)
+                continue
             if not _kept(node):
                 left_out.append(c)
                 continue
@@ -279,6 +297,11 @@ def notebook_to_python(data: bytes) -> Prepared:
             out_lines.append("")
             line_map.cells.append((c, node.end_lineno))
     notes = []
+    if environment:
+        numbers = sorted(set(environment))
+        notes.append(f"the environment lines of cell{'s' if len(numbers) > 1 else ''} "
+                     f"{', '.join(str(c) for c in numbers[:8])} (import os, os.environ[...] = ...) are left out: the "
+                     "grader sets each lab's environment itself")
     if left_out:
         numbers = sorted(set(left_out))
         shown = ("cell " if len(numbers) == 1 else "cells ") + ", ".join(str(c) for c in numbers[:8])
