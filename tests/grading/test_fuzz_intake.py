@@ -76,15 +76,6 @@ def at_the_door():
         yield mp
 
 
-def _strings(data) -> list[str]:
-    if isinstance(data, str):
-        return [data]
-    if isinstance(data, dict):
-        return [s for k, v in data.items() for s in _strings(k) + _strings(v)]
-    if isinstance(data, list):
-        return [s for v in data for s in _strings(v)]
-    return []
-
 
 def assert_clean_output(out: Path) -> None:
     """Nothing a person reads under ``out`` holds a control or bidi character."""
@@ -94,7 +85,7 @@ def assert_clean_output(out: Path) -> None:
         assert not path.name.endswith(".tmp"), f"a temporary file was left: {path}"
         text = path.read_text(encoding="utf-8")
         if path.suffix == ".json":
-            bad = [s for s in _strings(json.loads(text)) if UNSAFE.search(s)]
+            bad = [s for s in hi.strings_in(json.loads(text)) if UNSAFE.search(s)]
             assert not bad, f"{path.name}: {bad[:3]!r}"
         else:
             found = UNSAFE.search(text.replace("\r\n", "\n"))  # csv's own line ends

@@ -28,6 +28,8 @@ from attnlab.grading.classroom import batch
 from attnlab.grading.output import UNSAFE, sanitise, write_json, write_text
 from attnlab.grading.submission import Unreadable
 
+from helpers import hostile_inputs as hi
+
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTION = (ROOT / "labs/track1/01-attention/solutions/attention.py").read_bytes()
 LAB05 = (ROOT / "labs/track1/05-triton-flash/flash_triton.py").read_bytes()
@@ -213,17 +215,8 @@ def test_run_autograder_on_a_name_that_is_not_utf8_writes_escaped_results(tmp_pa
     text = (root / "results" / "results.json").read_text(encoding="utf-8")
     data = json.loads(text)
     assert data["score"] == 0 and "cannot isolate" in data["output"]
-    assert not any(UNSAFE.search(s) for s in _strings(data))
+    assert not any(UNSAFE.search(s) for s in hi.strings_in(data))
 
-
-def _strings(data) -> list[str]:
-    if isinstance(data, str):
-        return [data]
-    if isinstance(data, dict):
-        return [s for k, v in data.items() for s in _strings(k) + _strings(v)]
-    if isinstance(data, list):
-        return [s for v in data for s in _strings(v)]
-    return []
 
 
 def test_a_learners_inputs_come_from_a_key_no_learner_has():

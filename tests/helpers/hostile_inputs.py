@@ -144,6 +144,17 @@ def _flip(data: bytearray, what: str, n: int) -> None:
         data[n % len(data)] ^= 0xFF
 
 
+def strings_in(data) -> list[str]:
+    """Every string in a JSON-like value, keys too: what a results.json shows a person."""
+    if isinstance(data, str):
+        return [data]
+    if isinstance(data, dict):
+        return [s for k, v in data.items() for s in strings_in(k) + strings_in(v)]
+    if isinstance(data, list):
+        return [s for v in data for s in strings_in(v)]
+    return []
+
+
 def bodies() -> st.SearchStrategy[bytes]:
     return st.one_of(python_bodies(), notebooks(), zip_archives())
 
