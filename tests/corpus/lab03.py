@@ -62,6 +62,8 @@ MUTANTS = [
       "ex6", "off_by_one"),
     M("a", "cache_mask_sees_next", A_CACHE, "mask = torch.ones(L, P + L, dtype=torch.bool).tril(diagonal=P + 1)",
       "ex6", "off_by_one"),
+    M("a", "cache_mask_diagonal_L", A_CACHE, "mask = torch.ones(L, P + L, dtype=torch.bool).tril(diagonal=L)",
+      "ex6", "causal_alignment"),
     M("a", "cache_mask_inverted", A_CACHE, "mask = ~torch.ones(L, P + L, dtype=torch.bool).tril(diagonal=P)", "ex6",
       "mask_polarity"),
     M("a", "cache_mask_triu", A_CACHE, "mask = torch.ones(L, P + L, dtype=torch.bool).triu(diagonal=P)", "ex6",

@@ -192,7 +192,11 @@ def _judge_ex5(ctx, results, outcome):
 
 
 # --------------------------------------------------------------------------- ex6: the KV cache
-_EX6_CASES = ((4, 3), (0, 7), (6, 1))  # (cached P, new L): each ends at the sequence's 7 tokens
+# (cached P, new L): each ends at the sequence's 7 tokens. The first (the one whose mistakes are
+# named) has L apart from P - 1, P and P + 1, and L > 2 so that tril(P + 1) still hides a key: with
+# (4, 3) a mask of tril(diagonal=L) was tril(P - 1) and was called off_by_one ("not P - 1") for a
+# learner who had written L (issue 48)
+_EX6_CASES = ((2, 5), (0, 7), (6, 1))
 
 
 def _prep_ex6(g):
@@ -236,8 +240,11 @@ def _judge_ex6(ctx, results, outcome):
                 _attend(qn, kk, vv, ~torch.ones(n, P + n, dtype=torch.bool).tril(P))),
         mistake("causal_future", "the mask is upper-triangular: query i would see later keys; tril(diagonal=P)",
                 _attend(qn, kk, vv, torch.ones(n, P + n, dtype=torch.bool).triu(P))),
+        mistake("causal_alignment", "the mask's diagonal is the number of new tokens (L): new query i sits at "
+                                    "position P + i, after the P cached ones, so the diagonal is P (tril(diagonal=P))",
+                _attend(qn, kk, vv, torch.ones(n, P + n, dtype=torch.bool).tril(n))),
     ]
-    output = tensor_verdict(out, full[:, :, P:P + n], "decode_step output (a cache of 4, 3 new tokens)", mistakes)
+    output = tensor_verdict(out, full[:, :, P:P + n], f"decode_step output (a cache of {P}, {n} new tokens)", mistakes)
     equal = Verdict(True)
     for i, (P2, n2) in enumerate(_EX6_CASES[1:], start=1):
         r = value(results, i)
