@@ -131,7 +131,7 @@ def test_a_mixed_class_grades_its_majority_and_an_empty_one_is_refused(tmp_path,
         assert not out.exists()  # refused before anything was written
     assert "the folder is empty" in str(pytest.raises(batch.ClassRefused, batch.plan_class, empty).value)
     # lab 01 asked for a lab 02 class: nobody to grade, and the skip reasons say why
-    with pytest.raises(batch.ClassRefused, match=r"another lab.s file \(see --lab\)"):
+    with pytest.raises(batch.ClassRefused, match=r"another lab.s file \(lab 02-masks.s masks.py\); grade it with --lab 02"):
         batch.plan_class(_make(tmp_path / "two", {"ann": SOLUTION_02}), lab="01")
 
 
