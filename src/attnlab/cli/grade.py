@@ -53,9 +53,7 @@ def add(sub) -> argparse.ArgumentParser:
                    help="pictures of failed checks (default: ./attnlab-grade-images)")
     p.add_argument("--no-images", action="store_true", help="save no pictures")
     p.add_argument("--seed", type=seed, default=None, metavar="N",
-                   help="the inputs' seed (default: drawn from the OS's secrets for each run). For a class, "
-                        "the inputs come from the seed and OUT's secret class key together: the same seed "
-                        "reproduces a class's inputs only into the same OUT")
+                   help="the inputs' seed (default: fresh each run; a class's also take OUT's secret key)")
     p.add_argument("--untrusted", action="store_true",
                    help="someone else's file: only inside the OS sandbox")
     p.add_argument("--no-sandbox", action="store_true",
