@@ -64,6 +64,8 @@ CODES: dict[str, str] = {
     # FlashAttention: the online softmax, the tiles, the backward
     "online_rescale": "when a block raises the running max m_i, what was summed under the old max (l_i, and "
                       "acc) must be multiplied by exp(m_old - m_new) before the block's terms are added",
+    "final_divide": "the online softmax sums unnormalised weights: divide once at the end, each row's acc by its "
+                    "own l_i (o = acc / l_i[..., None]), not never and not by anything else",
     "lse_saved": "the forward must return the natural log-sum-exp of each query row's scaled scores, "
                  "lse = m_i + log(l_i) (torch.log, not log2; one per row, [B, H, L]): the backward rebuilds "
                  "P = exp(scores - lse) from it",

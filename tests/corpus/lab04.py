@@ -48,6 +48,7 @@ MUTANTS = [
     M("a", "acc_not_rescaled", A2_ACC, "acc = acc + p @ v[:, :, ks:ke]", "ex2", "online_rescale"),
     M("a", "l_not_rescaled", A2_L, "l_i = l_i + p.sum(dim=-1)", "ex2", "online_rescale"),
     M("a", "stale_max", A2_P, "p = torch.exp(s - safe_max(m_i)[..., None])", "ex2", "online_rescale"),
+    M("a", "no_final_divide", "o[:, :, qs:qe] = acc / l_i[..., None]", "o[:, :, qs:qe] = acc", "ex2", "final_divide"),
     M("a", "lse_log2", A2_LSE, "lse[:, :, qs:qe] = m_i + torch.log2(l_i)", "ex2", "lse_saved"),
     M("a", "lse_without_max", A2_LSE, "lse[:, :, qs:qe] = torch.log(l_i)", "ex2", "lse_saved"),
     M("a", "lse_is_max", A2_LSE, "lse[:, :, qs:qe] = m_i", "ex2", "lse_saved"),
@@ -77,6 +78,7 @@ MUTANTS = [
     M("a", "function_backward_not_causal", "dq, dk, dv = flash_backward(q, k, v, o, lse, do, ctx.is_causal)",
       "dq, dk, dv = flash_backward(q, k, v, o, lse, do)", "ex5", "causal_block_skip"),
     # ------------------------------------------------------------------ b
+    M("b", "no_final_divide", "out[:, q0:q1] = acc / l_i[..., None]", "out[:, q0:q1] = acc", "ex2", "final_divide"),
     M("b", "stream_no_correction", B1_SUM, "running_sum = running_sum + torch.exp(chunk - shift.unsqueeze(1)).sum(dim=1)",
       "ex1", "online_rescale"),
     M("b", "stream_correction_inverted", "correction = torch.exp(running_max - shift)",

@@ -78,7 +78,8 @@ def simulate_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, bq: int, bk:
     'l' (l_i not rescaled), 'stale' (P = exp(s - m_old): the tile's weights under the max
     before it), 'diag_unmasked' (causal blocks kept whole), 'diag_skipped' (the diagonal block
     skipped), 'off_by_one' (key j < query i), 'lse_log2' ((m_i + ln l_i) / ln 2), 'lse_log2_sum'
-    (m_i + log2 l_i), 'lse_max' (lse = m_i), 'lse_no_max' (lse = ln l_i)."""
+    (m_i + log2 l_i), 'lse_max' (lse = m_i), 'lse_no_max' (lse = ln l_i), 'no_divide' (o = acc, never
+    divided by l_i)."""
     B, H, L, E = q.shape
     S, Ev = k.shape[-2], v.shape[-1]
     o = torch.empty(B, H, L, Ev, dtype=q.dtype)
@@ -103,7 +104,7 @@ def simulate_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, bq: int, bk:
             l_i = (l_i if bug == "l" else l_i * alpha) + p.sum(-1)
             acc = (acc if bug == "acc" else acc * alpha[..., None]) + p @ v[:, :, ks:ke]
             m_i = m_new
-        o[:, :, qs:qe] = acc / l_i[..., None]
+        o[:, :, qs:qe] = acc if bug == "no_divide" else acc / l_i[..., None]
         lse[:, :, qs:qe] = {"lse_log2": (m_i + torch.log(l_i)) / math.log(2), "lse_log2_sum": m_i + torch.log2(l_i),
                             "lse_max": m_i, "lse_no_max": torch.log(l_i)}.get(bug, m_i + torch.log(l_i))
     return o, lse
@@ -268,6 +269,8 @@ def _judge_ex2(ctx, results, outcome):
         mistake("online_rescale", "a stale max: the tile's weights are exp(s - m_old), taken before the running max "
                                   "was updated; compute m_new first, then P = exp(s - m_new) and rescale l_i and acc "
                                   "by exp(m_old - m_new)", simulate_forward(q, k, v, False, bq, bk, "stale")[0]),
+        mistake("final_divide", "the output is acc, never divided by l_i: o = acc / l_i[..., None] once the last "
+                                "key block is in", simulate_forward(q, k, v, False, bq, bk, "no_divide")[0]),
         mistake("missing_scale", "the scores are not scaled: multiply q (or each tile's Q K^T) by 1/sqrt(E)",
                 scaled_dot_product_attention(q, k, v, scale=1.0)),
         mistake("wrong_scale", "the scores are divided by E; the scale is 1/sqrt(E)",
