@@ -38,6 +38,7 @@ MUTANTS = [
     M("a", "sum_without_keepdim", A_SUM, "total = e.sum(dim=dim)", "ex3", "keepdim"),
     M("a", "max_without_keepdim", "m = scores.amax(dim=dim, keepdim=True)", "m = scores.amax(dim=dim)", "ex3",
       "keepdim"),
+    M("a", "global_max", "m = scores.amax(dim=dim, keepdim=True)", "m = scores.amax()", "ex3", "unstable_softmax"),
     M("a", "dim_ignored", "m = scores.amax(dim=dim, keepdim=True)", "m = scores.amax(dim=-1, keepdim=True)", "ex3",
       "softmax_dim", (A_SUM, "total = e.sum(dim=-1, keepdim=True)")),
     M("a", "no_empty_guard", A_GUARD, "", "ex3", "fully_masked_nan",

@@ -195,7 +195,14 @@ def _judge_ex3(ctx, results, outcome):
                         "e.sum(dim=dim, keepdim=True)", torch.exp(ordinary - ordinary.max()) / torch.exp(
                             ordinary - ordinary.max()).sum())])
     got_large = results[1].get("value")
-    large_mistakes = []
+    # the whole tensor's max subtracted, in float32 as the learner computes: the row near -1000 underflows
+    # to 0 (then 0/0, or 0 behind an empty-row guard); it scored 96 as "values differ" (issue 48)
+    x = large.float()
+    e = torch.exp(x - x.amax())
+    total = e.sum(dim=-1, keepdim=True)
+    large_mistakes = [("unstable_softmax", "the max subtracted is the whole tensor's, not each row's: a row far below "
+                       "it underflows to 0; subtract each row's max (x - x.amax(dim, keepdim=True))",
+                       (e / torch.where(total == 0, torch.ones_like(total), total)).double())]
     if isinstance(got_large, Tensor) and not torch.isfinite(got_large).all():
         large_mistakes = [("unstable_softmax", "exp overflows on scores near 1000 and gives NaN: subtract each "
                            "row's max (x - x.amax(dim, keepdim=True)) before exp", got_large)]
