@@ -84,8 +84,8 @@ CODES: dict[str, str] = {
                         "or bfloat16 accumulator loses precision over the tiles and overflows past 65504 (float16); "
                         "cast once, when storing",
     "kernel_not_launched": "the answer came back but your @triton.jit kernel for this exercise never ran: the "
-                           "points are for the kernel, so the given launcher must launch it (kernel[grid](...)) "
-                           "and its stores must make the answer",
+                           "points are for the kernel, so the given launcher must launch it on its grid and "
+                           "its stores must make the answer",
     "scores_materialized": "an [L, S] tensor (the scores or the weights) is built or saved: tiled attention keeps "
                            "one [block_q, block_k] tile at a time and saves lse ([B, H, L]) for the backward",
     # reading the weights
