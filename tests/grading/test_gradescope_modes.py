@@ -254,3 +254,17 @@ def test_the_lab05_bundle_installs_triton_and_grades_without_a_gpu(tmp_path, whe
     data = json.loads(root.results.read_text())
     assert data["score"] == 100, data.get("output")
     assert data["extra_data"]["sandbox"]["made_by"] == ("bwrap" if where == "bwrap works" else "user")
+
+
+def test_two_bundles_built_at_once_from_one_checkout_both_get_a_wheel(tmp_path):
+    """pip builds in the checkout's own build/ folder: two bundles made at once (two test workers)
+    broke each other ("pip wheel ... returned non-zero exit status 1"); one build at a time now."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    dests = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
+    for d in dests:
+        d.mkdir()
+    with ThreadPoolExecutor(len(dests)) as pool_:
+        wheels = list(pool_.map(autograder.build_wheel, dests))
+    for d, whl in zip(dests, wheels):
+        assert whl.parent == d and whl.stat().st_size > 100_000, whl

@@ -181,9 +181,10 @@ def _graded_on_gradescope(root: Path, the_lab: "Lab", results: Path) -> dict:
     submission, chosen_as = choose_submission(root / "submission", the_lab.file)
     mode, how = choose_sandbox()
     if not mode:
+        fix = ("use a base image where bubblewrap can run, or run run_autograder as root" if os.geteuid() != 0
+               else "give the container what the reason above names, or use a base image where bubblewrap can run")
         report = not_graded(submission, f"the grader cannot isolate learner code in this container: {how}. For the "
-                                        "instructor: use a base image where bubblewrap can run, or run "
-                                        "run_autograder as root", lab=the_lab)
+                                        f"instructor: {fix}", lab=the_lab)
     else:
         share = Path(sys.prefix) / "share" / "attnlab"  # the wheel's lab materials and solutions
         hidden = [results, root / "source", Path(attnlab.__file__).resolve().parent, share] if mode == "user" else []
@@ -216,8 +217,14 @@ def build_wheel(dest: Path) -> Path:
     root = _project_root()
     if root is None:
         return repack_installed(dest)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "-w", str(dest), str(root)], check=True, capture_output=True, text=True)
+    import fcntl
+
+    # pip builds in the checkout's own build/ and egg-info folders: two bundles built at once (two
+    # test workers, two terminals) broke each other's wheel, so one build at a time per checkout
+    with open(root / "pyproject.toml", "rb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                        "-w", str(dest), str(root)], check=True, capture_output=True, text=True)
     wheels = sorted(dest.glob("attnlab-*.whl"))
     if not wheels:
         raise RuntimeError(f"attnlab autograder: pip wheel left no attnlab wheel in {dest}")
