@@ -143,6 +143,22 @@ def unprivileged_uid() -> int:
     return _UID_RANGE[0] + secrets.randbelow(_UID_RANGE[1] - _UID_RANGE[0])
 
 
+# capability numbers (linux/capability.h) of what becoming another uid needs
+_CAPS = {"SETGID": 6, "SETUID": 7}
+
+
+def lacking_capabilities(names: tuple[str, ...] = ("SETUID", "SETGID")) -> list[str]:
+    """Which of ``names`` this process's effective set lacks (a container started with
+    ``--cap-drop``): without CAP_SETUID and CAP_SETGID a root grader cannot :func:`drop_to` a uid,
+    and the fork would fail with nothing but "Exception occurred in preexec_fn"."""
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("CapEff:"))
+        eff = int(line.split()[1], 16)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return []  # no /proc: nothing known, the start itself says what fails
+    return [n for n in names if not eff >> _CAPS[n] & 1]
+
+
 def drop_to(uid: int) -> None:
     """This process (root) becomes ``uid``:``uid`` with no supplementary groups, for good."""
     os.setgroups([])

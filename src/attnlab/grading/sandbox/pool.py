@@ -322,11 +322,25 @@ def _server_argv(inside: bool) -> list[str]:
     return [sys.executable, "-I", "-B", script]
 
 
+def _can_become_another_uid() -> None:
+    """A root grader runs the learner (and bwrap) as a uid of its own: say so, by name, when the
+    container took away what that needs (the fork would only say "Exception occurred in preexec_fn")."""
+    lacking = _bwrap.lacking_capabilities()
+    if lacking:
+        caps = " and ".join(f"CAP_{c}" for c in lacking)
+        flags = " ".join(f"--cap-add {c}" for c in lacking)
+        raise SandboxUnavailable(
+            f"this container drops {caps}, so root cannot run the learner as an unprivileged uid of its own; "
+            f"give them back (Docker and Gradescope keep them by default; docker run {flags})")
+
+
 def start(mode: str = "auto", memory_mb: int = 2048, max_procs: int = 64) -> Server:
     """Start a new server for one submission. ``mode``: 'auto' (bwrap where installed),
     'bwrap' (required), 'user' (no bwrap: a fresh unprivileged uid, root only) or 'none'.
     ``memory_mb``/``max_procs``: the submission's cgroup caps."""
     bwrap = resolve_mode(mode)
+    if os.geteuid() == 0 and (bwrap is not None or mode == "user"):
+        _can_become_another_uid()
     cgroup = _make_cgroup(memory_mb, max_procs) if bwrap is not None or mode == "user" else None
     # stderr: what bwrap or the interpreter says when the server cannot start (the server points its
     # own 2 to /dev/null once ready); read, bounded, only to say why a start failed (:func:`start_failure`)
