@@ -95,3 +95,37 @@ def test_the_class_report_links_each_learner_to_their_feedback_and_keeps_whole_r
     assert "SyntaxError" in cy.problem and "def project_qkv" in cy.problem
     assert next(r for r in result.rows if r.learner == "ann").similar == ["bob"]
     assert "ann" in (out / "grades.csv").read_text().splitlines()[2]  # bob's row: similar_to ann
+
+
+def test_failures_no_code_names_are_grouped_by_how_they_fail():
+    """Issue 48 item 8: three learners fail ex3 the same way with no named mistake (other numbers,
+    other quoted names), one fails it another way, one names its mistake: the report shows one group
+    of three, one of one, and nothing for the named one."""
+    from types import SimpleNamespace
+
+    from attnlab.grading.exercise import Verdict
+    from attnlab.grading.grader import TestResult
+
+    lab = labs.LABS[0]
+    ex = {e.id: e for e in lab.exercises()}["ex3"]
+    first, second = list(ex.checks)[:2]
+
+    def report(*verdicts):
+        return SimpleNamespace(results=[TestResult(ex, c, 0.0, ex.checks[c], v) for c, v in zip((first, second), verdicts)])
+
+    ok = Verdict(True)
+    same = [report(Verdict(False, f"values differ by up to {d} at 'row {i}'\nmore"), ok)
+            for i, d in ((1, 0.25), (7, 3e-2), (2, 1.5e+3))]
+    other = report(Verdict(False, "expected a tensor, got None"), Verdict(False, "expected a tensor, got None"))
+    named = report(Verdict(False, "values differ by up to 9", [{"code": "wrong_scale", "message": "x"}]), ok)
+    sigs = [batch._unnamed(r) for r in (*same, other, named)]
+    assert sigs[0].keys() == sigs[1].keys() == sigs[2].keys() == {f"ex3 {first}: values differ by up to # at '...'"}
+    assert list(sigs[3]) == [f"ex3 {first}, {second}: expected a tensor, got None"] and sigs[4] == {}
+    rows = [batch.Row(name, 50, 100, {}, [], 0, 1.0, "graded", unnamed=s)
+            for name, s in zip(("ann", "bob", "cy", "dee", "eve"), sigs)]
+    page = render_report(batch.ClassResult(rows, [], Path("."), 1.0, lab))
+    section = page.split("id='unnamed'")[1].split("<h2")[0]
+    assert section.count("<tr><td><code>") == 2, section
+    three = section.index("3 (60%)")
+    assert three < section.index("1 (20%)") and "values differ by up to # at &#x27;...&#x27;" in section
+    assert "row 1" in section  # the example: the first learner's own message

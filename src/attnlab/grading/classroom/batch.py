@@ -107,6 +107,8 @@ class Row:
     shape: str = ""  # the syntax tree's shape (grading.static.shape_digest): near-identical ones share it
     similar: list[str] = field(default_factory=list)  # the other learners with the same or near-identical file
     run: str = ""  # the run id the learner's report shows (the seed above is never shown to them)
+    # failures no code names: signature (:func:`failure_signature`) -> one message of it
+    unnamed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -355,6 +357,33 @@ def learner_seed(key: bytes, seed: int, learner: str) -> int:
     return int.from_bytes(digest[:8], "big") >> 2
 
 
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_QUOTED = re.compile(r"'[^'\n]*'|\"[^\"\n]*\"")
+
+
+def failure_signature(exercise: str, failed: list) -> str:
+    """How one exercise failed without a named mistake, the same for every learner who failed it the
+    same way: the exercise, its failed checks, and the first failed check's first line with numbers
+    and quoted text blanked ("ex4 dk, dv: dk differs from the reference by up to #"). ``failed``: the
+    exercise's failed :class:`attnlab.grading.grader.TestResult`, in report order."""
+    first = next((line.strip() for line in failed[0].verdict.message.splitlines() if line.strip()), "failed")
+    how = _QUOTED.sub("'...'", _NUMBER.sub("#", first))[:160]
+    return f"{exercise} {', '.join(r.check for r in failed)}: {how}"
+
+
+def _unnamed(report: GradeReport) -> dict[str, str]:
+    """signature -> one message, for each exercise whose failed checks name no mistake at all."""
+    by_exercise: dict[str, list] = {}
+    for r in report.results:
+        by_exercise.setdefault(r.exercise.id, []).append(r)
+    out: dict[str, str] = {}
+    for ex_id, results in by_exercise.items():
+        failed = [r for r in results if not r.verdict.passed]
+        if failed and not any(r.verdict.findings for r in failed):
+            out[failure_signature(ex_id, failed)] = failed[0].verdict.message.strip()[:400]
+    return out
+
+
 def _row(learner: str, report: GradeReport, lab: "labs.Lab", folder: str = "") -> Row:
     exercise_list = lab.exercises()
     exercises: dict[str, float] = {ex.id: 0.0 for ex in exercise_list}
@@ -377,7 +406,8 @@ def _row(learner: str, report: GradeReport, lab: "labs.Lab", folder: str = "") -
     return Row(learner, report.score, report.max_score or sum(ex.max_score for ex in exercise_list),
                exercises, sorted(messages), report.seed, round(report.elapsed_s, 2), status, messages,
                folder or learner, problem.strip()[:PROBLEM_CHARS] if status != "graded" and problem else "",
-               report.source_sha256, report.shape_sha256, run=report.run_id)
+               report.source_sha256, report.shape_sha256, run=report.run_id,
+               unnamed=_unnamed(report) if status in ("graded", "timed out") else {})
 
 
 PROBLEM_CHARS = 2000  # of a whole-file problem kept in the gradebook (a SyntaxError with its line is ~200)

@@ -4,7 +4,8 @@ Every learner with their score, status and named mistakes (a table sorted by cli
 header, or by opening the page as ``report.html#sort=score``), the submissions that could
 not be read and why, the score distribution (an inline SVG histogram), each exercise's pass
 rate, the named mistakes ranked by how many learners made them (with the shared explanation
-from :mod:`attnlab.mistakes` and one anonymised example message), the slowest submissions,
+from :mod:`attnlab.mistakes` and one anonymised example message), the failures no code names
+grouped by how they fail (:func:`attnlab.grading.classroom.batch.failure_signature`), the slowest submissions,
 and what was skipped. It reads at phone width: the histogram scales, wide tables scroll
 inside their box.
 
@@ -174,6 +175,24 @@ def render_report(result) -> str:
         out.append("</table></div>")
     else:
         out.append("<p class='muted'>No named mistakes.</p>")
+
+    groups: dict[str, list] = {}
+    for r in rows:
+        for signature in r.unnamed:
+            groups.setdefault(signature, []).append(r)
+    out.append("<h2 id='unnamed'>Failures no code names, grouped by how they fail</h2>")
+    if groups:
+        out.append("<p class='muted'>Learners whose exercise failed the same checks in the same way (numbers and "
+                   "quoted text aside) with no named mistake: a mistake the class shares that the grader has no name "
+                   "for yet.</p><div class='scroll'><table><tr><th>how it fails</th><th class='num'>learners</th>"
+                   "<th>an example (anonymised)</th></tr>")
+        for signature, who in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+            example = _anonymise(who[0].unnamed[signature], who[0].learner)
+            out.append(f"<tr><td><code>{_e(signature)}</code></td><td class='num'>{len(who)} ({100 * len(who) / n:.0f}%)"
+                       f"</td><td class='ex'>{_e(example[:400])}</td></tr>")
+        out.append("</table></div>")
+    else:
+        out.append("<p class='muted'>None: every failed check named its mistake.</p>")
 
     out.append("<h2 id='slowest'>Slowest submissions</h2><div class='scroll'><table><tr><th>learner</th><th class='num'>seconds</th>"
                "<th>status</th><th class='num'>score</th></tr>")
