@@ -80,6 +80,14 @@ CODES: dict[str, str] = {
     "load_mask": "a tile that runs past the end of L or S reads memory that is not the tensor's: load with "
                  "mask= and other=0.0 (rows < L, keys < S), store with mask=, and give keys past S a score of "
                  "-inf so they get no weight",
+    "wrong_strides": "a tile is read with the wrong strides: in a contiguous (.., N, E) tensor the element (row i, "
+                     "column e) is at base + i * E + e (pass and use the tensor's strides when it may not be "
+                     "contiguous); reading it as i + e * N loads its transpose",
+    "tile_local_index": "masks and bounds compare global positions: rows = pid_q * BQ + tl.arange(0, BQ) and keys = "
+                        "start + tl.arange(0, BK); tl.arange alone is the position inside the tile, the same in "
+                        "every tile",
+    "dropped_tile": "the last, partial tile is part of the loop: range(0, S, BK) (or tl.cdiv(S, BK) tiles) with its "
+                    "keys past S masked; a floor (S // BK * BK) drops the keys of the partial tile",
     "accumulate_dtype": "accumulate in float32 (tl.zeros(..., tl.float32)), whatever the inputs' dtype: a float16 "
                         "or bfloat16 accumulator loses precision over the tiles and overflows past 65504 (float16); "
                         "cast once, when storing",
@@ -94,7 +102,13 @@ CODES: dict[str, str] = {
     # dropout
     "dropout_scale": "dropout must keep each weight with probability 1-p and scale the kept ones "
                      "by 1/(1-p), so the expected output is unchanged",
+    "block_max": "the running max m_i is each row's own (a max over the keys, dim=-1): the max of a whole "
+                 "block, over every row, is a shift the softmax allows, but a row far below the block's largest "
+                 "score underflows to exp(...) = 0 and its m_i and lse are wrong",
     # whole-function symptoms and states
+    "mutates_input": "the function changed a tensor its caller passed (an in-place op on an argument: "
+                     "masked_fill_, -=, x[...] = ...): use the out-of-place form (masked_fill, x = x - m) so "
+                     "the caller's scores are left as they were",
     "shape_error": "the function fails or returns the wrong shape on valid inputs: check broadcasting "
                    "over leading dims, L != S, and Ev != E",
     "not_implemented": "the exercise still raises NotImplementedError: replace the raise line with your code",

@@ -85,6 +85,11 @@ MUTANTS = [
       "correction = torch.exp(shift - running_max)", "ex1", "online_rescale"),
     M("b", "stream_unsafe_shift", "        shift = safe_max(new_max)\n        correction = torch.exp(running_max",
       "        shift = new_max\n        correction = torch.exp(running_max", "ex1", "online_rescale"),
+    # issue 48: the max of the whole block (every row's) in place of each row's own
+    M("a", "block_max", "m_new = torch.maximum(m_i, chunk.amax(dim=-1))  # [R]",
+      "m_new = torch.maximum(m_i, chunk.amax().expand(R))  # [R]", "ex1", "block_max"),
+    M("b", "block_max", "new_max = torch.maximum(running_max, chunk.max(dim=1).values)",
+      "new_max = torch.maximum(running_max, chunk.max().expand(rows))", "ex1", "block_max"),
     M("b", "acc_not_rescaled", B2_ACC, 'acc = acc + torch.einsum("nqk,nkv->nqv", p, vf[:, k0:k1])', "ex2",
       "online_rescale"),
     M("b", "l_not_rescaled", B2_L, "l_i = l_i + p.sum(dim=-1)", "ex2", "online_rescale"),

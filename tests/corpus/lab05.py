@@ -35,6 +35,8 @@ B_CAUSAL_Q = ("        if CAUSAL:\n            seen = seen & (keys[None, :] <= r
 B_GROUP = "for g in range(0, r):"
 B_DQ_HEAD = "bhk = b * Hkv + h // (H // Hkv)\n    rows"
 
+FWD_SEEN = "            seen = seen & (keys[None, :] <= rows[:, None])  # ex2: the diagonal tile, masked inside"
+
 MUTANTS = [
     M("a", "acc_not_rescaled", F_ACC, "acc = acc + tl.dot(p, v.to(tl.float32))", "ex1", "online_rescale"),
     M("a", "l_not_rescaled", F_L, "l_i = l_i + tl.sum(p, 1)", "ex1", "online_rescale"),
@@ -52,9 +54,23 @@ MUTANTS = [
     M("a", "causal_hides_diagonal", F_DIAG, F_DIAG.replace("<=", "<"), "ex2", "off_by_one"),
     M("a", "keys_past_S_scored", F_SEEN, "seen = keys[None, :] >= 0  # ex3: keys past the end are not keys", "ex3",
       "load_mask"),
+    # issue 48 item 4: lab 05's online-softmax, mask, stride and tile mistakes, each named
+    M("a", "rescale_after_update", "        p = tl.exp(s - m_safe[:, None])\n        alpha = tl.exp(m_i - m_safe)",
+      "        m_i = m_new\n        p = tl.exp(s - m_safe[:, None])\n        alpha = tl.exp(m_i - m_safe)", "ex1", "online_rescale"),
+    M("a", "double_scale", "s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale  # (BQ, BK)",
+      "s = tl.dot(q.to(tl.float32) * scale, tl.trans(k.to(tl.float32))) * scale  # (BQ, BK)", "ex1", "wrong_scale"),
+    M("a", "causal_reversed", FWD_SEEN, FWD_SEEN.replace("keys[None, :] <= rows[:, None]", "rows[:, None] <= keys[None, :]"), "ex2", "causal_future"),
+    M("a", "causal_tile_local", FWD_SEEN, FWD_SEEN.replace("keys[None, :] <= rows[:, None]", "tl.arange(0, BK)[None, :] <= tl.arange(0, BQ)[:, None]"), "ex2", "tile_local_index"),
+    M("a", "last_tile_dropped", "    for start in range(0, stop, BK):\n        keys = start + tl.arange(0, BK)\n        k = tl.load(K + bhk * S * E + keys[:, None] * E + cols_e[None, :], mask=keys[:, None] < S, other=0.0)\n        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale  # (BQ, BK)",
+      "    for start in range(0, stop // BK * BK, BK):\n        keys = start + tl.arange(0, BK)\n        k = tl.load(K + bhk * S * E + keys[:, None] * E + cols_e[None, :], mask=keys[:, None] < S, other=0.0)\n        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale  # (BQ, BK)", "ex3", "dropped_tile"),
+    M("a", "k_transposed_load", "        k = tl.load(K + bhk * S * E + keys[:, None] * E + cols_e[None, :], mask=keys[:, None] < S, other=0.0)\n        s = tl.dot",
+      "        k = tl.load(K + bhk * S * E + keys[:, None] + cols_e[None, :] * S, mask=keys[:, None] < S, other=0.0)\n        s = tl.dot", "ex1", "wrong_strides"),
+    M("a", "D_wrong_axis", "tl.store(D + bh * L + rows, tl.sum(o * do, 1), mask=rows < L)", "tl.store(D + bh * L + rows, tl.sum(o * do, 0), mask=rows < L)", "ex4", "backward_d_term"),
     # (K loaded without mask= alone is not in the corpus: its scores past S are masked to -inf by
     # tl.where, so no value shows it under the interpreter; on a GPU it may fault. The README says so.)
     M("a", "v_loaded_without_mask", F_V, F_V.replace(", mask=keys[:, None] < S, other=0.0", ""), "ex3", "load_mask"),
+    # issue 48: masked, but without other=: the interpreter gave 0.0 (full marks); a GPU leaves garbage
+    M("a", "v_masked_without_other", F_V, F_V.replace(", other=0.0", ""), "ex3", "load_mask"),
     M("a", "key_mask_drops_last_key", F_SEEN, "seen = keys[None, :] < S - 1  # ex3: keys past the end are not keys",
       "ex3", "off_by_one"),
     # key S read and scored: past the end of the last head's keys, so a load past the end
@@ -133,6 +149,7 @@ MUTANTS += [
     M("b", "causal_hides_diagonal", BF_OK_DIAG, BF_OK_DIAG.replace(">=", ">"), "ex2", "off_by_one"),
     M("b", "keys_past_S_scored", BF_OK, "ok = cols[None, :] >= 0", "ex3", "load_mask"),
     M("b", "v_loaded_without_mask", BF_V, "vt = tl.load(v_ptrs).to(tl.float32)  # (BK, E)", "ex3", "load_mask"),
+    M("b", "v_masked_without_other", BF_V, BF_V.replace(", other=0.0", ""), "ex3", "load_mask"),
     M("b", "key_mask_drops_last_key", BF_OK, "ok = cols[None, :] < S - 1", "ex3", "off_by_one"),
     M("b", "D_without_O", BD_SUM, "delta = tl.sum(do.to(tl.float32), axis=1)", "ex4", "backward_d_term"),
     M("b", "D_of_O_squared", BD_SUM, "delta = tl.sum(o.to(tl.float32) * o.to(tl.float32), axis=1)", "ex4",

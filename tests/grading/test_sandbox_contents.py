@@ -223,7 +223,7 @@ def overflow_checks():
 @pytest.mark.parametrize("how", ["bwrap", "template"])
 def test_triton_s_interpreter_is_warmed_in_the_zygote_before_any_child(tmp_path, how):
     """Every exercise of lab 05 runs in a fresh fork: the zygote has already run one trusted kernel
-    through Triton's interpreter (server.warm_triton_interpreter), so no child imports the modules a
+    through Triton's interpreter (interpreter.warm_triton_interpreter), so no child imports the modules a
     first launch needs again. A module that only a launch imports is already there for the
     learner's first call (without the warm-up: False, shown by removing the call)."""
     needs_sandbox()
@@ -235,7 +235,7 @@ def test_triton_s_interpreter_is_warmed_in_the_zygote_before_any_child(tmp_path,
 @pytest.mark.parametrize("how", ["bwrap", "template"])
 def test_the_zygote_drops_triton_s_dead_overflow_checks(tmp_path, how):
     """The learner's child runs Triton's interpreter without the integer-overflow checks it would
-    build and throw away (server.drop_dead_overflow_checks; with the call removed the child finds
+    build and throw away (interpreter.drop_dead_overflow_checks; with the call removed the child finds
     sanitize_overflow True). That they are dead: tests/kernels/test_triton.py's
     test_the_interpreter_s_overflow_checks_change_nothing_without_debug."""
     needs_sandbox()

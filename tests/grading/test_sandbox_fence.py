@@ -411,6 +411,18 @@ def test_validation_checks_storage_not_the_view():
                          1)
 
 
+def test_a_changed_input_list_is_validated_like_every_other_field():
+    """'mutated' (the inputs a call changed in place, for the mistake 'mutates_input') crosses only as
+    a short list of short strings, and only beside a value."""
+    ok = {"status": "ok", "results": [{"value": torch.zeros(2), "mutated": ["scores"]}], "violations": []}
+    validate_message(ok, 1)
+    for bad in ("scores", ["x"] * 9, [3], ["x" * 100_000], {"a": 1}):
+        with pytest.raises(BadMessage):
+            validate_message({"status": "ok", "results": [{"value": torch.zeros(2), "mutated": bad}]}, 1)
+    with pytest.raises(BadMessage):
+        validate_message({"status": "ok", "results": [{"error": "E", "mutated": ["scores"]}]}, 1)
+
+
 def test_learner_text_is_made_safe():
     text = "a\x1b[2Jb\rc\x07d\ud800e\u202ef\ng"
     cleaned = clean_text(text)

@@ -38,7 +38,7 @@ def no_dead_overflow_checks():
     drops (test_the_interpreter_s_overflow_checks_change_nothing_without_debug); put back after."""
     from triton.runtime import interpreter
 
-    from attnlab.grading.sandbox.server import drop_dead_overflow_checks
+    from attnlab.grading.sandbox.interpreter import drop_dead_overflow_checks
 
     before = interpreter.interpreter_builder.options
     drop_dead_overflow_checks()
@@ -231,7 +231,7 @@ def test_the_interpreter_s_overflow_checks_change_nothing_without_debug(monkeypa
     """Triton's interpreter builds an int64 overflow check for each integer +, -, * when
     ``sanitize_overflow`` is set, but asserts it only under ``debug``, which the interpreter never
     sets: an int32 sum that wraps gives the same answer, and no error, with the checks and without
-    them (which is why the grader's sandbox drops them: server.drop_dead_overflow_checks). The
+    them (which is why the grader's sandbox drops them: interpreter.drop_dead_overflow_checks). The
     check is live only with ``debug``: then the same kernel fails (so this test can see one)."""
     import dataclasses
 

@@ -214,4 +214,20 @@ def judge_outcome(ex: Exercise, ctx: Any, outcome: Outcome, rule: str = "") -> d
                                        hints))
     except Exception as exc:  # a return value of a shape the judge did not foresee
         return all_checks(ex.checks, Verdict(False, f"the returned value could not be checked: {type(exc).__name__}: {exc}"))
-    return {name: verdicts.get(name, Verdict(False, "not checked")) for name in ex.checks}
+    verdicts = {name: verdicts.get(name, Verdict(False, "not checked")) for name in ex.checks}
+    return _with_mutation(ex, outcome, verdicts)
+
+
+def _with_mutation(ex: Exercise, outcome: Outcome, verdicts: dict[str, Verdict]) -> dict[str, Verdict]:
+    """An answer that changed the caller's tensors in place is not correct, whatever it returned:
+    every check fails with 'mutates_input' (the child compares each tensor argument before and after
+    the call: :mod:`.sandbox.server`)."""
+    changed = sorted({name for r in outcome.results for name in r.get("mutated", ())})
+    if not changed:
+        return verdicts
+    names = ", ".join(f"`{n}`" for n in changed)
+    text = (f"{ex.function} changed its input {names} in place: the caller's tensor is no longer what it passed "
+            "(an in-place op such as masked_fill_, -= or [...] = on an argument)")
+    finding = {"code": "mutates_input", "message": text}
+    return {name: Verdict(False, text if v.passed else f"{text}\n{v.message}", [finding, *v.findings], v.arrays)
+            for name, v in verdicts.items()}

@@ -494,8 +494,14 @@ def _judge_ex9(ctx, results, outcome):
         return {"returns_max_diff": Verdict(False, f"returned {got:.3g}, but your self_attention returns NaN or inf "
                                                    "on these inputs, so no difference can be checked: fix ex8 first")}
     if abs(got - expected) > 1e-4 + 1e-3 * expected:
-        return {"returns_max_diff": Verdict(False, f"returned {got:.3g}, but your self_attention differs from SDPA "
-                                                   f"by {expected:.3g} on these inputs (with the padding mask)")}
+        text = (f"returned {got:.3g}, but your self_attention differs from SDPA by {expected:.3g} on these inputs "
+                "(with the padding mask)")
+        unmasked = max_abs_diff(own, scaled_dot_product_attention(Q, K, V))  # the mask left out of one side
+        if abs(got - unmasked) <= 1e-4 + 1e-3 * unmasked:
+            return {"returns_max_diff": Verdict(False, text, [{"code": "mask_ignored", "message": (
+                f"{got:.3g} is your output's difference from SDPA called without the mask: pass it on, "
+                "scaled_dot_product_attention(Q, K, V, attn_mask=mask)")}])}
+        return {"returns_max_diff": Verdict(False, text)}
     return {"returns_max_diff": Verdict(True, f"max |diff| = {got:.2e}")}
 
 

@@ -53,13 +53,14 @@ def _safe(m: Tensor) -> Tensor:
 def _stream_stats(x: Tensor, block: int, bug: str = "") -> tuple[Tensor, Tensor]:
     """ex1's loop; ``bug``: 'no_rescale' (l_i not rescaled), 'inverted' (exp(m_new - m_old)),
     'unsafe' (exp(-inf - -inf) = NaN on a row that has seen only -inf), 'stale' (m_i never
-    updated: each block is summed under its own max, and what came before is dropped)."""
+    updated: each block is summed under its own max, and what came before is dropped), 'block'
+    (the max of the whole block, every row's, in place of each row's own)."""
     R, S = x.shape
     m_i = torch.full((R,), NEG_INF, dtype=x.dtype)
     l_i = torch.zeros(R, dtype=x.dtype)
     for s in range(0, S, block):
         chunk = x[:, s:s + block]
-        m_new = torch.maximum(m_i, chunk.amax(-1))
+        m_new = torch.maximum(m_i, chunk.amax().expand(R) if bug == "block" else chunk.amax(-1))
         m_ref = m_new if bug == "unsafe" else _safe(m_new)
         if bug == "no_rescale":
             alpha = torch.ones_like(m_i)
@@ -79,7 +80,8 @@ def simulate_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, bq: int, bk:
     before it), 'diag_unmasked' (causal blocks kept whole), 'diag_skipped' (the diagonal block
     skipped), 'off_by_one' (key j < query i), 'lse_log2' ((m_i + ln l_i) / ln 2), 'lse_log2_sum'
     (m_i + log2 l_i), 'lse_max' (lse = m_i), 'lse_no_max' (lse = ln l_i), 'no_divide' (o = acc, never
-    divided by l_i)."""
+    divided by l_i). 'alpha_one': neither l_i nor acc rescaled (alpha taken after m_i = m_new, so
+    exp(m_new - m_new) = 1)."""
     B, H, L, E = q.shape
     S, Ev = k.shape[-2], v.shape[-1]
     o = torch.empty(B, H, L, Ev, dtype=q.dtype)
@@ -101,8 +103,8 @@ def simulate_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, bq: int, bk:
             m_safe = _safe(m_new)
             p = torch.exp(s - (_safe(m_i) if bug == "stale" else m_safe)[..., None])
             alpha = torch.exp(m_i - m_safe)
-            l_i = (l_i if bug == "l" else l_i * alpha) + p.sum(-1)
-            acc = (acc if bug == "acc" else acc * alpha[..., None]) + p @ v[:, :, ks:ke]
+            l_i = (l_i if bug in ("l", "alpha_one") else l_i * alpha) + p.sum(-1)
+            acc = (acc if bug in ("acc", "alpha_one") else acc * alpha[..., None]) + p @ v[:, :, ks:ke]
             m_i = m_new
         o[:, :, qs:qe] = acc if bug == "no_divide" else acc / l_i[..., None]
         lse[:, :, qs:qe] = {"lse_log2": (m_i + torch.log(l_i)) / math.log(2), "lse_log2_sum": m_i + torch.log2(l_i),
@@ -193,9 +195,14 @@ def _judge_ex1(x, results, outcome):
     rescale.append(mistake("online_rescale", "m_i is never updated: after each block the running max must become "
                                              "m_new (m_i = m_new), or the next block's rescale starts from the wrong "
                                              "max", stale[1]))
+    block = _stream_stats(xd, EX1_BLOCK, "block")
+    block_max = ("the running max is the whole block's (every row's largest score), not each row's own: take the "
+                 "max over the keys only, chunk.amax(dim=-1)")
+    rescale.append(mistake("block_max", block_max, block[1]))
     out = {"m": tensor_verdict(m, m_ref, "m_i (the running max)", [
         mistake("online_rescale", "m_i is never updated: after each block the running max must become m_new "
-                                  "(m_i = m_new)", stale[0])])}
+                                  "(m_i = m_new)", stale[0]),
+        mistake("block_max", block_max, block[0])])}
     if isinstance(l_, Tensor) and l_.shape == l_ref.shape:
         out["l"] = tensor_verdict(l_[keep], l_ref[keep], "l_i (the running sum)", [
             (c, msg, w[keep]) for c, msg, w in rescale])

@@ -13,7 +13,9 @@ changes). What is new is what a GPU kernel gets wrong:
 
 * loads and stores past the end of a tensor (``load_mask``): every float argument reaches the
   learner inside a buffer whose tail is NaN (the sandbox's server guards every argument so), so
-  a tile that reads past the last key reads NaN, the same on every run;
+  a tile that reads past the last key reads NaN, the same on every run; and a masked load without
+  ``other=`` reads NaN in its masked-off lanes (``attnlab.grading.sandbox.interpreter.poison_masked_loads``:
+  the interpreter would give 0.0, a GPU whatever its registers held);
 * accumulators in the inputs' dtype (``accumulate_dtype``): a float16 case whose dV is past
   float16's largest value (65504), which a float32 accumulator holds and a float16 one turns
   into inf;
@@ -99,10 +101,27 @@ def _forward(q, k, v, causal: bool, bug: str = "") -> tuple[Tensor, Tensor]:
 def _naming_loads(got: Tensor, expected: Tensor, what: str) -> Optional[Verdict]:
     """NaN where the reference is finite: the NaN past the end of a guarded argument was read."""
     if isinstance(got, Tensor) and got.shape == expected.shape and bool((got.isnan() & expected.isfinite()).any()):
-        msg = (f"{what}: NaN where the answer is finite. The last tile reads past the end of the tensor (the grader "
-               "puts NaN there): load with mask= and other=0.0 (rows < L, keys < S)")
+        msg = (f"{what}: NaN where the answer is finite. The last tile reads past the end of the tensor, or a masked "
+               "load has no other= (the grader puts NaN in both places, as a GPU leaves garbage there): load with "
+               "mask= and other=0.0 (rows < L, keys < S)")
         return Verdict(False, msg, [{"code": "load_mask", "message": msg}], (got, expected))
     return None
+
+
+def _transposed_rows(t: Tensor) -> Tensor:
+    """What a kernel reads from each contiguous (S, E) head of ``t`` when it takes the pointer of
+    (row j, column e) as ``j + e * S``: the head's memory seen as (E, S), transposed."""
+    *lead, S, n = t.shape
+    return t.reshape(*lead, n, S).transpose(-2, -1)
+
+
+def _tile_masks(L: int, S: int) -> dict[str, Tensor]:
+    """[L, S] masks of what a causal kernel with BLOCK tiles, skipping the tiles wholly after the
+    query tile, lets each query see: 'reversed' (keys j >= i), 'local' (tile-local indices compared:
+    j % BLOCK <= i % BLOCK in every visited tile)."""
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    kept = tiles_kept(L, S, BLOCK, BLOCK)
+    return {"reversed": kept & (j >= i), "local": kept & (j % BLOCK <= i % BLOCK)}
 
 
 # --------------------------------------------------------------------------- ex1: the forward kernel
@@ -119,8 +138,8 @@ def _judge_ex1(ctx, results, outcome):
     o, lse, bad = _pair(value(results, 0), "flash_forward")
     if bad:
         return {"output": bad, "lse": bad}
-    fwd = {bug: _forward(q, k, v, False, bug) for bug in ("", "acc", "l", "stale", "lse_log2", "lse_log2_sum",
-                                                           "lse_max", "lse_no_max")}
+    fwd = {bug: _forward(q, k, v, False, bug) for bug in ("", "acc", "l", "stale", "alpha_one", "lse_log2",
+                                                           "lse_log2_sum", "lse_max", "lse_no_max")}
     out = {"output": tensor_verdict(o, scaled_dot_product_attention(q, k, v), "flash_forward's O (L = S = 32)", [
         mistake("online_rescale", "acc is not rescaled when the running max grows: acc = acc * alpha[:, None] + "
                                   "tl.dot(p, v) with alpha = tl.exp(m_i - m_new)", fwd["acc"][0]),
@@ -128,6 +147,17 @@ def _judge_ex1(ctx, results, outcome):
                                   "tl.sum(p, 1)", fwd["l"][0]),
         mistake("online_rescale", "a stale max: p = tl.exp(s - m_i) uses the max before this tile; compute m_new "
                                   "first, then p = tl.exp(s - m_new[:, None])", fwd["stale"][0]),
+        mistake("online_rescale", "alpha is taken after m_i = m_new, so it is tl.exp(m_new - m_new) = 1 and nothing "
+                                  "is rescaled: compute alpha = tl.exp(m_i - m_new) first, update m_i last",
+                fwd["alpha_one"][0]),
+        mistake("wrong_scale", "the scores are scaled twice (q * scale and the dot's result * scale): scale once, "
+                               "1/sqrt(E)", scaled_dot_product_attention(q, k, v, scale=1.0 / E)),
+        mistake("wrong_strides", "K is read with the strides of its transpose (key j, column e at j + e * S): in a "
+                                 "contiguous (S, E) head, key j's column e is at j * E + e",
+                scaled_dot_product_attention(q, _transposed_rows(k), v)),
+        mistake("wrong_strides", "V is read with the strides of its transpose (key j, column e at j + e * S): in a "
+                                 "contiguous (S, E) head, key j's column e is at j * E + e",
+                scaled_dot_product_attention(q, k, _transposed_rows(v))),
         mistake("missing_scale", "the scores are not scaled: multiply tl.dot(q, tl.trans(k)) by scale "
                                  "(1/sqrt(E), passed to the kernel)", scaled_dot_product_attention(q, k, v, scale=1.0)),
         # the bases mixed: tl.exp2 of natural-log scores (log2(e) forgotten), or tl.exp of base-2 ones
@@ -186,6 +216,13 @@ def _judge_ex2(ctx, results, outcome):
                               "(keys <= rows, not <)", _forward(q, k, v, True, "off_by_one")[0]),
         mistake("off_by_one", "the causal mask hides the diagonal: query i sees keys 0 .. i, itself included "
                               "(keys <= rows, not <)", _forward(q, k, v, True, "off_by_one")[0].nan_to_num(0.0)),
+        mistake("causal_future", "the causal mask is reversed: query i sees keys j <= i, tl.where(keys[None, :] <= "
+                                 "rows[:, None], s, float('-inf')), not the keys after it",
+                scaled_dot_product_attention(q, k, v, attn_mask=_tile_masks(EX2, EX2)["reversed"])),
+        mistake("tile_local_index", "the causal mask compares positions inside the tile (tl.arange(0, BK) <= "
+                                    "tl.arange(0, BQ)): compare the global ones, keys = start + tl.arange(0, BK) and "
+                                    "rows = pid_q * BQ + tl.arange(0, BQ)",
+                scaled_dot_product_attention(q, k, v, attn_mask=_tile_masks(EX2, EX2)["local"])),
     ])}
     o2, _, bad = _pair(value(results, 1), "flash_forward")
     if bad:
@@ -229,6 +266,7 @@ def _judge_ex3(ctx, results, outcome):
     L, S, H = EX3
     q, k, v = (t.double() for t in ctx)
     pad = -S % BLOCK
+    whole = S // BLOCK * BLOCK  # the keys of the whole tiles
     zeros = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], pad, E)], dim=2)  # noqa: E731
     out = {}
     for name, i, causal in (("ragged_edges", 0, False), ("ragged_causal", 1, True)):
@@ -260,6 +298,11 @@ def _judge_ex3(ctx, results, outcome):
                 mistake("off_by_one", "the key mask drops the last key (keys < S - 1): keys are 0 .. S - 1",
                         scaled_dot_product_attention(q, k[:, :, :-1], v[:, :, :-1],
                                                      attn_mask=None if mask is None else mask[:, :-1])[:, first]),
+                mistake("dropped_tile", f"the keys of the last, partial tile (from {S // BLOCK * BLOCK}) are never "
+                                        "visited: the key loop stops at S // BK * BK; run it to S, range(0, S, BK), "
+                                        "and mask the partial tile",
+                        scaled_dot_product_attention(q, k[:, :, :whole], v[:, :, :whole],
+                                                     attn_mask=None if mask is None else mask[:, :whole])[:, first]),
             ])
             if verdict.passed and isinstance(o, Tensor):  # and the last head, which would have read the guard
                 verdict = tensor_verdict(o, expected, what)
@@ -292,7 +335,19 @@ def _judge_ex4(ctx, results, outcome):
         mistake("backward_d_term", "D is rowsum(dO * dO): it is rowsum(dO * O), one number per query row",
                 (do * do).sum(-1)),
         mistake("backward_d_term", "D is dO * O without the row sum: tl.sum(o * do, 1)", None),
+        mistake("backward_d_term", "D sums over the tile's rows (tl.sum(o * do, 0)), not over each row's E columns: "
+                                   "tl.sum(o * do, 1)", _d_over_rows(o, do)),
     ])}
+
+
+def _d_over_rows(o: Tensor, do: Tensor) -> Tensor:
+    """D summed over axis 0 of each BLOCK-row tile (E = BLOCK, so it still fits): row r of a tile
+    gets column r's sum over the tile's rows (rows past L loaded as 0)."""
+    prod = do * o  # [1, H, L, E]
+    L = prod.shape[-2]
+    pad = torch.cat([prod, prod.new_zeros(*prod.shape[:-2], -L % BLOCK, E)], dim=-2)
+    tiles = pad.reshape(*prod.shape[:-2], -1, BLOCK, E).sum(-2)  # [1, H, tiles, E]
+    return tiles[..., :BLOCK].reshape(*prod.shape[:-2], -1)[..., :L]
 
 
 # --------------------------------------------------------------------------- ex5: dK, dV, dQ

@@ -10,7 +10,7 @@ Module              Concept
 :mod:`.server`      The only code that runs inside: load the file, call its functions,
                     send the values back. Imports the standard library and torch, never
                     attnlab. With :mod:`.protocol`, :mod:`.frames`, :mod:`.seccomp`,
-                    :mod:`.recorder` and :mod:`.template` it is the *runner*, the only
+                    :mod:`.recorder`, :mod:`.interpreter` and :mod:`.template` it is the *runner*, the only
                     files bound into the sandbox (:data:`.bwrap.RUNNER_FILES`).
 :mod:`.protocol`    What may cross, both ways: safetensors and bounded JSON, every size
                     checked before anything is allocated. No pickle, no zip.
@@ -20,6 +20,8 @@ Module              Concept
                     classic BPF program written out where libseccomp is missing.
 :mod:`.recorder`    Torch call recorders in the child: advisory evidence for the report
                     (a removed recorder is itself reported), never a fence.
+:mod:`.interpreter` Triton's interpreter as the child runs lab 05: launches counted per
+                    kernel, masked loads without ``other=`` poisoned with NaN, warmed once.
 :mod:`.template`    The class template's inside: one interpreter that imports torch once
                     and forks each submission into namespaces of its own.
 :mod:`.bwrap`       The OS sandbox's command line: the identity that owns nothing on the

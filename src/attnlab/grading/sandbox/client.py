@@ -209,8 +209,13 @@ def validate_message(msg: Any, n_calls: int) -> None:
     for r in results:
         if not isinstance(r, dict):
             raise BadMessage("a result that is not a dict")
-        if set(r) == {"value"}:
+        if "value" in r and set(r) <= {"value", "mutated"}:
             _check_value(r["value"], budget)
+            mutated = r.get("mutated", [])
+            if not isinstance(mutated, list) or len(mutated) > 8:
+                raise BadMessage("a list of changed inputs that is not a short list")
+            for name in mutated:
+                _check_str(name, "an input's name")
         elif "error" in r and set(r) <= {"error", "traceback", "memory"}:
             _check_str(r["error"], "an error")
             _check_str(r.get("traceback", ""), "a traceback")
@@ -441,6 +446,8 @@ class Sandbox:
         for r in msg.get("results", []):
             if "value" in r:
                 results.append({"value": _restore(r["value"])})
+                if r.get("mutated"):  # the learner's function changed these inputs in place
+                    results[-1]["mutated"] = [clean_text(name, 40) for name in r["mutated"]]
             else:
                 results.append({"error": clean_text(r["error"]), "traceback": clean_text(r.get("traceback", "")),
                                 "memory": r.get("memory", False)})

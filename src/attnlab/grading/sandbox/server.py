@@ -227,6 +227,40 @@ class _Done(Exception):
     pass
 
 
+def _inputs(fn: Any, call: dict) -> list:
+    """(name, tensor, a copy) of each tensor argument of ``call``, to see afterwards whether the
+    learner's function changed it in place (``scores.masked_fill_(...)`` on the caller's scores)."""
+    import inspect
+
+    import torch
+
+    try:
+        names = list(inspect.signature(fn).bind_partial(*call["args"], **call["kwargs"]).arguments)
+    except (TypeError, ValueError):
+        names = []
+    given = list(call["args"]) + list(call["kwargs"].values())
+    out = []
+    for i, arg in enumerate(given):
+        if isinstance(arg, torch.Tensor):
+            name = names[i] if i < len(names) else f"argument {i + 1}"
+            out.append((str(name)[:40], arg, (arg.detach().clone(), arg.shape, arg.stride())))
+    return out
+
+
+def _changed(tensor: Any, copy: tuple) -> bool:
+    import torch
+
+    data, shape, stride = copy
+    if tensor.shape != shape or tensor.stride() != stride:
+        return True
+    if tensor.is_floating_point():  # NaN and infinities are values a caller may pass (masked scores)
+        same = (torch.equal(tensor.isnan(), data.isnan()) and torch.equal(tensor.isposinf(), data.isposinf())
+                and torch.equal(tensor.isneginf(), data.isneginf())
+                and torch.equal(tensor.nan_to_num(0.0, 0.0, 0.0), data.nan_to_num(0.0, 0.0, 0.0)))
+        return not same
+    return not torch.equal(tensor, data)
+
+
 def _call_one(module: Any, call: dict, path: str, message: dict) -> None:
     """One call's result (a value or an error) appended to ``message``; raises _Done on sys.exit."""
     fn = getattr(module, call["function"], None)
@@ -238,8 +272,13 @@ def _call_one(module: Any, call: dict, path: str, message: dict) -> None:
         message["results"].append({"value": _portable(fn)})
         return
     try:
+        before = _inputs(fn, call)
         value = fn(*call["args"], **call["kwargs"])
-        message["results"].append({"value": _portable(value)})
+        result = {"value": _portable(value)}
+        changed = [name for name, tensor, copy in before if _changed(tensor, copy)]
+        if changed:  # evidence for the mistake 'mutates_input', like the recorders: never a fence
+            result["mutated"] = changed[:8]
+        message["results"].append(result)
     except SystemExit as exc:
         message.clear()
         message.update({"status": "exit", "message": f"called sys.exit({exc.code!r})"[:200], "results": [],
@@ -304,34 +343,13 @@ def _load(source: bytes, path: str) -> None:
         _LOADED = (None, exc)
 
 
-MAX_KERNELS = 32  # kernel names a child reports launches of (lab 05's file has four)
-
-
-def _count_launches(path: str) -> dict:
-    """Count each launch, under Triton's interpreter, of a ``@triton.jit`` kernel whose code was
-    compiled from the learner's file (``path``), by the kernel's name: the evidence that an
-    exercise's answer came from the learner's kernel (lab 05), which the grader checks against
-    the exercise's kernels (:attr:`attnlab.grading.exercise.Exercise.kernels`). Installed before
-    the learner's code runs; empty where Triton's interpreter is not in use."""
-    counts: dict = {}
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return counts
+def _interpreter():
+    """The runner's :mod:`.interpreter` (a package module here, a file beside this one in the sandbox)."""
     try:
-        from triton.runtime import interpreter
-    except Exception:  # no triton here: nothing of the learner's can launch a kernel either
-        return counts
-    run = interpreter.InterpretedFunction.run
-
-    def counted(self, *args, **kwargs):
-        code = getattr(getattr(self, "fn", None), "__code__", None)
-        if code is not None and code.co_filename == path and not kwargs.get("warmup"):
-            name = str(self.fn.__name__)[:100]
-            if name in counts or len(counts) < MAX_KERNELS:
-                counts[name] = counts.get(name, 0) + 1
-        return run(self, *args, **kwargs)
-
-    interpreter.InterpretedFunction.run = counted
-    return counts
+        from . import interpreter
+    except ImportError:
+        import interpreter  # type: ignore[no-redef]
+    return interpreter
 
 
 def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir: str,
@@ -366,7 +384,7 @@ def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir:
         recorder = _recorder.Policy()
 
     message: dict = {"status": "ok", "results": [], "violations": []}
-    launches = _count_launches(path)
+    launches = _interpreter().count_launches(path)
     try:
         if recorder is not None:
             recorder.__enter__()  # before the import: module-level code is watched too
@@ -574,63 +592,6 @@ def _task(request: dict) -> dict:
             "seccomp": str(request.get("seccomp", ""))}
 
 
-def warm_triton_interpreter() -> bool:
-    """Run one small trusted kernel through Triton's interpreter (``TRITON_INTERPRET=1``) in the
-    zygote, so that no child pays for the interpreter's first launch (its lazy imports and caches)
-    again: every exercise of lab 05 runs in a fresh fork. True when the kernel ran.
-
-    Measured on the 2-core AVX2 EPYC (2026-12-03), forking a child per exercise from a process
-    that had imported triton, as the zygote does. The lab 05 solution's 7 exercises took 3.37-4.17 s
-    of CPU in all, median 3.82 s, without the warm-up, and 2.78-3.88 s, median 3.63 s, with it.
-    The exercises with the least work show it best: ex1 went from 0.21-0.29 s to 0.13-0.15 s and
-    ex4 from 0.12-0.20 s to 0.05-0.09 s."""
-    import torch
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def warm(X, Y, N: tl.constexpr):
-        i = tl.arange(0, N)
-        x = tl.load(X + i[:, None] * N + i[None, :], mask=i[:, None] < N, other=0.0)
-        s = tl.dot(x, tl.trans(x)) * 0.5
-        m = tl.max(s, 1)
-        p = tl.where(i[None, :] <= i[:, None], tl.exp(s - m[:, None]), 0.0)
-        l = tl.sum(p, 1)
-        o = tl.dot(p.to(tl.float16), x.to(tl.float16)) / l[:, None] + tl.log(l)[:, None]
-        tl.store(Y + i[:, None] * N + i[None, :], o, mask=i[:, None] < N)
-
-    try:
-        warm[(1,)](torch.ones(16, 16), torch.empty(16, 16), 16)
-    except Exception:  # noqa: BLE001 (only a warm-up: the learner's kernels still run without it)
-        return False
-    return True
-
-
-def drop_dead_overflow_checks() -> bool:
-    """Stop Triton's interpreter from building integer-overflow checks that it then throws away.
-    With ``sanitize_overflow`` set (the interpreter's default) every integer ``+``, ``-`` and ``*``
-    of a kernel is also done in int64 and compared against int32's range, to feed a
-    ``device_assert`` that returns at once unless the options' ``debug`` is set, which the
-    interpreter's never is: the answer, and whether anything is raised, are the same without the
-    checks. Only done where ``debug`` is off. True when it was done.
-
-    Measured on the 2-core AVX2 EPYC (2026-12-03), lab 05's solution, its 7 exercises run twice
-    in one process, the second time timed: 2.27-2.44 s of CPU with the checks, 1.49-1.74 s
-    without (cProfile put 0.61 s of ex7's 1.74 s in the checks of its multiplications alone)."""
-    import dataclasses
-
-    try:
-        from triton.runtime import interpreter
-
-        builder = interpreter.interpreter_builder
-        if builder.options.debug or not builder.options.sanitize_overflow:
-            return False
-        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
-    except (ImportError, AttributeError, TypeError):  # another Triton: its interpreter as it comes
-        return False
-    return True
-
-
 def prepare() -> None:
     """What every child would otherwise import or warm up itself: done once, in the zygote."""
     import torch
@@ -640,14 +601,7 @@ def prepare() -> None:
     except ImportError:
         pass
     if os.environ.get("TRITON_INTERPRET") == "1":  # lab 05's file imports it (0.2 s, 74 MB once, not per child)
-        try:
-            import triton  # noqa: F401
-            import triton.language  # noqa: F401
-        except ImportError:
-            pass
-        else:
-            drop_dead_overflow_checks()
-            warm_triton_interpreter()
+        _interpreter().prepare_interpreter()
     try:
         from . import recorder  # noqa: F401
     except ImportError:
