@@ -80,6 +80,9 @@ CODES: dict[str, str] = {
     "load_mask": "a tile that runs past the end of L or S reads memory that is not the tensor's: load with "
                  "mask= and other=0.0 (rows < L, keys < S), store with mask=, and give keys past S a score of "
                  "-inf so they get no weight",
+    "store_mask": "a store past the end of a tensor writes memory that is not the tensor's (on a GPU another "
+                  "tensor, or a fault; here the grader stops it): store with mask= (rows < L, keys < S), the same "
+                  "mask as the tile's loads",
     "wrong_strides": "a tile is read with the wrong strides: in a contiguous (.., N, E) tensor the element (row i, "
                      "column e) is at base + i * E + e (pass and use the tensor's strides when it may not be "
                      "contiguous); reading it as i + e * N loads its transpose",

@@ -35,6 +35,8 @@ B_CAUSAL_Q = ("        if CAUSAL:\n            seen = seen & (keys[None, :] <= r
 B_GROUP = "for g in range(0, r):"
 B_DQ_HEAD = "bhk = b * Hkv + h // (H // Hkv)\n    rows"
 
+O_ST = ("    tl.store(O + bh * L * E + rows[:, None] * E + cols_e[None, :], o.to(O.dtype.element_ty), "
+        "mask=rows[:, None] < L)")
 FWD_SEEN = "            seen = seen & (keys[None, :] <= rows[:, None])  # ex2: the diagonal tile, masked inside"
 
 MUTANTS = [
@@ -65,6 +67,14 @@ MUTANTS = [
       "    for start in range(0, stop // BK * BK, BK):\n        keys = start + tl.arange(0, BK)\n        k = tl.load(K + bhk * S * E + keys[:, None] * E + cols_e[None, :], mask=keys[:, None] < S, other=0.0)\n        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale  # (BQ, BK)", "ex3", "dropped_tile"),
     M("a", "k_transposed_load", "        k = tl.load(K + bhk * S * E + keys[:, None] * E + cols_e[None, :], mask=keys[:, None] < S, other=0.0)\n        s = tl.dot",
       "        k = tl.load(K + bhk * S * E + keys[:, None] + cols_e[None, :] * S, mask=keys[:, None] < S, other=0.0)\n        s = tl.dot", "ex1", "wrong_strides"),
+    # stores past the end: the interpreter wrote there (SIGSEGV, glibc's 'double free'); now stopped and named
+    M("a", "o_store_unmasked", O_ST, O_ST.replace(", mask=rows[:, None] < L)", ")"), "ex3", "store_mask"),
+    M("a", "lse_store_unmasked", "    tl.store(LSE + bh * L + rows, lse, mask=rows < L)",
+      "    tl.store(LSE + bh * L + rows, lse)", "ex3", "store_mask"),
+    M("a", "row_mask_le", O_ST, O_ST.replace("rows[:, None] < L)", "rows[:, None] <= L)"), "ex3", "store_mask"),
+    M("a", "program_ids_swapped", "    pid_q = tl.program_id(0)\n    bh = tl.program_id(1)\n    b = bh // H\n    h = bh % H\n"
+      "    bhk = b * Hkv + h // (H // Hkv)  # ex7", "    pid_q = tl.program_id(1)\n    bh = tl.program_id(0)\n"
+      "    b = bh // H\n    h = bh % H\n    bhk = b * Hkv + h // (H // Hkv)  # ex7", "ex2", "store_mask"),
     M("a", "D_wrong_axis", "tl.store(D + bh * L + rows, tl.sum(o * do, 1), mask=rows < L)", "tl.store(D + bh * L + rows, tl.sum(o * do, 0), mask=rows < L)", "ex4", "backward_d_term"),
     # (K loaded without mask= alone is not in the corpus: its scores past S are masked to -inf by
     # tl.where, so no value shows it under the interpreter; on a GPU it may fault. The README says so.)

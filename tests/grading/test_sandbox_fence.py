@@ -423,6 +423,28 @@ def test_a_changed_input_list_is_validated_like_every_other_field():
         validate_message({"status": "ok", "results": [{"error": "E", "mutated": ["scores"]}]}, 1)
 
 
+def test_a_corrupted_heap_is_said_as_memory_outside_the_tensors_without_glibc_s_text(tmp_path):
+    """A child that dies of SIGABRT after glibc's heap message (what a Triton store past a tensor's end
+    did under the interpreter) is reported as memory written outside its tensors; glibc's lines and
+    the packages' warnings with their paths are left out of what the learner reads, their own kept."""
+    path = tmp_path / "crash.py"
+    path.write_text(textwrap.dedent("""
+        import os, sys
+        def attack():
+            print("my own line")
+            sys.stderr.write("/x/site-packages/triton/runtime/interpreter.py:1144: RuntimeWarning: NaN\\n")
+            sys.stderr.write("double free or corruption (out)\\n")
+            sys.stdout.flush(); sys.stderr.flush()
+            os.abort()
+    """))
+    with Sandbox(path, Limits(timeout_s=20)) as box:
+        outcome = box.run([Call("attack")], policy=False)
+    assert outcome.status == "crash" and "SIGABRT" in outcome.message, outcome
+    assert "outside its tensors" in outcome.message, outcome.message
+    assert "my own line" in outcome.output and "double free" not in outcome.output, outcome.output
+    assert "site-packages" not in outcome.output, outcome.output
+
+
 def test_learner_text_is_made_safe():
     text = "a\x1b[2Jb\rc\x07d\ud800e\u202ef\ng"
     cleaned = clean_text(text)

@@ -597,25 +597,35 @@ def _limits() -> dict:
     return {"timeout_s": CPU_S}
 
 
+def _out_of_bounds(error: str, traceback: str) -> list[dict]:
+    """A kernel's load or store outside every tensor passed to it, stopped in the child before it
+    happened (``attnlab.grading.sandbox.interpreter.guard_pointers``): named, with the kernel's line
+    in the traceback the learner reads."""
+    if "OutOfBounds:" not in error.split("\n", 1)[0]:
+        return []
+    where = error.split(":", 1)[-1].strip()
+    return [{"code": "store_mask" if "tl.store" in error else "load_mask", "message": where}]
+
+
 FORWARD = ("attn_fwd_kernel",)  # the kernels each exercise's answer must come from (Exercise.kernels)
 BACKWARD = ("bwd_dkdv_kernel", "bwd_dq_kernel")
 
 EXERCISES: list[Exercise] = [
     Exercise("ex1", "flash_forward", "the forward kernel", {"output": 8, "lse": 6}, _prep_ex1, _judge_ex1,
-             limits=_limits(), kernels=FORWARD),
+             limits=_limits(), on_error=_out_of_bounds, kernels=FORWARD),
     Exercise("ex2", "flash_forward", "causal: skip the tiles above the diagonal, mask the diagonal tile",
-             {"causal": 10, "skips_future_tiles": 4}, _prep_ex2, _judge_ex2, limits=_limits(), kernels=FORWARD),
+             {"causal": 10, "skips_future_tiles": 4}, _prep_ex2, _judge_ex2, limits=_limits(), on_error=_out_of_bounds, kernels=FORWARD),
     Exercise("ex3", "flash_forward", "ragged edges: L and S not multiples of the tile",
-             {"ragged_edges": 8, "ragged_causal": 6}, _prep_ex3, _judge_ex3, limits=_limits(), kernels=FORWARD),
+             {"ragged_edges": 8, "ragged_causal": 6}, _prep_ex3, _judge_ex3, limits=_limits(), on_error=_out_of_bounds, kernels=FORWARD),
     Exercise("ex4", "backward_preprocess", "the backward's preprocess: D = rowsum(dO * O)", {"d": 8},
-             _prep_ex4, _judge_ex4, limits=_limits(), kernels=("bwd_preprocess_kernel",)),
+             _prep_ex4, _judge_ex4, limits=_limits(), on_error=_out_of_bounds, kernels=("bwd_preprocess_kernel",)),
     Exercise("ex5", "flash_backward", "dK/dV per key tile and dQ per query tile, no atomics",
-             {"dv": 6, "dq_dk": 8, "causal": 6, "fp32_accumulators": 4}, _prep_ex5, _judge_ex5, limits=_limits(),
+             {"dv": 6, "dq_dk": 8, "causal": 6, "fp32_accumulators": 4}, _prep_ex5, _judge_ex5, limits=_limits(), on_error=_out_of_bounds,
              kernels=BACKWARD),
     Exercise("ex6", "attention_and_grads", "one autograd Function",
-             {"output": 3, "gradients": 6, "saves_lse_not_weights": 3}, _prep_ex6, _judge_ex6, limits=_limits(),
+             {"output": 3, "gradients": 6, "saves_lse_not_weights": 3}, _prep_ex6, _judge_ex6, limits=_limits(), on_error=_out_of_bounds,
              kernels=FORWARD + BACKWARD),
     Exercise("ex7", "flash_forward", "grouped heads by index arithmetic (GQA), forward and backward",
-             {"forward": 7, "backward": 7}, _prep_ex7, _judge_ex7, limits=_limits(), kernels=FORWARD + BACKWARD),
+             {"forward": 7, "backward": 7}, _prep_ex7, _judge_ex7, limits=_limits(), on_error=_out_of_bounds, kernels=FORWARD + BACKWARD),
 ]
 assert sum(ex.max_score for ex in EXERCISES) == 100

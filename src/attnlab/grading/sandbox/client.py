@@ -474,9 +474,23 @@ class Sandbox:
             if sig == signal.SIGKILL:
                 return Outcome("crash", message="was killed (SIGKILL): the submission's memory or process limit, "
                                                 "or your code killed itself", output=output, elapsed_s=elapsed)
+            if sig in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS):  # the heap or a page gone wrong
+                return Outcome("crash", message=f"crashed with {name}: memory outside its tensors was written or "
+                                                "read (a kernel's store or load past a tensor's end?)",
+                               output=_without_runtime_noise(output), elapsed_s=elapsed)
             return Outcome("crash", message=f"crashed with {name}", output=output, elapsed_s=elapsed)
         return Outcome("exit", message=f"the process exited (code {exitcode}) before returning a result: "
                                        "sys.exit/os._exit/exit() in your code?", output=output, elapsed_s=elapsed)
+
+
+# what the C library and the packages print as a process dies of a corrupted heap: not the learner's
+_RUNTIME_NOISE = re.compile(r"^(?:.*(?:double free|free\(\)|malloc\(\)|realloc\(\)|munmap_chunk|corrupted "
+                            r"(?:size|double-linked)|malloc_consolidate).*|.*site-packages/.*|\s+val = .*)$")
+
+
+def _without_runtime_noise(output: str) -> str:
+    """A crashed child's output less glibc's heap messages and the packages' warnings with their paths."""
+    return "\n".join(line for line in output.splitlines() if not _RUNTIME_NOISE.match(line)).strip()
 
 
 def _restore(value: Any) -> Any:

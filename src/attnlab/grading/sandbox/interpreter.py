@@ -128,7 +128,8 @@ def poison_masked_loads() -> bool:
 
 def prepare_interpreter() -> None:
     """What the zygote does for lab 05 once: import triton, drop the dead overflow checks, poison
-    masked loads, and warm the interpreter up (in that order: the warm-up runs as children will)."""
+    masked loads, guard every pointer, and warm the interpreter up (in that order: the warm-up runs
+    as children will)."""
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
@@ -136,4 +137,89 @@ def prepare_interpreter() -> None:
         return
     drop_dead_overflow_checks()
     poison_masked_loads()
+    guard_pointers()
     warm_triton_interpreter()
+
+
+class OutOfBounds(IndexError):
+    """A kernel's load or store reached memory outside every tensor passed to it: raised inside the
+    kernel, at its line, before the interpreter writes there (which corrupted the child's heap:
+    SIGSEGV, or glibc's 'double free or corruption')."""
+
+
+OutOfBounds.__module__ = "builtins"  # the learner reads 'OutOfBounds: ...', not the runner's module name
+
+
+_extents: list = []  # (first byte, end byte) of each tensor storage of the running launch
+
+
+def _record_extents(init):
+    def init_args_hst(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init(self, args_dev, kwargs)
+        found = []
+
+        def walk(arg):
+            if isinstance(arg, (tuple, list)):
+                for a in arg:
+                    walk(a)
+            elif hasattr(arg, "untyped_storage"):
+                storage = arg.untyped_storage()
+                found.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+
+        walk(args_hst)
+        walk(list(kwargs_hst.values()))
+        _extents[:] = found
+        return args_hst, kwargs_hst
+
+    return init_args_hst
+
+
+def _outside(ptrs, mask, dtype_np):
+    """How many active lanes of ``ptrs`` point outside every recorded tensor storage."""
+    import numpy as np
+
+    addrs = np.asarray(ptrs.data).reshape(-1).astype(np.uint64)
+    active = np.ones(addrs.shape, dtype=bool) if mask is None else np.asarray(mask.data).reshape(-1).astype(bool)
+    addrs = addrs[active]
+    if addrs.size == 0 or not _extents:
+        return 0
+    size = np.uint64(np.dtype(dtype_np).itemsize)
+    inside = np.zeros(addrs.shape, dtype=bool)
+    for lo, hi in _extents:
+        inside |= (addrs >= np.uint64(lo)) & (addrs + size <= np.uint64(hi))
+    return int((~inside).sum())
+
+
+def guard_pointers() -> bool:
+    """Every load and store of a kernel under the interpreter is checked against the storages of
+    the tensors passed to that launch: one that reaches outside raises :class:`OutOfBounds` in the
+    kernel, with its line (the grader names it ``store_mask`` or ``load_mask``). Loads past a
+    tensor's end but inside the grader's NaN guard stay allowed (they read NaN). True when done."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    fn_class, builder = getattr(interpreter, "GridExecutor", None), type(interpreter.interpreter_builder)
+    init = getattr(fn_class, "_init_args_hst", None)
+    load, store = getattr(builder, "create_masked_load", None), getattr(builder, "create_masked_store", None)
+    if init is None or load is None or store is None or getattr(store, "attnlab_guard", False):
+        return False
+
+    def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        n = _outside(ptrs, mask, interpreter._get_np_dtype(ptrs.get_element_ty()))
+        if n:
+            raise OutOfBounds(f"tl.load reads outside every tensor passed to the kernel ({n} lanes of this load): "
+                              "load with mask= (rows < L, keys < S) and other=0.0")
+        return load(self, ptrs, mask, other, cache_policy, is_volatile)
+
+    def create_masked_store(self, ptrs, value, mask, cache_policy):
+        n = _outside(ptrs, mask, interpreter._get_np_dtype(ptrs.get_element_ty()))
+        if n:
+            raise OutOfBounds(f"tl.store writes outside every tensor passed to the kernel ({n} lanes of this "
+                              "store): store with mask= (rows < L)")
+        return store(self, ptrs, value, mask, cache_policy)
+
+    create_masked_store.attnlab_guard = True
+    fn_class._init_args_hst = _record_extents(init)
+    builder.create_masked_load, builder.create_masked_store = create_masked_load, create_masked_store
+    return True
