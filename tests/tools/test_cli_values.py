@@ -52,3 +52,29 @@ def test_the_cheap_commands_run_every_value_without_a_traceback(argv, capsys):
         code = main([*argv, value])
         out = capsys.readouterr()
         assert "Traceback" not in out.err and code in (0, 2), (value, out.err)
+
+
+@pytest.mark.subprocess
+def test_grading_one_file_starts_the_sandbox_server_before_this_process_imports_torch():
+    """The server's import of torch (1.6 s here) overlaps the grader's own only if it starts first:
+    finding the lab imported attnlab.labs, and torch with it, 2.0 s before the server was started
+    (BENCHMARKS.md, grading time). Structural, not timed: torch must not be loaded at the start."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    solution = Path(__file__).resolve().parents[2] / "labs/track1/01-attention/solutions/attention.py"
+    script = (
+        "import sys\n"
+        "from attnlab.grading.sandbox import pool\n"
+        "original = pool.prestart\n"
+        "def prestart(*a, **k):\n"
+        "    print('PRESTART torch loaded' if 'torch' in sys.modules else 'PRESTART before torch', flush=True)\n"
+        "    return original(*a, **k)\n"
+        "pool.prestart = prestart\n"
+        "from attnlab.cli import main\n"
+        f"sys.exit(main(['grade', {str(solution)!r}, '--no-colour']))\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    marks = [line for line in run.stdout.splitlines() if line.startswith("PRESTART")]
+    assert marks and marks[0] == "PRESTART before torch", marks
