@@ -55,3 +55,36 @@ def test_the_walkthrough_is_paired_and_runs_on_the_solution(lab, tmp_path):
     text = run_walkthrough(lab, file, LABS / lab / "solutions" / file, tmp_path)
     for expected in DATA[lab].WALKTHROUGH:
         assert expected in text, expected
+
+
+def test_lab05_s_walkthrough_on_the_stub_stops_at_ex1_with_one_line(tmp_path):
+    """Issue 48 item 7: on the stub it ended in a 30-line Triton traceback; now the first unfinished
+    kernel stops it with one line naming the exercise and the TODO."""
+    from nbclient.exceptions import CellExecutionError
+
+    lab = "05-triton-flash"
+    file = labs.find_lab(lab).file
+    with pytest.raises(CellExecutionError) as caught:
+        run_walkthrough(lab, file, LABS / lab / file, tmp_path)
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(caught.value))  # IPython colours the exception's name
+    assert "To exit" not in text, text[-1500:]
+    assert "SystemExit: ex1 is not written yet (TODO(ex1):" in text, text[-1500:]
+    assert "InterpreterError" not in text and "triton/runtime" not in text, text[-1500:]
+
+
+def test_lab05_s_trace_of_one_program_ends_at_the_kernel_s_own_output(tmp_path):
+    """The walkthrough's tile-by-tile trace (m_i, l_i, acc of one row, in float64) is the algorithm the
+    kernel runs: its O equals the solution kernel's, and the running max rises (some alpha < 1)."""
+    import re
+
+    lab = "05-triton-flash"
+    file = labs.find_lab(lab).file
+    text = run_walkthrough(lab, file, LABS / lab / "solutions" / file, tmp_path)
+    line = next(x for x in text.splitlines() if x.startswith("O = acc / l_i:"))
+    traced, kernel = (eval(part) for part in re.findall(r"\[[^\]]*\]", line))  # noqa: S307 (our own output)
+    assert all(abs(a - b) < 1e-5 for a, b in zip(traced, kernel)), line
+    rows = [x.split() for x in text.splitlines() if re.match(r"^\s*\d+-\d+\s", x)]
+    alphas = [float(r[3]) for r in rows]
+    assert len(rows) == 4 and alphas[0] == 0.0 and min(alphas[1:]) < 1.0, rows

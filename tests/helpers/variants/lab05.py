@@ -10,7 +10,10 @@ SEED = 5
 NAMED = {"online_rescale", "lse_saved", "causal_block_skip", "load_mask", "backward_d_term", "accumulate_dtype",
          "gqa_group_mapping"}
 # printed by the walkthrough run on the solution
-WALKTHROUGH = ("max |O - SDPA|", "is_causal=True", "max |dv - torch|", "GQA: max |O - SDPA|")
+WALKTHROUGH = ("max |O - SDPA|", "is_causal=True", "max |dv - torch|", "GQA: max |O - SDPA|",
+               # issue 48 item 7: the tile grid one program covers, and its m_i, l_i, acc tile by tile
+               "program pid_q = 1: queries 16..31, is_causal", "<- this program", "tile max", "alpha",
+               "your kernel's O")
 
 NO_MASK = ", mask=keys[:, None] < S, other=0.0"
 FP16_ACC = [(B_ACC, "dk = tl.zeros([BK, E], K.dtype.element_ty)\n    dv = tl.zeros([BK, E], V.dtype.element_ty)"),
