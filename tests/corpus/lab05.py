@@ -75,6 +75,13 @@ MUTANTS = [
     M("a", "program_ids_swapped", "    pid_q = tl.program_id(0)\n    bh = tl.program_id(1)\n    b = bh // H\n    h = bh % H\n"
       "    bhk = b * Hkv + h // (H // Hkv)  # ex7", "    pid_q = tl.program_id(1)\n    bh = tl.program_id(0)\n"
       "    b = bh // H\n    h = bh % H\n    bhk = b * Hkv + h // (H // Hkv)  # ex7", "ex2", "store_mask"),
+    # the dQ kernel's key loop not stopped at the diagonal under CAUSAL (masked inside: right values, 0 x NaN)
+    M("a", "dq_visits_masked_tiles", "    stop = S\n    if CAUSAL:\n        stop = tl.minimum(S, (pid_q + 1) * BQ)\n"
+      "    for start in range(0, stop, BK):\n        keys = start + tl.arange(0, BK)\n        k = tl.load(K + bhk * S * E + "
+      "keys[:, None] * E + cols_e[None, :], mask=keys[:, None] < S, other=0.0)\n        v = tl.load",
+      "    stop = S\n    for start in range(0, stop, BK):\n        keys = start + tl.arange(0, BK)\n        k = tl.load(K + "
+      "bhk * S * E + keys[:, None] * E + cols_e[None, :], mask=keys[:, None] < S, other=0.0)\n        v = tl.load",
+      "ex5", "causal_block_skip"),
     M("a", "D_wrong_axis", "tl.store(D + bh * L + rows, tl.sum(o * do, 1), mask=rows < L)", "tl.store(D + bh * L + rows, tl.sum(o * do, 0), mask=rows < L)", "ex4", "backward_d_term"),
     # (K loaded without mask= alone is not in the corpus: its scores past S are masked to -inf by
     # tl.where, so no value shows it under the interpreter; on a GPU it may fault. The README says so.)

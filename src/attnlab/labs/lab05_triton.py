@@ -384,7 +384,47 @@ def _prep_ex5(g):
         calls.append(call)
         ctx.append(c)
     call, c = _half_case(g)
-    return calls + [call], ctx + [c]
+    skip_call, skip_ctx = _skip_case(g)
+    return calls + [call, skip_call], ctx + [c, skip_ctx]
+
+
+EX5_SKIP = (32, 48)  # L, S under is_causal: keys 32.. are seen by no query, their K and V are NaN
+
+
+def _skip_case(g):
+    """Keys no query sees under is_causal (top-left: query i sees keys 0..i < 32) hold NaN: kernels
+    that skip the tiles wholly on the far side of the diagonal never read them (dQ stops at its
+    query tile's diagonal, dK/dV start at the query tile holding the key tile's first key)."""
+    L, S = EX5_SKIP
+    q, k, v = _inputs(g, L, S)
+    do = torch.randn(q.shape, generator=g)
+    o, lse = _forward(q, k, v, True)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[:, :, L:] = float("nan")
+    v_nan[:, :, L:] = float("nan")
+    return Call("flash_backward", (q, k_nan, v_nan, o.float(), lse.float(), do, True)), (q, k, v, do)
+
+
+def _judge_skip(ctx, result) -> Verdict:
+    q, k, v, do = (t.double() for t in ctx)
+    got, bad = _triple(result, "flash_backward")
+    if bad:
+        return bad
+    L, S = EX5_SKIP
+    want = simulate_grads(q, k, v, do, causal_mask(L, S))
+    what = (f"flash_backward with is_causal (L = {L}, S = {S}; K and V of keys {L}.., which no query sees, are NaN)")
+    shaped = all(isinstance(t, Tensor) and t.shape == w.shape for t, w in zip(got, want))
+    if shaped and bool(got[0].isnan().any()):
+        msg = (f"{what}: dq is NaN. The dQ kernel visits the key tiles wholly after its query tile: their weights "
+               "are 0 but 0 x NaN = NaN, and they cost time. Stop its key loop at the diagonal, as the forward's: "
+               "range(0, tl.minimum(S, (pid_q + 1) * BQ), BK)")
+        return Verdict(False, msg, [{"code": "causal_block_skip", "message": msg}])
+    if shaped and bool(got[1].isnan().any() or got[2].isnan().any()):
+        msg = (f"{what}: dk or dv is NaN. The dK/dV kernel visits the query tiles wholly before its key tile: start "
+               "its query loop at the tile that holds its first key, (pid_k * BK) // BQ * BQ")
+        return Verdict(False, msg, [{"code": "causal_block_skip", "message": msg}])
+    flat = (lambda t: torch.cat([x.flatten() for x in t]))  # noqa: E731
+    return tensor_verdict(flat(got) if shaped else got[0], flat(want) if shaped else want[0], what)
 
 
 def _judge_grads(got, q, k, v, do, causal: bool, where: str) -> tuple[Verdict, Verdict]:
@@ -477,6 +517,7 @@ def _judge_ex5(ctx, results, outcome):
         else:
             out["dv"], out["dq_dk"] = dv_v, qk
     out["fp32_accumulators"] = _judge_half(ctx[2], value(results, 2))
+    out["skips_masked_tiles"] = _judge_skip(ctx[3], value(results, 3))
     return out
 
 
@@ -620,7 +661,7 @@ EXERCISES: list[Exercise] = [
     Exercise("ex4", "backward_preprocess", "the backward's preprocess: D = rowsum(dO * O)", {"d": 8},
              _prep_ex4, _judge_ex4, limits=_limits(), on_error=_out_of_bounds, kernels=("bwd_preprocess_kernel",)),
     Exercise("ex5", "flash_backward", "dK/dV per key tile and dQ per query tile, no atomics",
-             {"dv": 6, "dq_dk": 8, "causal": 6, "fp32_accumulators": 4}, _prep_ex5, _judge_ex5, limits=_limits(), on_error=_out_of_bounds,
+             {"dv": 6, "dq_dk": 6, "causal": 6, "skips_masked_tiles": 2, "fp32_accumulators": 4}, _prep_ex5, _judge_ex5, limits=_limits(), on_error=_out_of_bounds,
              kernels=BACKWARD),
     Exercise("ex6", "attention_and_grads", "one autograd Function",
              {"output": 3, "gradients": 6, "saves_lse_not_weights": 3}, _prep_ex6, _judge_ex6, limits=_limits(), on_error=_out_of_bounds,
