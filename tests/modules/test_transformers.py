@@ -11,6 +11,8 @@ the same comparison fails when the mask is dropped (the trap the mask hook exist
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -227,3 +229,41 @@ def test_softcap_with_a_caller_mask_matches_the_formula_or_is_refused():
     assert_close(out_float, want.float(), dtype=torch.float32)
     with pytest.raises(NotImplementedError, match="additive float attention mask"):
         hf.attnlab_attention_forward(layer, q, k, v, as_float + 0.5, softcap=2.0, is_causal=False)
+
+
+def test_gpt_oss_sinks_are_refused_by_name_not_dropped():
+    """Issue 50: a tiny GptOssForCausalLM ran with s_aux dropped, its logits 45% off eager's and its
+    sinks without a gradient. Until attnlab has sinks, the call is refused, naming s_aux."""
+    cfg = transformers.GptOssConfig(vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                                    num_experts_per_tok=1, sliding_window=6, max_position_embeddings=64)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="attnlab").eval()
+    ids = torch.randint(0, V, (1, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NotImplementedError, match=r"attention sinks .*'s_aux'.*attn_implementation='eager'"):
+        m(ids)
+
+
+@pytest.mark.parametrize("name", ["s_aux", "sinks", "position_bias", "block_indices", "a_new_option"])
+def test_an_argument_attnlab_does_not_implement_is_refused_by_name(name):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match=f"'{name}'.*attn_implementation='eager'"):
+        hf.attnlab_attention_forward(torch.nn.Module(), q, q, q, None, **{name: torch.zeros(2)})
+    out, _ = hf.attnlab_attention_forward(torch.nn.Module(), q, q, q, None, **{name: None})  # absent: fine
+    assert out.shape == (1, 4, 2, 8)
+
+
+def test_the_arguments_transformers_passes_are_each_implemented_refused_or_in_the_mask():
+    """Every keyword transformers' models pass to an attention function (read from their source)
+    is in ACCEPTED_KWARGS or REFUSED_KWARGS: a new one fails here instead of being dropped."""
+    import glob
+    import re
+
+    root = Path(transformers.__file__).parent / "models"
+    passed = set()
+    for path in glob.glob(str(root / "*" / "modeling_*.py")):
+        for call in re.finditer(r"attention_interface\((.*?)\n\s*\)", Path(path).read_text(), re.S):
+            passed.update(re.findall(r"\n\s*([a-z_]+)=", call.group(1)))
+    named = {"attention_mask", "dropout", "scaling", "is_causal", "query", "key", "value"}  # the signature's own
+    assert {"s_aux", "sliding_window", "softcap"} <= passed, passed  # the read found the calls
+    unknown = passed - named - hf.ACCEPTED_KWARGS - set(hf.REFUSED_KWARGS)
+    assert unknown <= {"indices", "block_indices"}, unknown  # FlashAttention-only internals, refused if given

@@ -128,14 +128,14 @@ def attnlab_attention_forward(module: torch.nn.Module, query: Tensor, key: Tenso
         dropout: attention dropout probability (training).
         scaling: the score scale (default ``1 / sqrt(E)``).
         is_causal: overrides ``module.is_causal``.
-        kwargs: ``softcap`` (tanh soft-capping), ``output_attentions``; ``position_bias`` is refused.
+        kwargs: ``softcap`` (tanh soft-capping), ``output_attentions``, and what
+            :data:`ACCEPTED_KWARGS` lists as already in the mask or not about attention; anything
+            else (``s_aux``, gpt-oss's sinks; ``position_bias``; an unknown name) is refused by name.
 
     Returns:
         ``(output (B, L, H, Ev), weights (B, H, L, S) or None)``.
     """
-    if kwargs.get("position_bias") is not None:
-        raise NotImplementedError("attn_implementation='attnlab' does not take position_bias (T5-style "
-                                  "biases); use attn_implementation='eager' for this model")
+    _refuse_what_is_not_implemented(kwargs)
     softcap = kwargs.get("softcap")
     want_weights = bool(kwargs.get("output_attentions", False))
     gqa = query.shape[1] != key.shape[1]
@@ -175,6 +175,40 @@ def attnlab_attention_forward(module: torch.nn.Module, query: Tensor, key: Tenso
                              is_causal=top_left_causal and block_mask is None,  # else it is in the BlockMask
                              scale=scaling, enable_gqa=gqa, score_mod=score_mod)
     return out.transpose(1, 2).contiguous(), weights  # (B, L, H, Ev)
+
+
+# What transformers passes to an attention function besides q, k, v, the mask, dropout, scaling and
+# is_causal (its models, 5.24: 493 calls read), and what attnlab does with each. Implemented: softcap,
+# output_attentions. In the mask already: sliding_window (the mask function's window: attnlab_mask
+# builds the BlockMask from it, and returns None only where SDPA's would) and the packed-sequence
+# arguments (position_ids, cu_seq_lens_*, max_length_*: the mask function separates the sequences).
+# Not about attention: the rest of TransformersKwargs.
+ACCEPTED_KWARGS = frozenset({
+    "softcap", "output_attentions", "sliding_window", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+    "max_length_q", "max_length_k", "num_items_in_batch", "output_hidden_states", "output_router_logits",
+    "use_cache", "cache_position", "past_key_values", "past_key_value", "return_dict", "deterministic"})
+# not implemented, with what to do instead
+REFUSED_KWARGS = {
+    "s_aux": "attention sinks (gpt-oss's learnable s_aux logits, one per head, in each row's softmax "
+             "denominator)",
+    "sinks": "attention sinks (a learnable logit per head in each row's softmax denominator)",
+    "position_bias": "position_bias (T5-style biases)",
+}
+
+
+def _refuse_what_is_not_implemented(kwargs: dict) -> None:
+    """Every argument attnlab does not implement is refused by name, never dropped: gpt-oss's
+    ``s_aux`` was dropped silently (its logits 45% off eager's, its sinks without a gradient)."""
+    for name, value in kwargs.items():
+        if value is None:
+            continue  # transformers passes absent options as None
+        if name in REFUSED_KWARGS:
+            raise NotImplementedError(f"attn_implementation='attnlab' does not implement {REFUSED_KWARGS[name]} "
+                                      f"(the argument {name!r}); use attn_implementation='eager' for this model")
+        if name not in ACCEPTED_KWARGS:
+            raise NotImplementedError(f"attn_implementation='attnlab' got the argument {name!r}, which it does not "
+                                      f"implement (it takes {', '.join(sorted(ACCEPTED_KWARGS))}); use "
+                                      "attn_implementation='eager' for this model, or report the model")
 
 
 def _dense(block_mask: Optional[flex.BlockMask], mask: Optional[Tensor], B: int) -> Optional[Tensor]:
