@@ -190,3 +190,72 @@ MUTANTS += [
     M("b", "gqa_dq_modulo_heads", B_GQA_DQ, "kv_head = (head // H) * Hkv + (head % H) % Hkv  # ex7", "ex7",
       "gqa_group_mapping"),
 ]
+
+# ------------------------------------------------------------------ c: a third, independent solution
+# (issue 48), written from the brief alone by a separate author: base-2 softmax with log2(e) folded
+# into the scale, the key loop in a helper kernel, causal in two stages (the tiles before the
+# diagonal unmasked, then the diagonal tile masked), the backward in exp2 too.
+SOLUTIONS["c"] = "tests/corpus/lab05_c.py"
+SEL = "        if DIAG:\n            keep = keep & (keys[None, :] <= q_rows[:, None])"
+
+MUTANTS += [
+    # ex1: the online softmax
+    M("c", "sum_not_rescaled", "run_sum = run_sum * shrink + tl.sum(weights, axis=1)",
+      "run_sum = run_sum + tl.sum(weights, axis=1)", "ex1", "online_rescale"),
+    M("c", "acc_not_rescaled", "out = out * shrink[:, None] + tl.dot(", "out = out + tl.dot(", "ex1", "online_rescale"),
+    M("c", "stale_max", "        run_max = new_max\n    return out, run_sum, run_max",
+      "    return out, run_sum, run_max", "ex1", "online_rescale"),
+    M("c", "exp_with_log2e_scale", "weights = tl.exp2(scores - new_max[:, None])",
+      "weights = tl.exp(scores - new_max[:, None])", "ex1", "wrong_scale",
+      ("shrink = tl.exp2(run_max - new_max)", "shrink = tl.exp(run_max - new_max)")),
+    M("c", "lse_base2", "log_se = (run_max + tl.log2(run_sum)) * 0.6931471805599453",
+      "log_se = run_max + tl.log2(run_sum)", "ex1", "lse_saved"),
+    M("c", "no_final_divide", "    out = out / run_sum[:, None]\n", "", "ex1", "final_divide"),
+    M("c", "kv_read_transposed", "kv_off = keys[:, None] * E + cols[None, :]\n        k_tile",
+      "kv_off = keys[:, None] + cols[None, :] * S\n        k_tile", "ex1", "wrong_strides"),
+    # ex2: causal
+    M("c", "diagonal_skipped", "tl.minimum(diag + BQ, S), S, qk_scale, E, BK, True)",
+      "tl.minimum(diag, S), S, qk_scale, E, BK, True)", "ex2", "causal_block_skip"),
+    M("c", "diagonal_unmasked", "tl.minimum(diag + BQ, S), S, qk_scale, E, BK, True)",
+      "tl.minimum(diag + BQ, S), S, qk_scale, E, BK, False)", "ex2", "causal_block_skip"),
+    M("c", "future_tiles_loaded", "tl.minimum(diag + BQ, S), S, qk_scale, E, BK, True)",
+      "S, S, qk_scale, E, BK, True)", "ex2", "causal_block_skip"),
+    M("c", "causal_local_rows", SEL, SEL.replace("q_rows[:, None]", "tl.arange(0, BK)[:, None]"), "ex2",
+      "tile_local_index"),
+    # ex3: ragged edges
+    M("c", "v_load_unmasked", "v_tile = tl.load(v_base + kv_off, mask=key_ok[:, None], other=0.0)",
+      "v_tile = tl.load(v_base + kv_off)", "ex3", "load_mask"),
+    M("c", "keys_past_S_weighted",
+      "        keep = key_ok[None, :]\n" + SEL + "\n        scores = tl.where(keep, scores, float(\"-inf\"))",
+      "        if DIAG:\n            scores = tl.where(keys[None, :] <= q_rows[:, None], scores, float(\"-inf\"))",
+      "ex3", "load_mask"),
+    M("c", "o_store_unmasked", "tl.store(O + q_off, out.to(O.dtype.element_ty), mask=row_ok[:, None])",
+      "tl.store(O + q_off, out.to(O.dtype.element_ty))", "ex3", "store_mask"),
+    M("c", "floor_key_tiles", "cols, 0, S, S,\n", "cols, 0, S // BK * BK, S,\n", "ex3", "dropped_tile"),
+    # ex4: the preprocess
+    M("c", "d_sum_wrong_axis", "delta = tl.sum(o_tile * do_tile, axis=1)", "delta = tl.sum(o_tile * do_tile, axis=0)",
+      "ex4", "backward_d_term"),
+    # ex5: the backward kernels
+    M("c", "d_term_missing_both", "        dscores = probs * (dprobs - delta[:, None])\n        dq_acc",
+      "        dscores = probs * dprobs\n        dq_acc", "ex5", "backward_d_term",
+      ("            dscores = probs * (dprobs - delta[:, None])\n", "            dscores = probs * dprobs\n")),
+    M("c", "dk_unscaled", "    dk_acc = dk_acc * scale\n", "", "ex5", "backward_scale"),
+    M("c", "dv_f16_accumulator", "dv_acc = tl.zeros([BK, E], tl.float32)", "dv_acc = tl.zeros([BK, E], V.dtype.element_ty)",
+      "ex5", "accumulate_dtype",
+      ("dv_acc += tl.dot(tl.trans(probs).to(do_tile.dtype), do_tile)",
+       "dv_acc += tl.dot(tl.trans(probs).to(do_tile.dtype), do_tile).to(V.dtype.element_ty)")),
+    M("c", "dkdv_diagonal_skipped", "first = (ktile * BK) // BQ * BQ", "first = (ktile + 1) * BK", "ex5",
+      "causal_block_skip"),
+    # ex6: the autograd Function
+    # ex7: GQA
+    M("c", "gqa_fwd_modulo", "kv_flat = batch * Hkv + head // (H // Hkv)", "kv_flat = batch * Hkv + head % Hkv",
+      "ex7", "gqa_group_mapping"),
+    M("c", "gqa_dkdv_one_head", "for g in range(0, group):", "for g in range(0, 1):", "ex7", "gqa_group_mapping"),
+    # the backward's dQ kernel alone, and dV
+    M("c", "dq_no_d_term", "        dscores = probs * (dprobs - delta[:, None])\n        dq_acc",
+      "        dscores = probs * dprobs\n        dq_acc", "ex5", "backward_d_term"),
+    M("c", "dv_scaled", "    dk_acc = dk_acc * scale\n", "    dk_acc = dk_acc * scale\n    dv_acc = dv_acc * scale\n",
+      "ex5", "backward_scale"),
+    M("c", "dq_diagonal_skipped", "last = tl.minimum((tile + 1) * BQ, S)", "last = tl.minimum(tile * BQ, S)",
+      "ex5", "causal_block_skip"),
+]

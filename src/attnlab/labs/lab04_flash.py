@@ -81,7 +81,8 @@ def simulate_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, bq: int, bk:
     skipped), 'off_by_one' (key j < query i), 'lse_log2' ((m_i + ln l_i) / ln 2), 'lse_log2_sum'
     (m_i + log2 l_i), 'lse_max' (lse = m_i), 'lse_no_max' (lse = ln l_i), 'no_divide' (o = acc, never
     divided by l_i). 'alpha_one': neither l_i nor acc rescaled (alpha taken after m_i = m_new, so
-    exp(m_new - m_new) = 1)."""
+    exp(m_new - m_new) = 1), 'm_stuck': m_i never updated (it stays -inf, so alpha = 0 drops every
+    tile but the last)."""
     B, H, L, E = q.shape
     S, Ev = k.shape[-2], v.shape[-1]
     o = torch.empty(B, H, L, Ev, dtype=q.dtype)
@@ -105,7 +106,7 @@ def simulate_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, bq: int, bk:
             alpha = torch.exp(m_i - m_safe)
             l_i = (l_i if bug in ("l", "alpha_one") else l_i * alpha) + p.sum(-1)
             acc = (acc if bug in ("acc", "alpha_one") else acc * alpha[..., None]) + p @ v[:, :, ks:ke]
-            m_i = m_new
+            m_i = m_i if bug == "m_stuck" else m_new
         o[:, :, qs:qe] = acc if bug == "no_divide" else acc / l_i[..., None]
         lse[:, :, qs:qe] = {"lse_log2": (m_i + torch.log(l_i)) / math.log(2), "lse_log2_sum": m_i + torch.log2(l_i),
                             "lse_max": m_i, "lse_no_max": torch.log(l_i)}.get(bug, m_i + torch.log(l_i))
@@ -117,7 +118,8 @@ def simulate_grads(q: Tensor, k: Tensor, v: Tensor, do: Tensor, mask: Optional[T
     """dq, dk, dv in float64 from the formulas; ``bug``: 'no_d' (the D term dropped),
     'd_tile' (D = rowsum(P * dP) of each ``bk``-key tile, not of the whole row), 'no_scale' (dq, dk
     without the scale), 'no_scale_dq', 'no_scale_dk' (one of them),
-    'p_unscaled' (P rebuilt from unscaled scores); ``p_mask``: the mask the backward rebuilds P
+    'p_unscaled' (P rebuilt from unscaled scores), 'no_d_dq' (dQ's dS without the D term
+    alone), 'dv_scaled' (dV multiplied by the scale); ``p_mask``: the mask the backward rebuilds P
     with, where it differs from the forward's ``mask`` (the causal mask forgotten in the
     backward)."""
     scale = 1 / math.sqrt(q.shape[-1])
@@ -136,9 +138,10 @@ def simulate_grads(q: Tensor, k: Tensor, v: Tensor, do: Tensor, mask: Optional[T
         D = torch.cat([(p[..., j:j + bk] * dp[..., j:j + bk]).sum(-1, keepdim=True).expand(*p.shape[:-1],
                        min(bk, p.shape[-1] - j)) for j in range(0, p.shape[-1], bk)], dim=-1)
     ds = p * dp if bug == "no_d" else p * (dp - D)
+    ds_q = p * dp if bug == "no_d_dq" else ds  # dQ's own dS (its kernel rebuilds it)
     sq = 1.0 if bug in ("no_scale", "no_scale_dq") else scale
     sk = 1.0 if bug in ("no_scale", "no_scale_dk") else scale
-    return ds @ k * sq, ds.transpose(-2, -1) @ q * sk, dv
+    return ds_q @ k * sq, ds.transpose(-2, -1) @ q * sk, dv * scale if bug == "dv_scaled" else dv
 
 
 def causal_mask(L: int, S: int) -> Tensor:

@@ -115,13 +115,24 @@ def _transposed_rows(t: Tensor) -> Tensor:
     return t.reshape(*lead, n, S).transpose(-2, -1)
 
 
+def _masked_or_zero(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """SDPA under ``mask`` with a row that sees no key giving 0 (as a kernel that guards l_i = 0
+    does), not SDPA's NaN."""
+    return scaled_dot_product_attention(q, k, v, attn_mask=mask).nan_to_num(0.0)
+
+
 def _tile_masks(L: int, S: int) -> dict[str, Tensor]:
     """[L, S] masks of what a causal kernel with BLOCK tiles, skipping the tiles wholly after the
     query tile, lets each query see: 'reversed' (keys j >= i), 'local' (tile-local indices compared:
     j % BLOCK <= i % BLOCK in every visited tile)."""
     i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
     kept = tiles_kept(L, S, BLOCK, BLOCK)
-    return {"reversed": kept & (j >= i), "local": kept & (j % BLOCK <= i % BLOCK)}
+    diagonal = (j // BLOCK) == (i // BLOCK)
+    return {"reversed": kept & (j >= i), "local": kept & (j % BLOCK <= i % BLOCK),
+            # the rows' tile-local index against the keys' global one, in every visited tile, or only in the
+            # diagonal tile (a kernel that masks that tile alone)
+            "local_rows": kept & (j <= i % BLOCK), "local_rows_diagonal": (j // BLOCK < i // BLOCK) |
+            (diagonal & (j <= i % BLOCK))}
 
 
 # --------------------------------------------------------------------------- ex1: the forward kernel
@@ -138,8 +149,9 @@ def _judge_ex1(ctx, results, outcome):
     o, lse, bad = _pair(value(results, 0), "flash_forward")
     if bad:
         return {"output": bad, "lse": bad}
-    fwd = {bug: _forward(q, k, v, False, bug) for bug in ("", "acc", "l", "stale", "alpha_one", "lse_log2",
-                                                           "lse_log2_sum", "lse_max", "lse_no_max")}
+    fwd = {bug: _forward(q, k, v, False, bug) for bug in ("", "acc", "l", "stale", "alpha_one", "m_stuck",
+                                                           "no_divide", "lse_log2", "lse_log2_sum", "lse_max",
+                                                           "lse_no_max")}
     out = {"output": tensor_verdict(o, scaled_dot_product_attention(q, k, v), "flash_forward's O (L = S = 32)", [
         mistake("online_rescale", "acc is not rescaled when the running max grows: acc = acc * alpha[:, None] + "
                                   "tl.dot(p, v) with alpha = tl.exp(m_i - m_new)", fwd["acc"][0]),
@@ -150,6 +162,13 @@ def _judge_ex1(ctx, results, outcome):
         mistake("online_rescale", "alpha is taken after m_i = m_new, so it is tl.exp(m_new - m_new) = 1 and nothing "
                                   "is rescaled: compute alpha = tl.exp(m_i - m_new) first, update m_i last",
                 fwd["alpha_one"][0]),
+        mistake("online_rescale", "m_i is never updated: it stays -inf, so alpha = exp(m_i - m_new) is 0 and every "
+                                  "tile but the last is dropped; end each step with m_i = m_new", fwd["m_stuck"][0]),
+        mistake("final_divide", "O is acc without the final divide by the running sum: o = acc / l_i[:, None]",
+                fwd["no_divide"][0]),
+        mistake("wrong_strides", "K and V are read with the strides of their transposes (key j, column e at "
+                                 "j + e * S): in a contiguous (S, E) head, key j's column e is at j * E + e",
+                scaled_dot_product_attention(q, _transposed_rows(k), _transposed_rows(v))),
         mistake("wrong_scale", "the scores are scaled twice (q * scale and the dot's result * scale): scale once, "
                                "1/sqrt(E)", scaled_dot_product_attention(q, k, v, scale=1.0 / E)),
         mistake("wrong_strides", "K is read with the strides of its transpose (key j, column e at j + e * S): in a "
@@ -223,7 +242,10 @@ def _judge_ex2(ctx, results, outcome):
                                     "tl.arange(0, BQ)): compare the global ones, keys = start + tl.arange(0, BK) and "
                                     "rows = pid_q * BQ + tl.arange(0, BQ)",
                 scaled_dot_product_attention(q, k, v, attn_mask=_tile_masks(EX2, EX2)["local"])),
-    ])}
+    ] + [mistake("tile_local_index", "the causal mask compares the rows' position inside the tile (tl.arange(0, BQ)) "
+                                     "with the keys' global one: rows = pid_q * BQ + tl.arange(0, BQ)",
+                 _masked_or_zero(q, k, v, _tile_masks(EX2, EX2)[name])) for name in ("local_rows",
+                                                                                    "local_rows_diagonal")])}
     o2, _, bad = _pair(value(results, 1), "flash_forward")
     if bad:
         out["skips_future_tiles"] = bad
@@ -233,7 +255,9 @@ def _judge_ex2(ctx, results, outcome):
     want = scaled_dot_product_attention(q2, k2, v2, attn_mask=causal_mask(EX2, EX2))[:, :, rows]
     what = (f"flash_forward with is_causal, the values of keys {EX2_NAN_FROM}.. NaN, queries 0..{EX2_NAN_FROM - 1} "
             "(which give them weight 0)")
-    if isinstance(o2, Tensor) and o2.shape == o.shape and bool(o2[:, :, rows].isnan().any()):
+    # the NaN says 'tiles loaded, not skipped' only of a kernel whose causal output is right: a wrong one
+    # (transposed loads, a missing diagonal) can carry the NaN values anywhere
+    if isinstance(o2, Tensor) and o2.shape == o.shape and bool(o2[:, :, rows].isnan().any()) and out["causal"].passed:
         msg = (f"{what}: NaN. The key tiles wholly after a query tile are loaded, not skipped: their weights are 0 "
                "but 0 x NaN = NaN in tl.dot(p, v), and they cost time. Stop the key loop at the tile's last query: "
                "range(0, tl.minimum(S, (pid_q + 1) * BQ), BK)")
@@ -277,7 +301,10 @@ def _judge_ex3(ctx, results, outcome):
         mask = causal_mask(L, S) if causal else None
         expected = scaled_dot_product_attention(q, k, v, attn_mask=mask)
         what = f"flash_forward (L = {L}, S = {S}: the last tiles are partial{', is_causal' if causal else ''})"
-        verdict = _naming_loads(o, expected, what)
+        # a load past the end shows in both calls; NaN in the causal one alone is a causal mistake (a row
+        # left with no key), judged by value below
+        loads_ok = causal and out.get("ragged_edges") is not None and out["ragged_edges"].passed
+        verdict = None if loads_ok else _naming_loads(o, expected, what)
         if verdict is None:
             first = slice(0, H - 1)  # the last head reads the guard's NaN instead of a next head's rows
             m_more = None if mask is None else torch.cat([mask, torch.ones(L, 1, dtype=torch.bool)], dim=1)
@@ -432,19 +459,20 @@ def _judge_grads(got, q, k, v, do, causal: bool, where: str) -> tuple[Verdict, V
     L, S = q.shape[-2], k.shape[-2]
     mask = causal_mask(L, S) if causal else None
     dq, dk, dv = simulate_grads(q, k, v, do, mask)
-    bugs = {b: simulate_grads(q, k, v, do, mask, b, bk=BLOCK) for b in ("no_d", "no_scale", "no_scale_dq",
-                                                                        "no_scale_dk", "p_unscaled")}
+    bugs = {b: simulate_grads(q, k, v, do, mask, b, bk=BLOCK) for b in ("no_d", "no_d_dq", "no_scale", "no_scale_dq",
+                                                                        "no_scale_dk", "p_unscaled", "dv_scaled")}
     # P rebuilt without the causal mask: in the tiles the kernels visit (they skip the rest), or in all
     unmasked = [simulate_grads(q, k, v, do, mask, p_mask=m) for m in (tiles_kept(L, S, BLOCK, BLOCK),
                                                                        torch.ones(L, S, dtype=torch.bool))] \
         if causal else []
     # dK/dV's query loop starting one tile late: the diagonal tile's queries never reach their keys
     # (dQ, from its own kernel, is right)
-    late = None
+    late = dq_short = None
     if causal:
         diagonal = (torch.arange(L)[:, None] // BLOCK) == (torch.arange(S)[None, :] // BLOCK)
-        late = simulate_grads(q, k, v, do, mask, p_mask=mask & ~diagonal)
-        late = (dq, late[1], late[2])
+        skipped = simulate_grads(q, k, v, do, mask, p_mask=mask & ~diagonal)
+        late = (dq, skipped[1], skipped[2])
+        dq_short = (skipped[0], dk, dv)  # the dQ kernel's key loop stopping before its diagonal tile
     both = (lambda t: torch.cat([t[0].flatten(), t[1].flatten()]))  # noqa: E731
     got_qk = both(got) if all(isinstance(t, Tensor) and t.shape == e.shape for t, e in zip(got[:2], (dq, dk))) \
         else None
@@ -452,6 +480,8 @@ def _judge_grads(got, q, k, v, do, causal: bool, where: str) -> tuple[Verdict, V
     qk = loads or tensor_verdict(got_qk if got_qk is not None else got[0], both((dq, dk)) if got_qk is not None
                                  else dq, f"dq and dk {where}", [
         mistake("backward_d_term", "dS = P * dP is missing the D term: ds = p * (dp - d[:, None])", both(bugs["no_d"])),
+        mistake("backward_d_term", "dQ's dS = P * dP is missing the D term (dK's has it): ds = p * (dp - d[:, None]) "
+                                   "in the dQ kernel too", both(bugs["no_d_dq"])),
         mistake("backward_scale", "dQ and dK miss the softmax scale: dq += tl.dot(ds, k) * scale, dk += "
                                   "tl.dot(tl.trans(ds), q) * scale", both(bugs["no_scale"])),
         mistake("backward_scale", "dQ misses the softmax scale: dq += tl.dot(ds, k) * scale",
@@ -462,15 +492,20 @@ def _judge_grads(got, q, k, v, do, causal: bool, where: str) -> tuple[Verdict, V
                                   "lse[:, None])", both(bugs["p_unscaled"])),
     ] + [mistake("causal_block_skip", "the backward rebuilds P without the causal mask: mask it as the forward "
                                       "does (keys <= rows)", both(u)) for u in unmasked]
-        + ([mistake("causal_block_skip", LATE_START, both(late))] if late is not None else []))
+        + ([mistake("causal_block_skip", LATE_START, both(late))] if late is not None else [])
+        + ([mistake("causal_block_skip", DQ_SHORT, both(dq_short))] if dq_short is not None else []))
     dv_v = _naming_loads(got[2], dv, f"dv {where}") or tensor_verdict(got[2], dv, f"dv {where}", [
         mistake("backward_scale", "P is rebuilt from unscaled scores: p = tl.exp(tl.dot(q, tl.trans(k)) * scale - "
-                                  "lse[:, None])", bugs["p_unscaled"][2])]
+                                  "lse[:, None])", bugs["p_unscaled"][2]),
+        mistake("backward_scale", "dV is multiplied by the scale: dV = P^T dO, the scale belongs to dQ and dK "
+                                  "(through the scores)", bugs["dv_scaled"][2])]
         + [mistake("causal_block_skip", "dV is built from P without the causal mask", u[2]) for u in unmasked]
         + ([mistake("causal_block_skip", LATE_START, late[2])] if late is not None else []))
     return dv_v, qk
 
 
+DQ_SHORT = ("the dQ kernel stops before its diagonal tile: under CAUSAL its key loop runs up to and including the "
+            "query tile's own keys, range(0, tl.minimum(S, (pid_q + 1) * BQ), BK)")
 LATE_START = ("dK/dV skip the diagonal query tile: under CAUSAL a key tile's query loop starts at the query tile "
               "that holds its first key, (pid_k * BK) // BQ * BQ, not after it")
 
