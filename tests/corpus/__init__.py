@@ -1,5 +1,6 @@
 """The corpus of realistic mistakes (issue 32): for every lab, two independent solutions and
-the ways learners break them, as data.
+the ways learners break them, as data; issue 48 added a third solution (``c``) per lab, each
+written by an independent author from the brief alone.
 
 Each lab's module (``lab01`` ... ``lab04``) holds ``LAB`` (its name), ``SOLUTIONS`` (label ->
 the solution's path, relative to the repository) and ``MUTANTS``: :class:`Mutant` edits, each

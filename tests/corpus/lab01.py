@@ -1,5 +1,6 @@
 """Lab 01's mistakes, on the instructor's solution (``a``, matmul and masked_fill) and on an
-independent one (``b``, einsum, index comparisons and torch.where)."""
+independent one (``b``, einsum, index comparisons and torch.where).
+Solution ``c`` (issue 48, independent): broadcast products summed, loop-built masks, boolean-index fill."""
 
 from corpus import M
 
@@ -128,4 +129,71 @@ MUTANTS = [
     M("b", "first_batch_only", "return weights[:, 0]", "return weights[0]", "ex12", "batch_only"),
     M("b", "ex2_unscaled", '"scaled": stable_softmax(unscaled / math.sqrt(d_k))}', '"scaled": stable_softmax(unscaled)}',
       "ex11", "missing_scale"),
+]
+
+# ---------------------------------------------------------------------- c: broadcasting, loops, clone
+SOLUTIONS["c"] = "tests/corpus/lab01_c.py"
+
+C_SCALE = "return dots / math.sqrt(d_k)"
+C_PEAK = "peak = scores.amax(dim=dim, keepdim=True)"
+C_EXP = "expd = torch.exp(scores - peak)"
+C_DENOM = "denom = expd.sum(dim=dim, keepdim=True)"
+C_CAUSAL_ROW = "mask[i, : i + 1] = True"
+C_PAD_ZEROS = "mask = torch.zeros(len(lengths), 1, T, dtype=torch.bool)"
+C_PAD_ROW = "mask[b, 0, :n] = True"
+C_FILL = 'masked[hidden] = float("-inf")'
+C_ROW0 = "return probs.select(dim=1, index=0)"
+
+MUTANTS += [
+    M("c", "qk_swapped", "    Q = _project(X, W_Q)\n", "    Q = _project(X, W_K)\n", "ex1", "order",
+      ("    K = _project(X, W_K)\n", "    K = _project(X, W_Q)\n")),
+    M("c", "returns_q_v_k", "return Q, K, V", "return Q, V, K", "ex1", "order"),
+    M("c", "no_scale", C_SCALE, "return dots", "ex2", "missing_scale"),
+    M("c", "divide_by_d_k", C_SCALE, "return dots / d_k", "ex2", "wrong_scale"),
+    M("c", "size_of_T", "d_k = Q.size(-1)", "d_k = Q.size(-2)", "ex2", "wrong_scale"),
+    M("c", "unsqueeze_swapped", "dots = (Q.unsqueeze(-2) * K.unsqueeze(-3)).sum(dim=-1)",
+      "dots = (Q.unsqueeze(-3) * K.unsqueeze(-2)).sum(dim=-1)", "ex2", "wrong_transpose"),
+    M("c", "no_max_shift", C_EXP, "expd = torch.exp(scores)", "ex3", "unstable_softmax"),
+    M("c", "max_without_keepdim", C_PEAK, "peak = scores.amax(dim=dim)", "ex3", "keepdim"),
+    M("c", "sum_without_keepdim", C_DENOM, "denom = expd.sum(dim=dim)", "ex3", "keepdim"),
+    M("c", "no_peak_guard", "    peak = peak.masked_fill(torch.isinf(peak), 0.0)\n", "", "ex3", "fully_masked_nan"),
+    M("c", "no_denom_guard", "    denom = denom.masked_fill(denom == 0, 1.0)\n", "", "ex3", "fully_masked_nan"),
+    M("c", "scalar_max", C_PEAK, "peak = scores.max()", "ex3", "unstable_softmax"),
+    M("c", "dim_hardcoded", C_PEAK, "peak = scores.amax(dim=-1, keepdim=True)", "ex3", "softmax_dim",
+      (C_DENOM, "denom = expd.sum(dim=-1, keepdim=True)")),
+    M("c", "sub_in_place", C_EXP, "expd = scores.sub_(peak).exp()", "ex3", "mutates_input"),
+    M("c", "causal_strict", C_CAUSAL_ROW, "mask[i, :i] = True", "ex5", "off_by_one"),
+    M("c", "causal_rows_from_i", C_CAUSAL_ROW, "mask[i, i:] = True", "ex5", "causal_future"),
+    M("c", "causal_marks_hidden", C_CAUSAL_ROW, "mask[i, i + 1 :] = True", "ex5", "mask_polarity"),
+    M("c", "causal_float", "mask = torch.zeros(T, T, dtype=torch.bool)", "mask = torch.zeros(T, T)", "ex5",
+      "mask_dtype"),
+    M("c", "padding_le", C_PAD_ROW, "mask[b, 0, : n + 1] = True", "ex6", "off_by_one"),
+    M("c", "padding_inverted", C_PAD_ROW, "mask[b, 0, n:] = True", "ex6", "mask_polarity"),
+    M("c", "padding_query_side", C_PAD_ZEROS, "mask = torch.zeros(len(lengths), T, 1, dtype=torch.bool)", "ex6",
+      "padding_query_side", (C_PAD_ROW, "mask[b, :n, 0] = True")),
+    M("c", "padding_float", C_PAD_ZEROS, "mask = torch.zeros(len(lengths), 1, T)", "ex6", "mask_dtype"),
+    M("c", "fill_where_true", "hidden = ~mask.expand_as(masked)", "hidden = mask.expand_as(masked)", "ex7",
+      "mask_polarity"),
+    M("c", "fill_zero", C_FILL, "masked[hidden] = 0.0", "ex7", "mask_fill_zero"),
+    M("c", "fill_minus_1e4", C_FILL, "masked[hidden] = -10000.0", "ex7", "mask_fill_finite"),
+    M("c", "no_clone", "masked = scores.clone()", "masked = scores", "ex7", "mutates_input"),
+    M("c", "layer_softmax_dim_2", "probs = stable_softmax(logits, dim=-1)", "probs = stable_softmax(logits, dim=-2)",
+      "ex8", "softmax_dim"),
+    M("c", "layer_attends_K", "out = attend(probs, V)", "out = attend(probs, K)", "ex8", "value_swapped"),
+    M("c", "layer_mask_result_dropped", "        logits = apply_mask(logits, mask)\n",
+      "        apply_mask(logits, mask)\n", "ex8", "mask_ignored"),
+    M("c", "layer_mask_after_softmax", "    if mask is not None:\n        logits = apply_mask(logits, mask)\n", "",
+      "ex8", "mask_after_softmax",
+      ("    out = attend(probs, V)\n", "    if mask is not None:\n        probs = probs * mask\n    out = attend(probs, V)\n")),
+    M("c", "layer_returns_swapped", "return out, probs", "return probs, out", "ex8", "order"),
+    M("c", "layer_scaled_twice", "logits = attention_scores(Q, K)",
+      "logits = attention_scores(Q, K) / math.sqrt(Q.size(-1))", "ex8", "wrong_scale"),
+    M("c", "sdpa_without_mask",
+      "reference = torch.nn.functional.scaled_dot_product_attention(Q, K, V, attn_mask=mask)",
+      "reference = torch.nn.functional.scaled_dot_product_attention(Q, K, V)", "ex9", "mask_ignored"),
+    M("c", "mine_without_mask", "mine, _ = self_attention(X, W_Q, W_K, W_V, mask=mask)",
+      "mine, _ = self_attention(X, W_Q, W_K, W_V)", "ex9", "mask_ignored"),
+    M("c", "ex2_unscaled", "scaled = unscaled / math.sqrt(d_k)", "scaled = unscaled", "ex11", "missing_scale"),
+    M("c", "first_column", C_ROW0, "return probs.select(dim=2, index=0)", "ex12", "wrong_axis"),
+    M("c", "select_dim_0", C_ROW0, "return probs.select(dim=0, index=0)", "ex12", "batch_only"),
 ]

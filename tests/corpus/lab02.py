@@ -1,5 +1,6 @@
 """Lab 02's mistakes, on the instructor's solution (``a``: tril with offsets, masked_fill)
-and on an independent one (``b``: index comparisons, torch.where, einsum)."""
+and on an independent one (``b``: index comparisons, torch.where, einsum).
+Solution ``c`` (issue 48, independent): a float bias, triu complements, clamped max and sum."""
 
 from corpus import M
 
@@ -108,4 +109,84 @@ MUTANTS = [
       "weights = masked_softmax(scores, ~mask.expand(scores.shape))", "ex7", "mask_polarity"),
     M("b", "attention_mask_ignored", "    if mask is None:\n        mask", "    if True:\n        mask", "ex7",
       "mask_ignored"),
+]
+
+# ------------------------------------------------------------------ c: a third, independent solution
+# written from the brief alone by a separate author: causal masks as the complement of a strict
+# upper triangle (~ones.triu(d)), padding by lengths viewed [B, 1, 1, 1] against an arange,
+# logical_and / logical_not, and a masked softmax that adds a float bias (0 or -inf) to the
+# scores and clamps an empty row's max and sum; matmul with K.mT on a pre-scaled Q.
+SOLUTIONS["c"] = "tests/corpus/lab02_c.py"
+C1 = "future = torch.ones(L, S, dtype=torch.bool).triu(diagonal=1)"
+C2 = "ahead = torch.ones(L, S, dtype=torch.bool).triu(diagonal=shift + 1)"
+C3 = "return lengths.view(-1, 1, 1, 1) > key_pos"
+C5_FILL = "bias = bias.masked_fill(mask.logical_not(), -math.inf)"
+C5_MAX = "row_max = biased.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(scores.dtype).min)"
+C5_DIV = "return e / z.clamp(min=torch.finfo(scores.dtype).tiny)"
+C6 = "return attend.unsqueeze(1).unsqueeze(2)"
+C7 = "scores = torch.matmul(Q * scale, K.mT)"
+
+MUTANTS += [
+    # ex1: the complement of the strict upper triangle
+    M("c", "causal_triu_no_offset", C1, "future = torch.ones(L, S, dtype=torch.bool).triu()", "ex1", "off_by_one"),
+    M("c", "causal_not_complemented", "    return ~future\n", "    return future\n", "ex1", "mask_polarity"),
+    M("c", "causal_complement_of_tril", C1, "future = torch.ones(L, S, dtype=torch.bool).tril(diagonal=-1)", "ex1",
+      "causal_future"),
+    M("c", "causal_shifted_like_cache", C1, "future = torch.ones(L, S, dtype=torch.bool).triu(diagonal=S - L + 1)",
+      "ex1", "causal_alignment"),
+    M("c", "causal_float_complement", C1 + "\n    return ~future",
+      "future = torch.ones(L, S).triu(diagonal=1)\n    return 1 - future", "ex1", "mask_dtype"),
+    # ex2: the same, shifted by S - L
+    M("c", "decoding_no_plus_one", C2, "ahead = torch.ones(L, S, dtype=torch.bool).triu(diagonal=shift)", "ex2",
+      "off_by_one"),
+    M("c", "decoding_L_minus_S", "shift = S - L", "shift = L - S", "ex2", "causal_alignment"),
+    M("c", "decoding_shift_forgotten", C2, "ahead = torch.ones(L, S, dtype=torch.bool).triu(diagonal=1)", "ex2",
+      "causal_alignment"),
+    M("c", "decoding_not_complemented", "    return ~ahead\n", "    return ahead\n", "ex2", "mask_polarity"),
+    M("c", "decoding_complement_of_tril", C2,
+      "ahead = torch.ones(L, S, dtype=torch.bool).tril(diagonal=shift - 1)", "ex2", "causal_future"),
+    # ex3: lengths [B, 1, 1, 1] against the key positions
+    M("c", "padding_ge", C3, "return lengths.view(-1, 1, 1, 1) >= key_pos", "ex3", "off_by_one"),
+    M("c", "padding_inverted", C3, "return lengths.view(-1, 1, 1, 1) <= key_pos", "ex3", "mask_polarity"),
+    M("c", "padding_query_side", C3, "return lengths.view(-1, 1, 1, 1) > key_pos[:, None]", "ex3",
+      "padding_query_side"),
+    # ex4
+    M("c", "combine_or", "return torch.logical_and(a, b)", "return torch.logical_or(a, b)", "ex4", "mask_combined_or"),
+    M("c", "combine_maximum", "return torch.logical_and(a, b)", "return torch.maximum(a, b)", "ex4",
+      "mask_combined_or"),
+    # ex5: the additive bias
+    M("c", "bias_where_true", C5_FILL, "bias = bias.masked_fill(mask, -math.inf)", "ex5", "mask_polarity"),
+    M("c", "bias_minus_1e9", C5_FILL, "bias = bias.masked_fill(mask.logical_not(), -1e9)", "ex5", "mask_fill_finite"),
+    M("c", "bias_finfo_min", C5_FILL, "bias = bias.masked_fill(mask.logical_not(), torch.finfo(scores.dtype).min)",
+      "ex5", "mask_fill_finite"),
+    M("c", "bias_added_in_place", "biased = scores + bias", "biased = scores.add_(bias)", "ex5", "mutates_input"),
+    M("c", "mask_after_softmax", "biased = scores + bias", "biased = scores", "ex5", "mask_after_softmax",
+      (C5_DIV, "return e / z.clamp(min=torch.finfo(scores.dtype).tiny) * mask")),
+    M("c", "max_not_clamped", C5_MAX, "row_max = biased.amax(dim=-1, keepdim=True)", "ex5", "fully_masked_nan"),
+    M("c", "sum_not_clamped", C5_DIV, "return e / z", "ex5", "fully_masked_nan"),
+    M("c", "no_max_shift", "e = torch.exp(biased - row_max)", "e = torch.exp(biased)", "ex5", "unstable_softmax"),
+    M("c", "max_without_keepdim", C5_MAX,
+      "row_max = biased.amax(dim=-1).clamp(min=torch.finfo(scores.dtype).min)", "ex5", "keepdim"),
+    M("c", "sum_without_keepdim", "z = e.sum(dim=-1, keepdim=True)", "z = e.sum(dim=-1)", "ex5", "keepdim"),
+    # ex6
+    M("c", "kpm_inverted_into_itself", "attend = key_padding_mask.logical_not()",
+      "attend = torch.logical_not(key_padding_mask, out=key_padding_mask)", "ex6", "mutates_input"),
+    M("c", "kpm_not_inverted", "attend = key_padding_mask.logical_not()", "attend = key_padding_mask", "ex6",
+      "mask_polarity"),
+    M("c", "kpm_query_side", C6, "return attend.unsqueeze(1).unsqueeze(-1)", "ex6", "padding_query_side"),
+    # ex7: matmul on a pre-scaled Q
+    M("c", "attention_no_scale", C7, "scores = torch.matmul(Q, K.mT)", "ex7", "missing_scale"),
+    M("c", "attention_sqrt_Ev", "scale = 1.0 / math.sqrt(Q.size(-1))", "scale = 1.0 / math.sqrt(V.size(-1))", "ex7",
+      "wrong_scale"),
+    M("c", "attention_divide_by_E", "scale = 1.0 / math.sqrt(Q.size(-1))", "scale = 1.0 / Q.size(-1)", "ex7",
+      "wrong_scale"),
+    M("c", "attention_times_sqrt_E", "scale = 1.0 / math.sqrt(Q.size(-1))", "scale = math.sqrt(Q.size(-1))", "ex7",
+      "wrong_scale"),
+    M("c", "attention_Q_scaled_in_place", C7, "scores = torch.matmul(Q.mul_(scale), K.mT)", "ex7", "mutates_input"),
+    M("c", "attention_mask_inverted", "weights = masked_softmax(scores, mask)",
+      "weights = masked_softmax(scores, ~mask)", "ex7", "mask_polarity"),
+    M("c", "attention_default_always", "    if mask is None:\n        mask = torch.ones(", "    mask = torch.ones(",
+      "ex7", "mask_ignored"),
+    M("c", "attention_weights_times_K", "return torch.matmul(weights, V)", "return torch.matmul(weights, K)", "ex7",
+      "value_swapped"),
 ]

@@ -1,6 +1,8 @@
 """Lab 03's mistakes, on the instructor's solution (``a``: view/transpose, repeat_interleave,
 tril(diagonal=P)) and on an independent one (``b``: permute, einsum, expand + reshape, index
-comparisons)."""
+comparisons).
+Solution ``c`` (issue 48, independent): one fused projection, unflatten/swapaxes, queries
+grouped under their KV head."""
 
 from corpus import M
 
@@ -108,4 +110,77 @@ MUTANTS = [
     M("b", "cache_mask_inverted", 'scores = scores.masked_fill(~visible, float("-inf"))',
       'scores = scores.masked_fill(visible, float("-inf"))', "ex6", "mask_polarity"),
     M("b", "cache_no_mask", '    scores = scores.masked_fill(~visible, float("-inf"))\n', "", "ex6", "mask_ignored"),
+]
+
+# ------------------------------------------------------------------ c
+# a third independent solution: fused QKV projection cut with chunk, unflatten/swapaxes/flatten
+# for the heads, queries scaled before the product, an additive -inf bias for the mask, repeat_kv
+# as an index (arange // groups), GQA by grouping the query heads under their key/value head,
+# and the cache's *blocked* entries as triu(P + 1)
+SOLUTIONS["c"] = "tests/corpus/lab03_c.py"
+
+C_SPLIT = "per_position = x.unflatten(-1, (H, x.shape[-1] // H))  # [B, L, H, E]"
+C_MERGE = "per_position = x.swapaxes(1, 2)  # [B, L, H, E]"
+C_QKV = "W_QKV = torch.cat([W_Q, W_K, W_V], dim=1)  # [D, 3D]"
+C_SCALE3 = "    q = q * head_size ** -0.5\n"
+C_BIAS = '        scores = scores + bias.masked_fill(mask.logical_not(), float("-inf"))\n'
+C_HEADS = "heads = softmax_last(scores) @ v"
+C_INDEX = "source = torch.arange(n_heads, device=kv.device) // groups"
+C_GQA_SCALE = "    grouped = grouped * q.shape[-1] ** -0.5\n"
+C_GQA_OUT = "out = softmax_last(scores) @ v.unsqueeze(2)"
+C_FUTURE = "future = torch.ones(L, P + L, dtype=torch.bool, device=q.device).triu(P + 1)"
+C_SCORES6 = "scores = (q * q.shape[-1] ** -0.5) @ keys.mT"
+C_FILL6 = 'scores = scores.masked_fill(future, float("-inf"))'
+
+MUTANTS += [
+    M("c", "split_reshape_not_swap", "return per_position.swapaxes(1, 2)",
+      "return per_position.reshape(x.shape[0], H, x.shape[1], -1)", "ex1", "heads_mixed"),
+    M("c", "split_unflatten_head_last", C_SPLIT,
+      "per_position = x.unflatten(-1, (x.shape[-1] // H, H)).mT  # [B, L, H, E]", "ex1", "heads_mixed"),
+    M("c", "merge_reshape_not_swap", C_MERGE,
+      "per_position = x.reshape(x.shape[0], x.shape[2], x.shape[1], -1)  # [B, L, H, E]", "ex2", "heads_mixed"),
+    M("c", "merge_head_last", C_MERGE, "per_position = x.swapaxes(1, 2).mT  # [B, L, E, H]", "ex2", "heads_mixed"),
+    M("c", "no_out_proj", "return merge_heads(heads) @ W_O", "return merge_heads(heads)", "ex3", "missing_out_proj"),
+    M("c", "scale_by_model_size", "head_size = q.shape[-1]", "head_size = x.shape[-1]", "ex3", "wrong_scale"),
+    M("c", "no_scale", C_SCALE3, "", "ex3", "missing_scale"),
+    M("c", "fused_k_v_swapped", C_QKV, "W_QKV = torch.cat([W_Q, W_V, W_K], dim=1)  # [D, 3D]", "ex3", "order"),
+    M("c", "fused_values_from_W_K", C_QKV, "W_QKV = torch.cat([W_Q, W_K, W_K], dim=1)  # [D, 3D]", "ex3",
+      "value_swapped"),
+    M("c", "mask_inverted", C_BIAS, '        scores = scores + bias.masked_fill(mask, float("-inf"))\n', "ex3",
+      "mask_polarity"),
+    M("c", "mask_fill_not_assigned", C_BIAS,
+      '        bias.masked_fill(mask.logical_not(), float("-inf"))\n        scores = scores + bias\n', "ex3",
+      "mask_ignored"),
+    M("c", "softmax_over_queries", C_HEADS, "heads = softmax_last(scores.mT).mT @ v", "ex3", "softmax_dim"),
+    M("c", "values_are_keys", C_HEADS, "heads = softmax_last(scores) @ k", "ex3", "value_swapped"),
+    M("c", "keys_T", "scores = q @ k.mT  # [B, H, L, L]", "scores = q @ k.T  # [B, H, L, L]", "ex3", "wrong_transpose"),
+    M("c", "repeat_modulo", C_INDEX, "source = torch.arange(n_heads, device=kv.device) % kv.shape[1]", "ex4",
+      "gqa_group_mapping"),
+    M("c", "gqa_groups_outer", "grouped = q.unflatten(1, (n_kv, -1))", "grouped = q.unflatten(1, (-1, n_kv))", "ex5",
+      "gqa_group_mapping", ("k.unsqueeze(2).mT", "k.unsqueeze(1).mT"), ("v.unsqueeze(2)", "v.unsqueeze(1)")),
+    M("c", "gqa_no_scale", C_GQA_SCALE, "", "ex5", "missing_scale"),
+    M("c", "gqa_scale_by_Ev", C_GQA_SCALE, "    grouped = grouped * v.shape[-1] ** -0.5\n", "ex5", "wrong_scale"),
+    M("c", "gqa_scale_by_E", C_GQA_SCALE, "    grouped = grouped / q.shape[-1]\n", "ex5", "wrong_scale"),
+    M("c", "gqa_softmax_over_queries", C_GQA_OUT, "out = softmax_last(scores.mT).mT @ v.unsqueeze(2)", "ex5",
+      "softmax_dim"),
+    M("c", "gqa_values_are_keys", C_GQA_OUT, "out = softmax_last(scores) @ k.unsqueeze(2)", "ex5", "value_swapped"),
+    M("c", "gqa_scales_q_in_place", C_GQA_SCALE, "    grouped *= q.shape[-1] ** -0.5\n", "ex5", "mutates_input"),
+    M("c", "cache_appended_first", "keys = torch.cat((k_cache, k_new), dim=-2)",
+      "keys = torch.cat((k_new, k_cache), dim=-2)", "ex6", "kv_cache_order",
+      ("values = torch.cat((v_cache, v_new), dim=-2)", "values = torch.cat((v_new, v_cache), dim=-2)")),
+    M("c", "cache_mask_top_left", C_FUTURE,
+      "future = torch.ones(L, P + L, dtype=torch.bool, device=q.device).triu(1)", "ex6", "causal_alignment"),
+    M("c", "cache_mask_offset_L", C_FUTURE,
+      "future = torch.ones(L, P + L, dtype=torch.bool, device=q.device).triu(L + 1)", "ex6", "causal_alignment"),
+    M("c", "cache_mask_blocks_diagonal", C_FUTURE,
+      "future = torch.ones(L, P + L, dtype=torch.bool, device=q.device).triu(P)", "ex6", "off_by_one"),
+    M("c", "cache_mask_sees_next", C_FUTURE,
+      "future = torch.ones(L, P + L, dtype=torch.bool, device=q.device).triu(P + 2)", "ex6", "off_by_one"),
+    M("c", "cache_blocks_past", C_FUTURE,
+      "future = torch.ones(L, P + L, dtype=torch.bool, device=q.device).tril(P - 1)", "ex6", "causal_future"),
+    M("c", "cache_mask_inverted", C_FILL6, 'scores = scores.masked_fill(~future, float("-inf"))', "ex6",
+      "mask_polarity"),
+    M("c", "cache_no_mask", "    " + C_FILL6 + "\n", "", "ex6", "mask_ignored"),
+    M("c", "cache_scales_q_in_place", C_SCORES6, "q *= q.shape[-1] ** -0.5\n    scores = q @ keys.mT", "ex6",
+      "mutates_input"),
 ]

@@ -1,6 +1,7 @@
 """Lab 04's mistakes, on the instructor's solution (``a``: per-head tiles, alpha, masked_fill)
 and on an independent one (``b``: heads flattened, einsum, a correction factor, the backward's
-loops the other way round)."""
+loops the other way round).
+Solution ``c`` (issue 48, independent): base 2, while loops, the running max from the first tile."""
 
 from corpus import M
 
@@ -125,4 +126,80 @@ MUTANTS = [
       "ex5", "scores_materialized", ("q, k, v, out, lse = ctx.saved_tensors", "q, k, v, out, lse, p = ctx.saved_tensors")),
     M("b", "function_backward_not_causal", "dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal)",
       "dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out)", "ex5", "causal_block_skip"),
+]
+
+
+# ---------------------------------------------------------------------- c
+# solution "c" (third independent one): base-2 exponentials (log2(e) folded into the scale), while loops, the
+# running max initialised from the first key tile, the backward's outer loop over key tiles with P from exp2
+SOLUTIONS["c"] = "tests/corpus/lab04_c.py"
+
+C1_L = "l_i = l_i * torch.exp2((m_i - shift) * LOG2E) + torch.exp2((chunk - shift[:, None]) * LOG2E).sum(dim=-1)"
+C2_BITS = "bits = LOG2E / math.sqrt(E)"
+C2_STOP = "k_end = min(qe, S) if is_causal else S"
+C2_LSE = "lse[:, :, qs:qe] = (m_i + torch.log2(l_i)) * LN2"
+C2_MASK = ("            if is_causal:\n                keep = causal_block_mask(qs, qe, ks, ke)\n                if keep is not None:\n"
+           "                    s2 = torch.where(keep.to(s2.device), s2, float(\"-inf\"))\n            tile_max")
+C4_MASK = ("            if is_causal:\n                keep = causal_block_mask(qs, qe, ks, ke)\n                if keep is not None:\n"
+           "                    s2 = torch.where(keep.to(s2.device), s2, float(\"-inf\"))\n            p = torch.exp2")
+C4_DS = "ds = p * (dp - delta[:, :, qs:qe, None])"
+C4_DQ = "dq[:, :, qs:qe] += (ds @ k_j) * scale"
+C4_DK = "dk_j += (ds.transpose(-2, -1) @ q_i) * scale"
+C4_LSE2 = "lse2 = lse.float() * LOG2E"
+
+MUTANTS += [
+    # ex1: the online softmax, base 2, the state started from the first block
+    M("c", "stream_l_not_rescaled", C1_L,
+      "l_i = l_i + torch.exp2((chunk - shift[:, None]) * LOG2E).sum(dim=-1)", "ex1", "online_rescale"),
+    M("c", "stream_rescale_inverted", C1_L,
+      "l_i = l_i * torch.exp2((shift - m_i) * LOG2E) + torch.exp2((chunk - shift[:, None]) * LOG2E).sum(dim=-1)",
+      "ex1", "online_rescale"),
+    M("c", "stream_head_unsafe_max", "l_i = torch.exp2((head - safe_max(m_i)[:, None]) * LOG2E).sum(dim=-1)",
+      "l_i = torch.exp2((head - m_i[:, None]) * LOG2E).sum(dim=-1)", "ex1", "online_rescale"),
+    M("c", "stream_block_max", "m_new = torch.maximum(m_i, chunk.amax(dim=-1))",
+      "m_new = torch.maximum(m_i, chunk.amax().expand_as(m_i))", "ex1", "block_max",
+      ("m_i = head.amax(dim=-1)", "m_i = head.amax().expand(x.shape[0])")),
+    M("c", "stream_shifts_x_in_place", C1_L,
+      "chunk -= shift[:, None]\n        l_i = l_i * torch.exp2((m_i - shift) * LOG2E) + torch.exp2(chunk * LOG2E).sum(dim=-1)",
+      "ex1", "mutates_input"),
+    # ex2: the tiled forward
+    M("c", "acc_not_rescaled", "acc = acc * rescale[..., None] + p @ v[:, :, ks:ke].float()",
+      "acc = acc + p @ v[:, :, ks:ke].float()", "ex2", "online_rescale"),
+    M("c", "l_not_rescaled", "l_i = l_i * rescale + p.sum(dim=-1)", "l_i = l_i + p.sum(dim=-1)", "ex2", "online_rescale"),
+    M("c", "no_final_divide", "out[:, :, qs:qe] = (acc / l_i[..., None]).to(q.dtype)", "out[:, :, qs:qe] = acc.to(q.dtype)",
+      "ex2", "final_divide"),
+    M("c", "lse_left_in_base_2", C2_LSE, "lse[:, :, qs:qe] = m_i + torch.log2(l_i)", "ex2", "lse_saved"),
+    M("c", "lse_max_converted_log2_not", C2_LSE, "lse[:, :, qs:qe] = m_i * LN2 + torch.log2(l_i)", "ex2", "lse_saved"),
+    M("c", "lse_is_max", C2_LSE, "lse[:, :, qs:qe] = m_i * LN2", "ex2", "lse_saved"),
+    M("c", "lse_without_max", C2_LSE, "lse[:, :, qs:qe] = torch.log(l_i)", "ex2", "lse_saved"),
+    M("c", "diagonal_unmasked", C2_MASK, "            tile_max", "ex2", "causal_block_skip"),
+    M("c", "future_tiles_computed", C2_STOP, "k_end = S", "ex2", "causal_block_skip"),
+    M("c", "forward_no_scale", C2_BITS, "bits = LOG2E", "ex2", "missing_scale"),
+    M("c", "forward_scale_by_Ev", C2_BITS, "bits = LOG2E / math.sqrt(Ev)", "ex2", "wrong_scale"),
+    M("c", "forward_divides_by_E", C2_BITS, "bits = LOG2E / E", "ex2", "wrong_scale"),
+    M("c", "forward_scales_q_in_place", "q_i = q[:, :, qs:qe].float() * bits",
+      "q_i = q[:, :, qs:qe].float()\n        q_i *= bits", "ex2", "mutates_input"),
+    # ex3: every row's max known up front, from the whole score matrix
+    M("c", "full_scores_for_the_max", "        m_i = l_i = acc = None\n",
+      "        m_i, l_i, acc = row_max[:, :, qs:qe], 0.0, 0.0\n", "ex3", "scores_materialized",
+      ("    qs = 0\n    while qs < L:",
+       "    row_max = (q.float() @ k.float().transpose(-2, -1)).amax(dim=-1) * bits  # [B, H, L]\n    qs = 0\n    while qs < L:")),
+    # ex4: the backward, key tiles outside
+    M("c", "no_D_term", C4_DS, "ds = p * dp", "ex4", "backward_d_term"),
+    M("c", "D_of_the_tile", C4_DS, "ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))", "ex4", "backward_d_term"),
+    M("c", "dq_dk_without_scale", C4_DQ, "dq[:, :, qs:qe] += ds @ k_j", "ex4", "backward_scale",
+      (C4_DK, "dk_j += ds.transpose(-2, -1) @ q_i")),
+    M("c", "dq_without_scale", C4_DQ, "dq[:, :, qs:qe] += ds @ k_j", "ex4", "backward_scale"),
+    M("c", "dk_without_scale", C4_DK, "dk_j += ds.transpose(-2, -1) @ q_i", "ex4", "backward_scale"),
+    M("c", "P_rebuilt_unscaled", "bits = scale * LOG2E", "bits = LOG2E", "ex4", "backward_scale"),
+    M("c", "lse_scaled_in_place", C4_LSE2, "lse2 = lse.float()\n    lse2 *= LOG2E", "ex4", "mutates_input"),
+    M("c", "backward_unmasked", C4_MASK, "            p = torch.exp2", "ex4", "causal_block_skip"),
+    # ex5: the autograd Function
+    M("c", "function_grads_swapped", "        return dq, dk, dv, None", "        return dk, dq, dv, None", "ex5", "order"),
+    M("c", "function_saves_weights", "ctx.save_for_backward(q, k, v, o, lse)",
+      "ctx.save_for_backward(q, k, v, o, lse, torch.exp2((q @ k.transpose(-2, -1)) * (LOG2E / math.sqrt(q.shape[-1]))"
+      " - lse[..., None] * LOG2E))", "ex5", "scores_materialized",
+      ("q, k, v, o, lse = ctx.saved_tensors", "q, k, v, o, lse, weights = ctx.saved_tensors")),
+    M("c", "function_backward_not_causal", "dq, dk, dv = flash_backward(q, k, v, o, lse, do, ctx.is_causal)",
+      "dq, dk, dv = flash_backward(q, k, v, o, lse, do)", "ex5", "causal_block_skip"),
 ]
