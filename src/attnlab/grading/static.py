@@ -113,6 +113,10 @@ COMMON_ATTRIBUTES = frozenset({
     "allclose", "equal", "tolist", "device", "requires_grad", "grad", "backward", "float32", "float64",
     "bfloat16", "float16", "long", "int", "int64", "finfo", "tiny", "eps", "no_grad", "fill_", "zero_", "copy_", "add_", "mul_",
     "div_", "sub_", "values", "indices", "keys", "items", "pi", "inf", "nan", "ceil", "floor",
+    # more of the same, each refused an honest solution of issue 48's independent authors (the
+    # in-place ones then reach the child's mutates_input check, which names them)
+    "movedim", "moveaxis", "tril_indices", "triu_indices", "outer", "diagonal", "logical_not_", "logical_and_",
+    "logical_or_", "unsqueeze_", "squeeze_", "clamp_", "exp_", "neg_", "masked_scatter", "causal",
     # Python's list and dict methods
     "append", "extend", "pop", "insert", "index", "count", "get", "update", "copy", "sort", "reverse", "remove",
     "clear",
