@@ -75,7 +75,7 @@ _CORE_CHOICES = {
 }
 _ASPECT_FIELD = {
     "large": ("softmax", ["naive"]),
-    "mask": ("mask", ["inverted", "after_softmax", "zero_fill", "ignored"]),
+    "mask": ("mask", ["inverted", "after_softmax", "after_softmax_inf", "zero_fill", "ignored"]),
     "float_mask": ("mask", ["ignored"]),
     "causal": ("causal", ["bottom_right", "no_diag", "plus_one", "upper", "ignored"]),
     "empty": ("empty_rows", ["nan", "uniform"]),
@@ -139,7 +139,7 @@ def analyze(probes: list[Probe], results: list[ProbeResult]) -> DoctorReport:
             best, best_hits = fitted, len(core)
     for f in _CORE_CHOICES:
         if getattr(best, f) != getattr(sdpa, f):
-            if f == "scale" and best.scale in ("power", "rel_power", "const"):
+            if f == "scale" and best.scale in ("power", "rel_power", "const", "rel_const"):
                 findings.append(_scale_finding(best))
                 continue
             code, msg = FIELD_FINDINGS[(f, getattr(best, f))]
@@ -152,6 +152,7 @@ def analyze(probes: list[Probe], results: list[ProbeResult]) -> DoctorReport:
 
     # 2. each aspect on top of the fitted core. When the core itself is unexplained,
     #    comparisons against it mean nothing: only NaN/inf and exceptions are reported.
+    found: dict[str, object] = {}  # field -> the alternative an aspect's probe found
     for p, r in zip(probes, results):
         if p.aspect == "core":
             continue
@@ -177,14 +178,15 @@ def analyze(probes: list[Probe], results: list[ProbeResult]) -> DoctorReport:
                     f = Finding("shape_error", f"with {p.description}: {f.message.split(': ', 1)[-1]}")
                 findings.append(f)
             continue
-        if _matches(best, p, r):
-            continue
+        if _matches(best, p, r) or (found and _matches(replace(best, **found), p, r)):
+            continue  # (a mistake an earlier aspect found explains this probe too: no second name)
         field_name, alternatives = _ASPECT_FIELD[p.aspect]
         for alt in alternatives:
             m = replace(best, **{field_name: alt})
             if _matches(m, p, r) or (p.aspect == "large" and _non_finite(r)):
                 code, msg = FIELD_FINDINGS[(field_name, alt)]
                 findings.append(Finding(code, f"{msg} (probe: {p.description})"))
+                found[field_name] = alt
                 break
         else:
             d = _fit_diagonal(best, p, r) if p.aspect == "causal" else None
@@ -227,6 +229,23 @@ def _non_finite(r: ProbeResult) -> bool:
     return r.output is not None and not torch.isfinite(r.output).all().item()
 
 
+# exp overflows float32 past 88.7; a naive softmax also sums S such terms: below 60 no softmax of
+# these scores overflows for any S up to e^28
+_OVERFLOW_SCORE = 60.0
+
+
+def _may_overflow(p: Probe) -> bool:
+    """Whether any score of the probe can reach exp's overflow: |q . k| <= |q| |k|, times the scale
+    (an upper bound that needs no head mapping)."""
+    q, k = p.query.double(), p.key.double()
+    if not q.numel() or not k.numel():
+        return False
+    scale = p.kwargs.get("scale") or 1 / math.sqrt(q.shape[-1])
+    bound = float(q.norm(dim=-1).max()) * float(k.norm(dim=-1).max()) * abs(scale)
+    # the doctor's models may also drop the scale (missing_scale): the bound without it
+    return max(bound, bound / abs(scale)) >= _OVERFLOW_SCORE
+
+
 def _unexplained(p: Probe, r: ProbeResult, model: BugModel) -> Finding:
     exp = _expected(model, p)
     if r.output is None:
@@ -240,7 +259,11 @@ def _unexplained(p: Probe, r: ProbeResult, model: BugModel) -> Finding:
     if _non_finite(r) and exp is not None and torch.isfinite(exp).all():
         if p.aspect == "empty":
             return Finding("fully_masked_nan", f"non-finite output with {p.description}")
-        return Finding("unstable_softmax", f"non-finite output (NaN/inf) with {p.description}")
+        if _may_overflow(p):
+            return Finding("unstable_softmax", f"non-finite output (NaN/inf) with {p.description}")
+        return Finding("unknown", f"non-finite output (NaN/inf) with {p.description}, though no score there is "
+                                  "large enough to overflow exp: a NaN from 0 * inf or inf - inf (a mask built by "
+                                  "multiplying with -inf?)")
     err = max_abs_diff(r.output, exp) if exp is not None else float("inf")
     return Finding("unknown", f"with {p.description}: output differs from SDPA by up to {err:.3g}")
 
@@ -335,6 +358,10 @@ def _scale_candidates(probes: list[tuple[Probe, ProbeResult]], base: BugModel) -
     factors = [f for _, f in fits]
     if factors and max(factors) / min(factors) < 1.02:
         out.append(replace(base, scale="const", factor=sum(factors) / len(factors)))
+    # the right scale times a constant: ln 2 (exp2 without log2(e) in the scale), log2(e), ...
+    ratios = [f / s0 for (_, f), s0 in zip(fits, sdpa_scales)]
+    if ratios and max(ratios) / min(ratios) < 1.02:
+        out.append(replace(base, scale="rel_const", factor=sum(ratios) / len(ratios)))
     return out
 
 
@@ -357,6 +384,11 @@ def _fit_scale(core: list[tuple[Probe, ProbeResult]], base: BugModel,
 
 
 def _scale_finding(m: BugModel) -> Finding:
+    if m.scale == "rel_const":
+        why = {math.log(2): ": ln 2, as exp2 gives without log2(e) folded into the scale",
+               1 / math.log(2): ": log2(e), as exp gives with log2(e) folded into the scale"}
+        named = next((text for c, text in why.items() if abs(m.factor / c - 1) < 0.01), "")
+        return Finding("wrong_scale", f"your scale is {m.factor:.4g} times the right one, whatever d_k{named}")
     if m.scale == "const":
         return Finding("wrong_scale", f"the scores are multiplied by the constant {m.factor:.4g} whatever d_k; "
                                       f"1/sqrt(d_k) equals it only when d_k = {1 / m.factor ** 2:.3g}: "

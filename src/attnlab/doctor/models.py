@@ -27,18 +27,19 @@ CODES: dict[str, str] = {code: mistakes.CODES[code] for code in mistakes.DOCTOR_
 class BugModel:
     """Attention with each textbook choice made explicit; the defaults are SDPA."""
 
-    scale: str = "sdpa"  # sdpa | one | inv_E | inv_sqrt_Ev | inv_sqrt_S | inv_sqrt_L | ignore_arg | power | rel_power | const
+    # sdpa | one | inv_E | inv_sqrt_Ev | inv_sqrt_S | inv_sqrt_L | ignore_arg | power | rel_power | const | rel_const
+    scale: str = "sdpa"
     softmax_dim: int = -1
     scores: str = "q_kT"  # q_kT | q_k (no transpose) | k_qT (scores transposed)
     values: str = "v"  # v | q | k
-    mask: str = "before"  # before | inverted | after_softmax | zero_fill | ignored
+    mask: str = "before"  # before | inverted | after_softmax | after_softmax_inf | zero_fill | ignored
     causal: str = "top_left"  # top_left | bottom_right | no_diag | plus_one | upper | ignored
     empty_rows: str = "zero"  # zero | nan | uniform
     softmax: str = "stable"  # stable | naive
     gqa: str = "interleave"  # interleave (SDPA's: query head h uses key/value head h // r) | tile (h % Hkv)
     # continuous parameters, fitted from the probes when no enumerated choice explains them
     power: float = -0.5  # scale = E ** power ("power"), or SDPA's scale times E ** power ("rel_power")
-    factor: float = 1.0  # scale = factor, whatever E (scale == "const")
+    factor: float = 1.0  # scale = factor, whatever E ("const"), or SDPA's scale times factor ("rel_const")
     diagonal: int = 0  # causal == "diagonal": keep = tril(diagonal)
 
 
@@ -62,6 +63,8 @@ FIELD_FINDINGS: dict[tuple[str, Any], tuple[str, str]] = {
     ("mask", "inverted"): ("mask_polarity", "the bool mask is inverted (True was treated as 'masked')"),
     ("mask", "after_softmax"): ("mask_after_softmax",
                                 "the mask zeroes weights after softmax, so rows no longer sum to 1"),
+    ("mask", "after_softmax_inf"): ("mask_after_softmax", "the mask fills the weights with -inf after softmax, "
+                                                          "so the output is NaN or inf"),
     ("mask", "ignored"): ("mask_ignored", "attn_mask has no effect on the output"),
     ("mask", "zero_fill"): ("mask_fill_zero", "masked scores are set to 0 instead of -inf, so masked keys still get "
                                               "weight after softmax"),
@@ -105,6 +108,7 @@ def model_attention(m: BugModel, q: Tensor, k: Tensor, v: Tensor, attn_mask: Opt
         "power": float(E) ** m.power,
         "rel_power": (1 / math.sqrt(E) if scale is None else scale) * float(E) ** m.power,
         "const": m.factor,
+        "rel_const": (1 / math.sqrt(E) if scale is None else scale) * m.factor,
     }[m.scale]
     try:
         if m.scores == "q_kT":
@@ -127,13 +131,14 @@ def model_attention(m: BugModel, q: Tensor, k: Tensor, v: Tensor, attn_mask: Opt
                 "diagonal": torch.ones(Ls, Ss, dtype=torch.bool).tril(m.diagonal),
             }[m.causal]
         elif attn_mask is not None and attn_mask.dtype == torch.bool:
-            keep = {"before": attn_mask, "after_softmax": attn_mask, "inverted": ~attn_mask,
+            keep = {"before": attn_mask, "after_softmax": attn_mask, "after_softmax_inf": attn_mask,
+                    "inverted": ~attn_mask,
                     "zero_fill": attn_mask, "ignored": None}[m.mask]
         elif attn_mask is not None:
             if m.mask != "ignored":
                 s = s + attn_mask.double()
 
-        after = keep is not None and m.mask == "after_softmax" and not is_causal
+        after = keep is not None and m.mask in ("after_softmax", "after_softmax_inf") and not is_causal
         if keep is not None and not after:
             fill = -1e9 if m.empty_rows == "uniform" else float("-inf")
             if m.mask == "zero_fill" and not is_causal:
@@ -145,7 +150,7 @@ def model_attention(m: BugModel, q: Tensor, k: Tensor, v: Tensor, attn_mask: Opt
         else:
             w = stable_softmax(s, dim=m.softmax_dim)
         if after:
-            w = w * keep
+            w = w * keep if m.mask == "after_softmax" else w.masked_fill(~keep, float("-inf"))
         if m.empty_rows == "nan":
             empty = torch.isneginf(s).all(-1, keepdim=True)
             w = torch.where(empty, torch.full_like(w, float("nan")), w)
