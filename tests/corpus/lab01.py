@@ -197,3 +197,103 @@ MUTANTS += [
     M("c", "first_column", C_ROW0, "return probs.select(dim=2, index=0)", "ex12", "wrong_axis"),
     M("c", "select_dim_0", C_ROW0, "return probs.select(dim=0, index=0)", "ex12", "batch_only"),
 ]
+
+# issue 48: the "c" mistakes the grader did not name when its author wrote them, named since
+MUTANTS += [
+    M("c", "sum_over_last_dim", "denom = expd.sum(dim=dim, keepdim=True)", "denom = expd.sum(dim=-1, keepdim=True)",
+      "ex3", "softmax_dim"),
+    M("c", "min_instead_of_max", "peak = scores.amax(dim=dim, keepdim=True)",
+      "peak = scores.amin(dim=dim, keepdim=True)", "ex3", "unstable_softmax"),
+    M("c", "layer_apply_mask_on_probs", "    if mask is not None:\n        logits = apply_mask(logits, mask)\n", "",
+      "ex8", "mask_after_softmax", ("    out = attend(probs, V)\n",
+                                    "    if mask is not None:\n        probs = apply_mask(probs, mask)\n"
+                                    "    out = attend(probs, V)\n")),
+    M("c", "ex2_times_sqrt", "scaled = unscaled / math.sqrt(d_k)", "scaled = unscaled * math.sqrt(d_k)", "ex11",
+      "wrong_scale"),
+    M("c", "ex2_stable_is_naive", '"stable": stable_softmax(unscaled)', '"stable": naive_softmax(unscaled)', "ex11",
+      "unstable_softmax"),
+    M("c", "last_row", C_ROW0, "return probs.select(dim=1, index=-1)", "ex12", "wrong_axis"),
+    M("c", "causal_loop_stops_early", "for i in range(T):", "for i in range(T - 1):", "ex5", "off_by_one"),
+    M("c", "padding_drops_last", "mask[b, 0, :n] = True", "mask[b, 0, : n - 1] = True", "ex6", "off_by_one"),
+]
+
+# ---------------------------------------------------------------------- d: bmm, arange masks, where, log-sum-exp
+SOLUTIONS["d"] = "tests/corpus/lab01_d.py"
+
+D_SCORES = "return torch.bmm(Q, K.transpose(1, 2)) / math.sqrt(d_k)"
+D_PEAK = "peak = scores.amax(dim=dim, keepdim=True)"
+D_SHIFT = "shifted = scores - peak"
+D_LSE = "log_total = torch.log(torch.exp(shifted).sum(dim=dim, keepdim=True))"
+D_CAUSAL = "return key <= query"
+D_PAD = "real = positions < lengths.unsqueeze(1)"
+D_WHERE = "return torch.where(mask, scores, minus_inf)"
+D_MASK8 = "        scores = apply_mask(scores, mask)\n"
+D_SCORES8 = "    scores = attention_scores(Q, K)\n    if mask"
+D_ROW0 = "return weights[:, 0, :]"
+
+MUTANTS += [
+    M("d", "qk_swapped", "Q = batched_project(X, W_Q)", "Q = batched_project(X, W_K)", "ex1", "order",
+      ("K = batched_project(X, W_K)", "K = batched_project(X, W_Q)")),
+    M("d", "returns_q_v_k", "return Q, K, V", "return Q, V, K", "ex1", "order"),
+    M("d", "no_scale", D_SCORES, "return torch.bmm(Q, K.transpose(1, 2))", "ex2", "missing_scale"),
+    M("d", "size_of_S", "d_k = Q.shape[-1]", "d_k = K.shape[1]", "ex2", "wrong_scale"),
+    M("d", "transpose_0_1", D_SCORES, "return torch.bmm(Q, K.transpose(0, 1)) / math.sqrt(d_k)", "ex2",
+      "wrong_transpose"),
+    M("d", "bmm_K_Q", D_SCORES, "return torch.bmm(K, Q.transpose(1, 2)) / math.sqrt(d_k)", "ex2", "wrong_transpose"),
+    M("d", "scale_Q_in_place", D_SCORES, "Q /= math.sqrt(d_k)\n    return torch.bmm(Q, K.transpose(1, 2))", "ex2",
+      "mutates_input"),
+    M("d", "no_max_shift", D_SHIFT, "shifted = scores", "ex3", "unstable_softmax"),
+    M("d", "max_without_keepdim", D_PEAK, "peak = scores.amax(dim=dim)", "ex3", "keepdim"),
+    M("d", "sum_without_keepdim", D_LSE, "log_total = torch.log(torch.exp(shifted).sum(dim=dim))", "ex3", "keepdim"),
+    M("d", "no_peak_guard", "    peak = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)\n", "", "ex3",
+      "fully_masked_nan"),
+    M("d", "no_lse_guard",
+      "    log_total = torch.where(torch.isinf(log_total), torch.zeros_like(log_total), log_total)\n", "", "ex3",
+      "fully_masked_nan"),
+    M("d", "global_max", D_PEAK, "peak = scores.amax()", "ex3", "unstable_softmax"),
+    M("d", "dim_hardcoded", D_PEAK, "peak = scores.amax(dim=-1, keepdim=True)", "ex3", "softmax_dim",
+      (D_LSE, "log_total = torch.log(torch.exp(shifted).sum(dim=-1, keepdim=True))")),
+    M("d", "sub_in_place", D_SHIFT, "shifted = scores.sub_(peak)", "ex3", "mutates_input"),
+    M("d", "causal_strict", D_CAUSAL, "return key < query", "ex5", "off_by_one"),
+    M("d", "causal_unsqueeze_swapped", "query = torch.arange(T).unsqueeze(1)", "query = torch.arange(T).unsqueeze(0)",
+      "ex5", "causal_future", ("key = torch.arange(T).unsqueeze(0)", "key = torch.arange(T).unsqueeze(1)")),
+    M("d", "causal_inverted", D_CAUSAL, "return key > query", "ex5", "mask_polarity"),
+    M("d", "causal_float", D_CAUSAL, "return (key <= query).float()", "ex5", "mask_dtype"),
+    M("d", "padding_le", D_PAD, "real = positions <= lengths.unsqueeze(1)", "ex6", "off_by_one"),
+    M("d", "padding_inverted", D_PAD, "real = positions >= lengths.unsqueeze(1)", "ex6", "mask_polarity"),
+    M("d", "padding_query_side", "return real.unsqueeze(1)", "return real.unsqueeze(2)", "ex6", "padding_query_side"),
+    M("d", "padding_length_minus_1", D_PAD, "real = positions < lengths.unsqueeze(1) - 1", "ex6", "off_by_one"),
+    M("d", "where_swapped", D_WHERE, "return torch.where(mask, minus_inf, scores)", "ex7", "mask_polarity"),
+    M("d", "where_zero", 'float("-inf")', "0.0", "ex7", "mask_fill_zero"),
+    M("d", "where_finfo_min", 'float("-inf")', "torch.finfo(scores.dtype).min", "ex7", "mask_fill_finite"),
+    M("d", "layer_softmax_dim_1", "weights = stable_softmax(scores, dim=-1)", "weights = stable_softmax(scores, dim=1)",
+      "ex8", "softmax_dim"),
+    M("d", "layer_attends_Q", "output = attend(weights, V)", "output = attend(weights, Q)", "ex8", "value_swapped"),
+    M("d", "layer_mask_dropped", D_MASK8, "        apply_mask(scores, mask)\n", "ex8", "mask_ignored"),
+    M("d", "layer_mask_inverted", D_MASK8, "        scores = apply_mask(scores, ~mask)\n", "ex8", "mask_polarity"),
+    M("d", "layer_zeroes_weights", "    if mask is not None:\n" + D_MASK8, "", "ex8", "mask_after_softmax",
+      ("    output = attend(weights, V)\n", "    if mask is not None:\n"
+       "        weights = torch.where(mask, weights, torch.zeros_like(weights))\n    output = attend(weights, V)\n")),
+    M("d", "layer_returns_swapped", "return output, weights", "return weights, output", "ex8", "order"),
+    M("d", "layer_scaled_twice", D_SCORES8, "    scores = attention_scores(Q, K) / math.sqrt(Q.shape[-1])\n    if mask",
+      "ex8", "wrong_scale"),
+    M("d", "layer_scores_K_Q", D_SCORES8, "    scores = attention_scores(K, Q)\n    if mask", "ex8",
+      "wrong_transpose"),
+    M("d", "sdpa_without_mask", "theirs = torch.nn.functional.scaled_dot_product_attention(Q, K, V, attn_mask=mask)",
+      "theirs = torch.nn.functional.scaled_dot_product_attention(Q, K, V)", "ex9", "mask_ignored"),
+    M("d", "mine_without_mask", "mine, _ = self_attention(X, W_Q, W_K, W_V, mask)",
+      "mine, _ = self_attention(X, W_Q, W_K, W_V)", "ex9", "mask_ignored"),
+    M("d", "ex2_stable_is_naive", '"stable": stable_softmax(unscaled),', '"stable": naive_softmax(unscaled),', "ex11",
+      "unstable_softmax"),
+    M("d", "ex2_unscaled", '"scaled": stable_softmax(unscaled / math.sqrt(d_k)),', '"scaled": stable_softmax(unscaled),',
+      "ex11", "missing_scale"),
+    M("d", "first_column", D_ROW0, "return weights[:, :, 0]", "ex12", "wrong_axis"),
+    M("d", "first_batch_only", D_ROW0, "return weights[0]", "ex12", "batch_only"),
+]
+
+# issue 48: in-place slips the allow-list refused (now named by the child's check); "d"'s unnamed one
+MUTANTS += [
+    M("c", "attend_unsqueeze_in_place", "weights.unsqueeze(-1)", "weights.unsqueeze_(-1)", "ex4", "mutates_input"),
+    M("d", "lse_of_unshifted", "log_total = torch.log(torch.exp(shifted).sum(dim=dim, keepdim=True))",
+      "log_total = torch.log(torch.exp(scores).sum(dim=dim, keepdim=True))", "ex3", "unstable_softmax"),
+]

@@ -190,3 +190,110 @@ MUTANTS += [
     M("c", "attention_weights_times_K", "return torch.matmul(weights, V)", "return torch.matmul(weights, K)", "ex7",
       "value_swapped"),
 ]
+
+# ------------------------------------------------------------------ d: a fourth, independent solution
+# written from the brief alone by a separate author: bool masks from torch.ones + torch.tril with
+# each diagonal offset in a named variable, combined with &; a masked softmax by masked_fill of
+# -inf, a max shift and a sum, empty rows guarded with torch.where; attention by torch.einsum.
+SOLUTIONS["d"] = "tests/corpus/lab02_d.py"
+D1_OFF = "top_left_offset = 0"
+D1_RET = "return torch.tril(everything, diagonal=top_left_offset)"
+D2_OFF = "cache_len = S - L"
+D2_RET = "return torch.tril(everything, diagonal=cache_len)"
+D3_CMP = "is_real_key = key_positions[None, :] < lengths[:, None]"
+D5_FILL = 'filled = scores.masked_fill(~mask, float("-inf"))'
+D5_RET = "return exps / denom"
+D6 = "attend = ~key_padding_mask"
+D7_SCORES = 'scores = torch.einsum("...le,...se->...ls", Q, K) * scale'
+D7_SCALE = "scale = 1.0 / math.sqrt(E)"
+D7_SOFTMAX = "weights = masked_softmax(scores, mask)"
+D7_OUT = 'return torch.einsum("...ls,...sv->...lv", weights, V)'
+
+MUTANTS += [
+    # ex1: tril of ones with a named offset
+    M("d", "causal_triu", D1_RET, "return torch.triu(everything, diagonal=top_left_offset)", "ex1", "causal_future"),
+    M("d", "causal_hides_diagonal", D1_OFF, "top_left_offset = -1", "ex1", "off_by_one"),
+    M("d", "causal_sees_next", D1_OFF, "top_left_offset = 1", "ex1", "off_by_one"),
+    M("d", "causal_offset_S_minus_L", D1_OFF, "top_left_offset = S - L", "ex1", "causal_alignment"),
+    M("d", "causal_inverted", D1_RET, "return ~torch.tril(everything, diagonal=top_left_offset)", "ex1",
+      "mask_polarity"),
+    M("d", "causal_float_ones", "everything = torch.ones(L, S, dtype=torch.bool)\n    top_left_offset",
+      "everything = torch.ones(L, S)\n    top_left_offset", "ex1", "mask_dtype"),
+    # ex2: the offset S - L
+    M("d", "decoding_no_offset", D2_OFF, "cache_len = 0", "ex2", "causal_alignment"),
+    M("d", "decoding_L_minus_S", D2_OFF, "cache_len = L - S", "ex2", "causal_alignment"),
+    M("d", "decoding_hides_diagonal", D2_OFF, "cache_len = S - L - 1", "ex2", "off_by_one"),
+    M("d", "decoding_sees_next", D2_OFF, "cache_len = S - L + 1", "ex2", "off_by_one"),
+    M("d", "decoding_triu", D2_RET, "return torch.triu(everything, diagonal=cache_len)", "ex2", "causal_future"),
+    M("d", "decoding_float_ones", "everything = torch.ones(L, S, dtype=torch.bool)\n    cache_len",
+      "everything = torch.ones(L, S)\n    cache_len", "ex2", "mask_dtype"),
+    # ex3: an arange against the lengths
+    M("d", "padding_le", D3_CMP, "is_real_key = key_positions[None, :] <= lengths[:, None]", "ex3", "off_by_one"),
+    M("d", "padding_inverted", D3_CMP, "is_real_key = key_positions[None, :] >= lengths[:, None]", "ex3",
+      "mask_polarity"),
+    M("d", "padding_query_side", "return is_real_key.reshape(batch, 1, 1, S)",
+      "return is_real_key.reshape(batch, 1, S, 1)", "ex3", "padding_query_side"),
+    M("d", "padding_float", D3_CMP, "is_real_key = (key_positions[None, :] < lengths[:, None]).float()", "ex3",
+      "mask_dtype"),
+    # ex4
+    M("d", "combine_or", "return a & b", "return a | b", "ex4", "mask_combined_or"),
+    # ex5: masked_fill, shift, sum, torch.where guards
+    M("d", "fill_zero", D5_FILL, "filled = scores.masked_fill(~mask, 0.0)", "ex5", "mask_fill_zero"),
+    M("d", "fill_where_true", D5_FILL, 'filled = scores.masked_fill(mask, float("-inf"))', "ex5", "mask_polarity"),
+    M("d", "fill_minus_1e9", D5_FILL, "filled = scores.masked_fill(~mask, -1e9)", "ex5", "mask_fill_finite"),
+    M("d", "fill_finfo_min", D5_FILL, "filled = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)", "ex5",
+      "mask_fill_finite"),
+    M("d", "fill_in_place", D5_FILL, 'filled = scores.masked_fill_(~mask, float("-inf"))', "ex5", "mutates_input"),
+    M("d", "shift_unguarded", "shift = torch.where(empty_row, torch.zeros_like(row_max), row_max)",
+      "shift = row_max", "ex5", "fully_masked_nan"),
+    M("d", "denom_unguarded", "denom = torch.where(empty_row, torch.ones_like(row_sum), row_sum)",
+      "denom = row_sum", "ex5", "fully_masked_nan"),
+    M("d", "no_max_shift", "exps = torch.exp(filled - shift)", "exps = torch.exp(filled)", "ex5", "unstable_softmax"),
+    M("d", "max_without_keepdim", "row_max = filled.amax(dim=-1, keepdim=True)", "row_max = filled.amax(dim=-1)",
+      "ex5", "keepdim"),
+    M("d", "sum_without_keepdim", "row_sum = exps.sum(dim=-1, keepdim=True)", "row_sum = exps.sum(dim=-1)", "ex5",
+      "keepdim"),
+    M("d", "mask_after_softmax", D5_FILL, "filled = scores", "ex5", "mask_after_softmax",
+      (D5_RET, "return (exps / denom).masked_fill(~mask, 0.0)")),
+    # ex6
+    M("d", "kpm_not_inverted", D6, "attend = key_padding_mask", "ex6", "mask_polarity"),
+    M("d", "kpm_query_side", "return attend.reshape(batch, 1, 1, S)", "return attend.reshape(batch, 1, S, 1)", "ex6",
+      "padding_query_side"),
+    # ex7: two einsums
+    M("d", "attention_no_scale", D7_SCORES, 'scores = torch.einsum("...le,...se->...ls", Q, K)', "ex7",
+      "missing_scale"),
+    M("d", "attention_sqrt_Ev", "E = Q.shape[-1]", "E = V.shape[-1]", "ex7", "wrong_scale"),
+    M("d", "attention_divide_by_E", D7_SCALE, "scale = 1.0 / E", "ex7", "wrong_scale"),
+    M("d", "attention_times_sqrt_E", D7_SCALE, "scale = math.sqrt(E)", "ex7", "wrong_scale"),
+    M("d", "attention_einsum_K_transposed", D7_SCORES, 'scores = torch.einsum("...le,...es->...ls", Q, K) * scale',
+      "ex7", "wrong_transpose"),
+    M("d", "attention_weights_times_K", D7_OUT, 'return torch.einsum("...ls,...sv->...lv", weights, K)', "ex7",
+      "value_swapped"),
+    M("d", "attention_mask_inverted", D7_SOFTMAX, "weights = masked_softmax(scores, ~mask)", "ex7", "mask_polarity"),
+    M("d", "attention_default_always", "    if mask is None:\n        mask = torch.ones(", "    mask = torch.ones(",
+      "ex7", "mask_ignored"),
+]
+
+# issue 48: the "c" mistakes the grader did not name when its author wrote them, named since
+MUTANTS += [
+    M("c", "padding_positions_from_one", "key_pos = torch.arange(S, device=lengths.device)",
+      "key_pos = torch.arange(1, S + 1, device=lengths.device)", "ex3", "off_by_one"),
+    M("c", "bias_fill_zero", "bias.masked_fill(mask.logical_not(), -math.inf)",
+      "bias.masked_fill(mask.logical_not(), 0.0)", "ex5", "mask_ignored"),
+    M("c", "scores_multiplied_by_mask", "biased = scores + bias", "biased = scores * mask", "ex5", "mask_fill_zero"),
+    M("c", "max_of_unmasked_scores", "row_max = biased.amax(dim=-1, keepdim=True)",
+      "row_max = scores.amax(dim=-1, keepdim=True)", "ex5", "unstable_softmax"),
+    M("c", "sum_over_queries", "z = e.sum(dim=-1, keepdim=True)", "z = e.sum(dim=-2, keepdim=True)", "ex5",
+      "softmax_dim"),
+]
+
+# issue 48: the "d" mistakes the grader did not name when its author wrote them, named since
+MUTANTS += [
+    M("d", "sum_over_queries", "row_sum = exps.sum(dim=-1, keepdim=True)", "row_sum = exps.sum(dim=-2, keepdim=True)",
+      "ex5", "softmax_dim"),
+    M("d", "combine_in_place", "    return a & b", "    a &= b\n    return a", "ex4", "mutates_input"),
+]
+MUTANTS += [
+    M("c", "kpm_inverted_in_place", "key_padding_mask.logical_not()", "key_padding_mask.logical_not_()", "ex6",
+      "mutates_input"),
+]

@@ -184,3 +184,118 @@ MUTANTS += [
     M("c", "cache_scales_q_in_place", C_SCORES6, "q *= q.shape[-1] ** -0.5\n    scores = q @ keys.mT", "ex6",
       "mutates_input"),
 ]
+
+# ------------------------------------------------------------------ d
+# a fourth independent solution: an explicit loop over the heads that slices each head's features
+# out of the projected tensor and joins the head outputs with torch.cat (merge_heads the same
+# way), GQA by indexing key/value head h // group inside the loop, and the cache's mask from
+# torch.arange positions (query P + i sees key j <= P + i)
+SOLUTIONS["d"] = "tests/corpus/lab03_d.py"
+
+D_SPLIT = "return x.view(B, L, H, E).transpose(1, 2)"
+D_MERGE = "return torch.cat(pieces, dim=-1)"
+D_SCORES3 = "scores = q_h @ k_h.transpose(-2, -1) / math.sqrt(E)  # [B, L, L]"
+D_FILL3 = 'scores = scores.masked_fill(~mask[:, h], float("-inf"))'
+D_CONCAT = "concat = torch.cat(outputs, dim=-1)"
+D_SLICE = "start, end = h * E, (h + 1) * E"
+D_G = "g = h // groups"
+D_KH = "k_h = k[..., h // group, :, :]"
+D_VH = "v_h = v[..., h // group, :, :]"
+D_SCORES5 = "scores = q_h @ k_h.transpose(-2, -1) / math.sqrt(E)\n        outs"
+D_OUT5 = "outs.append(softmax_last(scores) @ v_h)"
+D_QPOS = "q_pos = P + torch.arange(L, device=q.device)"
+D_KPOS = "k_pos = torch.arange(P + L, device=q.device)"
+D_ALLOWED = "allowed = k_pos[None, :] <= q_pos[:, None]"
+D_FILL6 = 'scores = scores.masked_fill(~allowed, float("-inf"))'
+
+MUTANTS += [
+    M("d", "split_view_heads_first", D_SPLIT, "return x.view(B, H, L, E)", "ex1", "heads_mixed"),
+    M("d", "split_strided", D_SPLIT, "return x.view(B, L, E, H).permute(0, 3, 1, 2)", "ex1", "heads_mixed"),
+    M("d", "merge_stack_interleaves", D_MERGE, "return torch.stack(pieces, dim=-1).flatten(-2)", "ex2",
+      "heads_mixed"),
+    M("d", "merge_reshape_no_loop", D_MERGE, "return x.reshape(x.shape[0], x.shape[2], -1)", "ex2", "heads_mixed"),
+    M("d", "no_out_proj", "return concat @ W_O", "return concat", "ex3", "missing_out_proj"),
+    M("d", "scale_by_model_size", D_SCORES3, "scores = q_h @ k_h.transpose(-2, -1) / math.sqrt(D)  # [B, L, L]",
+      "ex3", "wrong_scale"),
+    M("d", "no_scale", D_SCORES3, "scores = q_h @ k_h.transpose(-2, -1)  # [B, L, L]", "ex3", "missing_scale"),
+    M("d", "keys_T", D_SCORES3, "scores = q_h @ k_h.T / math.sqrt(E)  # [B, L, L]", "ex3", "wrong_transpose"),
+    M("d", "mask_inverted", D_FILL3, 'scores = scores.masked_fill(mask[:, h], float("-inf"))', "ex3",
+      "mask_polarity"),
+    M("d", "mask_after_softmax",
+      "        if mask is not None:\n            " + D_FILL3 + "\n        weights = softmax_last(scores)\n",
+      "        weights = softmax_last(scores)\n        if mask is not None:\n"
+      "            weights = weights.masked_fill(~mask[:, h], 0.0)\n", "ex3", "mask_after_softmax"),
+    M("d", "mask_fill_not_assigned", D_FILL3, 'scores.masked_fill(~mask[:, h], float("-inf"))', "ex3",
+      "mask_ignored"),
+    M("d", "values_from_W_K", "V = x @ W_V", "V = x @ W_K", "ex3", "value_swapped"),
+    M("d", "k_v_projections_swapped", "K = x @ W_K", "K = x @ W_V", "ex3", "order", ("V = x @ W_V", "V = x @ W_K")),
+    M("d", "softmax_over_queries", "weights = softmax_last(scores)",
+      "weights = softmax_last(scores.transpose(-2, -1)).transpose(-2, -1)", "ex3", "softmax_dim"),
+    M("d", "repeat_modulo", D_G, "g = h % Hkv", "ex4", "gqa_group_mapping"),
+    M("d", "repeat_cats_whole_kv", "return torch.cat(heads, dim=1)", "return torch.cat([kv] * groups, dim=1)", "ex4",
+      "gqa_group_mapping"),
+    M("d", "gqa_head_modulo", D_KH, "k_h = k[..., h % Hkv, :, :]", "ex5", "gqa_group_mapping",
+      (D_VH, "v_h = v[..., h % Hkv, :, :]")),
+    M("d", "gqa_no_scale", D_SCORES5, "scores = q_h @ k_h.transpose(-2, -1)\n        outs", "ex5", "missing_scale"),
+    M("d", "gqa_scale_by_Ev", "E = q.shape[-1]", "E = v.shape[-1]", "ex5", "wrong_scale"),
+    M("d", "gqa_values_are_keys", D_OUT5, "outs.append(softmax_last(scores) @ k_h)", "ex5", "value_swapped"),
+    M("d", "gqa_softmax_over_queries", D_OUT5,
+      "outs.append(softmax_last(scores.transpose(-2, -1)).transpose(-2, -1) @ v_h)", "ex5", "softmax_dim"),
+    M("d", "cache_appended_first", "keys = torch.cat([k_cache, k_new], dim=2)",
+      "keys = torch.cat([k_new, k_cache], dim=2)", "ex6", "kv_cache_order",
+      ("values = torch.cat([v_cache, v_new], dim=2)", "values = torch.cat([v_new, v_cache], dim=2)")),
+    M("d", "cache_no_offset", D_QPOS, "q_pos = torch.arange(L, device=q.device)", "ex6", "causal_alignment"),
+    M("d", "cache_offset_L", D_QPOS, "q_pos = L + torch.arange(L, device=q.device)", "ex6", "causal_alignment"),
+    M("d", "cache_offset_on_keys_too", D_KPOS, "k_pos = P + torch.arange(P + L, device=q.device)", "ex6",
+      "causal_alignment"),
+    M("d", "cache_strict", D_ALLOWED, "allowed = k_pos[None, :] < q_pos[:, None]", "ex6", "off_by_one"),
+    M("d", "cache_future", D_ALLOWED, "allowed = k_pos[None, :] >= q_pos[:, None]", "ex6", "causal_future"),
+    M("d", "cache_mask_inverted", D_FILL6, 'scores = scores.masked_fill(allowed, float("-inf"))', "ex6",
+      "mask_polarity"),
+    M("d", "cache_no_mask", "    " + D_FILL6 + "\n", "", "ex6", "mask_ignored"),
+    M("d", "cache_no_scale", "scores = q @ keys.transpose(-2, -1) / math.sqrt(q.shape[-1])",
+      "scores = q @ keys.transpose(-2, -1)", "ex6", "missing_scale"),
+    M("d", "cache_values_are_keys", "out = softmax_last(scores) @ values", "out = softmax_last(scores) @ keys", "ex6",
+      "value_swapped"),
+    M("d", "cache_returned_swapped", "return out, keys, values", "return out, values, keys", "ex6", "order"),
+]
+
+# issue 48: the "c" mistakes the grader did not name when its author wrote them, named since
+C_RETURN = "return softmax_last(scores) @ values, keys, values"
+MUTANTS += [
+    M("c", "scale_by_head_count", "head_size = q.shape[-1]", "head_size = q.shape[1]", "ex3", "wrong_scale"),
+    M("c", "times_sqrt_E", "q = q * head_size ** -0.5", "q = q * head_size ** 0.5", "ex3", "wrong_scale"),
+    M("c", "split_before_chunk", "q, k, v = (split_heads(t, H) for t in (x @ W_QKV).chunk(3, dim=-1))",
+      "q, k, v = split_heads(x @ W_QKV, H).chunk(3, dim=-1)", "ex3", "heads_mixed"),
+    M("c", "mask_multiplied", 'scores = scores + bias.masked_fill(mask.logical_not(), float("-inf"))',
+      "scores = scores * mask", "ex3", "mask_fill_zero"),  # the same numbers as a fill of 0
+    M("c", "mask_after_softmax",
+      "    if mask is not None:\n        bias = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)\n"
+      '        scores = scores + bias.masked_fill(mask.logical_not(), float("-inf"))\n'
+      "    heads = softmax_last(scores) @ v\n",
+      "    weights = softmax_last(scores)\n    if mask is not None:\n"
+      "        weights = weights.masked_fill(mask.logical_not(), 0.0)\n    heads = weights @ v\n",
+      "ex3", "mask_after_softmax"),
+    M("c", "repeat_divides_by_Hkv", "torch.arange(n_heads, device=kv.device) // groups",
+      "torch.arange(n_heads, device=kv.device) // kv.shape[1]", "ex4", "gqa_group_mapping"),
+    M("c", "cache_fill_zero", 'scores.masked_fill(future, float("-inf"))', "scores.masked_fill(future, 0.0)", "ex6",
+      "mask_fill_zero"),
+    M("c", "cache_no_scale", "scores = (q * q.shape[-1] ** -0.5) @ keys.mT", "scores = q @ keys.mT", "ex6",
+      "missing_scale"),
+    M("c", "cache_softmax_over_queries", C_RETURN, "return softmax_last(scores.mT).mT @ values, keys, values",
+      "ex6", "softmax_dim"),
+    M("c", "cache_values_are_keys", C_RETURN, "return softmax_last(scores) @ keys, keys, values", "ex6",
+      "value_swapped"),
+    M("c", "cache_returns_v_k", C_RETURN, "return softmax_last(scores) @ values, values, keys", "ex6", "order"),
+    M("c", "cache_returns_old_caches", C_RETURN, "return softmax_last(scores) @ values, k_cache, v_cache", "ex6",
+      "kv_cache_order"),
+]
+MUTANTS += [
+    M("c", "mask_inverted_in_place", "mask.logical_not()", "mask.logical_not_()", "ex3", "mutates_input"),
+    M("d", "split_transpose_before_view", "return x.view(B, L, H, E).transpose(1, 2)",
+      "return x.transpose(1, 2).reshape(B, H, L, E)", "ex1", "heads_mixed"),
+    M("d", "mask_fill_zero", 'masked_fill(~mask[:, h], float("-inf"))', "masked_fill(~mask[:, h], 0.0)", "ex3",
+      "mask_fill_zero"),
+    M("d", "heads_strided_slices", "q_h = Q[:, :, start:end]", "q_h = Q[:, :, h::H]", "ex3", "heads_mixed",
+      ("k_h = K[:, :, start:end]", "k_h = K[:, :, h::H]"), ("v_h = V[:, :, start:end]", "v_h = V[:, :, h::H]")),
+]

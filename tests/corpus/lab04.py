@@ -203,3 +203,121 @@ MUTANTS += [
     M("c", "function_backward_not_causal", "dq, dk, dv = flash_backward(q, k, v, o, lse, do, ctx.is_causal)",
       "dq, dk, dv = flash_backward(q, k, v, o, lse, do)", "ex5", "causal_block_skip"),
 ]
+
+
+# ---------------------------------------------------------------------- d
+# solution "d" (fourth independent one): natural exponentials, tiles from torch.split zipped with their start offsets,
+# m_i and l_i as [..., bq, 1] columns (keepdim=True), query tiles outside and key tiles inside in both passes, the
+# backward's dK and dV kept as lists of per-key-tile sums accumulated across the query tiles
+SOLUTIONS["d"] = "tests/corpus/lab04_d.py"
+
+D1_L = "l_i = l_i * torch.exp(m_i - m_safe) + torch.exp(chunk - m_safe).sum(dim=-1, keepdim=True)"
+D1_MAX = "m_new = torch.maximum(m_i, chunk.amax(dim=-1, keepdim=True))"
+D2_SCALE = "scale = 1.0 / math.sqrt(q.shape[-1])\n    q_tiles = list(zip(range(0, L, block_q), torch.split(q, block_q, dim=-2)))"
+D2_STOP = ("            if is_causal and k_start > q_end - 1:\n"
+           "                break  # this key tile and every later one is after the whole query tile\n")
+D2_S = "s = (q_i @ k_j.transpose(-2, -1)) * scale  # [B, H, bq, bk]"
+D2_MASK = ("            if is_causal:\n                keep = causal_block_mask(q_start, q_end, k_start, k_end)\n"
+           "                if keep is not None:\n                    s = s.masked_fill(~keep.to(s.device), float(\"-inf\"))\n"
+           "            m_new")
+D2_LSE = "lses.append(m_i + torch.log(l_i))"
+D2_LOOP = "    outs, lses = [], []\n    for q_start, q_i in q_tiles:"
+D4_MASK = D2_MASK[:-len("m_new")] + "p = torch.exp"
+D4_DS = "ds = p * (dp - d_i)"
+D4_DQ = "dq_i = dq_i + (ds @ k_j) * scale"
+D4_DK = "dk_tiles[j] = dk_tiles[j] + (ds.transpose(-2, -1) @ q_i) * scale"
+
+MUTANTS += [
+    # ex1: the online softmax, m_i and l_i as [R, 1] columns
+    M("d", "stream_l_not_rescaled", D1_L, "l_i = l_i + torch.exp(chunk - m_safe).sum(dim=-1, keepdim=True)", "ex1",
+      "online_rescale"),
+    M("d", "stream_rescale_inverted", D1_L,
+      "l_i = l_i * torch.exp(m_safe - m_i) + torch.exp(chunk - m_safe).sum(dim=-1, keepdim=True)", "ex1", "online_rescale"),
+    M("d", "stream_unsafe_max", "        m_safe = safe_max(m_new)\n        l_i", "        m_safe = m_new\n        l_i", "ex1",
+      "online_rescale"),
+    M("d", "stream_max_never_updated", "        m_i = m_new\n    return m_i.squeeze(-1)", "    return m_i.squeeze(-1)",
+      "ex1", "online_rescale"),
+    # dim=-1 forgotten, keepdim=True kept: the [1, 1] max of the whole block still broadcasts
+    M("d", "stream_block_max", D1_MAX, "m_new = torch.maximum(m_i, chunk.amax(keepdim=True))", "ex1", "block_max"),
+    M("d", "stream_max_without_keepdim", D1_MAX, "m_new = torch.maximum(m_i, chunk.amax(dim=-1))", "ex1", "keepdim"),
+    # chunk is a view of x (torch.split): shifting it in place shifts the caller's x
+    M("d", "stream_shifts_chunk_in_place", D1_L,
+      "chunk -= m_safe\n        l_i = l_i * torch.exp(m_i - m_safe) + torch.exp(chunk).sum(dim=-1, keepdim=True)", "ex1",
+      "mutates_input"),
+    # ex2: the tiled forward
+    M("d", "acc_not_rescaled", "acc = acc * rescale + p @ v_j", "acc = acc + p @ v_j", "ex2", "online_rescale"),
+    M("d", "l_not_rescaled", "l_i = l_i * rescale + p.sum(dim=-1, keepdim=True)", "l_i = l_i + p.sum(dim=-1, keepdim=True)",
+      "ex2", "online_rescale"),
+    M("d", "stale_max", "p = torch.exp(s - m_safe)", "p = torch.exp(s - safe_max(m_i))", "ex2", "online_rescale"),
+    M("d", "max_without_keepdim", "m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))",
+      "m_new = torch.maximum(m_i, s.amax(dim=-1))", "ex2", "keepdim"),
+    M("d", "no_final_divide", "outs.append(acc / l_i)", "outs.append(acc)", "ex2", "final_divide"),
+    M("d", "lse_log2", D2_LSE, "lses.append(m_i + torch.log2(l_i))", "ex2", "lse_saved"),
+    M("d", "lse_without_max", D2_LSE, "lses.append(torch.log(l_i))", "ex2", "lse_saved"),
+    M("d", "lse_is_max", D2_LSE, "lses.append(m_i)", "ex2", "lse_saved"),
+    M("d", "lse_is_the_sum", D2_LSE, "lses.append(l_i)", "ex2", "lse_saved"),
+    M("d", "diagonal_unmasked", D2_MASK, "            m_new", "ex2", "causal_block_skip"),
+    M("d", "diagonal_skipped", D2_STOP, D2_STOP.replace("k_start > q_end - 1", "k_start >= q_start"), "ex2",
+      "causal_block_skip"),
+    M("d", "future_tiles_computed", D2_STOP, "", "ex2", "causal_block_skip"),
+    M("d", "one_future_tile_computed", D2_STOP, D2_STOP.replace("k_start > q_end - 1", "k_start > q_end"), "ex2",
+      "causal_block_skip"),
+    M("d", "forward_no_scale", D2_S, "s = q_i @ k_j.transpose(-2, -1)  # [B, H, bq, bk]", "ex2", "missing_scale"),
+    M("d", "forward_scale_by_Ev", D2_SCALE, D2_SCALE.replace("math.sqrt(q.shape[-1])", "math.sqrt(v.shape[-1])"), "ex2",
+      "wrong_scale"),
+    M("d", "forward_times_sqrt_E", D2_SCALE, D2_SCALE.replace("1.0 / math.sqrt(q.shape[-1])", "math.sqrt(q.shape[-1])"),
+      "ex2", "wrong_scale"),
+    # q_i is a view of q (torch.split): scaling it in place scales the caller's q
+    M("d", "forward_scales_q_tile_in_place", D2_S, "s = q_i @ k_j.transpose(-2, -1)  # [B, H, bq, bk]", "ex2",
+      "mutates_input", ("        l_i = torch.zeros_like(m_i)\n",
+                        "        l_i = torch.zeros_like(m_i)\n        q_i *= scale  # once per query tile\n")),
+    # ex3: an [L, S] tensor after all
+    M("d", "full_scores_for_the_max", D2_LOOP,
+      "    row_max = (q @ k.transpose(-2, -1) * scale).amax(dim=-1, keepdim=True)  # [B, H, L, 1], known up front\n"
+      "    outs, lses = [], []\n    for (q_start, q_i), m_start in zip(q_tiles, torch.split(row_max, block_q, dim=-2)):",
+      "ex3", "scores_materialized",
+      ('m_i = torch.full((*q_i.shape[:-1], 1), float("-inf"), dtype=q.dtype, device=q.device)', "m_i = m_start")),
+    M("d", "scores_cut_into_tiles", D2_LOOP,
+      "    scores = (q @ k.transpose(-2, -1)) * scale  # [B, H, L, S], read tile by tile below\n" + D2_LOOP, "ex3",
+      "scores_materialized", (D2_S, "s = scores[..., q_start:q_end, k_start:k_end]  # [B, H, bq, bk]")),
+    # ex4: the backward, query tiles outside, dK and dV accumulated across them
+    M("d", "no_D_term", D4_DS, "ds = p * dp", "ex4", "backward_d_term"),
+    M("d", "D_of_the_tile", D4_DS, "ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))", "ex4", "backward_d_term"),
+    M("d", "D_without_keepdim", "D = (do * o).sum(dim=-1, keepdim=True)", "D = (do * o).sum(dim=-1)", "ex4", "keepdim"),
+    M("d", "dq_dk_without_scale", D4_DQ, "dq_i = dq_i + ds @ k_j", "ex4", "backward_scale",
+      (D4_DK, "dk_tiles[j] = dk_tiles[j] + ds.transpose(-2, -1) @ q_i")),
+    M("d", "dk_without_scale", D4_DK, "dk_tiles[j] = dk_tiles[j] + ds.transpose(-2, -1) @ q_i", "ex4", "backward_scale"),
+    M("d", "P_rebuilt_unscaled", "s = (q_i @ k_j.transpose(-2, -1)) * scale\n", "s = q_i @ k_j.transpose(-2, -1)\n", "ex4",
+      "backward_scale"),
+    M("d", "backward_unmasked", D4_MASK, "            p = torch.exp", "ex4", "causal_block_skip"),
+    M("d", "dk_ds_T", D4_DK, "dk_tiles[j] = dk_tiles[j] + (ds.T @ q_i) * scale", "ex4", "wrong_transpose"),
+    # ex5: the autograd Function
+    M("d", "function_grads_swapped", "        return dq, dk, dv, None", "        return dk, dq, dv, None", "ex5", "order"),
+    M("d", "function_saves_scores", "ctx.save_for_backward(q, k, v, o, lse)",
+      "ctx.save_for_backward(q, k, v, o, lse, q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]))", "ex5",
+      "scores_materialized", ("q, k, v, o, lse = ctx.saved_tensors", "q, k, v, o, lse, scores = ctx.saved_tensors")),
+    M("d", "function_backward_not_causal", "dq, dk, dv = flash_backward(q, k, v, o, lse, do, ctx.is_causal)",
+      "dq, dk, dv = flash_backward(q, k, v, o, lse, do)", "ex5", "causal_block_skip"),
+]
+
+# issue 48: the "c" mistakes the grader did not name when its author wrote them, named since
+C_RESCALE = "rescale = torch.exp2(m_i - m_new)"
+MUTANTS += [
+    M("c", "max_never_updated", "            m_i = m_new\n            ks = ke", "            ks = ke", "ex2",
+      "online_rescale"),
+    M("c", "stale_max", "p = torch.exp2(s2 - m_new[..., None])", "p = torch.exp2(s2 - m_i[..., None])", "ex2",
+      "online_rescale"),
+    M("c", "rescale_inverted", C_RESCALE, "rescale = torch.exp2(m_new - m_i)", "ex2", "online_rescale"),
+    M("c", "rescale_natural_exp", C_RESCALE, "rescale = torch.exp(m_i - m_new)", "ex2", "online_rescale"),
+    M("c", "forward_forgets_log2e", "bits = LOG2E / math.sqrt(E)", "bits = 1.0 / math.sqrt(E)", "ex2", "wrong_scale"),
+    M("c", "D_without_O", "delta = (do.float() * o.float()).sum(dim=-1)", "delta = do.float().sum(dim=-1)", "ex4",
+      "backward_d_term"),
+    M("c", "dv_scaled", "dv_j += p.transpose(-2, -1) @ do_i", "dv_j += (p.transpose(-2, -1) @ do_i) * scale", "ex4",
+      "backward_scale"),
+    M("c", "lse_not_in_base_2", "lse2 = lse.float() * LOG2E", "lse2 = lse.float()", "ex4", "lse_saved"),
+    M("c", "function_forward_not_causal", "o, lse = flash_forward(q, k, v, is_causal)",
+      "o, lse = flash_forward(q, k, v)", "ex5", "causal_block_skip"),
+]
+MUTANTS += [
+    M("d", "lse_left_a_column", "torch.cat(lses, dim=-2).squeeze(-1)", "torch.cat(lses, dim=-2)", "ex2", "lse_saved"),
+]

@@ -259,3 +259,93 @@ MUTANTS += [
     M("c", "dq_diagonal_skipped", "last = tl.minimum((tile + 1) * BQ, S)", "last = tl.minimum(tile * BQ, S)",
       "ex5", "causal_block_skip"),
 ]
+
+# ------------------------------------------------------------------ d: a fourth, independent solution
+# written from the brief alone: pointers advanced inside the loops (k_ptrs += BK * E), natural
+# exponentials with the scale multiplied into q once when it is loaded, masks as tl.where(..., -inf),
+# the causal key loops cut by a min() on their end (dK/dV's query loop by its start); dK takes its
+# scale from the pre-scaled q.
+SOLUTIONS["d"] = "tests/corpus/lab05_d.py"
+D_ACC = "acc = acc * alpha[:, None] + tl.dot(p, v)"
+D_QF = "q = tl.load(q_ptrs, mask=rows[:, None] < L, other=0.0).to(tl.float32) * scale  # scaled once, here"
+D_SF = "        s = tl.dot(q, tl.trans(k))\n        s = tl.where(offs_k[None, :] < S, s, float(\"-inf\"))  # ex3"
+D_LSE = "m_i + tl.log(l_i), mask=rows < L)"
+D_END = "end = tl.minimum(S, (pid_q + 1) * BQ)  # ex2: no key tile after this query tile's last row"
+D_DIAG = ("            s = tl.where(offs_k[None, :] <= rows[:, None], s, float(\"-inf\"))  # ex2: inside the diagonal "
+          "tile\n")
+D_SEEN = "s = tl.where(offs_k[None, :] < S, s, float(\"-inf\"))  # ex3: keys past S get no weight"
+D_VF = ("        v = tl.load(v_ptrs, mask=offs_k[:, None] < S, other=0.0).to(tl.float32)\n"
+        "        s = tl.dot(q, tl.trans(k))\n        s = tl.where(offs_k[None, :] < S, s, float(\"-inf\"))  # ex3")
+D_ROWSUM = "tl.store(D + bh * L + rows, tl.sum(do * o, 1), mask=rows < L)"
+D_DS_KV = "            ds = p * (dp - di[:, None])\n"
+D_DS_Q = "        ds = p * (dp - di[:, None])\n"
+D_QKV = "            q = tl.load(q_ptrs, mask=rows[:, None] < L, other=0.0).to(tl.float32) * scale\n"
+D_CAUSAL_KV = ("            if CAUSAL:\n"
+               "                s = tl.where(keys[None, :] <= rows[:, None], s, float(\"-inf\"))\n")
+D_CAUSAL_Q = ("        if CAUSAL:\n            s = tl.where(offs_k[None, :] <= rows[:, None], s, float(\"-inf\"))\n"
+              "        p = tl.exp(s - lse[:, None])\n        dp")
+D_END_Q = "    if CAUSAL:\n        end = tl.minimum(S, (pid_q + 1) * BQ)\n    for"
+
+MUTANTS += [
+    # ex1: the online softmax, the scale, lse, the final divide
+    M("d", "acc_not_rescaled", D_ACC, "acc = acc + tl.dot(p, v)", "ex1", "online_rescale"),
+    M("d", "l_not_rescaled", "l_i = l_i * alpha + tl.sum(p, 1)", "l_i = l_i + tl.sum(p, 1)", "ex1", "online_rescale"),
+    M("d", "max_never_updated", "        m_i = m_new\n", "", "ex1", "online_rescale"),
+    M("d", "forward_no_scale", D_QF, D_QF.replace(" * scale", ""), "ex1", "missing_scale"),
+    M("d", "scores_scaled_twice", D_SF, D_SF.replace("tl.trans(k))\n", "tl.trans(k)) * scale\n"), "ex1", "wrong_scale"),
+    M("d", "lse_log2", D_LSE, "m_i + tl.log2(l_i), mask=rows < L)", "ex1", "lse_saved"),
+    M("d", "lse_without_max", D_LSE, "tl.log(l_i), mask=rows < L)", "ex1", "lse_saved"),
+    M("d", "no_final_divide", "out = acc / l_i[:, None]", "out = acc", "ex1", "final_divide"),
+    # ex2: causal
+    M("d", "diagonal_skipped", D_END, D_END.replace("(pid_q + 1) * BQ", "pid_q * BQ"), "ex2", "causal_block_skip"),
+    M("d", "future_tiles_loaded", D_END, D_END.replace("tl.minimum(S, (pid_q + 1) * BQ)", "S"), "ex2",
+      "causal_block_skip"),
+    M("d", "causal_end_max", D_END, D_END.replace("tl.minimum", "tl.maximum"), "ex2", "causal_block_skip"),
+    M("d", "diagonal_unmasked", D_DIAG, "", "ex2", "causal_block_skip",
+      ("        if CAUSAL:\n        m_new", "        m_new")),
+    M("d", "causal_hides_diagonal", D_DIAG, D_DIAG.replace("<=", "<"), "ex2", "off_by_one"),
+    # ex3: ragged edges
+    M("d", "keys_past_S_scored", "        " + D_SEEN + "\n", "", "ex3", "load_mask"),
+    M("d", "v_loaded_without_mask", D_VF, D_VF.replace("v_ptrs, mask=offs_k[:, None] < S, other=0.0)", "v_ptrs)"),
+      "ex3", "load_mask"),
+    M("d", "v_masked_without_other", D_VF,
+      D_VF.replace("< S, other=0.0).to(tl.float32)\n        s", "< S).to(tl.float32)\n        s"), "ex3", "load_mask"),
+    M("d", "o_store_unmasked", "tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=rows[:, None] < L)",
+      "tl.store(o_ptrs, out.to(O.dtype.element_ty))", "ex3", "store_mask"),
+    M("d", "lse_store_le", D_LSE, "m_i + tl.log(l_i), mask=rows <= L)", "ex3", "store_mask"),
+    M("d", "key_mask_drops_last_key", D_SEEN, D_SEEN.replace("< S, s", "< S - 1, s"), "ex3", "off_by_one"),
+    M("d", "floor_key_tiles", D_END + "\n    for start in range(0, end, BK):",
+      D_END + "\n    for start in range(0, end // BK * BK, BK):", "ex3", "dropped_tile"),
+    # ex4: D
+    M("d", "D_without_O", D_ROWSUM, D_ROWSUM.replace("tl.sum(do * o, 1)", "tl.sum(do, 1)"), "ex4", "backward_d_term"),
+    M("d", "D_wrong_axis", D_ROWSUM, D_ROWSUM.replace("tl.sum(do * o, 1)", "tl.sum(do * o, 0)"), "ex4",
+      "backward_d_term"),
+    M("d", "D_store_unmasked", D_ROWSUM, D_ROWSUM.replace(", mask=rows < L)", ")"), "ex4", "store_mask"),
+    # ex5: the backward kernels
+    M("d", "ds_without_D", D_DS_KV, "            ds = p * dp\n", "ex5", "backward_d_term",
+      (D_DS_Q, "        ds = p * dp\n")),
+    M("d", "dq_without_scale", "dq * scale, mask=", "dq, mask=", "ex5", "backward_scale"),
+    M("d", "dkdv_q_unscaled", D_QKV, D_QKV.replace(" * scale\n", "\n"), "ex5", "backward_scale"),
+    M("d", "dv_f16_accumulator", "dv = tl.zeros([BK, E], tl.float32)", "dv = tl.zeros([BK, E], V.dtype.element_ty)",
+      "ex5", "accumulate_dtype",
+      ("dv += tl.dot(tl.trans(p), do)", "dv += tl.dot(tl.trans(p), do).to(V.dtype.element_ty)")),
+    M("d", "backward_without_causal_mask", D_CAUSAL_KV, "", "ex5", "causal_block_skip",
+      (D_CAUSAL_Q, "        p = tl.exp(s - lse[:, None])\n        dp")),
+    M("d", "dq_diagonal_skipped", D_END_Q, D_END_Q.replace("(pid_q + 1) * BQ", "pid_q * BQ"), "ex5",
+      "causal_block_skip"),
+    M("d", "dq_visits_future_tiles", D_END_Q, "    for", "ex5", "causal_block_skip"),
+    M("d", "dkdv_begins_after_key_tile", "begin = (pid_k * BK) // BQ * BQ", "begin = pid_k * BK + BK", "ex5",
+      "causal_block_skip"),
+    M("d", "dkdv_q_loaded_without_mask", D_QKV, "            q = tl.load(q_ptrs).to(tl.float32) * scale\n", "ex5",
+      "load_mask"),
+    M("d", "dk_store_unmasked", "tl.store(DK + kv_offs, dk, mask=keys[:, None] < S)", "tl.store(DK + kv_offs, dk)",
+      "ex5", "store_mask"),
+    # ex6: the autograd Function
+    M("d", "function_backward_not_causal", "flash_backward(q, k, v, o, lse, do, ctx.is_causal)",
+      "flash_backward(q, k, v, o, lse, do)", "ex6", "causal_block_skip"),
+    # ex7: grouped heads
+    M("d", "gqa_modulo_heads", "(bh % H) // (H // Hkv)  # ex7: the key", "(bh % H) % Hkv  # ex7: the key", "ex7",
+      "gqa_group_mapping"),
+    M("d", "gqa_dq_modulo_heads", "(bh % H) // (H // Hkv)  # ex7\n", "(bh % H) % Hkv  # ex7\n", "ex7",
+      "gqa_group_mapping"),
+]

@@ -1,4 +1,4 @@
-"""The corpus of realistic mistakes (tests/corpus/, issue 32): every lab's two independent
+"""The corpus of realistic mistakes (tests/corpus/, issues 32 and 48): every lab's four
 solutions score full marks; every mutant of them is graded by the real grader (sandboxed, two
 at a time from one class template) and named by its expected code in the exercise it breaks,
 with no other code anywhere in the report; the doctor names the mutants of the functions with
@@ -46,9 +46,11 @@ def test_each_solution_scores_full_marks(lab, label, tmp_path):
     assert report.score == 100, report.to_text()
 
 
-def test_the_corpus_is_two_solutions_by_25_mistakes_per_lab_in_the_vocabulary():
+def test_the_corpus_is_four_solutions_by_25_mistakes_per_lab_in_the_vocabulary():
+    """The instructor's solution and three independent ones per lab (issue 32's ``b``, issue 48's
+    ``c`` and ``d``, each written from the brief alone), each with at least 25 named mutants."""
     for lab, mod in MODULES.items():
-        assert len(mod.SOLUTIONS) >= 2, lab
+        assert len(mod.SOLUTIONS) >= 4, lab
         per_solution = Counter(m.solution for m in mod.MUTANTS)
         assert set(per_solution) == set(mod.SOLUTIONS) and min(per_solution.values()) >= 25, (lab, per_solution)
         ids = [m.id for m in mod.MUTANTS]

@@ -165,7 +165,10 @@ def _fitted_scale(got: Any, expected: Tensor) -> Optional[Verdict]:
 
 def _prep_ex3(g):
     ordinary = torch.randn(B, T, S, generator=g) * 3
-    large = torch.tensor([[1000.0, 1001.0, 999.0, 1002.0], [-1000.0, -1003.0, -999.5, -1001.0]])
+    # the third row spans 110 > 88 (exp's float32 range): shifting by the row's min instead of its max
+    # overflowed nowhere in the first two and scored full marks (issue 48's third solutions)
+    large = torch.tensor([[1000.0, 1001.0, 999.0, 1002.0], [-1000.0, -1003.0, -999.5, -1001.0],
+                          [-50.0, 60.0, 0.0, 10.0]])
     masked = torch.randn(T, S, generator=g)
     masked[1, :] = NEG_INF
     masked[3, ::2] = NEG_INF
@@ -191,6 +194,9 @@ def _judge_ex3(ctx, results, outcome):
                         "not over the queries", stable_softmax(ordinary, dim=-2)),
         ("softmax_dim", "the sum runs over the whole tensor, so no row sums to 1: sum along dim, "
                         "e.sum(dim=dim, keepdim=True)", shifted / shifted.sum()),
+        ("unstable_softmax", "the log-sum-exp is of the unshifted scores while the max is subtracted too, so no row "
+                             "sums to 1 (and exp overflows on large scores): log(sum(exp(x - max))) of the shifted "
+                             "scores", shifted / torch.exp(ordinary).sum(dim=-1, keepdim=True)),
         ("softmax_dim", "the sum runs over the whole tensor, so no row sums to 1: sum along dim, "
                         "e.sum(dim=dim, keepdim=True)", torch.exp(ordinary - ordinary.max()) / torch.exp(
                             ordinary - ordinary.max()).sum())])
@@ -214,9 +220,12 @@ def _judge_ex3(ctx, results, outcome):
         masked_mistakes = [("fully_masked_nan", "a row of all -inf gives NaN (-inf - (-inf) = NaN): where the row max "
                             "is -inf, shift by 0 instead, and divide by 1 where the sum is 0", got_masked)]
     run("fully_masked_row", 2, masked_expected, masked_mistakes)
+    half = torch.exp(by_dim - by_dim.amax(dim=0, keepdim=True))
     run("dim_argument", 3, stable_softmax(by_dim, dim=0), [
         ("softmax_dim", "the dim argument is ignored: normalise along the dim you are given",
-         stable_softmax(by_dim, dim=-1))])
+         stable_softmax(by_dim, dim=-1)),
+        ("softmax_dim", "the max is taken along dim but the sum along the last axis: take both along dim",
+         half / half.sum(dim=-1, keepdim=True))])
     return out
 
 
@@ -250,6 +259,8 @@ def _judge_ex5(ctx, results, outcome):
          torch.ones(6, 6, dtype=torch.bool).tril(-1)),
         ("mask_polarity", "True marks the *masked* positions here (~tril(), the same as triu(1)); in attnlab (and "
                           "SDPA) True = attend", ~expected),
+        ("off_by_one", "the last row is all False: position 5 attends to nothing; the rows run 0 .. T-1 "
+                       "(range(T), not range(T - 1))", expected & (torch.arange(6) < 5)[:, None]),
     ]
     shape = Verdict(isinstance(got, Tensor) and got.shape == (6, 6) and got.dtype == torch.bool,
                     f"causal_mask(6): expected a [6, 6] bool tensor, got {describe(got)}")
@@ -294,6 +305,8 @@ def _judge_ex6(lengths, results, outcome):
          ~expected),
         ("off_by_one", "one position too many is kept: a sequence of length n has real tokens 0..n-1 "
                        "(use <, not <=)", (torch.arange(7) <= lengths[:, None])[:, None, :].expand_as(expected)),
+        ("off_by_one", "the last real token is masked: a sequence of length n has real tokens 0..n-1, all n of "
+                       "them kept (j < n)", (torch.arange(7) < lengths[:, None] - 1)[:, None, :].expand_as(expected)),
     ]
     shape = Verdict(isinstance(got, Tensor) and got.shape in ((3, 1, 7), (3, 7, 7)),
                     f"expected shape [B, 1, T] = [3, 1, 7] (or [B, T, T]), got "
@@ -406,6 +419,16 @@ def _probe_results(results: list[dict], probes: list) -> list["doctor.ProbeResul
     return made
 
 
+def _after_softmax(w: Tensor, V: Tensor, mask: Tensor) -> list:
+    """What a layer returns that masks the weights (``w``: unmasked, float64) after the softmax,
+    with -inf or with 0: the -inf one gives NaN and inf, which the doctor's probes called
+    ``unstable_softmax`` (issue 48's third solutions)."""
+    message = ("the mask is applied to the weights after softmax: mask the scores (-inf where the mask is "
+               "False) before it, so each row's weights sum to 1 over the keys it may see")
+    return [("mask_after_softmax", message, w.masked_fill(~mask, float("-inf")) @ V),
+            ("mask_after_softmax", message, w.masked_fill(~mask, 0.0) @ V)]
+
+
 _EX8_CHECKS = {"output_shape": 2, "weights_shape": 2, "output_values": 5, "weights_values": 3, "padding_mask": 4,
                "causal_mask": 2, "fully_masked_row": 2}
 
@@ -441,10 +464,13 @@ def _judge_ex8(ctx, results, outcome):
 
     for name, i, mask in (("padding_mask", 1, pad), ("causal_mask", 2, masks.causal(T, T)),
                           ("fully_masked_row", 3, empty)):
-        _, _, _, m_out, _ = _reference_layer(inp, mask)
+        _, _, V, m_out, _ = _reference_layer(inp, mask)
         try:
             o, _ = pair(i)
-            out[name] = tensor_verdict(o, m_out, f"output with the {name.replace('_', ' ')}")
+            out[name] = tensor_verdict(o, m_out, f"output with the {name.replace('_', ' ')}",
+                                       _after_softmax(ref_w, V, mask))
+            if out[name].findings:
+                continue
             if name == "fully_masked_row" and isinstance(o, Tensor) and o.shape == m_out.shape and o[:, 2].isnan().any():
                 out[name] = Verdict(False, "query 2 has every key masked and its output is NaN; it must be 0",
                                     [{"code": "fully_masked_nan", "message": "fully masked rows give NaN"}])
@@ -554,10 +580,15 @@ def _judge_ex11(unscaled, results, outcome):
         nan_ok = isinstance(naive, Tensor) and bool(torch.isnan(naive).any())
         out["naive_overflows"] = Verdict(nan_ok, "naive softmax of these scores should contain NaN (exp(500) = inf "
                                                  "in float32, inf/inf = NaN): use naive_softmax as given")
-        out["stable"] = tensor_verdict(got.get("stable"), stable_softmax(u), "stable")
+        x = unscaled.float()
+        out["stable"] = tensor_verdict(got.get("stable"), stable_softmax(u), "stable", [
+            ("unstable_softmax", ("this is a softmax without the max shift (exp(500) overflows): subtract each row's "
+                                 "max before exp, as stable_softmax does"),
+             torch.exp(x) / torch.exp(x).sum(dim=-1, keepdim=True))])
         out["scaled"] = tensor_verdict(got.get("scaled"), stable_softmax(u / 8), "scaled", [
             ("missing_scale", "these are the unscaled scores: divide by sqrt(d_k) = 8 first", stable_softmax(u)),
-            ("wrong_scale", "divided by d_k = 64: divide by sqrt(d_k) = 8", stable_softmax(u / 64))])
+            ("wrong_scale", "divided by d_k = 64: divide by sqrt(d_k) = 8", stable_softmax(u / 64)),
+            ("wrong_scale", "multiplied by sqrt(d_k): divide by sqrt(d_k) = 8", stable_softmax(u * 8))])
     answer = results[1].get("value")
     out["answer"] = Verdict(answer == "B", f"EXERCISE_2_ANSWER is {answer!r}: think about exp(500) in float32 "
                                            "(max ~3.4e38), and about what subtracting the max does")
@@ -576,7 +607,8 @@ def _judge_ex12(inp, results, outcome):
         ("wrong_axis", "this is column 0 (how much each position attends to position 0): take weights[:, 0, :]",
          w[:, :, 0]),
         ("batch_only", "this is batch element 0's full matrix: take row 0 of every batch element, weights[:, 0, :]",
-         w[0])])
+         w[0]),
+        ("wrong_axis", "this is the last row (the last query's weights): row 0 is weights[:, 0, :]", w[:, -1, :])])
     answer = results[1].get("value")
     return {"row_0": row,
             "answer": Verdict(answer == "A", f"EXERCISE_3_ANSWER is {answer!r}: row i of the weights belongs to "

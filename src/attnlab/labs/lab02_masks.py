@@ -116,6 +116,9 @@ def _judge_ex3(lengths, results, outcome):
         mistake("mask_polarity", "True marks the padding here; True must mean a real key (j < length)", ~expected),
         mistake("off_by_one", "one key too many is kept: a sequence of length n has real tokens 0..n-1 "
                               "(use <, not <=)", (torch.arange(7) <= lengths[:, None])[:, None, None, :]),
+        mistake("off_by_one", "each sequence's last real key is masked: a sequence of length n has real tokens "
+                              "0..n-1, all n of them kept (positions from 0, j < n)",
+                (torch.arange(7) < lengths[:, None] - 1)[:, None, None, :]),
         mistake("padding_query_side", "the mask hides padded *queries* (shape [B, 1, S, 1]); padding hides keys: "
                                       "[B, 1, 1, S], so no real query attends to a padding token",
                 query_side),
@@ -140,7 +143,16 @@ def _judge_ex4(ctx, results, outcome):
     expected = a & b
     mistakes = [mistake("mask_combined_or", "the masks are combined with |: a key is visible only where *every* "
                                             "mask allows it, so use &", a | b)]
-    return {"values": tensor_verdict(value(results, 0), expected, "combine_masks", mistakes)}
+    try:
+        got = value(results, 0)
+    except CallFailed as exc:
+        error = exc.result.get("error", "")
+        if "doesn't match the broadcast shape" in error:  # torch's words for an in-place op that must grow
+            message = ("an in-place & (a &= b) writes into the caller's mask, and cannot grow it to the broadcast "
+                       "shape: return a new tensor, a & b")
+            return {"values": Verdict(False, f"raised {error}", [{"code": "mutates_input", "message": message}])}
+        raise
+    return {"values": tensor_verdict(got, expected, "combine_masks", mistakes)}
 
 
 # --------------------------------------------------------------------------- ex5: masked softmax
@@ -162,6 +174,14 @@ def _prep_ex5(g):
     return [Call("masked_softmax", (scores, mask)), Call("masked_softmax", (big, mask))], (scores, mask, big)
 
 
+def _sum_over_queries(s: Tensor) -> Tensor:
+    """A softmax shifted by each row's max but summed over the queries (0 where that sum is 0)."""
+    m = s.amax(dim=-1, keepdim=True)
+    e = torch.exp(s - torch.where(torch.isneginf(m), torch.zeros_like(m), m))
+    total = e.sum(dim=-2, keepdim=True)
+    return e / torch.where(total == 0, torch.ones_like(total), total)
+
+
 def _ex5_mistakes(s: Tensor, mask: Tensor) -> list:
     naive = torch.exp(s.masked_fill(~mask, NEG_INF))
     return [
@@ -170,8 +190,15 @@ def _ex5_mistakes(s: Tensor, mask: Tensor) -> list:
         mistake("mask_after_softmax", "the mask is applied after the softmax (and the row renormalised is not the "
                                       "same thing for an empty row); mask the scores first",
                 torch.where(mask, _softmax(s), torch.zeros_like(s))),
-        mistake("mask_fill_zero", "masked scores are set to 0, which still gets weight; use -inf",
-                _softmax(s.masked_fill(~mask, 0.0))),
+        mistake("mask_fill_zero", "masked scores are set to 0 (filled with 0, or multiplied by the mask), which "
+                                  "still gets weight; use -inf", _softmax(s.masked_fill(~mask, 0.0))),
+        mistake("mask_ignored", "the mask has no effect: the scores reach the softmax unmasked (a bias of 0 "
+                                "everywhere?); -inf where the mask is False", _softmax(s)),
+        mistake("softmax_dim", "the softmax runs over the queries (dim=-2): each query's row over the keys "
+                               "(dim=-1) must sum to 1", _softmax(s.masked_fill(~mask, NEG_INF).transpose(-2, -1))
+                .transpose(-2, -1)),
+        mistake("softmax_dim", "the sum runs over the queries (dim=-2): each row's max and sum are over the keys "
+                               "(dim=-1)", _sum_over_queries(s.masked_fill(~mask, NEG_INF))),
         mistake("mask_polarity", "-inf is placed where the mask is True; True = attend", _softmax(s.masked_fill(mask, NEG_INF))),
         mistake("fully_masked_nan", "a row whose keys are all masked gives NaN: 0/0. Return zeros there (divide "
                                     "by 1 where the sum is 0)", naive / naive.sum(-1, keepdim=True)),
@@ -200,10 +227,20 @@ def _judge_ex5(ctx, results, outcome):
         empty.findings = [{"code": "fully_masked_nan", "message": "a fully masked row gives NaN (0/0): return "
                                                                   "zeros there"}]
     got_big = value(results, 1)
-    large = tensor_verdict(got_big, _softmax(big.double().masked_fill(~mask, NEG_INF)),
-                           "masked_softmax on scores of size ~1000")
-    if not large.passed and isinstance(got_big, Tensor) and got_big.shape == mask.shape and \
-            not torch.isfinite(got_big[mask.any(-1)]).all():
+    bd = big.double()
+    # in float32, as the learner computes it: the visible keys underflow there, not in float64
+    before = torch.exp(big.masked_fill(~mask, NEG_INF) - big.amax(dim=-1, keepdim=True)).double()
+    total = before.sum(dim=-1, keepdim=True)
+    large = tensor_verdict(got_big, _softmax(bd.masked_fill(~mask, NEG_INF)), "masked_softmax on scores of size ~1000",
+                           [mistake("unstable_softmax", "the row max is taken before masking: a masked key's large "
+                                    "score then makes every visible key underflow to 0; take the max of the masked "
+                                    "scores", before / torch.where(total == 0, torch.ones_like(total), total))])
+    # NaN with ordinary scores too is no overflow (a bias of 0 * -inf is NaN, say): not named unstable
+    ordinary_finite = isinstance(got, Tensor) and got.shape == mask.shape and bool(torch.isfinite(got[seen]).all())
+    # and a mistake named on the ordinary scores explains the large ones too: one name, not two
+    if not large.passed and not large.findings and not values.findings and ordinary_finite and \
+            isinstance(got_big, Tensor) and \
+            got_big.shape == mask.shape and not torch.isfinite(got_big[mask.any(-1)]).all():
         message = "scores of size ~1000 overflow exp(): subtract each row's maximum before exp"
         large = Verdict(False, message, [{"code": "unstable_softmax", "message": message}])
     return {"values": values, "fully_masked_rows": empty, "large_scores": large}

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from attnlab.functional import scaled_dot_product_attention
-from attnlab.grading.exercise import Exercise, Verdict, doctor_findings, mistake, probe_calls, tensor_verdict, value
+from attnlab.grading.exercise import (CallFailed, Exercise, Verdict, doctor_findings, mistake, probe_calls,
+                                     tensor_verdict, value)
 from attnlab.grading.sandbox import Call
 from attnlab.labs import Lab
 from attnlab.softmax import stable_softmax
@@ -60,6 +61,9 @@ def _judge_ex1(x, results, outcome):
                                "positions; view as [B, L, H, E], then transpose(1, 2)", xd.reshape(B, H, L, E)),
         mistake("heads_mixed", "head h must get the contiguous features h*E .. (h+1)*E - 1, not every H-th one",
                 xd.view(B, L, E, H).permute(0, 3, 1, 2)),
+        mistake("heads_mixed", "transposed before the view: [B, D, L] reshaped to [B, H, L, E] mixes positions into "
+                               "each head; view as [B, L, H, E] first, then transpose(1, 2)",
+                xd.transpose(1, 2).reshape(B, H, L, E)),
     ]
     shape = Verdict(isinstance(got, Tensor) and got.shape == (B, H, L, E),
                     f"split_heads: expected shape [B, H, L, E] = {[B, H, L, E]}, got "
@@ -90,18 +94,39 @@ def _prep_ex3(g):
     return [Call("multi_head_attention", (x, *W, H)), Call("multi_head_attention", (x, *W, H, causal))], (x, W, causal)
 
 
-def _attend_rows(q: Tensor, k: Tensor, v: Tensor, mask=None, scale=None, dim: int = -1) -> Tensor:
-    """Attention with the softmax along ``dim`` (-2: over the queries, a learner's mistake)."""
+def _attend_rows(q: Tensor, k: Tensor, v: Tensor, mask=None, scale=None, dim: int = -1, how: str = "fill",
+                 fill: float = float("-inf")) -> Tensor:
+    """Attention as a learner may get it wrong: the softmax along ``dim`` (-2: over the queries);
+    the mask applied by ``how``: "fill" (``fill`` where it is False; the scores times the mask give
+    the same numbers as a fill of 0) or "after" (the weights zeroed after the softmax)."""
     s = q @ k.transpose(-2, -1) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    return stable_softmax(s, dim=dim) @ v
+    if mask is not None and how == "fill":
+        s = s.masked_fill(~mask, fill)
+    p = stable_softmax(s, dim=dim)
+    if mask is not None and how == "after":
+        p = p.masked_fill(~mask, 0.0)
+    return p @ v
+
+
+def _strided(t: Tensor, h: int) -> Tensor:
+    """Head i as features i, i + H, i + 2H, ... (a stride of H): [B, L, D] -> [B, H, L, E]."""
+    return t.view(B, L, -1, h).permute(0, 3, 1, 2)
+
+
+def _fused_split(t: Tensor, h: int) -> Tensor:
+    """``split_heads`` of the fused [B, L, 3D] projection before ``chunk(3)``: each head then takes its
+    query, key and value features from one 3E slice (the heads cut across q, k and v)."""
+    return t.view(B, L, h, -1).transpose(1, 2)
 
 
 def _mha(x: Tensor, W: list[Tensor], mask=None, scale=None, out_proj=True, split=_split, order=(0, 1, 2),
-         dim: int = -1) -> Tensor:
-    q, k, v = (split(x @ W[i], H) for i in order)
-    y = _merge(_attend(q, k, v, mask, scale) if dim == -1 else _attend_rows(q, k, v, mask, scale, dim))
+         dim: int = -1, how: str = "fill", fused: bool = False, fill: float = float("-inf")) -> Tensor:
+    if fused:  # split_heads of x @ [W_Q | W_K | W_V], then chunk(3) along the features
+        q, k, v = _fused_split(x @ torch.cat(W[:3], dim=1), H).chunk(3, dim=-1)
+    else:
+        q, k, v = (split(x @ W[i], H) for i in order)
+    plain = dim == -1 and how == "fill" and fill == float("-inf")
+    y = _merge(_attend(q, k, v, mask, scale) if plain else _attend_rows(q, k, v, mask, scale, dim, how, fill))
     return y @ W[3] if out_proj else y
 
 
@@ -127,6 +152,17 @@ def _judge_ex3(ctx, results, outcome):
             mistake("value_swapped", "the values are projected with W_Q: v = x @ W_V", _mha(xd, Wd, mask, order=(0, 1, 0))),
             mistake("softmax_dim", "the softmax runs over the queries: each query's row over the keys must sum to 1",
                     _mha(xd, Wd, mask, dim=-2)),
+            mistake("wrong_scale", "the scores are multiplied by sqrt(E): divide them by sqrt(E), E = D // H",
+                    _mha(xd, Wd, mask, scale=math.sqrt(E))),
+            mistake("wrong_scale", "the scores are scaled by 1/sqrt(H), H the number of heads: each head's "
+                                   "scores need 1/sqrt(E), E = D // H the size of one head (q.shape[-1])",
+                    _mha(xd, Wd, mask, scale=1 / math.sqrt(H))),
+            mistake("wrong_scale", "the scores are divided by E: divide by sqrt(E)", _mha(xd, Wd, mask, scale=1 / E)),
+            mistake("heads_mixed", "head h takes every H-th feature (a stride of H): it must take the contiguous "
+                                   "features h*E .. (h+1)*E - 1", _mha(xd, Wd, mask, split=_strided)),
+            mistake("heads_mixed", "the heads are split before the fused projection is cut into q, k and v: each "
+                                   "head then mixes query, key and value features; chunk(3) first, then split each",
+                    _mha(xd, Wd, mask, fused=True)),
         ]
         if mask is not None:
             mistakes += [
@@ -134,6 +170,13 @@ def _judge_ex3(ctx, results, outcome):
                         _mha(xd, Wd, ~mask)),
                 mistake("mask_ignored", "the mask has no effect: fill the scores with -inf where it is False, "
                                         "before the softmax", _mha(xd, Wd, None)),
+                # the scores times the mask give the same numbers as a fill of 0: one name for both
+                mistake("mask_fill_zero", "the hidden scores are 0 (filled with 0, or multiplied by the mask), which "
+                                          "still gets weight: fill -inf where the mask is False",
+                        _mha(xd, Wd, mask, fill=0.0)),
+                mistake("mask_after_softmax", "the weights are masked after the softmax, so the visible keys' weights "
+                                              "no longer sum to 1: mask the scores with -inf before it",
+                        _mha(xd, Wd, mask, how="after")),
             ]
         out[name] = tensor_verdict(value(results, i), expected, f"multi_head_attention ({name.replace('_', ' ')})",
                                    mistakes)
@@ -161,7 +204,25 @@ def _judge_ex4(kv, results, outcome):
     mistakes = [mistake("gqa_group_mapping", "repeat tiles the heads (0, 1, 0, 1, ...); query head h must use "
                                              "key/value head h // groups (0, 0, 0, 1, 1, 1): repeat_interleave",
                         kd.repeat(1, 3, 1, 1))]
-    return {"values": tensor_verdict(value(results, 0), kd.repeat_interleave(3, dim=1), "repeat_kv", mistakes)}
+    try:
+        got = value(results, 0)
+    except CallFailed as exc:
+        named = _index_past_kv_heads(exc)
+        if named is None:
+            raise
+        return {"values": named}
+    return {"values": tensor_verdict(got, kd.repeat_interleave(3, dim=1), "repeat_kv", mistakes)}
+
+
+def _index_past_kv_heads(exc: CallFailed):
+    """An IndexError out of bounds in a GQA exercise: the key/value head of a query head computed
+    past Hkv - 1 (h // Hkv, or groups taken as Hkv), named; None for any other error."""
+    error = exc.result.get("error", "")
+    if not (error.startswith("IndexError") and "out of bounds" in error):
+        return None
+    message = ("an index past the key/value heads: query head h uses key/value head h // groups "
+               "(groups = H // Hkv, the query heads per key/value head), so the indices run 0 .. Hkv - 1")
+    return Verdict(False, f"raised {error}", [{"code": "gqa_group_mapping", "message": message}])
 
 
 # what gqa_attention(q, k, v) takes of SDPA's signature: L != S, E != Ev, and it always groups the heads
@@ -185,7 +246,14 @@ def _judge_ex5(ctx, results, outcome):
         mistake("missing_scale", "the scores are not divided by sqrt(E)",
                 _attend(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), scale=1.0)),
     ]
-    verdict = tensor_verdict(value(results, 0), expected, "gqa_attention", mistakes)
+    try:
+        got = value(results, 0)
+    except CallFailed as exc:
+        named = _index_past_kv_heads(exc)
+        if named is None:
+            raise
+        return {"values": named}
+    verdict = tensor_verdict(got, expected, "gqa_attention", mistakes)
     if not verdict.passed and not verdict.findings:
         verdict.findings = doctor_findings(ctx[3], results[1:])
     return {"values": verdict}
@@ -220,10 +288,15 @@ def _judge_ex6(ctx, results, outcome):
     out, k_cache, v_cache = got
     cache = tensor_verdict(k_cache, k[:, :, :P + n], "the new k cache", [
         mistake("kv_cache_order", "the new keys go after the cached ones: torch.cat([k_cache, k_new], dim=2)",
-                torch.cat([k[:, :, P:P + n], k[:, :, :P]], dim=2))])
+                torch.cat([k[:, :, P:P + n], k[:, :, :P]], dim=2)),
+        mistake("order", "the caches come back swapped: return (output, k_cache, v_cache), keys first",
+                v[:, :, :P + n]),
+        mistake("kv_cache_order", "the cache returned is the old one: return the caches with the new keys and "
+                                  "values appended (torch.cat([k_cache, k_new], dim=2))", k[:, :, :P])])
     if cache.passed:
         cache = tensor_verdict(v_cache, v[:, :, :P + n], "the new v cache")
     qn, kk, vv = q[:, :, P:P + n], k[:, :, :P + n], v[:, :, :P + n]
+    causal = torch.ones(n, P + n, dtype=torch.bool).tril(P)
     mistakes = [
         mistake("causal_alignment", "the causal mask ignores the cache's offset: new query i sits at position "
                                     "P + i and sees keys 0 .. P + i (tril(diagonal=P)), not 0 .. i",
@@ -243,6 +316,13 @@ def _judge_ex6(ctx, results, outcome):
         mistake("causal_alignment", "the mask's diagonal is the number of new tokens (L): new query i sits at "
                                     "position P + i, after the P cached ones, so the diagonal is P (tril(diagonal=P))",
                 _attend(qn, kk, vv, torch.ones(n, P + n, dtype=torch.bool).tril(n))),
+        mistake("missing_scale", "the scores are not divided by sqrt(E)", _attend(qn, kk, vv, causal, scale=1.0)),
+        mistake("mask_fill_zero", "the hidden keys' scores are set to 0, which still gets weight: fill -inf",
+                _attend_rows(qn, kk, vv, causal, fill=0.0)),
+        mistake("softmax_dim", "the softmax runs over the queries: each new query's row over the keys must sum to 1",
+                _attend_rows(qn, kk, vv, causal, dim=-2)),
+        mistake("value_swapped", "the weights multiply the keys: the output is weights @ values",
+                _attend(qn, kk, kk, causal)),
     ]
     output = tensor_verdict(out, full[:, :, P:P + n], f"decode_step output (a cache of {P}, {n} new tokens)", mistakes)
     equal = Verdict(True)

@@ -82,7 +82,10 @@ def simulate_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, bq: int, bk:
     (m_i + log2 l_i), 'lse_max' (lse = m_i), 'lse_no_max' (lse = ln l_i), 'no_divide' (o = acc, never
     divided by l_i). 'alpha_one': neither l_i nor acc rescaled (alpha taken after m_i = m_new, so
     exp(m_new - m_new) = 1), 'm_stuck': m_i never updated (it stays -inf, so alpha = 0 drops every
-    tile but the last)."""
+    tile but the last). With the running max started from the first tile (no -inf start):
+    'm_first' (m_i never updated after it), 'stale_first' (P = exp(s - m_old) from the second
+    tile on). 'alpha_inverted' (alpha = exp(m_new - m_old)), 'alpha_log2e' (alpha =
+    exp((m_old - m_new) * log2(e)): exp where base-2 code needs exp2)."""
     B, H, L, E = q.shape
     S, Ev = k.shape[-2], v.shape[-1]
     o = torch.empty(B, H, L, Ev, dtype=q.dtype)
@@ -102,11 +105,15 @@ def simulate_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, bq: int, bk:
                 s = s.masked_fill(~(cols < rows if bug == "off_by_one" else cols <= rows), NEG_INF)
             m_new = torch.maximum(m_i, s.amax(-1))
             m_safe = _safe(m_new)
-            p = torch.exp(s - (_safe(m_i) if bug == "stale" else m_safe)[..., None])
-            alpha = torch.exp(m_i - m_safe)
+            stale = bug == "stale" or (bug == "stale_first" and ks > 0)
+            p = torch.exp(s - (_safe(m_i) if stale else m_safe)[..., None])
+            alpha = torch.exp({"alpha_inverted": m_safe - m_i, "alpha_log2e": (m_i - m_safe) / math.log(2)}.get(
+                bug, m_i - m_safe))
+            if bug == "alpha_inverted":  # as code that starts from the first tile's max gets it (nothing to rescale)
+                alpha = torch.where(torch.isneginf(m_i), torch.zeros_like(alpha), alpha)
             l_i = (l_i if bug in ("l", "alpha_one") else l_i * alpha) + p.sum(-1)
             acc = (acc if bug in ("acc", "alpha_one") else acc * alpha[..., None]) + p @ v[:, :, ks:ke]
-            m_i = m_i if bug == "m_stuck" else m_new
+            m_i = m_i if bug == "m_stuck" or (bug == "m_first" and ks > 0) else m_new
         o[:, :, qs:qe] = acc if bug == "no_divide" else acc / l_i[..., None]
         lse[:, :, qs:qe] = {"lse_log2": (m_i + torch.log(l_i)) / math.log(2), "lse_log2_sum": m_i + torch.log2(l_i),
                             "lse_max": m_i, "lse_no_max": torch.log(l_i)}.get(bug, m_i + torch.log(l_i))
@@ -119,7 +126,8 @@ def simulate_grads(q: Tensor, k: Tensor, v: Tensor, do: Tensor, mask: Optional[T
     'd_tile' (D = rowsum(P * dP) of each ``bk``-key tile, not of the whole row), 'no_scale' (dq, dk
     without the scale), 'no_scale_dq', 'no_scale_dk' (one of them),
     'p_unscaled' (P rebuilt from unscaled scores), 'no_d_dq' (dQ's dS without the D term
-    alone), 'dv_scaled' (dV multiplied by the scale); ``p_mask``: the mask the backward rebuilds P
+    alone), 'dv_scaled' (dV multiplied by the scale), 'd_no_o' (D = rowsum(dO), the O left out),
+    'lse_units' (P = exp(s - lse * ln 2): base-2 scores against a natural lse); ``p_mask``: the mask the backward rebuilds P
     with, where it differs from the forward's ``mask`` (the causal mask forgotten in the
     backward)."""
     scale = 1 / math.sqrt(q.shape[-1])
@@ -131,9 +139,11 @@ def simulate_grads(q: Tensor, k: Tensor, v: Tensor, do: Tensor, mask: Optional[T
                    rebuilt.masked_fill(~(mask if p_mask is None else p_mask), NEG_INF) if (
                        p_mask is not None or mask is not None) else rebuilt) - lse)
     o = torch.exp(masked - lse) @ v
+    if bug == "lse_units":
+        p = torch.exp(masked - lse * math.log(2))
     dv = p.transpose(-2, -1) @ do
     dp = do @ v.transpose(-2, -1)
-    D = (do * o).sum(-1, keepdim=True)
+    D = (do if bug == "d_no_o" else do * o).sum(-1, keepdim=True)
     if bug == "d_tile":  # each key tile's own rowsum(P * dP): the row's D only when one tile holds every key
         D = torch.cat([(p[..., j:j + bk] * dp[..., j:j + bk]).sum(-1, keepdim=True).expand(*p.shape[:-1],
                        min(bk, p.shape[-1] - j)) for j in range(0, p.shape[-1], bk)], dim=-1)
@@ -281,6 +291,20 @@ def _judge_ex2(ctx, results, outcome):
                                   "by exp(m_old - m_new)", simulate_forward(q, k, v, False, bq, bk, "stale")[0]),
         mistake("final_divide", "the output is acc, never divided by l_i: o = acc / l_i[..., None] once the last "
                                 "key block is in", simulate_forward(q, k, v, False, bq, bk, "no_divide")[0]),
+        mistake("online_rescale", "the running max is never updated after the first key tile: m_i = m_new after "
+                                  "each tile", simulate_forward(q, k, v, False, bq, bk, "m_first")[0]),
+        mistake("online_rescale", "a stale max from the second tile on: the tile's weights are exp(s - m_old); "
+                                  "compute m_new first, then P = exp(s - m_new)",
+                simulate_forward(q, k, v, False, bq, bk, "stale_first")[0]),
+        mistake("online_rescale", "the rescale factor is inverted: alpha = exp(m_old - m_new) <= 1, which shrinks "
+                                  "the old sums when the max grows", simulate_forward(q, k, v, False, bq, bk,
+                                                                                      "alpha_inverted")[0]),
+        mistake("online_rescale", "the rescale factor is exp of a base-2 difference: with log2(e) folded into the "
+                                  "scores, alpha = exp2(m_old - m_new)", simulate_forward(q, k, v, False, bq, bk,
+                                                                                         "alpha_log2e")[0]),
+        mistake("wrong_scale", "the scores are scaled by ln(2) / sqrt(E): with exp2, fold log2(e) into the scale "
+                               "(scale * log2(e)), not 1 / sqrt(E) alone",
+                scaled_dot_product_attention(q, k, v, scale=math.log(2) / math.sqrt(q.shape[-1]))),
         mistake("missing_scale", "the scores are not scaled: multiply q (or each tile's Q K^T) by 1/sqrt(E)",
                 scaled_dot_product_attention(q, k, v, scale=1.0)),
         mistake("wrong_scale", "the scores are divided by E; the scale is 1/sqrt(E)",
@@ -291,6 +315,8 @@ def _judge_ex2(ctx, results, outcome):
                 scaled_dot_product_attention(q, k, v, scale=math.sqrt(q.shape[-1]))),
     ])
     out["lse"] = tensor_verdict(lse, ref_lse, "lse (natural log-sum-exp of each row's scaled scores)", [
+        mistake("lse_saved", "lse keeps a trailing dim of 1 ([B, H, L, 1], the column m_i and l_i were kept in): "
+                             "return it as [B, H, L], lse.squeeze(-1)", ref_lse[..., None]),
         mistake("lse_saved", "lse is in base 2: use torch.log (natural log), lse = m_i + log(l_i)",
                 simulate_forward(q, k, v, False, bq, bk, "lse_log2")[1]),
         mistake("lse_saved", "lse = m_i + log2(l_i) mixes bases: m_i is in natural-log units, so use torch.log",
@@ -390,9 +416,10 @@ def _judge_ex4(ctx, results, outcome):
             out.update({"dv": bad, "dq_dk": bad} if not causal else {"causal": bad})
             continue
         dq, dk, dv = simulate_grads(q, k, v, do, mask)
-        no_d, d_tile, no_scale, no_scale_dq, no_scale_dk, p_unscaled = (
+        no_d, d_tile, no_scale, no_scale_dq, no_scale_dk, p_unscaled, d_no_o, lse_units, dv_scaled = (
             simulate_grads(q, k, v, do, mask, bug, bk=bk) for bug in ("no_d", "d_tile", "no_scale", "no_scale_dq",
-                                                              "no_scale_dk", "p_unscaled"))
+                                                              "no_scale_dk", "p_unscaled", "d_no_o", "lse_units",
+                                                              "dv_scaled"))
         # P rebuilt without the causal mask: in every tile (no skipping either), or in the tiles visited
         unmasked = [simulate_grads(q, k, v, do, mask, p_mask=m) for m in (torch.ones(L, S, dtype=torch.bool),
                                                                    tiles_kept(L, S, bq, bk))] if causal else []
@@ -408,6 +435,10 @@ def _judge_ex4(ctx, results, outcome):
                     both(no_scale)),
             mistake("backward_scale", "dQ misses the softmax scale: dQ = dS @ K * scale", both(no_scale_dq)),
             mistake("backward_scale", "dK misses the softmax scale: dK = dS^T @ Q * scale", both(no_scale_dk)),
+            mistake("backward_d_term", "D is rowsum(dO), the O left out: D = rowsum(dO * O)", both(d_no_o)),
+            mistake("lse_saved", "P is rebuilt from lse in the wrong units: with base-2 scores (log2(e) in the "
+                                 "scale), the natural lse needs * log2(e) too: P = exp2(s2 - lse * log2(e))",
+                    both(lse_units)),
             mistake("backward_scale", "P is rebuilt from unscaled scores: the forward's lse is of the scaled "
                                       "scores, so P = exp(Q K^T * scale - lse)", both(p_unscaled)),
         ] + [mistake("causal_block_skip", "the backward rebuilds P without the causal mask: mask the tile's "
@@ -418,7 +449,12 @@ def _judge_ex4(ctx, results, outcome):
         dv_v = tensor_verdict(got[2], dv, f"dv {where}", [
             mistake("causal_block_skip", "dV is built from P without the causal mask", u[2]) for u in unmasked] + [
             mistake("backward_scale", "P is rebuilt from unscaled scores: the forward's lse is of the scaled scores, "
-                                      "so P = exp(Q K^T * scale - lse)", p_unscaled[2])])
+                                      "so P = exp(Q K^T * scale - lse)", p_unscaled[2]),
+            mistake("backward_scale", "dV is multiplied by the softmax scale: dV = P^T @ dO, the scale is already in "
+                                      "P", dv_scaled[2]),
+            mistake("lse_saved", "P is rebuilt from lse in the wrong units: with base-2 scores (log2(e) in the "
+                                 "scale), the natural lse needs * log2(e) too: P = exp2(s2 - lse * log2(e))",
+                    lse_units[2])])
         if causal:
             out["causal"] = dv_v if not dv_v.passed else qk
         else:
@@ -460,8 +496,10 @@ def judge_autograd_function(ctx, results, cases, *, output_of: str, function: st
         where = f"(L = {L}, S = {S}{', is_causal' if causal else ''})"
         mask = causal_mask(L, S) if causal else None
         if outputs.passed:
+            ignored = [mistake("causal_block_skip", "is_causal is ignored: every query sees every key (is it passed "
+                                                    "on to the forward?)", scaled_dot_product_attention(q, k, v))]
             outputs = tensor_verdict(got[0], scaled_dot_product_attention(q, k, v, attn_mask=mask),
-                                     f"{output_of} {where}")
+                                     f"{output_of} {where}", ignored if causal else None)
         unmasked = simulate_grads(q, k, v, do, mask, p_mask=torch.ones(L, S, dtype=torch.bool)) if causal else (None,) * 3
         for name, g_, e_, u in zip(("dq", "dk", "dv"), got[1:4], simulate_grads(q, k, v, do, mask), unmasked):
             if grads.passed:
