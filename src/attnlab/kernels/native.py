@@ -223,6 +223,9 @@ def _load() -> tuple[Optional[Any], NativeStatus]:
                    "block_sparse_backward_", "decode_forward", "bf16_units", "sgemm_route_built", "tile_gemm_",
                    "decode_dot_instructions"):
             getattr(namespace, op)  # all registered
+        from attnlab.kernels import fake
+
+        fake.register()  # shapes and dtypes for tracing (torch.compile, torch.export)
     except Exception as exc:  # no compiler, no ninja, a failed build: the pure path still works
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         warnings.warn(f"attnlab: the native tiled kernel is not available ({reason}); the tiled path uses its "

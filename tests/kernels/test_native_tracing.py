@@ -1,0 +1,84 @@
+"""The native ops as torch ops that tracing understands (issue 50, item 3): each has a fake
+kernel (``attnlab.kernels.fake``), ``torch.library.opcheck`` passes on it with the arguments
+attnlab's own paths pass, and ``torch.compile(fullgraph=True)`` of a function that calls one
+has no graph break and gives the eager values. Without the fakes, Dynamo stops at every op
+("no fake impl")."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from attnlab import tiled
+from attnlab.decoding import decode_attention
+from attnlab.flex import create_block_mask, flex_attention
+from attnlab.kernels import dense, fake
+from attnlab.kernels import native as _native
+
+pytestmark = pytest.mark.subprocess  # compiles (Inductor's C++ on this CPU): seconds, not milliseconds
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """{op name: the first arguments attnlab's own code called it with}, recorded through a
+    stand-in for the ops namespace; a test that needs the native ops fails (never skips)."""
+    if not tiled.native_status().available:
+        pytest.fail(str(tiled.native_status()))
+    real, status = _native._get()
+    calls: dict[str, tuple] = {}
+
+    class Recorder:
+        def __getattr__(self, name):
+            op = getattr(real, name)
+
+            def call(*args):
+                calls.setdefault(name, tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+                return op(*args)
+            return call
+
+    monkeypatch.setattr(_native, "_state", (Recorder(), status))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 33, 16, generator=g, requires_grad=True) for _ in range(3))
+    tiled.flash_attention(q, k, v, is_causal=True).sum().backward()
+    q4, k3, v3 = q.detach()[0][:, None], k.detach()[0], v.detach()[0]  # (Nb=2, r=1, L, E), (Nb, S, E)
+    out, lse2 = torch.zeros(2, 1, 33, 16), torch.full((2, 1, 33), float("-inf"))
+    dense.forward_into(q4.contiguous(), k3.contiguous(), v3.contiguous(), out, lse2, False, 1 / 4 / math.log(2), 64, 64)
+    mask = create_block_mask(lambda b, h, i, j: (i - j).abs() <= 40, None, None, 160, 160, BLOCK_SIZE=32)
+    qf, kf, vf = (torch.randn(1, 2, 160, 16, generator=g, requires_grad=True) for _ in range(3))
+    flex_attention(qf, kf, vf, block_mask=mask).sum().backward()
+    decode_attention(torch.randn(1, 4, 1, 16, generator=g), torch.randn(1, 2, 300, 16, generator=g),
+                     torch.randn(1, 2, 300, 16, generator=g), enable_gqa=True)
+    a, b = torch.randn(8, 16, generator=g), torch.randn(16, 8, generator=g)
+    Recorder().tile_gemm_(a, b, torch.zeros(8, 8), False, False, 1.0, 0.0, 0)
+    return calls
+
+
+def test_every_op_with_tensors_has_a_fake_and_attnlab_calls_each(captured):
+    assert set(captured) == set(fake.FAKED), sorted(captured)
+
+
+@pytest.mark.parametrize("name", fake.FAKED)
+def test_opcheck_passes_on_each_native_op(captured, name):
+    """Schema (what it mutates), fake tensor (the fake's shapes and dtypes equal the real op's),
+    autograd registration and AOT dispatch, on the arguments attnlab's own path passed."""
+    op = getattr(torch.ops.attnlab_native, name).default
+    result = opcheck(op, captured[name])
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_a_compiled_function_of_the_native_forward_has_no_graph_break(captured):
+    q4, k3, v3, *rest = captured["flash_forward"]
+
+    def f(q4, k3, v3):
+        out, lse2 = torch.ops.attnlab_native.flash_forward(q4, k3, v3, *rest)
+        return out * 2.0, lse2 - 1.0
+
+    eager = f(q4, k3, v3)
+    explained = torch._dynamo.explain(f)(q4, k3, v3)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(f, fullgraph=True)(q4, k3, v3)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e, c)
