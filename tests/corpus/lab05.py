@@ -349,3 +349,13 @@ MUTANTS += [
     M("d", "gqa_dq_modulo_heads", "(bh % H) // (H // Hkv)  # ex7\n", "(bh % H) % Hkv  # ex7\n", "ex7",
       "gqa_group_mapping"),
 ]
+
+# issue 48: the "d" mistakes the grader did not name when its author wrote them, named since
+MUTANTS += [
+    M("d", "dk_scaled_twice", "dk += tl.dot(tl.trans(ds), q)  # q carries",
+      "dk += tl.dot(tl.trans(ds), q) * scale  # q carries", "ex5", "backward_scale"),
+    M("d", "grads_dk_dv_swapped", "return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None",
+      "return dq.to(q.dtype), dv.to(v.dtype), dk.to(k.dtype), None", "ex6", "order"),
+    M("d", "causal_reversed", 's = tl.where(offs_k[None, :] <= rows[:, None], s, float("-inf"))  # ex2',
+      's = tl.where(offs_k[None, :] >= rows[:, None], s, float("-inf"))  # ex2', "ex2", "causal_future"),
+]

@@ -127,7 +127,8 @@ def simulate_grads(q: Tensor, k: Tensor, v: Tensor, do: Tensor, mask: Optional[T
     without the scale), 'no_scale_dq', 'no_scale_dk' (one of them),
     'p_unscaled' (P rebuilt from unscaled scores), 'no_d_dq' (dQ's dS without the D term
     alone), 'dv_scaled' (dV multiplied by the scale), 'd_no_o' (D = rowsum(dO), the O left out),
-    'lse_units' (P = exp(s - lse * ln 2): base-2 scores against a natural lse); ``p_mask``: the mask the backward rebuilds P
+    'lse_units' (P = exp(s - lse * ln 2): base-2 scores against a natural lse), 'dq_twice',
+    'dk_twice' (the scale applied twice, once more by hand to a q that carries it); ``p_mask``: the mask the backward rebuilds P
     with, where it differs from the forward's ``mask`` (the causal mask forgotten in the
     backward)."""
     scale = 1 / math.sqrt(q.shape[-1])
@@ -149,8 +150,8 @@ def simulate_grads(q: Tensor, k: Tensor, v: Tensor, do: Tensor, mask: Optional[T
                        min(bk, p.shape[-1] - j)) for j in range(0, p.shape[-1], bk)], dim=-1)
     ds = p * dp if bug == "no_d" else p * (dp - D)
     ds_q = p * dp if bug == "no_d_dq" else ds  # dQ's own dS (its kernel rebuilds it)
-    sq = 1.0 if bug in ("no_scale", "no_scale_dq") else scale
-    sk = 1.0 if bug in ("no_scale", "no_scale_dk") else scale
+    sq = 1.0 if bug in ("no_scale", "no_scale_dq") else scale * (scale if bug == "dq_twice" else 1.0)
+    sk = 1.0 if bug in ("no_scale", "no_scale_dk") else scale * (scale if bug == "dk_twice" else 1.0)
     return ds_q @ k * sq, ds.transpose(-2, -1) @ q * sk, dv * scale if bug == "dv_scaled" else dv
 
 
@@ -501,10 +502,14 @@ def judge_autograd_function(ctx, results, cases, *, output_of: str, function: st
             outputs = tensor_verdict(got[0], scaled_dot_product_attention(q, k, v, attn_mask=mask),
                                      f"{output_of} {where}", ignored if causal else None)
         unmasked = simulate_grads(q, k, v, do, mask, p_mask=torch.ones(L, S, dtype=torch.bool)) if causal else (None,) * 3
-        for name, g_, e_, u in zip(("dq", "dk", "dv"), got[1:4], simulate_grads(q, k, v, do, mask), unmasked):
+        expected = simulate_grads(q, k, v, do, mask)
+        swapped = (None, expected[2], expected[1])  # dK where dV belongs and back (when E = Ev)
+        for name, g_, e_, u, w in zip(("dq", "dk", "dv"), got[1:4], expected, unmasked, swapped):
             if grads.passed:
                 grads = tensor_verdict(g_, e_, f"{name} through {function}.backward {where}", [
-                    mistake("causal_block_skip", f"the backward runs without the causal mask: {causal_fix}", u)])
+                    mistake("causal_block_skip", f"the backward runs without the causal mask: {causal_fix}", u),
+                    mistake("order", "dK and dV come back swapped: backward returns the gradients in forward's "
+                                     "argument order, (dq, dk, dv, ...)", w)])
         shapes = got[4] if isinstance(got[4], list) else []
         big = [s for s in shapes if isinstance(s, list) and len(s) >= 2 and s[-2:] == [L, S]]
         if big and saved_v.passed:

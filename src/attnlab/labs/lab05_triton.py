@@ -98,6 +98,14 @@ def _forward(q, k, v, causal: bool, bug: str = "") -> tuple[Tensor, Tensor]:
     return simulate_forward(q.double(), k.double(), v.double(), causal, BLOCK, BLOCK, bug)
 
 
+def _nan_past_first_tile(o: Tensor) -> Tensor:
+    """``o`` [B, H, L, Ev] with every row past the first query tile NaN: what a forward gives whose
+    rows meet a wholly masked key tile before any visible key (no guard for an all -inf max)."""
+    o = o.clone()
+    o[..., BLOCK:, :] = float("nan")
+    return o
+
+
 def _naming_loads(got: Tensor, expected: Tensor, what: str) -> Optional[Verdict]:
     """NaN where the reference is finite: the NaN past the end of a guarded argument was read. Not
     where every row has NaN: that is the arithmetic's (exp of +inf from an inverted rescale, say),
@@ -241,6 +249,11 @@ def _judge_ex2(ctx, results, outcome):
         mistake("causal_future", "the causal mask is reversed: query i sees keys j <= i, tl.where(keys[None, :] <= "
                                  "rows[:, None], s, float('-inf')), not the keys after it",
                 scaled_dot_product_attention(q, k, v, attn_mask=_tile_masks(EX2, EX2)["reversed"])),
+        mistake("causal_future", "the causal mask is reversed (keys >= rows): every key tile before a query's own "
+                                 "is then wholly masked, and exp(-inf - (-inf)) made its rows NaN; query i sees keys "
+                                 "j <= i, tl.where(keys[None, :] <= rows[:, None], s, float('-inf'))",
+                _nan_past_first_tile(scaled_dot_product_attention(q, k, v,
+                                                                  attn_mask=_tile_masks(EX2, EX2)["reversed"]))),
         mistake("tile_local_index", "the causal mask compares positions inside the tile (tl.arange(0, BK) <= "
                                     "tl.arange(0, BQ)): compare the global ones, keys = start + tl.arange(0, BK) and "
                                     "rows = pid_q * BQ + tl.arange(0, BQ)",
@@ -463,7 +476,8 @@ def _judge_grads(got, q, k, v, do, causal: bool, where: str) -> tuple[Verdict, V
     mask = causal_mask(L, S) if causal else None
     dq, dk, dv = simulate_grads(q, k, v, do, mask)
     bugs = {b: simulate_grads(q, k, v, do, mask, b, bk=BLOCK) for b in ("no_d", "no_d_dq", "no_scale", "no_scale_dq",
-                                                                        "no_scale_dk", "p_unscaled", "dv_scaled")}
+                                                                        "no_scale_dk", "p_unscaled", "dv_scaled",
+                                                                        "dq_twice", "dk_twice")}
     # P rebuilt without the causal mask: in the tiles the kernels visit (they skip the rest), or in all
     unmasked = [simulate_grads(q, k, v, do, mask, p_mask=m) for m in (tiles_kept(L, S, BLOCK, BLOCK),
                                                                        torch.ones(L, S, dtype=torch.bool))] \
@@ -491,6 +505,10 @@ def _judge_grads(got, q, k, v, do, causal: bool, where: str) -> tuple[Verdict, V
                 both(bugs["no_scale_dq"])),
         mistake("backward_scale", "dK misses the softmax scale: dk += tl.dot(tl.trans(ds), q) * scale",
                 both(bugs["no_scale_dk"])),
+        mistake("backward_scale", "dK has the softmax scale twice: q loaded with the scale in it already carries "
+                                  "it, so dk += tl.dot(tl.trans(ds), q) alone", both(bugs["dk_twice"])),
+        mistake("backward_scale", "dQ has the softmax scale twice: dq += tl.dot(ds, k) * scale, once",
+                both(bugs["dq_twice"])),
         mistake("backward_scale", "P is rebuilt from unscaled scores: p = tl.exp(tl.dot(q, tl.trans(k)) * scale - "
                                   "lse[:, None])", both(bugs["p_unscaled"])),
     ] + [mistake("causal_block_skip", "the backward rebuilds P without the causal mask: mask it as the forward "
