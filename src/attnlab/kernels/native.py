@@ -226,6 +226,9 @@ def _load() -> tuple[Optional[Any], NativeStatus]:
         from attnlab.kernels import fake
 
         fake.register()  # shapes and dtypes for tracing (torch.compile, torch.export)
+        from attnlab.kernels import op_autograd
+
+        op_autograd.register()  # flash_forward differentiable as a torch op
     except Exception as exc:  # no compiler, no ninja, a failed build: the pure path still works
         reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         warnings.warn(f"attnlab: the native tiled kernel is not available ({reason}); the tiled path uses its "
