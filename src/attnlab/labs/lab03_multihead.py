@@ -9,6 +9,7 @@ check), and what each common mistake returns, to name it (codes from :mod:`attnl
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -204,25 +205,25 @@ def _judge_ex4(kv, results, outcome):
     mistakes = [mistake("gqa_group_mapping", "repeat tiles the heads (0, 1, 0, 1, ...); query head h must use "
                                              "key/value head h // groups (0, 0, 0, 1, 1, 1): repeat_interleave",
                         kd.repeat(1, 3, 1, 1))]
-    try:
-        got = value(results, 0)
-    except CallFailed as exc:
-        named = _index_past_kv_heads(exc)
-        if named is None:
-            raise
+    got, named = _value_or_index_error(results)
+    if named is not None:
         return {"values": named}
     return {"values": tensor_verdict(got, kd.repeat_interleave(3, dim=1), "repeat_kv", mistakes)}
 
 
-def _index_past_kv_heads(exc: CallFailed):
-    """An IndexError out of bounds in a GQA exercise: the key/value head of a query head computed
-    past Hkv - 1 (h // Hkv, or groups taken as Hkv), named; None for any other error."""
-    error = exc.result.get("error", "")
-    if not (error.startswith("IndexError") and "out of bounds" in error):
-        return None
+def _value_or_index_error(results: list[dict]) -> tuple[object, Optional[Verdict]]:
+    """(the first call's value, None), or (None, a verdict naming ``gqa_group_mapping``) where the
+    call raised an IndexError out of bounds: in a GQA exercise, the key/value head of a query head
+    computed past Hkv - 1 (h // Hkv, or groups taken as Hkv). Any other error propagates."""
+    try:
+        return value(results, 0), None
+    except CallFailed as exc:
+        error = exc.result.get("error", "")
+        if not (error.startswith("IndexError") and "out of bounds" in error):
+            raise
     message = ("an index past the key/value heads: query head h uses key/value head h // groups "
                "(groups = H // Hkv, the query heads per key/value head), so the indices run 0 .. Hkv - 1")
-    return Verdict(False, f"raised {error}", [{"code": "gqa_group_mapping", "message": message}])
+    return None, Verdict(False, f"raised {error}", [{"code": "gqa_group_mapping", "message": message}])
 
 
 # what gqa_attention(q, k, v) takes of SDPA's signature: L != S, E != Ev, and it always groups the heads
@@ -246,12 +247,8 @@ def _judge_ex5(ctx, results, outcome):
         mistake("missing_scale", "the scores are not divided by sqrt(E)",
                 _attend(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), scale=1.0)),
     ]
-    try:
-        got = value(results, 0)
-    except CallFailed as exc:
-        named = _index_past_kv_heads(exc)
-        if named is None:
-            raise
+    got, named = _value_or_index_error(results)
+    if named is not None:
         return {"values": named}
     verdict = tensor_verdict(got, expected, "gqa_attention", mistakes)
     if not verdict.passed and not verdict.findings:
