@@ -40,7 +40,7 @@ def broadcast_shapes(*shapes) -> torch.Size:
     """``torch.broadcast_shapes`` for concrete shapes, raising ``RuntimeError`` the same way.
     torch's imports torch.fx's symbolic shapes, and with them sympy, on first use: 0.97 s of
     CPU measured here, paid by every grading process and sandbox child that validates."""
-    ndim = max((len(s) for s in shapes), default=0)
+    ndim = max([0, *(len(s) for s in shapes)])  # (max's default= is not traceable by Dynamo)
     out = [1] * ndim
     for s in shapes:
         for i, d in enumerate(s, start=ndim - len(s)):

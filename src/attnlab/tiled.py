@@ -123,7 +123,65 @@ def flash_attention(
     if causal_align not in ("top_left", "bottom_right"):
         raise ValueError(f"flash_attention: causal_align must be 'top_left' or 'bottom_right', got {causal_align!r}")
     offset = key.shape[-2] - query.shape[-2] if is_causal and causal_align == "bottom_right" else 0
+    if torch.compiler.is_compiling():  # one op to Dynamo: the kernels' data-dependent choices stay inside it
+        return torch.ops.attnlab.flash_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk,
+                                                 offset)
     return _FlashAttention.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk, batch, offset)
+
+
+# ----------------------------------------------------------------------------- the op torch.compile sees
+# Under torch.compile, flash_attention is one custom op: its kernels choose routes from the data
+# (non-finite inputs, lse absorbed), which Dynamo cannot trace (4 graph breaks on Tensor.item()).
+# Its backward recomputes the forward under autograd (one more forward than eager's backward),
+# so compiled training is right; a fused backward from saved (out, lse) is issue 50's next step.
+@torch.library.custom_op("attnlab::flash_attention", mutates_args=())
+def _flash_attention_op(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+                        scale: Optional[float], enable_gqa: bool, block_q: int, block_k: int, offset: int) -> Tensor:
+    """``(..., L, Ev)``: :class:`_FlashAttention`'s forward, arguments already checked and tiled."""
+    batch = validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, fn="flash_attention")
+    with torch.no_grad():
+        return _FlashAttention.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa, block_q, block_k,
+                                     batch, offset)
+
+
+@_flash_attention_op.register_fake
+def _(query, key, value, attn_mask, is_causal, scale, enable_gqa, block_q, block_k, offset):
+    batch = validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, fn="flash_attention")
+    return query.new_empty((*batch, query.shape[-2], value.shape[-1]))
+
+
+def _op_setup_context(ctx, inputs, output) -> None:
+    query, key, value, attn_mask, *args = inputs
+    ctx.save_for_backward(query, key, value, attn_mask)
+    ctx.args = args
+
+
+@torch.library.custom_op("attnlab::flash_attention_backward", mutates_args=())
+def _flash_attention_backward_op(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor,
+                                 attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float],
+                                 enable_gqa: bool, block_q: int, block_k: int, offset: int) -> list[Tensor]:
+    """[dq, dk, dv]: the eager path's gradients, its forward run again under autograd (an op too,
+    so that AOTAutograd does not trace the kernels' data-dependent choices into the backward)."""
+    leaves = [t.detach().requires_grad_() for t in (query, key, value)]
+    with torch.enable_grad():
+        batch = validate(*leaves, attn_mask, 0.0, is_causal, scale, enable_gqa, fn="flash_attention")
+        out = _FlashAttention.apply(*leaves, attn_mask, is_causal, scale, enable_gqa, block_q, block_k, batch, offset)
+    return list(torch.autograd.grad(out, leaves, grad_out))
+
+
+@_flash_attention_backward_op.register_fake
+def _(grad_out, query, key, value, attn_mask, is_causal, scale, enable_gqa, block_q, block_k, offset):
+    return [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)]
+
+
+def _op_backward(ctx, grad_out: Tensor):
+    """(dq, dk, dv, None for the rest) through :func:`_flash_attention_backward_op`."""
+    query, key, value, attn_mask = ctx.saved_tensors
+    dq, dk, dv = torch.ops.attnlab.flash_attention_backward(grad_out, query, key, value, attn_mask, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_flash_attention_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 def native_status() -> _native.NativeStatus:

@@ -1,0 +1,75 @@
+"""``tiled.flash_attention`` inside ``torch.compile`` and ``torch.export`` (issue 50, item 3):
+under tracing it is one custom op (``attnlab::flash_attention``, its backward the op
+``attnlab::flash_attention_backward``), so Dynamo sees no graph break (4 before, on the
+kernels' data-dependent ``Tensor.item()``), ``fullgraph=True`` compiles forward and backward
+with the eager values, ``torch.export`` keeps the op, and ``torch.library.opcheck`` passes on
+both ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from attnlab import tiled
+from attnlab.testing import assert_close
+
+pytestmark = pytest.mark.subprocess  # Inductor compiles C++ on this CPU: seconds, not milliseconds
+
+
+def _inputs(seed: int = 0):
+    """q (2, 4, 33, 16), k and v (2, 2, 40, 16) (GQA: 2 query heads per key/value head), a bool mask."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, 33, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 40, 16, generator=g, requires_grad=True) for _ in range(2))
+    return q, k, v, torch.rand(33, 40, generator=g) > 0.3
+
+
+CASES = {"causal": dict(is_causal=True), "mask_gqa": dict(enable_gqa=True),
+         "bottom_right": dict(is_causal=True, causal_align="bottom_right", enable_gqa=True)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_flash_attention_compiles_with_no_graph_break_forward_and_backward(case):
+    q, k, v, mask = _inputs()
+    kwargs = dict(CASES[case])
+    if case == "mask_gqa":
+        kwargs["attn_mask"] = mask
+    if not kwargs.get("enable_gqa"):
+        k, v = (t.detach().repeat_interleave(2, dim=1).requires_grad_() for t in (k, v))
+
+    def f(q, k, v):
+        return tiled.flash_attention(q, k, v, **kwargs)
+
+    explained = torch._dynamo.explain(f)(q, k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    eager = f(q, k, v)
+    eager_grads = torch.autograd.grad(eager.square().sum(), (q, k, v))
+    compiled = torch.compile(f, fullgraph=True)(q, k, v)
+    compiled_grads = torch.autograd.grad(compiled.square().sum(), (q, k, v))
+    assert_close(compiled, eager)
+    for name, c, e in zip(("dq", "dk", "dv"), compiled_grads, eager_grads):
+        assert_close(c, e, msg=name)
+
+
+def test_export_keeps_the_op():
+    q, k, v, mask = _inputs()
+
+    class Layer(torch.nn.Module):
+        def forward(self, q, k, v):
+            return tiled.flash_attention(q, k, v, mask, enable_gqa=True)
+
+    program = torch.export.export(Layer(), (q, k, v))
+    targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert targets == ["attnlab.flash_attention.default"], targets
+    assert_close(program.module()(q, k, v), Layer()(q, k, v))
+
+
+def test_opcheck_passes_on_the_forward_and_backward_ops():
+    q, k, v, mask = _inputs()
+    args = (mask, False, None, True, 256, 256, 0)
+    for op, inputs in ((torch.ops.attnlab.flash_attention.default, (q, k, v, *args)),
+                       (torch.ops.attnlab.flash_attention_backward.default,
+                        (torch.randn(2, 4, 33, 16), q.detach(), k.detach(), v.detach(), *args))):
+        result = opcheck(op, inputs)
+        assert set(result.values()) == {"SUCCESS"}, (op, result)
