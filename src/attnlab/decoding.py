@@ -143,6 +143,9 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool 
         batch = validate(query, key, value, None, 0.0, is_causal, scale, enable_gqa, fn=fn)
     _check_align(causal_align, fn)
     _refuse_grad(fn, query, key, value)
+    if torch.compiler.is_compiling():  # one op to Dynamo: the kernel's data-dependent choices stay inside it
+        return torch.ops.attnlab.decode_attention(query, key, value, is_causal, scale, enable_gqa, causal_align,
+                                                  cache_seqlens, k_scale, v_scale, k_channel_scale)
     if any(t.is_meta for t in (query, key, value)):  # shapes only: the reference's rules (no cache is read)
         from attnlab import functional
 
@@ -172,6 +175,28 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool 
     out4 = _run(q4, k3, v3, None, Hkv=_kv_heads(layout, seqlens), S=S, scale=_scale(scale, E), is_causal=is_causal,
                 align=causal_align, seqlens=seqlens, scales=scales)
     return out4.reshape(*layout.batch, L, value.shape[-1]).to(query.dtype)
+
+
+# Under torch.compile, decode_attention is one custom op (its route choices read the data: 5 graph
+# breaks on Tensor.item() and the library's loading); it has no backward, as eager has none.
+@torch.library.custom_op("attnlab::decode_attention", mutates_args=())
+def _decode_attention_op(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: Optional[float],
+                         enable_gqa: bool, causal_align: str, cache_seqlens: Optional[Tensor],
+                         k_scale: Optional[Tensor], v_scale: Optional[Tensor],
+                         k_channel_scale: Optional[Tensor]) -> Tensor:
+    """``(..., L, Ev)``: :func:`decode_attention`, arguments already checked."""
+    return decode_attention(query, key, value, is_causal, scale, enable_gqa=enable_gqa, causal_align=causal_align,
+                            cache_seqlens=cache_seqlens, k_scale=k_scale, v_scale=v_scale,
+                            k_channel_scale=k_channel_scale)
+
+
+@_decode_attention_op.register_fake
+def _(query, key, value, is_causal, scale, enable_gqa, causal_align, cache_seqlens, k_scale, v_scale,
+      k_channel_scale):
+    stand_in = query.new_zeros(())  # the shapes of an int8 cache, checked as floats (nothing is read)
+    batch = validate(query, stand_in.expand(key.shape), stand_in.expand(value.shape), None, 0.0, is_causal, scale,
+                     enable_gqa, fn="decode_attention")
+    return query.new_empty((*batch, query.shape[-2], value.shape[-1]))
 
 
 def paged_decode_attention(query: Tensor, cache: "PagedKVCache", is_causal: bool = False,
