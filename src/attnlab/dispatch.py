@@ -148,6 +148,14 @@ def _triton_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask, dr
     return _triton.why_unavailable(query, key, value)
 
 
+@torch.compiler.assume_constant_result
+def _default_impl() -> str:
+    """The implementation :func:`use` set (``"auto"`` otherwise). Dynamo cannot trace a context
+    variable's ``get``, so a compiled call takes the one in force when it was traced: after
+    changing it, ``torch.compiler.reset()`` before calling the compiled function again."""
+    return _default.get()
+
+
 def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Mask = None, dropout_p: float = 0.0, *,
                 enable_gqa: bool = False, impl: Optional[Impl] = None, is_causal: bool = False,
                 score_mod: Optional[ScoreMod] = None, causal_align: str = "top_left") -> str:
@@ -155,7 +163,7 @@ def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Mask = Non
     "flex" or "decode". Raises ``ValueError`` when ``impl`` names one that cannot run them."""
     from attnlab import flex
 
-    chosen = impl if impl is not None else _default.get()
+    chosen = impl if impl is not None else _default_impl()
     _check_impl(chosen)
     if chosen == "triton":
         why = _triton_unsupported(query, key, value, attn_mask, dropout_p)

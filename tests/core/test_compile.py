@@ -93,3 +93,35 @@ def test_decode_attention_compiles_with_no_graph_break(cache):
     explained = torch._dynamo.explain(f)(q, k, v)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert_close(torch.compile(f, fullgraph=True)(q, k, v), f(q, k, v))
+
+
+def _compiled_equals_eager(f, *inputs):
+    """f compiled with fullgraph=True: no graph break, and its output and input gradients equal eager's."""
+    explained = torch._dynamo.explain(f)(*inputs)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    leaves = [t for t in inputs if t.requires_grad]
+    eager = f(*inputs)
+    eager_grads = torch.autograd.grad(eager.square().sum(), leaves)
+    compiled = torch.compile(f, fullgraph=True)(*inputs)
+    compiled_grads = torch.autograd.grad(compiled.square().sum(), leaves)
+    assert_close(compiled, eager)
+    for c, e in zip(compiled_grads, eager_grads):
+        assert_close(c, e)
+
+
+def test_the_front_door_compiles_with_fullgraph():
+    """dispatch.attention read its default implementation from a context variable, which Dynamo
+    cannot trace ("fails on a ContextVar.get", issue 50): now a constant at trace time."""
+    from attnlab import dispatch
+
+    q, k, v, mask = _inputs()
+    _compiled_equals_eager(lambda q, k, v: dispatch.attention(q, k, v, mask, enable_gqa=True), q, k, v)
+
+
+def test_multi_head_attention_compiles_with_fullgraph():
+    from attnlab.modules import MultiHeadAttention
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(64, 4, num_kv_heads=2)
+    x = torch.randn(2, 33, 64, requires_grad=True)
+    _compiled_equals_eager(lambda x: layer(x, is_causal=True)[0], x)  # (output, weights=None)
