@@ -265,3 +265,16 @@ def test_peers_that_are_not_installed_are_named_with_their_install_line(monkeypa
     err = capsys.readouterr().err
     assert "--peers needs OpenVINO or ONNX Runtime" in err and "pip install 'attnlab[peers]'" in err
     assert "Traceback" not in err
+
+
+def test_a_compiled_models_step_is_timed_against_eager_with_its_compilation_apart(capsys):
+    """issue 50's benchmark row: a decoder's training step, eager against torch.compile."""
+    rows = bench.compile_benchmark([64], d_model=32, heads=4, kv_heads=2, layers=1, repeats=1)
+    assert [r["L"] for r in rows] == [64]
+    r = rows[0]
+    assert r["eager_ms"] > 0 and r["compiled_ms"] > 0 and r["compile_s"] > 0
+    assert r["ratio"] == pytest.approx(r["compiled_ms"] / r["eager_ms"])
+    table = bench.compile_table(rows)
+    assert "| 64 |" in table and "compilation s" in table
+    assert main(["bench", "--help"]) == 0
+    assert "--compile" in capsys.readouterr().out

@@ -19,7 +19,7 @@ The package, a module per concern (the CLI, ``attnlab.cli.bench``, only parses a
 * :mod:`.timing`: configurations, the implementations, inputs and masks, :func:`run_benchmarks`;
 * :mod:`.memory`: one step's peak resident memory (``VmHWM``), in a fresh process per case;
 * :mod:`.machine`: the CPU line, the read bandwidth and the FMA peak, measured in the same run;
-* :mod:`.suites`: density, transformers, decoding, float32 GEMM routes, bf16, block-mask building, the ring;
+* :mod:`.suites`: density, transformers, a compiled model's step, decoding, float32 GEMM routes, bf16, block-mask building, the ring;
 * :mod:`.peers`: OpenVINO's and ONNX Runtime's attention ops against attnlab and torch (``--peers``);
 * :mod:`.tables`: Markdown, CSV, the plot, and each table's header;
 * :mod:`.ranks`: the local-rank launcher behind ``attnlab ring`` and the ring suites (it spawns
@@ -54,6 +54,8 @@ from attnlab.bench.tables import (  # noqa: F401
     ring_table,
     RING_HEADER,
     transformers_table,
+    COMPILE_HEADER,
+    compile_table,
     density_table,
     write_csv,
     markdown_table,
@@ -83,6 +85,8 @@ from attnlab.bench.suites import (  # noqa: F401
     density_sweep,
     HF_CASES,
     transformers_benchmark,
+    COMPILE_LENS,
+    compile_benchmark,
     decode_benchmark,
     BF16_SHAPES,
     bf16_benchmark,

@@ -122,6 +122,64 @@ def transformers_benchmark(cases=HF_CASES, *, B: int = 1, layers: int = 4, repea
     return rows
 
 
+COMPILE_LENS = (1024, 4096)
+
+
+def compile_benchmark(seq_lens=COMPILE_LENS, *, B: int = 1, d_model: int = 512, heads: int = 8, kv_heads: int = 4,
+                      layers: int = 2, repeats: int = 3,
+                      progress: Optional[Callable[[int, int, str], None]] = None) -> list[dict]:
+    """One training step (forward and backward) of a small pre-norm decoder, eager against
+    ``torch.compile`` (Inductor, default mode), both through attnlab's front door.
+
+    The model: ``layers`` blocks of LayerNorm, :class:`attnlab.modules.MultiHeadAttention`
+    (``heads`` query heads, ``kv_heads`` key/value heads, causal) and an MLP of 4 x ``d_model``,
+    with residuals. The compiled model's first step (its compilation) is reported apart
+    (``compile_s``); then the two are timed in interleaved rounds after one untimed step each.
+    Returns dicts ``L, eager_ms, compiled_ms, ratio, compile_s``."""
+    from torch import nn
+
+    from attnlab.modules import MultiHeadAttention
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n1, self.n2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+            self.attn = MultiHeadAttention(d_model, heads, num_kv_heads=kv_heads)
+            self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+        def forward(self, x):  # x: (B, L, d_model)
+            x = x + self.attn(self.n1(x), is_causal=True)[0]
+            return x + self.mlp(self.n2(x))
+
+    rows, steps, done = [], len(seq_lens) * (repeats + 1), 0
+    for L in seq_lens:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(Block() for _ in range(layers)))
+        x = torch.randn(B, L, d_model, generator=torch.Generator().manual_seed(L))
+        compiled = torch.compile(model)
+
+        def step(m) -> float:
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            m(x).square().mean().backward()
+            return time.perf_counter() - t0
+
+        compile_s = step(compiled)  # the first call compiles (forward and backward graphs)
+        times: dict[str, list[float]] = {"eager": [], "compiled": []}
+        for rep in range(repeats + 1):
+            for name, m in (("eager", model), ("compiled", compiled)):
+                t = step(m)
+                if rep:  # the first round warms up
+                    times[name].append(t)
+            done += 1
+            if progress:
+                progress(done, steps, f"compile L={L}")
+        eager_ms, compiled_ms = (statistics.median(times[k]) * 1e3 for k in ("eager", "compiled"))
+        rows.append({"L": L, "eager_ms": eager_ms, "compiled_ms": compiled_ms, "ratio": compiled_ms / eager_ms,
+                     "compile_s": compile_s})
+    return rows
+
+
 def _with_env(name: str, value: str, fn: Callable) -> Callable:
     """``fn`` run with ``$name=value`` (a route switch), the environment restored after."""
     def run():

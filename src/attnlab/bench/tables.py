@@ -37,6 +37,19 @@ def transformers_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+COMPILE_HEADER = ("One training step (forward and backward) of a 2-block pre-norm decoder (d_model 512, 8 query "
+                  "heads over 4 key/value heads, causal, MLP 4x) through attnlab's front door, eager against "
+                  "torch.compile (Inductor, default mode); medians of interleaved rounds, the compilation apart.")
+
+
+def compile_table(rows: list[dict]) -> str:
+    """Markdown table of :func:`compile_benchmark`."""
+    lines = ["| L | eager ms | compiled ms | x eager | compilation s |", "|---|---|---|---|---|"]
+    lines += [f"| {r['L']} | {r['eager_ms']:.0f} | {r['compiled_ms']:.0f} | {r['ratio']:.2f} | {r['compile_s']:.1f} |"
+              for r in rows]
+    return "\n".join(lines)
+
+
 def density_table(rows: list[dict], L: int, B: int, H: int, E: int) -> str:
     """Markdown table of :func:`density_sweep`, with the line that says what its ratio means."""
     lines = [f"attnlab.flex, L={L}, B={B}, H={H}, E={E}, float32; ratio = time / (density x time of full attention); "

@@ -16,6 +16,7 @@ examples:
   attnlab bench --seq-lens 4096 --impls tiled,flash --dtypes float32 --threads 2
   attnlab bench --decode --seq-lens 4096,32768 --dtypes float32,bfloat16
   attnlab bench --ring --seq-lens 8192
+  attnlab bench --compile --seq-lens 1024,4096 --repeats 3
 """
 
 DEFAULT_LENS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -67,6 +68,8 @@ def add(sub) -> argparse.ArgumentParser:
                    help="with --ring: causal,sliding,document")
     p.add_argument("--transformers", action="store_true",
                    help="instead: small Hugging Face models, sdpa vs attnlab")
+    p.add_argument("--compile", action="store_true",
+                   help="instead: a small decoder's training step, eager vs torch.compile")
     p.add_argument("--decode", action="store_true",
                    help="instead: one decode step against a GQA cache, GB/s")
     p.add_argument("--lq", type=positive_int, default=1, metavar="N", help="with --decode: query rows (default: 1)")
@@ -162,6 +165,14 @@ def run(args: argparse.Namespace) -> int:
         _end_progress()
         print(f"machine: {bench.machine_line()}\n")
         print(bench.transformers_table(rows))
+        return 0
+    if args.compile:
+        lens = args.seq_lens if args.seq_lens != DEFAULT_LENS else list(bench.COMPILE_LENS)
+        rows = bench.compile_benchmark(lens, B=args.batch, repeats=args.repeats, progress=_progress())
+        _end_progress()
+        print(f"machine: {bench.machine_line()}\n")
+        print(bench.COMPILE_HEADER + "\n")
+        print(bench.compile_table(rows))
         return 0
     if args.decode:
         lens = args.seq_lens if args.seq_lens != DEFAULT_LENS else [4096, 32768]
