@@ -132,7 +132,8 @@ def _attnlab_imports(tree) -> set[str]:
 def test_the_ring_and_the_tiled_path_share_the_kernel_layer_only():
     """distributed.py reaches the tiles and the mask blocks through attnlab.kernels only, never
     through tiled.py or flex (an allow-list: the kernel layer and the argument checks);
-    tiled.py keeps the public function and its autograd.Function only; the kernel layer
+    tiled.py keeps the public function, its autograd.Function and the op pair that stands for it
+    under tracing only; the kernel layer
     imports nothing above it at run time."""
     import ast
     from pathlib import Path
@@ -148,4 +149,7 @@ def test_the_ring_and_the_tiled_path_share_the_kernel_layer_only():
         assert all(m.startswith("attnlab._validation.") for m in above), (path.name, above)
     tiled_tree = ast.parse((root / "tiled.py").read_text())
     defs = {n.name for n in tiled_tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    assert defs == {"flash_attention", "native_status", "_FlashAttention"}, defs
+    # and the custom op pair that stands for the Function under torch.compile (issue 50): the two
+    # ops, their fakes (each named _) and the forward op's autograd
+    assert defs == {"flash_attention", "native_status", "_FlashAttention", "_flash_attention_op",
+                    "_flash_attention_backward_op", "_", "_op_setup_context", "_op_backward"}, defs
