@@ -15,8 +15,6 @@ Time attnlab vs torch's SDPA, or a suite below (docs/cli.md, BENCHMARKS.md).
 examples:
   attnlab bench --seq-lens 4096 --impls tiled,flash --dtypes float32 --threads 2
   attnlab bench --decode --seq-lens 4096,32768 --dtypes float32,bfloat16
-  attnlab bench --ring --seq-lens 8192
-  attnlab bench --compile --seq-lens 1024,4096 --repeats 3
 """
 
 DEFAULT_LENS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -69,7 +67,7 @@ def add(sub) -> argparse.ArgumentParser:
     p.add_argument("--transformers", action="store_true",
                    help="instead: small Hugging Face models, sdpa vs attnlab")
     p.add_argument("--compile", action="store_true",
-                   help="instead: a small decoder's training step, eager vs torch.compile")
+                   help="instead: a model step, eager vs torch.compile")
     p.add_argument("--decode", action="store_true",
                    help="instead: one decode step against a GQA cache, GB/s")
     p.add_argument("--lq", type=positive_int, default=1, metavar="N", help="with --decode: query rows (default: 1)")
