@@ -247,6 +247,19 @@ def stuck_at(output: str, file_name: str) -> tuple[str, str]:
                   f"{code.strip()}")
 
 
+@dataclass
+class Task:
+    """A task :meth:`Sandbox.start` sent: what :meth:`Sandbox.finish` needs to wait for it."""
+
+    calls: list
+    limits: Limits
+    timeout: float
+    t0: float
+    server: Any = None
+    deadline: float = 0.0
+    outcome: Optional[Outcome] = None  # decided at the start (the sandbox did not start)
+
+
 class Sandbox:
     """Runs tasks on one submission in children of its own sandbox server.
 
@@ -329,25 +342,50 @@ class Sandbox:
             limits: Optional[Limits] = None) -> Outcome:
         """Run ``calls`` on the learner's module in a fresh child; never raises for the learner's sake.
         ``limits``: this task's own (an exercise with a tighter memory cap); default the sandbox's."""
+        return self.finish(self.start(calls, policy=policy, timeout_s=timeout_s, limits=limits))
+
+    def start(self, calls: list[Call], *, policy: bool = True, timeout_s: Optional[float] = None,
+              limits: Optional[Limits] = None) -> "Task":
+        """Send ``calls`` to a fresh child and return at once; :meth:`finish` waits for its outcome.
+        The grader's own work (judging the task before, preparing the next) runs meanwhile on the
+        other core. One task at a time: finish it before the next start. Never raises for the
+        learner's sake (a sandbox that cannot start is the outcome :meth:`finish` returns)."""
         limits = self.limits if limits is None else limits
         timeout = limits.timeout_s if timeout_s is None else timeout_s
-        t0 = time.perf_counter()
+        task = Task(list(calls), limits, timeout, time.perf_counter())
         try:
             server = self._server_ready()
         except (EOFError, OSError, ValueError, Deadline, subprocess.SubprocessError) as exc:
             first_start = self._starts <= 1  # no learner code has run yet: this machine cannot make the sandbox
             self.close()
             what = "did not start in time" if isinstance(exc, Deadline) else f"failed to start: {exc}"
-            return Outcome("protocol", message=f"the sandbox {what}", elapsed_s=time.perf_counter() - t0,
-                           environment=f"the sandbox {what}" if first_start else "")
-        sent = list(calls)
+            task.outcome = Outcome("protocol", message=f"the sandbox {what}", elapsed_s=time.perf_counter() - task.t0,
+                                   environment=f"the sandbox {what}" if first_start else "")
+            return task
         try:
             task_limits = {**dataclasses.asdict(limits), "timeout_s": float(timeout)}
-            wire = [{"function": c.function, "args": tuple(c.args), "kwargs": dict(c.kwargs)} for c in sent]
+            wire = [{"function": c.function, "args": tuple(c.args), "kwargs": dict(c.kwargs)} for c in task.calls]
             self._cpu0 = self._cgroup_cpu(server)  # before the task starts
             write_frame(server.request_fd, encode_request("run", calls=wire, policy=policy, limits=task_limits,
                                                           seccomp=seccomp.route()))  # its environment is cleared
-            deadline = time.monotonic() + timeout * limits.wall_factor + GRACE_S
+        except (EOFError, OSError, ValueError) as exc:
+            self.close()
+            task.outcome = Outcome("protocol", message=f"the sandbox server stopped: {clean_text(exc, 300)} "
+                                                       "(did your code kill it?)", elapsed_s=time.perf_counter() - task.t0)
+            return task
+        task.server = server
+        task.deadline = time.monotonic() + timeout * limits.wall_factor + GRACE_S
+        return task
+
+    def finish(self, task: "Task") -> Outcome:
+        """The outcome of a task :meth:`start` sent (waiting for it); never raises for the learner's sake."""
+        if task.outcome is not None:
+            return task.outcome
+        server, sent, limits, timeout, t0 = task.server, task.calls, task.limits, task.timeout, task.t0
+        try:
+            # the grader's own work since the start (judging the task before) is not the task's: at least
+            # a grace period from now, so an answer already waiting is read, not taken for a stuck server
+            deadline = max(task.deadline, time.monotonic() + GRACE_S)
             fd = server.reply_fd
             over = self._watch_cpu(server, fd, timeout, deadline)
             if over is not None:  # the cgroup counted more than the budget: stopped now, not at the backstop

@@ -9,6 +9,7 @@ grader or speed, never a fence.
 from __future__ import annotations
 
 import os
+import sys
 
 
 MAX_KERNELS = 32  # kernel names a child reports launches of (lab 05's file has four)
@@ -21,12 +22,9 @@ def count_launches(path: str) -> dict:
     the exercise's kernels (:attr:`attnlab.grading.exercise.Exercise.kernels`). Installed before
     the learner's code runs; empty where Triton's interpreter is not in use."""
     counts: dict = {}
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return counts
-    try:
-        from triton.runtime import interpreter
-    except Exception:  # no triton here: nothing of the learner's can launch a kernel either
-        return counts
+    if os.environ.get("TRITON_INTERPRET") != "1" or "triton.runtime.interpreter" not in sys.modules:
+        return counts  # the zygote did not prepare Triton (a file without it): nothing to count, and no import
+    from triton.runtime import interpreter
     run = interpreter.InterpretedFunction.run
 
     def counted(self, *args, **kwargs):

@@ -369,8 +369,11 @@ def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir:
     _set_limits(task["limits"], sandboxed, vm_kb)
     signal.signal(signal.SIGPROF, lambda signum, frame: _stuck(frame, path))
     try:  # before any learner code: no ptrace, pidfd_getfd, process_vm_*, namespaces or mounts
-        seccomp.install(task["seccomp"])
-        seccomp.install_learner_layer()  # pipes and epoll are counted per host uid: none for the learner
+        if task["programs"] is not None:  # compiled by the zygote (seccomp.compiled)
+            seccomp.install_compiled(task["programs"])
+        else:
+            seccomp.install(task["seccomp"])
+            seccomp.install_learner_layer()  # pipes and epoll are counted per host uid: none for the learner
     except OSError:  # a kernel without seccomp: the OS sandbox and the limits still hold
         pass
     if not sandboxed:
@@ -588,26 +591,51 @@ def _task(request: dict) -> dict:
     """A ``run`` request as the child uses it: the calls (tensors guarded), limits as attributes."""
     calls = [{"function": c["function"], "args": _guarded(tuple(c["args"])), "kwargs": _guarded(c["kwargs"])}
              for c in request["calls"]]
+    route = str(request.get("seccomp", ""))
+    try:
+        programs = seccomp.compiled(route) if route in seccomp.ROUTES or not route else None
+    except OSError:  # the child tries again itself, and goes on without a filter where that fails too
+        programs = None
     return {"calls": calls, "policy": bool(request["policy"]), "limits": SimpleNamespace(**request["limits"]),
-            "seccomp": str(request.get("seccomp", ""))}
+            "seccomp": route, "programs": programs}
 
 
-def prepare() -> None:
-    """What every child would otherwise import or warm up itself: done once, in the zygote."""
+def prepare(interpreter: bool = True) -> None:
+    """What every child would otherwise import or warm up itself: done once, in the zygote.
+    ``interpreter``: Triton's interpreter too (the class template, which serves every lab);
+    a server of its own prepares it at ``load``, for a file that uses Triton (:func:`_prepare_for`)."""
     import torch
 
     try:  # the labs' files import it
         import jaxtyping  # noqa: F401
     except ImportError:
         pass
-    if os.environ.get("TRITON_INTERPRET") == "1":  # lab 05's file imports it (0.2 s, 74 MB once, not per child)
-        _interpreter().prepare_interpreter()
+    if interpreter:
+        _prepare_interpreter()
     try:
         from . import recorder  # noqa: F401
     except ImportError:
         import recorder  # type: ignore[no-redef] # noqa: F401
     _timer_calls()
     torch.set_num_threads(1)
+    # the lazy parts of torch's CPU start (the GEMM dispatch, the first kernels), once, not in each child
+    a = torch.randn(64, 64)
+    (a @ a).exp().sum().item()
+
+
+def _prepare_interpreter() -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":  # lab 05's file imports it (0.2 s, 74 MB once, not per child)
+        _interpreter().prepare_interpreter()
+
+
+def _prepare_for(source: bytes) -> None:
+    """At ``load``, before any of the file runs: Triton's interpreter for a file that names Triton.
+    Importing it costs the server 0.2-0.3 s and every child's fork 74 MB more, which labs 01-04 never
+    use (their import allow-lists refuse triton); a file that reached Triton without its name in
+    the text (no static rule lets it) would run unguarded kernels whose launches are not counted, so
+    an exercise that requires a kernel fails (:func:`.interpreter.count_launches`)."""
+    if b"triton" in source:
+        _prepare_interpreter()
 
 
 def serve(request_fd: int = 0, reply_fd: int = 1, sandboxed: bool = False, status_fd: Optional[int] = None) -> None:
@@ -632,7 +660,7 @@ def serve(request_fd: int = 0, reply_fd: int = 1, sandboxed: bool = False, statu
     # Python's SIGINT handler would let a learner raise KeyboardInterrupt here
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
-        prepare()
+        prepare(interpreter=False)
     except BaseException as exc:  # noqa: BLE001 (the grader reads this instead of "ready")
         frames.write_frame(reply_fd, f"failed {type(exc).__name__}: {exc}".encode()[:500])
         raise
@@ -661,7 +689,9 @@ def serve(request_fd: int = 0, reply_fd: int = 1, sandboxed: bool = False, statu
                 return
             if req["op"] == "load":
                 path = os.path.join(root, "submission", submission_name(req["name"]))
-                _load(req["source"].numpy().tobytes(), path)
+                source = req["source"].numpy().tobytes()
+                _prepare_for(source)
+                _load(source, path)
                 frames.write_frame(reply_fd, b"loaded")
                 continue
             header, payload, output = _run_task(_task(req), path, private, sandboxed, root, status_fd)
