@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["validate", "compute_dtype", "default_scale"]
+__all__ = ["validate", "compute_dtype", "default_scale", "validate_sinks"]
 
 _REDUCED_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -186,3 +186,24 @@ def validate(
         raise ValueError(f"{fn}: attn_mask must broadcast to the scores' shape (..., L, S) = {scores_shape} "
                          f"without enlarging it, got {_shape(attn_mask)}")
     return batch
+
+
+def validate_sinks(sinks: object, query: Tensor, fn: str) -> "Optional[Tensor]":
+    """``sinks`` as given when it is a floating tensor of shape ``(H,)`` on the query's device, with
+    ``H = query.shape[-3]``; None for None. Raises TypeError/ValueError naming the argument."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"{fn}: sinks must be a tensor of shape (H,) (one logit per query head) or None, "
+                        f"got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"{fn}: sinks must be a floating-point tensor, got {sinks.dtype}")
+    if query.dim() < 3:
+        raise ValueError(f"{fn}: sinks need a head dimension: query must be (..., H, L, E), got {tuple(query.shape)}")
+    H = query.shape[-3]
+    if tuple(sinks.shape) != (H,):
+        raise ValueError(f"{fn}: sinks must have shape (H,) = ({H},), one logit per query head, "
+                         f"got {tuple(sinks.shape)}")
+    if sinks.device != query.device:
+        raise ValueError(f"{fn}: sinks are on {sinks.device}, query on {query.device}: put them on one device")
+    return sinks

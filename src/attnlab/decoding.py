@@ -45,9 +45,10 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
-from attnlab._validation import compute_dtype, default_scale, validate
+from attnlab._validation import compute_dtype, default_scale, validate, validate_sinks
 from attnlab.kernels import LOG2E, Layout
 from attnlab.kernels import decode as kernel
+from attnlab.kernels import sinks as _sinks
 
 __all__ = ["decode_attention", "paged_decode_attention", "PagedKVCache", "quantize", "dequantize",
            "channel_smoothing", "SMOOTHING_MIN_TOKENS"]
@@ -96,7 +97,8 @@ def channel_smoothing(k: Tensor) -> Tensor:
 def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool = False, scale: Optional[float] = None,
                      *, enable_gqa: bool = False, causal_align: Align = "top_left",
                      cache_seqlens: Optional[Tensor] = None, k_scale: Optional[Tensor] = None,
-                     v_scale: Optional[Tensor] = None, k_channel_scale: Optional[Tensor] = None) -> Tensor:
+                     v_scale: Optional[Tensor] = None, k_channel_scale: Optional[Tensor] = None,
+                     sinks: Optional[Tensor] = None) -> Tensor:
     """Attention of a few queries over a KV cache; SDPA's semantics, no mask, no dropout, no backward.
 
     Args:
@@ -115,6 +117,9 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool 
         k_channel_scale: for an int8 ``key`` whose rows were divided per channel before
             quantizing: ``(..., E)`` float32 (``key``'s dims without ``S``; :func:`channel_smoothing`),
             so that a key row stands for ``k_scale * int8 * k_channel_scale``.
+        sinks: ``(H,)``, a logit per query head in each row's softmax denominator, without a
+            value (gpt-oss's attention sinks; :mod:`attnlab.kernels.sinks`), folded into the
+            kernel's ``(out, lse)``.
 
     Returns:
         ``(..., L, Ev)`` in the query's dtype; a row that sees no key is 0, as in SDPA.
@@ -142,17 +147,18 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool 
                              f"key {key.dtype if isinstance(key, Tensor) else type(key).__name__}")
         batch = validate(query, key, value, None, 0.0, is_causal, scale, enable_gqa, fn=fn)
     _check_align(causal_align, fn)
-    _refuse_grad(fn, query, key, value)
+    validate_sinks(sinks, query, fn)
+    _refuse_grad(fn, query, key, value, *(() if sinks is None else (sinks,)))
     if torch.compiler.is_compiling():  # one op to Dynamo: the kernel's data-dependent choices stay inside it
         return torch.ops.attnlab.decode_attention(query, key, value, is_causal, scale, enable_gqa, causal_align,
-                                                  cache_seqlens, k_scale, v_scale, k_channel_scale)
+                                                  cache_seqlens, k_scale, v_scale, k_channel_scale, sinks)
     if any(t.is_meta for t in (query, key, value)):  # shapes only: the reference's rules (no cache is read)
         from attnlab import functional
 
         if key.dtype == torch.int8:
             key, value = (torch.empty(t.shape, dtype=query.dtype, device="meta") for t in (key, value))
         return functional.scaled_dot_product_attention(query, key, value, None, 0.0, is_causal, scale,
-                                                       enable_gqa=enable_gqa)
+                                                       enable_gqa=enable_gqa, sinks=sinks)
     L, E, S = query.shape[-2], query.shape[-1], key.shape[-2]
     if enable_gqa and key.shape[-3] != value.shape[-3]:
         H = query.shape[-3]  # K and V grouped differently: each is repeated up to the query heads
@@ -172,8 +178,10 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool 
         else (None, None)  # (Nb, S) each: the rows' scales on the layout of k3, v3
     if k_channel_scale is not None:  # q . (k / lambda * lambda) = (q * lambda) . (k / lambda): scale the query
         q4 = q4 * layout.keys(k_channel_scale[..., None, :]).unsqueeze(1)  # (Nb, r, L, E) * (Nb, 1, 1, E)
-    out4 = _run(q4, k3, v3, None, Hkv=_kv_heads(layout, seqlens), S=S, scale=_scale(scale, E), is_causal=is_causal,
-                align=causal_align, seqlens=seqlens, scales=scales)
+    out4, lse2 = _run(q4, k3, v3, None, Hkv=_kv_heads(layout, seqlens), S=S, scale=_scale(scale, E),
+                      is_causal=is_causal, align=causal_align, seqlens=seqlens, scales=scales)
+    if sinks is not None:
+        out4, _ = _sinks.absorb(out4, lse2, _sinks.rows(sinks, layout, L, lse2.dtype), base2=True)
     return out4.reshape(*layout.batch, L, value.shape[-1]).to(query.dtype)
 
 
@@ -183,16 +191,16 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool 
 def _decode_attention_op(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: Optional[float],
                          enable_gqa: bool, causal_align: str, cache_seqlens: Optional[Tensor],
                          k_scale: Optional[Tensor], v_scale: Optional[Tensor],
-                         k_channel_scale: Optional[Tensor]) -> Tensor:
+                         k_channel_scale: Optional[Tensor], sinks: Optional[Tensor]) -> Tensor:
     """``(..., L, Ev)``: :func:`decode_attention`, arguments already checked."""
     return decode_attention(query, key, value, is_causal, scale, enable_gqa=enable_gqa, causal_align=causal_align,
                             cache_seqlens=cache_seqlens, k_scale=k_scale, v_scale=v_scale,
-                            k_channel_scale=k_channel_scale)
+                            k_channel_scale=k_channel_scale, sinks=sinks)
 
 
 @_decode_attention_op.register_fake
 def _(query, key, value, is_causal, scale, enable_gqa, causal_align, cache_seqlens, k_scale, v_scale,
-      k_channel_scale):
+      k_channel_scale, sinks):
     stand_in = query.new_zeros(())  # the shapes of an int8 cache, checked as floats (nothing is read)
     batch = validate(query, stand_in.expand(key.shape), stand_in.expand(value.shape), None, 0.0, is_causal, scale,
                      enable_gqa, fn="decode_attention")
@@ -200,7 +208,8 @@ def _(query, key, value, is_causal, scale, enable_gqa, causal_align, cache_seqle
 
 
 def paged_decode_attention(query: Tensor, cache: "PagedKVCache", is_causal: bool = False,
-                           scale: Optional[float] = None, *, causal_align: Align = "top_left") -> Tensor:
+                           scale: Optional[float] = None, *, causal_align: Align = "top_left",
+                           sinks: Optional[Tensor] = None) -> Tensor:
     """:func:`decode_attention` over a :class:`PagedKVCache`, read page by page in place.
 
     Args:
@@ -210,6 +219,7 @@ def paged_decode_attention(query: Tensor, cache: "PagedKVCache", is_causal: bool
             tokens are the cache's last ``L`` wants ``is_causal=True, causal_align="bottom_right"``.
         scale: as in :func:`decode_attention`.
         causal_align: as in :func:`decode_attention`.
+        sinks: ``(H,)``, as in :func:`decode_attention`.
 
     Returns:
         ``(B, H, L, head_dim)`` in the query's dtype.
@@ -234,13 +244,17 @@ def paged_decode_attention(query: Tensor, cache: "PagedKVCache", is_causal: bool
                         f"on {query.device}")
     validate(query, query, None, None, 0.0, is_causal, scale, False, fn=fn)  # is_causal and scale
     _check_align(causal_align, fn)
-    _refuse_grad(fn, query)
+    validate_sinks(sinks, query, fn)
+    _refuse_grad(fn, query, *(() if sinks is None else (sinks,)))
     q4 = query.to(compute_dtype(query.dtype)).reshape(B * Hkv, H // Hkv, L, E)  # (Nb, r, L, E)
     if cache.k_channel_scale is not None:  # keys stored divided by lambda: the query carries it
         q4 = q4 * cache.k_channel_scale.reshape(B * Hkv, 1, 1, E)
-    out4 = _run(q4, cache.k_pages, cache.v_pages, cache.block_table, Hkv=Hkv, S=cache.length,
-                scale=_scale(scale, E), is_causal=is_causal, align=causal_align, seqlens=None,
-                scales=(cache.k_scales, cache.v_scales))
+    out4, lse2 = _run(q4, cache.k_pages, cache.v_pages, cache.block_table, Hkv=Hkv, S=cache.length,
+                      scale=_scale(scale, E), is_causal=is_causal, align=causal_align, seqlens=None,
+                      scales=(cache.k_scales, cache.v_scales))
+    if sinks is not None:  # (Nb, r, L): query head h = nb % Hkv * r + j of batch nb // Hkv
+        sink_rows = sinks.to(lse2.dtype).reshape(1, Hkv, H // Hkv, 1).expand(B, Hkv, H // Hkv, L)
+        out4, _ = _sinks.absorb(out4, lse2, sink_rows.reshape(B * Hkv, H // Hkv, L), base2=True)
     return out4.reshape(B, H, L, E).to(query.dtype)
 
 
@@ -422,9 +436,9 @@ def _seqlens(cache_seqlens, query: Tensor, key: Tensor, layout: Layout, fn: str)
 
 def _run(q4: Tensor, k: Tensor, v: Tensor, table: Optional[Tensor], *, Hkv: int, S: int, scale: float,
          is_causal: bool, align: Align, seqlens: Optional[Tensor],
-         scales: tuple[Optional[Tensor], Optional[Tensor]] = (None, None)) -> Tensor:
-    """``out (Nb, r, L, Ev)``: the kernel, and the pure path when its result is not finite;
-    ``scales``: an int8 cache's ``(k_scale, v_scale)``."""
+         scales: tuple[Optional[Tensor], Optional[Tensor]] = (None, None)) -> tuple[Tensor, Tensor]:
+    """``(out (Nb, r, L, Ev), lse2 (Nb, r, L))``: the kernel, and the pure path when its result is
+    not finite; ``scales``: an int8 cache's ``(k_scale, v_scale)``."""
     causal = align if is_causal else "none"
     Nb, r, L, _ = q4.shape
     if scales[0] is not None and (Nb * r * L == 0 or S == 0 or v.shape[-1] == 0 or q4.shape[-1] == 0):
@@ -436,15 +450,14 @@ def _run(q4: Tensor, k: Tensor, v: Tensor, table: Optional[Tensor], *, Hkv: int,
     # (int8 values are finite: the hidden-values check has nothing to find in them)
     if not nonfinite and _finite(out, lse2) and (scales[0] is not None or
                                                   not _hidden_values_infinite(v, table, S, L, causal, seqlens)):
-        return out
+        return out, lse2
     if scales[0] is not None:  # a rerun on the pure path: the cache dequantised, only now
         k, v = kernel.dequantize(k, scales[0]), kernel.dequantize(v, scales[1])
     # NaN or inf somewhere: the pure path visits every key, so they propagate as torch's MATH does
     k3, v3 = _dense(k, v, table, S)
     dtype = compute_dtype(k3.dtype)
-    out, _ = kernel.forward_eager(q4.to(dtype), k3.to(dtype), v3.to(dtype), Hkv=Hkv, scale2=scale * LOG2E,
-                                  causal=causal, seqlens=seqlens)
-    return out
+    return kernel.forward_eager(q4.to(dtype), k3.to(dtype), v3.to(dtype), Hkv=Hkv, scale2=scale * LOG2E,
+                                causal=causal, seqlens=seqlens)
 
 
 def _dense(k: Tensor, v: Tensor, table: Optional[Tensor], S: int) -> tuple[Tensor, Tensor]:
@@ -453,18 +466,22 @@ def _dense(k: Tensor, v: Tensor, table: Optional[Tensor], S: int) -> tuple[Tenso
     return kernel.gather(k, table, S), kernel.gather(v, table, S)
 
 
-def _degenerate(q4, k, v, table, Hkv, S, scale, causal, seqlens) -> Tensor:
-    """Empty shapes; ``E == 0`` (every score 0: the mean of the visible values, as torch gives)."""
+def _degenerate(q4, k, v, table, Hkv, S, scale, causal, seqlens) -> tuple[Tensor, Tensor]:
+    """Empty shapes; ``E == 0`` (every score 0: the mean of the visible values, as torch gives).
+    ``(out, lse2)`` as :func:`_run`'s (``Ev == 0``: lse2 as if every visible key scored 0)."""
     Nb, r, L, E = q4.shape
     Ev = v.shape[-1]
-    if Nb * r * L == 0 or S == 0 or Ev == 0:
-        return q4.new_zeros(Nb, r, L, Ev)
+    if Nb * r * L == 0 or S == 0:
+        return q4.new_zeros(Nb, r, L, Ev), q4.new_full((Nb, r, L), float("-inf"))
     k3, v3 = _dense(k, v, table, S)
     dtype = compute_dtype(v3.dtype)
     zeros_q, zeros_k = q4.new_zeros(Nb, r, L, 1, dtype=dtype), k3.new_zeros(Nb, S, 1, dtype=dtype)
-    out, _ = kernel.forward_eager(zeros_q, zeros_k, v3.to(dtype), Hkv=Hkv, scale2=LOG2E, causal=causal,
-                                  seqlens=seqlens)
-    return out
+    if Ev == 0:
+        v3 = v3.new_zeros(Nb, S, 1)  # for lse2 only: the output has no column
+        out, lse2 = kernel.forward_eager(zeros_q, zeros_k, v3.to(dtype), Hkv=Hkv, scale2=LOG2E, causal=causal,
+                                         seqlens=seqlens)
+        return out[..., :0], lse2
+    return kernel.forward_eager(zeros_q, zeros_k, v3.to(dtype), Hkv=Hkv, scale2=LOG2E, causal=causal, seqlens=seqlens)
 
 
 def _finite(out: Tensor, lse2: Tensor) -> bool:

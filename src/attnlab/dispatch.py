@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from attnlab import functional, masks, tiled
-from attnlab._validation import require_tensors
+from attnlab._validation import require_tensors, validate_sinks
 
 __all__ = ["attention", "use_impl", "IMPLS", "AUTO_TILED_MIN_SCORES", "DECODE_MAX_L", "DECODE_MIN_S", "choose_impl"]
 
@@ -148,6 +148,10 @@ def _triton_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask, dr
     return _triton.why_unavailable(query, key, value)
 
 
+# the kernels that have no attention sinks yet (issue 50): a call with sinks runs on the CPU paths instead
+_SINKS_NOT_YET = "sinks (its kernels have none yet: the reference, tiled, flex and decode paths do)"
+
+
 @torch.compiler.assume_constant_result
 def _default_impl() -> str:
     """The implementation :func:`use` set (``"auto"`` otherwise). Dynamo cannot trace a context
@@ -158,7 +162,8 @@ def _default_impl() -> str:
 
 def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Mask = None, dropout_p: float = 0.0, *,
                 enable_gqa: bool = False, impl: Optional[Impl] = None, is_causal: bool = False,
-                score_mod: Optional[ScoreMod] = None, causal_align: str = "top_left") -> str:
+                score_mod: Optional[ScoreMod] = None, causal_align: str = "top_left",
+                sinks: Optional[Tensor] = None) -> str:
     """The implementation :func:`attention` will run for these arguments: "reference", "tiled",
     "flex" or "decode". Raises ``ValueError`` when ``impl`` names one that cannot run them."""
     from attnlab import flex
@@ -166,12 +171,12 @@ def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Mask = Non
     chosen = impl if impl is not None else _default_impl()
     _check_impl(chosen)
     if chosen == "triton":
-        why = _triton_unsupported(query, key, value, attn_mask, dropout_p)
+        why = _SINKS_NOT_YET if sinks is not None else _triton_unsupported(query, key, value, attn_mask, dropout_p)
         if why:
             raise ValueError(f"attention: impl='triton' was requested but it cannot run {why}; use impl='auto'")
         return "triton"
     if (chosen == "auto" and isinstance(query, Tensor) and query.device.type == "cuda" and score_mod is None
-            and _triton_unsupported(query, key, value, attn_mask, dropout_p) is None):
+            and sinks is None and _triton_unsupported(query, key, value, attn_mask, dropout_p) is None):
         return "triton"  # (triton is imported only for CUDA tensors: a CPU call never pays its import)
     flex_call = isinstance(attn_mask, flex.BlockMask) or score_mod is not None
     if flex_call or chosen == "flex":
@@ -219,6 +224,7 @@ def attention(
     impl: Optional[Impl] = None,
     score_mod: Optional[ScoreMod] = None,
     causal_align: Align = "top_left",
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """SDPA's signature and semantics, run by the implementation ``impl`` picks (see the module doc).
 
@@ -239,6 +245,9 @@ def attention(
         score_mod: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (flex runs it).
         causal_align: with ``is_causal``: ``"top_left"`` (SDPA's meaning) or ``"bottom_right"``
             (query ``i`` sees keys ``0..S - L + i``: new tokens after a KV cache).
+        sinks: ``(H,)``, a learnable logit per query head in each row's softmax denominator,
+            without a value (gpt-oss's attention sinks); the reference, tiled, flex and decode
+            paths take it, the Triton kernels refuse it (``"auto"`` then picks a CPU path).
 
     Returns:
         ``(..., L, Ev)`` in the query's dtype.
@@ -249,9 +258,10 @@ def attention(
             and query.dim() >= 2 and key.dim() >= 2 and query.shape[-2] == key.shape[-2]):
         causal_align = "top_left"  # L == S: the two alignments are one mask
     require_tensors("attention", query=query, key=key, value=value)
+    validate_sinks(sinks, query, "attention")
     which = choose_impl(query, key, value, attn_mask, dropout_p, enable_gqa=enable_gqa, impl=impl,
                         causal_align=causal_align,
-                        is_causal=is_causal, score_mod=score_mod)
+                        is_causal=is_causal, score_mod=score_mod, sinks=sinks)
     if which == "triton":
         from attnlab import triton as _triton
 
@@ -265,12 +275,12 @@ def attention(
         from attnlab import decoding
 
         return decoding.decode_attention(query, key, value, is_causal, scale, enable_gqa=enable_gqa,
-                                         causal_align=causal_align)
+                                         causal_align=causal_align, sinks=sinks)
     if is_causal and causal_align == "bottom_right" and which != "flex" and attn_mask is not None:
         raise ValueError("attention: pass either attn_mask or is_causal=True, not both")
     if which == "tiled":  # the alignment is an offset the kernels skip and mask tiles by
         return tiled.flash_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa=enable_gqa,
-                                     causal_align=causal_align)
+                                     causal_align=causal_align, sinks=sinks)
     if is_causal and causal_align == "bottom_right" and which == "reference":
         # the reference builds its (L, S) scores anyway: the written-out mask is its readable version
         if isinstance(query, Tensor) and isinstance(key, Tensor) and query.dim() >= 2 and key.dim() >= 2:
@@ -280,6 +290,6 @@ def attention(
         from attnlab import flex
 
         return flex.flex_attention(query, key, value, score_mod=score_mod, block_mask=attn_mask, scale=scale,
-                                   enable_gqa=enable_gqa)
+                                   enable_gqa=enable_gqa, sinks=sinks)
     return functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                   enable_gqa=enable_gqa)
+                                                   enable_gqa=enable_gqa, sinks=sinks)

@@ -51,6 +51,7 @@ from attnlab import masks
 from attnlab._validation import compute_dtype as _compute_dtype
 from attnlab._validation import default_scale
 from attnlab._validation import validate as _validate
+from attnlab._validation import validate_sinks
 from attnlab.softmax import shift_by_max, stable_softmax
 
 __all__ = ["scaled_dot_product_attention", "attention_weights"]
@@ -73,6 +74,7 @@ def scaled_dot_product_attention(
     scale: Optional[float] = None,
     *,
     enable_gqa: bool = False,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Scaled dot-product attention with exactly the signature and results of torch's SDPA.
 
@@ -98,6 +100,10 @@ def scaled_dot_product_attention(
             the query's last dimension. Zero and negative values are allowed.
         enable_gqa: group query heads onto key/value heads (dim -3): ``H`` must be a
             multiple of ``Hkv``; query heads ``0..H/Hkv-1`` share key/value head 0.
+        sinks: attnlab's addition, not SDPA's: ``(H,)``, a logit per query head that joins each
+            row's softmax denominator and carries no value (gpt-oss's attention sinks); it
+            has a gradient. A row whose keys are all masked then outputs 0 with the sink's
+            weight 1.
 
     Returns:
         ``(..., L, Ev)`` in the query's dtype, where ``...`` is the broadcast of the
@@ -110,7 +116,9 @@ def scaled_dot_product_attention(
     """
     _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
               fn="scaled_dot_product_attention")
-    output, _ = attention_with_weights(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    validate_sinks(sinks, query, "scaled_dot_product_attention")
+    output, _ = attention_with_weights(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                       sinks=sinks)
     return output
 
 
@@ -122,6 +130,7 @@ def attention_weights(
     scale: Optional[float] = None,
     *,
     enable_gqa: bool = False,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """The ``(..., L, S)`` softmax weights that SDPA computes but does not return.
 
@@ -135,16 +144,19 @@ def attention_weights(
         is_causal: top-left causal mask; not together with ``attn_mask``.
         scale: default ``1 / sqrt(E)``.
         enable_gqa: group query heads onto key heads (dim -3).
+        sinks: ``(H,)``, as in :func:`scaled_dot_product_attention`: rows then sum to less than 1.
 
     Returns:
         ``(..., L, S)`` in the query's dtype.
     """
     _validate(query, key, None, attn_mask, 0.0, is_causal, scale, enable_gqa, fn="attention_weights")
+    validate_sinks(sinks, query, "attention_weights")
     compute_dtype = _compute_dtype(query.dtype)
     q, k = query.to(compute_dtype), key.to(compute_dtype)
     if enable_gqa:
         k = repeat_kv_heads(k, q)
-    weights = _softmax_weights(q, k, attn_mask, is_causal, scale)
+    weights = _softmax_weights(q, k, attn_mask, is_causal, scale, None,
+                               None if sinks is None else sinks.to(compute_dtype))
     return weights.to(query.dtype)
 
 
@@ -163,16 +175,19 @@ def attention_with_weights(
     scale: Optional[float],
     enable_gqa: bool,
     record: Optional[Recorder] = None,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Validated inputs -> ``(output (..., L, Ev), weights (..., L, S))``, weights before dropout.
 
-    ``record``, when given, is called with each intermediate step (used by tracing).
+    ``record``, when given, is called with each intermediate step (used by tracing). ``sinks``
+    ``(H,)``: a logit per query head in each row's softmax, without a value.
     """
     compute_dtype = _compute_dtype(query.dtype)
     q, k, v = query.to(compute_dtype), key.to(compute_dtype), value.to(compute_dtype)
     if enable_gqa:
         k, v = repeat_kv_heads(k, q), repeat_kv_heads(v, q)
-    weights = _softmax_weights(q, k, attn_mask, is_causal, scale, record)  # (..., L, S)
+    weights = _softmax_weights(q, k, attn_mask, is_causal, scale, record,
+                               None if sinks is None else sinks.to(compute_dtype))  # (..., L, S)
     dropped = dropout_weights(weights, dropout_p) if dropout_p > 0 else weights
     output = (dropped @ v).to(query.dtype)  # (..., L, Ev)
     if record is not None:
@@ -187,8 +202,10 @@ def _softmax_weights(
     is_causal: bool,
     scale: Optional[float],
     record: Optional[Recorder] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
-    """``stable_softmax(q @ k^T * scale + mask)`` in ``q``'s dtype: ``(..., L, S)``."""
+    """``stable_softmax(q @ k^T * scale + mask)`` in ``q``'s dtype: ``(..., L, S)``. With ``sinks``
+    ``(H,)`` each row's softmax runs over its scores and its head's sink, whose weight is dropped."""
     L, E, S = q.shape[-2], q.shape[-1], k.shape[-2]
     scores = q @ k.transpose(-2, -1)  # (..., L, S)
     if E > 0:  # E == 0: every score is an empty dot product, 0 whatever the scale (as torch)
@@ -210,7 +227,11 @@ def _softmax_weights(
 
     if record is not None:
         record("scores_shifted", shift_by_max(scores, dim=-1))
-    weights = stable_softmax(scores, dim=-1)  # (..., L, S)
+    if sinks is not None:  # one more column per row: the sink's logit, which carries no value
+        column = sinks[:, None, None].expand(*scores.shape[:-1], 1)  # (..., H, L, 1)
+        weights = stable_softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]  # (..., L, S)
+    else:
+        weights = stable_softmax(scores, dim=-1)  # (..., L, S)
     if record is not None:
         record("weights", weights)
     return weights

@@ -43,9 +43,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from attnlab._validation import compute_dtype, default_scale, validate
+from attnlab._validation import compute_dtype, default_scale, validate, validate_sinks
 from attnlab.kernels import LOG2E, Layout, block_size, dense, finite_inputs, lse_absorbed, needs_natural_units
 from attnlab.kernels import native as _native
+from attnlab.kernels import sinks as _sinks
 from attnlab.kernels.dense import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 
 __all__ = ["flash_attention", "native_status", "DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K"]
@@ -64,6 +65,7 @@ def flash_attention(
     block_q: Optional[int] = None,
     block_k: Optional[int] = None,
     causal_align: str = "top_left",
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Attention computed block by block with an online softmax; SDPA's semantics, no dropout.
 
@@ -97,6 +99,10 @@ def flash_attention(
         block_q: the query tile (default 256, the best measured here); any positive int, the lengths
             need not be multiples.
         block_k: the key tile (default 256), likewise.
+        sinks: ``(H,)``, a logit per query head in each row's softmax denominator, without a value
+            (gpt-oss's attention sinks; :mod:`attnlab.kernels.sinks`), with a gradient. The kernels
+            run as without it; the sink is folded into their ``(out, lse)`` after, and their
+            backward, given those, computes the gradients with it.
 
     Returns:
         ``(..., L, Ev)`` in the query's dtype. Rows whose keys are all masked are 0.
@@ -104,11 +110,12 @@ def flash_attention(
         ``E == 0`` gives the mean of the values, as torch does.
     """
     batch = validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, fn="flash_attention")
+    validate_sinks(sinks, query, "flash_attention")
     if any(t.is_meta for t in (query, key, value)):  # shapes only: the reference's rules (the alignment moves no shape)
         from attnlab import functional
 
         return functional.scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale,
-                                                       enable_gqa=enable_gqa)
+                                                       enable_gqa=enable_gqa, sinks=sinks)
     bq = block_size(block_q, DEFAULT_BLOCK_Q, "block_q")
     bk = block_size(block_k, DEFAULT_BLOCK_K, "block_k")
     if enable_gqa and key.shape[-3] != value.shape[-3]:
@@ -125,8 +132,9 @@ def flash_attention(
     offset = key.shape[-2] - query.shape[-2] if is_causal and causal_align == "bottom_right" else 0
     if torch.compiler.is_compiling():  # one op to Dynamo: the kernels' data-dependent choices stay inside it
         return torch.ops.attnlab.flash_attention(query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk,
-                                                 offset)
-    return _FlashAttention.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk, batch, offset)
+                                                 offset, sinks)
+    return _FlashAttention.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk, batch, offset,
+                                 sinks)
 
 
 # ----------------------------------------------------------------------------- the op torch.compile sees
@@ -136,49 +144,57 @@ def flash_attention(
 # so compiled training is right; a fused backward from saved (out, lse) is issue 50's next step.
 @torch.library.custom_op("attnlab::flash_attention", mutates_args=())
 def _flash_attention_op(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
-                        scale: Optional[float], enable_gqa: bool, block_q: int, block_k: int, offset: int) -> Tensor:
+                        scale: Optional[float], enable_gqa: bool, block_q: int, block_k: int, offset: int,
+                        sinks: Optional[Tensor]) -> Tensor:
     """``(..., L, Ev)``: :class:`_FlashAttention`'s forward, arguments already checked and tiled."""
     batch = validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, fn="flash_attention")
     with torch.no_grad():
         return _FlashAttention.apply(query, key, value, attn_mask, is_causal, scale, enable_gqa, block_q, block_k,
-                                     batch, offset)
+                                     batch, offset, sinks)
 
 
 @_flash_attention_op.register_fake
-def _(query, key, value, attn_mask, is_causal, scale, enable_gqa, block_q, block_k, offset):
+def _(query, key, value, attn_mask, is_causal, scale, enable_gqa, block_q, block_k, offset, sinks):
     batch = validate(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, fn="flash_attention")
     return query.new_empty((*batch, query.shape[-2], value.shape[-1]))
 
 
 def _op_setup_context(ctx, inputs, output) -> None:
-    query, key, value, attn_mask, *args = inputs
-    ctx.save_for_backward(query, key, value, attn_mask)
+    query, key, value, attn_mask, *args, sinks = inputs
+    ctx.save_for_backward(query, key, value, attn_mask, sinks)
     ctx.args = args
 
 
 @torch.library.custom_op("attnlab::flash_attention_backward", mutates_args=())
 def _flash_attention_backward_op(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor,
                                  attn_mask: Optional[Tensor], is_causal: bool, scale: Optional[float],
-                                 enable_gqa: bool, block_q: int, block_k: int, offset: int) -> list[Tensor]:
-    """[dq, dk, dv]: the eager path's gradients, its forward run again under autograd (an op too,
-    so that AOTAutograd does not trace the kernels' data-dependent choices into the backward)."""
+                                 enable_gqa: bool, block_q: int, block_k: int, offset: int,
+                                 sinks: Optional[Tensor]) -> list[Tensor]:
+    """[dq, dk, dv, dsinks]: the eager path's gradients, its forward run again under autograd (an op
+    too, so that AOTAutograd does not trace the kernels' data-dependent choices into the backward);
+    dsinks is empty without sinks."""
     leaves = [t.detach().requires_grad_() for t in (query, key, value)]
+    sink_leaf = sinks.detach().requires_grad_() if sinks is not None else None
     with torch.enable_grad():
         batch = validate(*leaves, attn_mask, 0.0, is_causal, scale, enable_gqa, fn="flash_attention")
-        out = _FlashAttention.apply(*leaves, attn_mask, is_causal, scale, enable_gqa, block_q, block_k, batch, offset)
-    return list(torch.autograd.grad(out, leaves, grad_out))
+        out = _FlashAttention.apply(*leaves, attn_mask, is_causal, scale, enable_gqa, block_q, block_k, batch, offset,
+                                    sink_leaf)
+    grads = list(torch.autograd.grad(out, leaves + ([sink_leaf] if sink_leaf is not None else []), grad_out))
+    return grads if sink_leaf is not None else grads + [query.new_empty(0)]
 
 
 @_flash_attention_backward_op.register_fake
-def _(grad_out, query, key, value, attn_mask, is_causal, scale, enable_gqa, block_q, block_k, offset):
-    return [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)]
+def _(grad_out, query, key, value, attn_mask, is_causal, scale, enable_gqa, block_q, block_k, offset, sinks):
+    return [torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
+            torch.empty_like(sinks) if sinks is not None else query.new_empty(0)]
 
 
 def _op_backward(ctx, grad_out: Tensor):
-    """(dq, dk, dv, None for the rest) through :func:`_flash_attention_backward_op`."""
-    query, key, value, attn_mask = ctx.saved_tensors
-    dq, dk, dv = torch.ops.attnlab.flash_attention_backward(grad_out, query, key, value, attn_mask, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    """(dq, dk, dv, None for the rest, dsinks) through :func:`_flash_attention_backward_op`."""
+    query, key, value, attn_mask, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.attnlab.flash_attention_backward(grad_out, query, key, value, attn_mask,
+                                                                    *ctx.args, sinks)
+    return dq, dk, dv, None, None, None, None, None, None, None, dsinks if sinks is not None else None
 
 
 _flash_attention_op.register_autograd(_op_backward, setup_context=_op_setup_context)
@@ -199,7 +215,7 @@ def native_status() -> _native.NativeStatus:
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk, batch, offset):
+    def forward(ctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, bq, bk, batch, offset, sinks=None):
         dtype = _native.operand_dtype(query.dtype)  # bfloat16 stays bfloat16 on the bf16 route
         layout = Layout(batch, query, key, enable_gqa)
         L, E, S = query.shape[-2], query.shape[-1], key.shape[-2]
@@ -227,6 +243,11 @@ class _FlashAttention(torch.autograd.Function):
                 q4, k3, v3 = dense.widened(q4, k3, v3)
                 out4, lse2 = dense.forward_eager(q4, k3, v3, layout, mask, is_causal, scale_f, bq, bk, natural=True,
                                             offset=offset)
+        sink_rows = None
+        if sinks is not None:  # folded into (out, lse): the backward below then computes the sink's gradients
+            sink_rows = _sinks.rows(sinks, layout, L, lse2.dtype)  # (Nb, r, L)
+            out4, lse2 = _sinks.absorb(out4, lse2, sink_rows, base2=not ctx.natural)
+        ctx.sinks = (sinks.dtype, sinks.shape[0], sink_rows) if sinks is not None else None
         ctx.save_for_backward(q4, k3, v3, out4, lse2, mask if mask is not None else torch.empty(0))
         ctx.has_mask = mask is not None
         ctx.layout, ctx.is_causal, ctx.scale, ctx.bq, ctx.bk = layout, is_causal, scale_f, bq, bk
@@ -255,4 +276,9 @@ class _FlashAttention(torch.autograd.Function):
         dk = dk3.reshape(*layout.kv_batch, *k_shape[-2:]).sum_to_size(k_shape)
         dv = dv3.reshape(*layout.kv_batch, *v_shape[-2:]).sum_to_size(v_shape)
         dtype = grad_out.dtype
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None, None
+        dsinks = None
+        if ctx.sinks is not None:
+            sink_dtype, H, sink_rows = ctx.sinks
+            per_row = _sinks.grad_rows(dout4, out4, lse2, sink_rows, base2=not ctx.natural)  # (Nb, r, L)
+            dsinks = _sinks.to_heads(per_row, layout, H).to(sink_dtype)  # (H,)
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None, None, dsinks

@@ -70,12 +70,15 @@ def test_export_keeps_the_op():
 
 def test_opcheck_passes_on_the_forward_and_backward_ops():
     q, k, v, mask = _inputs()
-    args = (mask, False, None, True, 256, 256, 0)
-    for op, inputs in ((torch.ops.attnlab.flash_attention.default, (q, k, v, *args)),
-                       (torch.ops.attnlab.flash_attention_backward.default,
-                        (torch.randn(2, 4, 33, 16), q.detach(), k.detach(), v.detach(), *args))):
-        result = opcheck(op, inputs)
-        assert set(result.values()) == {"SUCCESS"}, (op, result)
+    sinks = torch.randn(q.shape[1], requires_grad=True)
+    for s in (None, sinks):  # without and with attention sinks
+        args = (mask, False, None, True, 256, 256, 0)
+        for op, inputs in ((torch.ops.attnlab.flash_attention.default, (q, k, v, *args, s)),
+                           (torch.ops.attnlab.flash_attention_backward.default,
+                            (torch.randn(2, 4, 33, 16), q.detach(), k.detach(), v.detach(), *args,
+                             None if s is None else s.detach()))):
+            result = opcheck(op, inputs)
+            assert set(result.values()) == {"SUCCESS"}, (op, result)
 
 
 @pytest.mark.parametrize("cache", ["float32", "int8"])

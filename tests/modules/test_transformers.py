@@ -231,19 +231,57 @@ def test_softcap_with_a_caller_mask_matches_the_formula_or_is_refused():
         hf.attnlab_attention_forward(layer, q, k, v, as_float + 0.5, softcap=2.0, is_causal=False)
 
 
-def test_gpt_oss_sinks_are_refused_by_name_not_dropped():
-    """Issue 50: a tiny GptOssForCausalLM ran with s_aux dropped, its logits 45% off eager's and its
-    sinks without a gradient. Until attnlab has sinks, the call is refused, naming s_aux."""
+def _gpt_oss(attn: str, seed: int = 0):
     cfg = transformers.GptOssConfig(vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
                                     num_experts_per_tok=1, sliding_window=6, max_position_embeddings=64)
-    m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="attnlab").eval()
-    ids = torch.randint(0, V, (1, 8), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(NotImplementedError, match=r"attention sinks .*'s_aux'.*attn_implementation='eager'"):
-        m(ids)
+    torch.manual_seed(seed)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)  # float32: the experts'
+    with torch.no_grad():  # grouped GEMM takes no float64. Sinks of either sign that matter (the init: near 0)
+        for layer in m.model.layers:
+            layer.self_attn.sinks.copy_(torch.tensor([2.0, -1.0, 0.5, 3.0]))
+    return m
 
 
-@pytest.mark.parametrize("name", ["s_aux", "sinks", "position_bias", "block_indices", "a_new_option"])
+def test_gpt_oss_through_attnlab_equals_eager_logits_gradients_and_generation():
+    """Issue 50: a tiny GptOssForCausalLM ran with s_aux dropped, its logits 45% off eager's and its
+    sinks without a gradient. Now s_aux is attnlab's sinks: logits, the gradient of every parameter
+    (the sinks included) and greedy generation equal eager's, with the sliding-window layers (flex)
+    and the full ones, a padded batch included. (With the sinks dropped again the logits differ by
+    far more than the bound, and the sinks' gradients are None.)"""
+    eager, ours = _gpt_oss("eager"), _gpt_oss("attnlab")
+    ours.load_state_dict(eager.state_dict())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (2, 12), generator=g)
+    pad = torch.ones(2, 12, dtype=torch.long)
+    pad[1, :3] = 0  # the second sequence left-padded
+    for mask in (None, pad):
+        outs = []
+        for m in (eager, ours):
+            m.zero_grad()
+            logits = m(ids, attention_mask=mask).logits
+            real = logits if mask is None else logits[mask.bool()]  # eager's padded rows are not defined
+            (real * torch.randn(real.shape, generator=torch.Generator().manual_seed(1), dtype=real.dtype)).sum().backward()
+            outs.append((real.detach(), {n: p.grad for n, p in m.named_parameters()}))
+        (want, want_grads), (got, got_grads) = outs
+        assert_close(got, want, dtype=torch.float32, scope="model", msg="gpt-oss logits")
+        assert set(got_grads) == set(want_grads)
+        for name, grad in want_grads.items():
+            if grad is None:
+                assert got_grads[name] is None, name
+                continue
+            assert got_grads[name] is not None, name
+            assert_close(got_grads[name], grad, dtype=torch.float32, scope="model", msg=f"gpt-oss {name}")
+        sinks = [n for n in want_grads if n.endswith("sinks")]
+        assert len(sinks) == 2 and all(want_grads[n].abs().max() > 1e-3 for n in sinks)  # gradients that matter
+    with torch.no_grad():
+        prompt = ids[:1, :5]
+        a = eager.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        b = ours.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, b), (a, b)
+
+
+@pytest.mark.parametrize("name", ["position_bias", "block_indices", "a_new_option"])
 def test_an_argument_attnlab_does_not_implement_is_refused_by_name(name):
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match=f"'{name}'.*attn_implementation='eager'"):

@@ -55,7 +55,7 @@ class Config:
         return self.B * self.H * self.L * self.L * 4
 
     def estimated_peak_bytes(self) -> int:
-        if self.impl in ("tiled", "flash"):
+        if self.impl in ("tiled", "sinks", "flash"):
             return 16 * self.B * self.H * self.L * self.E * 4
         if self.impl in ("flex", "torchflex"):  # one query block's (128, L) tiles at a time, copies in the backward
             return 16 * self.B * self.H * self.L * self.E * 4 + 8 * self.B * self.H * 128 * self.L * 4
@@ -142,6 +142,14 @@ def impl_function(impl: str, c: Optional["Config"] = None) -> Callable:
         from attnlab.tiled import flash_attention
 
         return lambda q, k, v, causal, mask: flash_attention(q, k, v, mask, is_causal=causal)
+    if impl == "sinks":  # the tiled path with attention sinks (gradient included): their cost beside "tiled"
+        from attnlab.tiled import flash_attention
+
+        def run_sinks(q, k, v, causal, mask):
+            sinks = torch.zeros(q.shape[1], dtype=q.dtype, requires_grad=q.requires_grad)  # (H,)
+            return flash_attention(q, k, v, mask, is_causal=causal, sinks=sinks)
+
+        return run_sinks
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as torch_sdpa
 
@@ -314,7 +322,7 @@ def run_benchmarks(seq_lens: list[int], impls: list[str], modes: list[str], caus
 # Rough throughputs on 2 cores for the estimate only (BENCHMARKS.md, "The targets, L = 4096",
 # an AMD EPYC: tiled/flash ~160 GFLOP/s, reference/math 33-77 GFLOP/s; bf16/fp16 and the
 # reference's backward are slower, so the estimate errs long); a fresh memory process ~3 s.
-_EST_GFLOPS = {"tiled": 120.0, "flash": 120.0, "flex": 100.0, "torchflex": 100.0, "reference": 25.0, "math": 25.0}
+_EST_GFLOPS = {"tiled": 120.0, "sinks": 120.0, "flash": 120.0, "flex": 100.0, "torchflex": 100.0, "reference": 25.0, "math": 25.0}
 
 _EST_MEMORY_RUN_S = 3.0
 

@@ -38,9 +38,9 @@ def add(sub) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=positive_int, default=1, metavar="B", help="batch size (default: 1)")
     p.add_argument("--heads", type=positive_int, default=8, metavar="H", help="heads (default: 8)")
     p.add_argument("--dim", type=positive_int, default=64, metavar="E", help="head size (default: 64)")
-    p.add_argument("--impls", type=choices(["reference", "tiled", "flex", "math", "flash", "torchflex"]),
+    p.add_argument("--impls", type=choices(["reference", "tiled", "sinks", "flex", "math", "flash", "torchflex"]),
                    default=["reference", "tiled", "math", "flash"], metavar="NAME,...",
-                   help="reference,tiled,flex,math,flash,torchflex")
+                   help="reference,tiled,sinks,flex,math,flash,torchflex")
     p.add_argument("--modes", type=choices(["fwd", "fwd+bwd"]), default=["fwd", "fwd+bwd"], metavar="MODE,...",
                    help="fwd,fwd+bwd (default: both)")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both", metavar="WHICH",

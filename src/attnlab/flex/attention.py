@@ -27,9 +27,10 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from attnlab._validation import default_scale, describe_signature, require_tensors, takes_arguments
+from attnlab._validation import default_scale, describe_signature, require_tensors, takes_arguments, validate_sinks
 from attnlab.kernels import block_sparse as kernels  # the block-sparse tile source
 from attnlab.kernels import native, online
+from attnlab.kernels import sinks as sinks_
 from attnlab.flex import mods
 from attnlab.flex.block_mask import EMPTY, FULL, BlockMask
 from attnlab.kernels.mask_blocks import unpack_bits
@@ -65,7 +66,7 @@ _noted: set = set()
 def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optional[ScoreMod] = None,
                    block_mask: Optional[BlockMask] = None, scale: Optional[float] = None, enable_gqa: bool = False,
                    return_lse: bool = False, kernel_options: Optional[dict] = None, *,
-                   return_aux: Optional[AuxRequest] = None):
+                   return_aux: Optional[AuxRequest] = None, sinks: Optional[Tensor] = None):
     """FlexAttention's ``flex_attention``, from scratch, with a backward on the CPU.
 
     Args:
@@ -89,6 +90,9 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
             otherwise); the other keys tune torch's Triton kernels and are ignored, with a
             one-time note each.
         return_aux: :class:`AuxRequest` ``(lse, max_scores)``: return ``(output, AuxOutput)``.
+        sinks: attnlab's addition (torch's flex_attention has none): ``(H,)``, a logit per query head
+            in each row's softmax denominator, without a value (gpt-oss's attention sinks), with a
+            gradient. The lse returned then includes it (``logaddexp(lse, sink)``); max_scores do not.
 
     Returns:
         ``(B, H, L, Ev)`` in the query's dtype; ``(output, lse)`` with ``return_lse``;
@@ -105,7 +109,10 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
     B, H, L, E = query.shape
     if key.shape[0] != B:  # a key/value batch of 1: broadcast, as views
         key, value = key.expand(B, *key.shape[1:]), value.expand(B, *value.shape[1:])
+    validate_sinks(sinks, query, "flex_attention")
     out, lse = _attention(query, key, value, score_mod, block_mask, scale, tile)
+    if sinks is not None:  # folded into (out, lse); the gradients flow back through lse's (every route has one)
+        out, lse = _with_sinks(out, lse, sinks)
     if return_aux is not None:
         max_scores = _max_scores(query, key, value, score_mod, block_mask, scale, tile) if return_aux.max_scores \
             else None
@@ -173,6 +180,12 @@ def _attention(query: Tensor, key: Tensor, value: Tensor, score_mod, block_mask:
     out = torch.cat(outs, dim=2) if outs else q.new_zeros(B, H, 0, value.shape[-1])
     lse = torch.cat(lses, dim=2) if lses else q.new_zeros(B, H, 0)
     return out.to(query.dtype), lse
+
+
+def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out (B, H, L, Ev), lse (B, H, L))`` with each head's sink in the denominator
+    (:func:`attnlab.kernels.sinks.absorb`, natural units, its gradients left to autograd)."""
+    return sinks_.absorb(out, lse, sinks.to(lse.dtype)[None, :, None].expand_as(lse), base2=False)
 
 
 def _max_scores(query: Tensor, key: Tensor, value: Tensor, score_mod, block_mask: Optional[BlockMask],

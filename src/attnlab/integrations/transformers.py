@@ -128,15 +128,19 @@ def attnlab_attention_forward(module: torch.nn.Module, query: Tensor, key: Tenso
         dropout: attention dropout probability (training).
         scaling: the score scale (default ``1 / sqrt(E)``).
         is_causal: overrides ``module.is_causal``.
-        kwargs: ``softcap`` (tanh soft-capping), ``output_attentions``, and what
-            :data:`ACCEPTED_KWARGS` lists as already in the mask or not about attention; anything
-            else (``s_aux``, gpt-oss's sinks; ``position_bias``; an unknown name) is refused by name.
+        kwargs: ``softcap`` (tanh soft-capping), ``output_attentions``, ``s_aux`` (gpt-oss's
+            attention sinks, ``(H,)``: attnlab's ``sinks``), and what :data:`ACCEPTED_KWARGS` lists
+            as already in the mask or not about attention; anything else (``position_bias``, an
+            unknown name) is refused by name.
 
     Returns:
         ``(output (B, L, H, Ev), weights (B, H, L, S) or None)``.
     """
     _refuse_what_is_not_implemented(kwargs)
     softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
     want_weights = bool(kwargs.get("output_attentions", False))
     gqa = query.shape[1] != key.shape[1]
     L, S = query.shape[2], key.shape[2]
@@ -160,10 +164,10 @@ def attnlab_attention_forward(module: torch.nn.Module, query: Tensor, key: Tenso
         if dropout > 0.0 or want_weights:
             out = functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
                                                           is_causal=top_left_causal, scale=scaling,
-                                                          enable_gqa=gqa)
+                                                          enable_gqa=gqa, sinks=sinks)
             if want_weights:
                 weights = functional.attention_weights(query, key, attn_mask=mask, is_causal=top_left_causal,
-                                                       scale=scaling, enable_gqa=gqa)
+                                                       scale=scaling, enable_gqa=gqa, sinks=sinks)
             if softcap is not None:
                 raise NotImplementedError("attn_implementation='attnlab': softcap with dropout or "
                                           "output_attentions is not supported; use 'eager'")
@@ -173,32 +177,29 @@ def attnlab_attention_forward(module: torch.nn.Module, query: Tensor, key: Tenso
     score_mod = flex.softcap(softcap) if softcap is not None else None
     out = dispatch.attention(query, key, value, block_mask if block_mask is not None else dense_mask,
                              is_causal=top_left_causal and block_mask is None,  # else it is in the BlockMask
-                             scale=scaling, enable_gqa=gqa, score_mod=score_mod)
+                             scale=scaling, enable_gqa=gqa, score_mod=score_mod, sinks=sinks)
     return out.transpose(1, 2).contiguous(), weights  # (B, L, H, Ev)
 
 
 # What transformers passes to an attention function besides q, k, v, the mask, dropout, scaling and
 # is_causal (its models, 5.24: 493 calls read), and what attnlab does with each. Implemented: softcap,
-# output_attentions. In the mask already: sliding_window (the mask function's window: attnlab_mask
+# output_attentions, s_aux (gpt-oss's sinks; "sinks" too). In the mask already: sliding_window (the mask function's window: attnlab_mask
 # builds the BlockMask from it, and returns None only where SDPA's would) and the packed-sequence
 # arguments (position_ids, cu_seq_lens_*, max_length_*: the mask function separates the sequences).
 # Not about attention: the rest of TransformersKwargs.
 ACCEPTED_KWARGS = frozenset({
-    "softcap", "output_attentions", "sliding_window", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+    "softcap", "output_attentions", "s_aux", "sinks", "sliding_window", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
     "max_length_q", "max_length_k", "num_items_in_batch", "output_hidden_states", "output_router_logits",
     "use_cache", "cache_position", "past_key_values", "past_key_value", "return_dict", "deterministic"})
 # not implemented, with what to do instead
 REFUSED_KWARGS = {
-    "s_aux": "attention sinks (gpt-oss's learnable s_aux logits, one per head, in each row's softmax "
-             "denominator)",
-    "sinks": "attention sinks (a learnable logit per head in each row's softmax denominator)",
     "position_bias": "position_bias (T5-style biases)",
 }
 
 
 def _refuse_what_is_not_implemented(kwargs: dict) -> None:
     """Every argument attnlab does not implement is refused by name, never dropped: gpt-oss's
-    ``s_aux`` was dropped silently (its logits 45% off eager's, its sinks without a gradient)."""
+    ``s_aux`` was once dropped silently (its logits 45% off eager's, its sinks without a gradient)."""
     for name, value in kwargs.items():
         if value is None:
             continue  # transformers passes absent options as None
