@@ -42,7 +42,8 @@ from torch import Tensor
 
 from attnlab import kernels
 from attnlab.kernels import block_sparse, dense, mask_blocks, native
-from attnlab._validation import compute_dtype, default_scale, validate
+from attnlab.kernels import sinks as sinks_
+from attnlab._validation import compute_dtype, default_scale, validate, validate_sinks
 
 __all__ = ["ring_attention", "shard_sequence", "gather_sequence", "positions", "LAYOUTS"]
 
@@ -273,7 +274,7 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, group, is_causal, scale, layout_name, enable_gqa, bq, bk, batch,
-                mask_mod, message_bytes, stats):
+                mask_mod, message_bytes, stats, sinks=None):
         rank, world, send_to, recv_from = _ranks(group)
         dtype = compute_dtype(query.dtype)
         layout = kernels.Layout(batch, query, key, enable_gqa)
@@ -305,6 +306,11 @@ class _Ring(torch.autograd.Function):
                 if pending is not None:
                     _wait(pending[0], rank, recv_from, stats)
                     k_cur, v_cur = pending[1]
+        sink_rows = None
+        if sinks is not None:  # once, after the whole ring: the backward's steps then use (out', lse')
+            sink_rows = sinks_.rows(sinks, layout, Lr, lse.dtype)  # (Nb, r, Lr)
+            out, lse = sinks_.absorb(out, lse, sink_rows, base2=True)
+        ctx.sinks = (sinks.dtype, sinks.shape[0], sink_rows) if sinks is not None else None
         ctx.save_for_backward(q4, k3, v3, out, lse)
         ctx.meta = (group, steps, groups, query.shape, key.shape, value.shape, layout, stats)
         return out.reshape(*layout.batch, Lr, v3.shape[-1]).to(query.dtype)
@@ -354,8 +360,12 @@ class _Ring(torch.autograd.Function):
         dk_u = dk.reshape(*layout.kv_batch, *k_shape[-2:]).sum_to_size(k_shape)
         dv_u = dv.reshape(*layout.kv_batch, *v_shape[-2:]).sum_to_size(v_shape)
         dt = grad_out.dtype
+        dsinks = None
+        if ctx.sinks is not None:  # this rank's rows' share (the sink is replicated: sum it over the group)
+            sink_dtype, H, sink_rows = ctx.sinks
+            dsinks = sinks_.to_heads(sinks_.grad_rows(dout, out, lse, sink_rows, base2=True), layout, H).to(sink_dtype)
         return (dq_u.to(dt), dk_u.to(dt), dv_u.to(dt), None, None, None, None, None, None, None, None, None, None,
-                None)
+                None, dsinks)
 
 
 def _native_everywhere(q4: Tensor, k3: Tensor, v3: Tensor, group) -> bool:
@@ -370,7 +380,8 @@ def _native_everywhere(q4: Tensor, k3: Tensor, v3: Tensor, group) -> bool:
 def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optional[dist.ProcessGroup] = None,
                    is_causal: bool = False, scale: Optional[float] = None, layout: str = "contiguous",
                    enable_gqa: bool = False, block_q: Optional[int] = None, block_k: Optional[int] = None,
-                   mask_mod=None, message_bytes: int = MESSAGE_BYTES, stats: Optional[dict] = None) -> Tensor:
+                   mask_mod=None, message_bytes: int = MESSAGE_BYTES, stats: Optional[dict] = None,
+                   sinks: Optional[Tensor] = None) -> Tensor:
     """Attention over a sequence split across the ranks of ``group`` (default: the world).
 
     Args:
@@ -393,6 +404,10 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optional
         message_bytes: about how large each message of key/value heads is (the ring's memory per
             rank is a few messages on top of its share of the results).
         stats: a dict; ``stats["comm_wait_s"]`` gets the seconds this rank waited on messages.
+        sinks: ``(H,)``, a logit per query head in each row's softmax denominator, without a
+            value (gpt-oss's attention sinks), the same on every rank; folded in once the ring has
+            gone round. Its gradient on each rank is that rank's rows' share: sum it over the
+            group, as for any parameter replicated across a sequence split.
 
     Returns:
         This rank's ``(B, H, L/W, Ev)`` slice of the output. Differentiable (the backward
@@ -418,7 +433,8 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optional
                          f"query {tuple(query.shape)} and key {tuple(key.shape)}")
     if layout == "zigzag" and query.shape[-2] % 2:
         raise ValueError(f"ring_attention: the zigzag layout needs an even local length, got {query.shape[-2]}")
+    validate_sinks(sinks, query, "ring_attention")
     bq = kernels.block_size(block_q, dense.DEFAULT_BLOCK_Q, "block_q", "ring_attention")
     bk = kernels.block_size(block_k, dense.DEFAULT_BLOCK_K, "block_k", "ring_attention")
     return _Ring.apply(query, key, value, group, is_causal, scale, layout, enable_gqa, bq, bk, batch, mask_mod,
-                       message_bytes, stats)
+                       message_bytes, stats, sinks)

@@ -306,11 +306,13 @@ class MultiHeadAttention(nn.Module):
         batch_first: inputs ``(B, L, E)`` (True) or ``(L, B, E)`` (False).
         kdim: the feature size of ``key`` (default ``d_model``).
         vdim: the feature size of ``value`` (default ``d_model``).
+        sinks: a learnable attention sink per query head (``self.sinks``, ``(H,)``, zeros at
+            first): a logit in each row's softmax denominator without a value, as gpt-oss's.
     """
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: Optional[int] = None, bias: bool = True,
                  dropout: float = 0.0, batch_first: bool = True, kdim: Optional[int] = None,
-                 vdim: Optional[int] = None) -> None:
+                 vdim: Optional[int] = None, sinks: bool = False) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         for name, n in (("d_model", d_model), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
@@ -332,10 +334,11 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(self.kdim, kv_out, bias=bias)
         self.v_proj = nn.Linear(self.vdim, kv_out, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None  # (H,)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-                f"batch_first={self.batch_first}")
+                f"batch_first={self.batch_first}" + (", sinks=True" if self.sinks is not None else ""))
 
     # ------------------------------------------------------------------ forward
     def forward(self, query: Tensor, key: Optional[Tensor] = None, value: Optional[Tensor] = None,
@@ -386,7 +389,7 @@ class MultiHeadAttention(nn.Module):
                 k8, v8, ks, vs = kv_cache.stored()
                 out = decoding.decode_attention(q, k8, v8, is_causal=is_causal, causal_align="bottom_right",
                                                 enable_gqa=Hkv != H, k_scale=ks, v_scale=vs,
-                                                k_channel_scale=kv_cache.k_channel_scale)
+                                                k_channel_scale=kv_cache.k_channel_scale, sinks=self.sinks)
                 return self._finish(out, B, L), None
             k8, v8, ks, vs = kv_cache.stored()  # masks, weights or gradients: the dense path, dequantised
             k, v = decoding.dequantize(k8, ks, kv_cache.k_channel_scale), decoding.dequantize(v8, vs)
@@ -402,13 +405,14 @@ class MultiHeadAttention(nn.Module):
             unmasked = attn_mask is None and key_padding_mask is None
             if (unmasked and L <= dispatch.DECODE_MAX_L and not need_weights and dropout_p == 0
                     and not torch.is_grad_enabled()):  # a decode step: the kernel reads the pages in place
-                out = decoding.paged_decode_attention(q, paged, is_causal=is_causal, causal_align="bottom_right")
+                out = decoding.paged_decode_attention(q, paged, is_causal=is_causal, causal_align="bottom_right",
+                                                      sinks=self.sinks)
                 return self._finish(out, B, L), None
             k, v = paged.dense()  # masks, weights or gradients: the dense path below, on a copy
         mask = None if flag_causal else self._combined_mask(attn_mask, key_padding_mask, is_causal, B, L, S,
                                                             kv_cache is not None, q)
         if need_weights:
-            w = F_.attention_weights(q, k, attn_mask=mask, enable_gqa=gqa)  # (B, H, L, S)
+            w = F_.attention_weights(q, k, attn_mask=mask, enable_gqa=gqa, sinks=self.sinks)  # (B, H, L, S)
             if dropout_p > 0:
                 w = F_.dropout_weights(w, dropout_p)
             v_full = F_.repeat_kv_heads(v, q) if gqa else v
@@ -416,7 +420,7 @@ class MultiHeadAttention(nn.Module):
             weights = w.mean(dim=1) if average_attn_weights else w
         else:
             out = dispatch.attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa,
-                                     is_causal=flag_causal, causal_align="bottom_right")
+                                     is_causal=flag_causal, causal_align="bottom_right", sinks=self.sinks)
             weights = None
         return self._finish(out, B, L), weights
 
@@ -497,6 +501,9 @@ class MultiHeadAttention(nn.Module):
         if self.num_kv_heads != self.num_heads:
             raise ValueError(f"MultiHeadAttention.to_torch: torch's module has no grouped-query heads "
                              f"(num_kv_heads={self.num_kv_heads} != num_heads={self.num_heads})")
+        if self.sinks is not None:
+            raise ValueError("MultiHeadAttention.to_torch: torch's module has no attention sinks (this one was "
+                             "made with sinks=True)")
         bias = self.q_proj.bias is not None
         kdim = None if self.kdim == self.d_model else self.kdim
         vdim = None if self.vdim == self.d_model else self.vdim

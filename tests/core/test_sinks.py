@@ -179,3 +179,71 @@ def test_sinks_through_torch_compile_fullgraph_equal_eager():
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     out = compiled(q, k, v, sinks)
     check(out, q, k, v, sinks, torch.float32, causal=True)
+
+
+def test_varlen_sinks_equal_the_golden_of_each_sequence():
+    """FlashAttention's varlen layout (sequences packed one after another), causal, GQA: each
+    sequence's rows see its sink; the softmax_lse returned includes it."""
+    from attnlab.flex import varlen_attention
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(33, 4, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(33, 2, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(33, 2, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    sinks = (torch.randn(4, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    cu = torch.tensor([0, 10, 33], dtype=torch.int32)
+    out, lse, _ = varlen_attention(q, k, v, cu, cu, is_causal=True, sinks=sinks, return_attn_probs=True)
+    wants, lses = [], []
+    for a, b in ((0, 10), (10, 33)):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # (heads, n, E)
+        ks, vs = ks.repeat_interleave(2, 0), vs.repeat_interleave(2, 0)  # (H, n, E): GQA
+        x = (qs @ ks.transpose(-2, -1) / 4).masked_fill(~torch.ones(b - a, b - a, dtype=torch.bool).tril(),
+                                                        float("-inf"))  # (H, n, n)
+        x = torch.cat([x, sinks[:, None, None].expand(4, b - a, 1)], -1)
+        wants.append((torch.softmax(x, -1)[..., :-1] @ vs).transpose(0, 1))  # (n, H, Ev)
+        lses.append(torch.logsumexp(x, -1))  # (H, n): with the sink's column
+    want = torch.cat(wants)  # (total, H, Ev)
+    assert_close(out, want.detach(), dtype=torch.float64)
+    assert_close(lse.double(), torch.cat(lses, 1).detach(), dtype=torch.float32)  # returned in float32
+    do = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v, sinks), do, retain_graph=True)
+    ref = torch.autograd.grad(want, (q, k, v, sinks), do)
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, ref):
+        assert_close(a, b, dtype=torch.float64, msg=name)
+
+
+@pytest.mark.parametrize("cache", ["dense", "paged", "int8"])
+def test_a_module_with_sinks_decodes_token_by_token_as_it_runs_the_whole_sequence(cache):
+    """MultiHeadAttention(sinks=True): the sinks are a parameter with a gradient, the whole causal
+    sequence equals the golden, and decoding one token at a time through a KV cache (the decode
+    kernels, with the sinks) gives the same rows."""
+    from attnlab import decoding
+    from attnlab.modules import KVCache, MultiHeadAttention
+
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 4, num_kv_heads=2, sinks=True)
+    with torch.no_grad():
+        m.sinks.copy_(torch.tensor([2.0, -1.0, 0.5, 3.0]))
+    x = torch.randn(2, 9, 32)
+    full, _ = m(x, is_causal=True)
+    full.square().sum().backward()
+    assert m.sinks.grad is not None and m.sinks.grad.abs().min() > 0
+    q = m.q_proj(x).view(2, 9, 4, 8).transpose(1, 2)
+    k = m.k_proj(x).view(2, 9, 2, 8).transpose(1, 2)
+    v = m.v_proj(x).view(2, 9, 2, 8).transpose(1, 2)
+    want = golden(q, k, v, m.sinks, causal=True)[0].transpose(1, 2).reshape(2, 9, 32).float()
+    assert_close(full, m.out_proj(want), dtype=torch.float32)
+    if cache == "paged":
+        kv = decoding.PagedKVCache(2, 2, 8, page_size=4)
+    else:
+        kv = KVCache(2, 2, 8, max_len=16, **({"dtype": torch.int8} if cache == "int8" else {}))
+    rows = []
+    with torch.no_grad():
+        for t in range(9):
+            out, _ = m(x[:, t:t + 1], kv_cache=kv, is_causal=True)
+            rows.append(out)
+    steps = torch.cat(rows, 1)
+    if cache == "int8":  # the cache rounds K and V to int8: a step is as close as that rounding allows
+        assert (steps - full.detach()).abs().max() < 0.05
+    else:
+        assert_close(steps, full.detach(), dtype=torch.float32)

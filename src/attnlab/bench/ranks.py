@@ -48,6 +48,9 @@ def worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
         k = torch.randn(B, Hkv, L, E, generator=g, dtype=dtype)
         v = torch.randn(B, Hkv, L, E, generator=g, dtype=dtype)
         gout = torch.randn(B, H, L, E, generator=g, dtype=dtype)
+        sinks = (torch.randn(H, generator=g, dtype=dtype) * 2).requires_grad_() if cfg.get("sinks") else None
+        if sinks is not None:
+            ring_kw["sinks"] = sinks
         if cfg.get("nan_query"):  # one query row of NaN: it must propagate as in one process
             q[0, 0, L // 3] = float("nan")
         if cfg.get("die_rank") == rank:
@@ -64,6 +67,8 @@ def worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
         tq, tk, tv = (shard_sequence(t, rank, world, layout).requires_grad_(True) for t in tiny)
         tiny_kw = {**ring_kw, "mask_mod": named_mask(cfg["mask"], tq.shape[2] * world)} if mask_mod else ring_kw
         ring_attention(tq, tk, tv, is_causal=causal, layout=layout, enable_gqa=gqa, **tiny_kw).sum().backward()
+        if sinks is not None:
+            sinks.grad = None  # the warm-up's
         del tiny, tq, tk, tv
         base = _vm_hwm_bytes()
         stats: dict = {}
@@ -78,17 +83,23 @@ def worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
         if cfg.get("check", True):  # gather the slices; rank 0 compares with one process
             gathered = {n: gather_sequence(t, layout) for n, t in
                         (("output", out.detach()), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad))}
+            if sinks is not None:  # each rank holds its rows' share of the replicated sinks' gradient
+                dist.all_reduce(sinks.grad, group=None)
+                gathered["dsinks"] = sinks.grad
             if rank == 0:
                 qf, kf, vf = (t.clone().requires_grad_(True) for t in (q, k, v))
+                sf = sinks.detach().clone().requires_grad_(True) if sinks is not None else None
                 if mask_mod is None:
-                    ref = tiled.flash_attention(qf, kf, vf, is_causal=causal, enable_gqa=gqa)
+                    ref = tiled.flash_attention(qf, kf, vf, is_causal=causal, enable_gqa=gqa, sinks=sf)
                 else:  # one process's flex_attention with the same mask
                     from attnlab import flex
 
                     ref = flex.flex_attention(qf, kf, vf, block_mask=flex.create_block_mask(mask_mod, None, None, L, L),
-                                              enable_gqa=gqa)
+                                              enable_gqa=gqa, sinks=sf)
                 ref.backward(gout)
                 expected = {"output": ref.detach(), "dq": qf.grad, "dk": kf.grad, "dv": vf.grad}
+                if sf is not None:
+                    expected["dsinks"] = sf.grad
                 result["max_abs_diff"] = {n: (float((gathered[n] - expected[n]).nan_to_num(0.0).abs().max())
                                                  if expected[n].numel() else 0.0)  # E = 0: dq, dk are empty
                                           for n in expected}

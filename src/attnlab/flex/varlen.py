@@ -47,7 +47,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      softmax_scale: Optional[float] = None, window_size: tuple[int, int] = (-1, -1),
                      softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None, dropout_p: float = 0.0,
                      deterministic: bool = False, return_attn_probs: bool = False,
-                     block_table: Optional[Tensor] = None):
+                     block_table: Optional[Tensor] = None, sinks: Optional[Tensor] = None):
     """Attention over sequences packed one after another (FlashAttention-2's ``varlen`` layout).
 
     Args:
@@ -74,6 +74,9 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
             FlashAttention rounds these dims up and encodes dropout there: for tests only).
         block_table: FlashAttention's paged KV cache: ``NotImplementedError`` (see
             :class:`attnlab.decoding.PagedKVCache`).
+        sinks: attnlab's addition: ``(H,)``, a logit per query head in each row's softmax
+            denominator, without a value (gpt-oss's attention sinks), with a gradient; the
+            ``softmax_lse`` and probabilities returned then include it.
 
     Returns:
         ``(total_q, H, Ev)`` in q's dtype, or ``(out, softmax_lse, S_dmask)``.
@@ -99,7 +102,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     block_mask = create_block_mask(mask_mod, None, None, q.shape[0], k.shape[0], BLOCK_SIZE=block_size)
     out, lse = flex_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                               score_mod=score_mod, block_mask=block_mask, scale=scale,
-                              enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
+                              enable_gqa=q.shape[1] != k.shape[1], return_lse=True, sinks=sinks)
     out = out[0].transpose(0, 1)  # (total_q, H, Ev)
     if not return_attn_probs:
         return out
