@@ -129,3 +129,32 @@ def test_a_compiled_forward_and_backward_through_the_op_equal_eager(captured):
     compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q4, k3, v3), (q4, k3, v3))
     for e, c in zip(eager, compiled):
         assert_close(c, e, dtype=torch.float32)
+
+
+def test_the_block_sparse_op_is_differentiable_through_out_and_lse(captured):
+    """``block_sparse_forward`` (flex's native kernels) as an op: the gradients of a loss on out and
+    on lse2 against float64 autograd of the formulas under the same element mask (without its
+    registration: "does not require grad")."""
+    q4, k3, v3, *plan_and_rest = captured["block_sparse_forward"]
+    q4, k3, v3 = (t.detach().clone().requires_grad_() for t in (q4, k3, v3))
+    scale2 = plan_and_rest[8]  # after the plan (5), the table, row_of_head and cap
+    out, lse2 = torch.ops.attnlab_native.block_sparse_forward(q4, k3, v3, *plan_and_rest)
+    g = torch.Generator().manual_seed(3)
+    w, u = torch.randn(out.shape, generator=g), torch.randn(lse2.shape, generator=g)
+    got = torch.autograd.grad((out * w).sum() + (lse2 * u).sum(), (q4, k3, v3))
+    i = torch.arange(q4.shape[2])
+    keep = (i[:, None] - i[None, :]).abs() <= 40  # the captured call's mask_mod
+    q, k, v = (t.detach().double().requires_grad_() for t in (q4, k3, v3))
+    s = (torch.einsum("nrle,nse->nrls", q, k) * (scale2 * math.log(2))).masked_fill(~keep, float("-inf"))
+    o, l2 = torch.softmax(s, dim=-1) @ v.unsqueeze(1), torch.logsumexp(s, dim=-1) / math.log(2)
+    expected = torch.autograd.grad((o * w.double()).sum() + (l2 * u.double()).sum(), (q, k, v))
+    for name, a, e in zip(("dq", "dk", "dv"), got, expected):
+        assert_close(a, e, dtype=torch.float32, msg=name)
+
+
+def test_the_decode_op_refuses_a_backward_by_name(captured):
+    q4, k, v, *rest = captured["decode_forward"]
+    q4 = q4.detach().clone().requires_grad_()
+    out, lse2, _ = torch.ops.attnlab_native.decode_forward(q4, k, v, *rest)
+    with pytest.raises(RuntimeError, match="decode_forward has no backward.*attnlab.tiled.flash_attention"):
+        out.sum().backward()
