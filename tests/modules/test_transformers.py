@@ -305,3 +305,39 @@ def test_the_arguments_transformers_passes_are_each_implemented_refused_or_in_th
     assert {"s_aux", "sliding_window", "softcap"} <= passed, passed  # the read found the calls
     unknown = passed - named - hf.ACCEPTED_KWARGS - set(hf.REFUSED_KWARGS)
     assert unknown <= {"indices", "block_indices"}, unknown  # FlashAttention-only internals, refused if given
+
+
+# what each accepted argument does when transformers passes it (a value of the kind it passes)
+_FED = {"softcap": 2.0, "output_attentions": True, "s_aux": torch.tensor([1.0, -2.0]),
+        "sinks": torch.tensor([1.0, -2.0]), "sliding_window": 3, "position_ids": torch.arange(4)[None],
+        "cu_seq_lens_q": torch.tensor([0, 4], dtype=torch.int32), "cu_seq_lens_k": torch.tensor([0, 4], dtype=torch.int32),
+        "max_length_q": 4, "max_length_k": 4, "num_items_in_batch": 7, "output_hidden_states": True,
+        "output_router_logits": True, "use_cache": True, "cache_position": torch.arange(4), "past_key_values": object(),
+        "past_key_value": object(), "return_dict": True, "deterministic": True}
+# the ones that change the attention itself; every other accepted one is in the mask already or not about it
+_CHANGES = {"softcap", "s_aux", "sinks"}
+
+
+@pytest.mark.parametrize("name", sorted(hf.ACCEPTED_KWARGS))
+def test_every_accepted_argument_fed_as_transformers_passes_it(name):
+    """Each argument attnlab accepts, fed with a value of the kind transformers passes: those that
+    change attention (soft cap, sinks) change the output by their formula; output_attentions returns
+    the weights; every other one leaves the output exactly as without it (in the mask already, or
+    not about attention), never an error."""
+    assert name in _FED, f"{name}: add a value of the kind transformers passes to _FED"
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+    layer = torch.nn.Module()
+    plain, _ = hf.attnlab_attention_forward(layer, q, k, v, None, is_causal=True)
+    out, weights = hf.attnlab_attention_forward(layer, q, k, v, None, is_causal=True, **{name: _FED[name]})
+    s = q.double() @ k.double().transpose(-2, -1) / 8 ** 0.5
+    if name == "softcap":
+        s = 2.0 * torch.tanh(s / 2.0)
+    s = s.masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), float("-inf"))
+    if name in ("s_aux", "sinks"):
+        s = torch.cat([s, _FED[name].double()[None, :, None, None].expand(1, 2, 4, 1)], -1)
+    p = torch.softmax(s, -1)[..., :4]  # the oracle, in the test only
+    assert_close(out, (p @ v.double()).transpose(1, 2).float(), dtype=torch.float32, msg=name)
+    if name not in _CHANGES:
+        assert torch.equal(out, plain), name
+    assert (weights is not None) == (name == "output_attentions")
