@@ -246,7 +246,10 @@ class _FlashAttention(torch.autograd.Function):
         sink_rows = None
         if sinks is not None:  # folded into (out, lse): the backward below then computes the sink's gradients
             sink_rows = _sinks.rows(sinks, layout, L, lse2.dtype)  # (Nb, r, L)
-            out4, lse2 = _sinks.absorb(out4, lse2, sink_rows, base2=not ctx.natural)
+            if lse2.dim() == out4.dim():  # the pure path's natural (m_i, l_i), kept apart: (Nb, r, L, 2)
+                out4, lse2 = _sinks.absorb_pairs(out4, lse2, sink_rows)
+            else:
+                out4, lse2 = _sinks.absorb(out4, lse2, sink_rows, base2=not ctx.natural)
         ctx.sinks = (sinks.dtype, sinks.shape[0], sink_rows) if sinks is not None else None
         ctx.save_for_backward(q4, k3, v3, out4, lse2, mask if mask is not None else torch.empty(0))
         ctx.has_mask = mask is not None
@@ -279,6 +282,7 @@ class _FlashAttention(torch.autograd.Function):
         dsinks = None
         if ctx.sinks is not None:
             sink_dtype, H, sink_rows = ctx.sinks
-            per_row = _sinks.grad_rows(dout4, out4, lse2, sink_rows, base2=not ctx.natural)  # (Nb, r, L)
+            per_row = (_sinks.grad_rows_pairs(dout4, out4, lse2, sink_rows) if lse2.dim() == out4.dim()
+                       else _sinks.grad_rows(dout4, out4, lse2, sink_rows, base2=not ctx.natural))  # (Nb, r, L)
             dsinks = _sinks.to_heads(per_row, layout, H).to(sink_dtype)  # (H,)
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None, None, None, dsinks

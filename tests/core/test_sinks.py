@@ -247,3 +247,29 @@ def test_a_module_with_sinks_decodes_token_by_token_as_it_runs_the_whole_sequenc
         assert (steps - full.detach()).abs().max() < 0.05
     else:
         assert_close(steps, full.detach(), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("fill", ["finfo.min", "-1e9"])
+def test_tiled_sinks_with_masks_too_large_for_base_2(fill):
+    """Hugging Face's additive masks (0 and finfo.min) and rows masked with -1e9 run the pure path
+    in natural units, (m_i, l_i) kept apart: the sink is folded into those. A row masked whole keeps
+    torch's meaning (its scores all equal: uniform weights over the keys, beside the sink)."""
+    q, k, v, sinks = inputs(torch.float32)
+    keep = random_keep(33, 70)
+    value = torch.finfo(torch.float32).min if fill == "finfo.min" else -1e9
+    additive = torch.zeros(keep.shape).masked_fill(~keep, value)
+    out = tiled.flash_attention(q, k, v, additive, enable_gqa=True, sinks=sinks, block_q=16, block_k=16)
+    # the golden: the same additive mask on float64 scores (a row masked whole: equal scores)
+    q64, k64, v64, s64 = (t.detach().double().requires_grad_() for t in (q, k, v, sinks))
+    kk, vv = k64.repeat_interleave(2, 1), v64.repeat_interleave(2, 1)
+    x = q64 @ kk.transpose(-2, -1) / 4 + additive.double()
+    if fill == "finfo.min":
+        x = torch.maximum(x, torch.tensor(torch.finfo(torch.float32).min, dtype=torch.float64))  # float32's rounding
+    p = torch.softmax(torch.cat([x, s64[:, None, None].expand(2, 4, 33, 1)], -1), -1)[..., :-1]
+    want = p @ vv
+    assert_close(out.double(), want.detach(), dtype=torch.float32)
+    do = torch.randn(want.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v, sinks), do.float())
+    ref = torch.autograd.grad(want, (q64, k64, v64, s64), do)
+    for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, ref):
+        assert_close(a.double(), b, dtype=torch.float32, msg=name)

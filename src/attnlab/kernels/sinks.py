@@ -28,7 +28,7 @@ from torch import Tensor
 from attnlab.kernels.layout import Layout
 from attnlab.kernels.numerics import LOG2E
 
-__all__ = ["rows", "absorb", "grad_rows", "to_heads"]
+__all__ = ["rows", "absorb", "grad_rows", "absorb_pairs", "grad_rows_pairs", "to_heads"]
 
 
 def rows(sinks: Tensor, layout: Layout, L: int, dtype: torch.dtype) -> Tensor:
@@ -58,6 +58,25 @@ def grad_rows(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor, base2: bool)
     p_sink = torch.exp2(s - lse) if base2 else torch.exp(s - lse)  # (Nb, r, L)
     wide = torch.promote_types(out.dtype, torch.float32)  # D in float32 at least (bfloat16 outputs)
     D = (dout.to(wide) * out.to(wide)).sum(-1)  # (Nb, r, L)
+    return -(p_sink.to(D.dtype) * D)
+
+
+def absorb_pairs(out: Tensor, ml: Tensor, sink: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`absorb` for the natural-units state the pure path keeps when a mask is too large for
+    base 2 (Hugging Face's ``finfo.min`` masks, rows masked with -1e9): ``ml (Nb, r, L, 2)`` holds
+    ``(m_i, l_i)`` apart, the weights being ``exp(s - m_i) / l_i``. Returns ``(out', (m', l'))``."""
+    m, l = ml[..., 0], ml[..., 1]  # (Nb, r, L) each
+    m_new = torch.maximum(m, sink)
+    kept = l * torch.exp(m - m_new)  # the row's old denominator on the new max (0 for a row with no key)
+    l_new = kept + torch.exp(sink - m_new)
+    return out * (kept / l_new)[..., None].to(out.dtype), torch.stack([m_new, l_new], dim=-1)
+
+
+def grad_rows_pairs(dout: Tensor, out: Tensor, ml: Tensor, sink: Tensor) -> Tensor:
+    """:func:`grad_rows` from :func:`absorb_pairs`' results: ``(Nb, r, L)``."""
+    p_sink = torch.exp(sink - ml[..., 0]) / ml[..., 1]  # (Nb, r, L)
+    wide = torch.promote_types(out.dtype, torch.float32)
+    D = (dout.to(wide) * out.to(wide)).sum(-1)
     return -(p_sink.to(D.dtype) * D)
 
 
