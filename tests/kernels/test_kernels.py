@@ -150,6 +150,9 @@ def test_the_ring_and_the_tiled_path_share_the_kernel_layer_only():
     tiled_tree = ast.parse((root / "tiled.py").read_text())
     defs = {n.name for n in tiled_tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     # and the custom op pair that stands for the Function under torch.compile (issue 50): the two
-    # ops, their fakes (each named _) and the forward op's autograd
+    # ops, their fakes (each named _) and the forward op's autograd; the Function's forward and
+    # backward are one pair of functions both use (_forward, _backward, what they share: _Saved,
+    # _operands, _widen_if, and the sinks' fold)
     assert defs == {"flash_attention", "native_status", "_FlashAttention", "_flash_attention_op",
-                    "_flash_attention_backward_op", "_", "_op_setup_context", "_op_backward"}, defs
+                    "_flash_attention_backward_op", "_", "_op_setup_context", "_op_backward", "_Saved", "_forward",
+                    "_backward", "_operands", "_widen_if", "_fold_sinks"}, defs
