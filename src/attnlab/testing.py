@@ -260,7 +260,7 @@ def _run(fn: AttentionFn, inputs: dict[str, Optional[Tensor]], kwargs: dict, gra
     if grad_names and out.numel() > 0:
         targets = [leaves[n] for n in grad_names]
         gen = torch.Generator().manual_seed(seed)
-        grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)
+        grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device=out.device, dtype=out.dtype)
         got = torch.autograd.grad(out, targets, grad_outputs=grad_out, allow_unused=True)
         grads = {n: (g if g is not None else torch.zeros_like(leaves[n])) for n, g in zip(grad_names, got)}
     return out.detach(), grads

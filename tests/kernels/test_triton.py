@@ -255,3 +255,35 @@ def test_the_interpreter_s_overflow_checks_change_nothing_without_debug(monkeypa
     monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=True, debug=True))
     with pytest.raises(Exception, match="overflow"):
         wrap[(1,)](torch.zeros(2, dtype=torch.int32), 2**31 - 1)
+
+
+@pytest.mark.parametrize("tile", sorted(set(at.GPU_TILES.values())), ids=lambda t: f"{t.BQ}x{t.BK}w{t.num_warps}")
+def test_the_gpu_tiles_are_right_off_the_tile(monkeypatch, tile):
+    # the GPU's tiles (BQ != BK, several key tiles a query tile) run here under the interpreter,
+    # on lengths that are no multiple of either and GQA, so a GPU result is only a speed question
+    monkeypatch.setattr(at, "tiles", lambda q, v, stage: tile)
+    L, S = 2 * tile.BQ + 5, tile.BK + 3 * 16 + 7
+    q, k, v = qkv(1, 4, 2, L, S, 16, 24, seed=9)
+    for causal in (False, True):
+        assert_close_to_sdpa(at.flash_attention, q, k, v, is_causal=causal, enable_gqa=True)
+    # bottom-right causality (keys S - L + i and before), against the tiled kernel
+    q.requires_grad_()
+    ours = at.flash_attention(q, k, v, True, enable_gqa=True, causal_align="bottom_right")
+    theirs = dispatch.attention(q, k, v, is_causal=True, enable_gqa=True, causal_align="bottom_right", impl="tiled")
+    assert_close(ours, theirs)
+    assert_close(torch.autograd.grad(ours.sum(), q)[0], torch.autograd.grad(theirs.sum(), q)[0])
+
+
+def test_tiles_by_device_and_class(monkeypatch):
+    q, v = torch.zeros(1, 1, 4, 64), torch.zeros(1, 1, 4, 64)
+    assert at.tiles(q, v, "fwd") == at.INTERPRETED_TILES  # the CPU: the interpreter's
+    monkeypatch.setattr(at, "interpreted", lambda: False)
+    on_gpu = [(torch.bfloat16, 64, "half64"), (torch.float16, 80, "half128"), (torch.float16, 128, "half128"),
+              (torch.bfloat16, 200, "half256"), (torch.bfloat16, 512, "huge"), (torch.float32, 64, "wide"),
+              (torch.float32, 256, "wide256"), (torch.float32, 257, "huge")]
+    for dtype, E, klass in on_gpu:
+        q = torch.zeros(1, 1, 4, E, dtype=dtype, device="meta")
+        for stage in ("fwd", "bwd"):
+            with monkeypatch.context() as m:
+                m.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
+                assert at.tiles(q, q, stage) == at.GPU_TILES[(klass, stage)], (dtype, E, stage)

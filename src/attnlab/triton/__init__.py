@@ -22,19 +22,65 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from attnlab._validation import default_scale, validate
 
-__all__ = ["flash_attention", "decode_attention", "available", "why_unavailable", "BLOCK_Q", "BLOCK_K",
-           "DECODE_MAX_L"]
+__all__ = ["flash_attention", "decode_attention", "available", "why_unavailable", "tiles", "Tiles", "GPU_TILES",
+           "BLOCK_Q", "BLOCK_K", "DECODE_MAX_L"]
 
-BLOCK_Q = 16  # query rows per program: tl.dot's smallest tile on every backend
-BLOCK_K = 16  # keys per step of a program's loop
+BLOCK_Q = 16  # query rows per program under the interpreter, and decode's: tl.dot's smallest tile
+BLOCK_K = 16  # keys per step of a program's loop, likewise
 DECODE_MAX_L = 16  # decode_attention's rows: one tile
+
+
+class Tiles(NamedTuple):
+    """One launch's tile shape and Triton settings: ``BQ`` query rows per program, ``BK`` keys
+    per step (the backward's dK/dV programs own ``BK`` keys and step over ``BQ`` rows), and
+    ``num_warps``, ``num_stages`` as Triton takes them."""
+
+    BQ: int
+    BK: int
+    num_warps: int
+    num_stages: int
+
+
+# The interpreter: its time grows with a tile's area, and 16 is tl.dot's smallest.
+INTERPRETED_TILES = Tiles(BLOCK_Q, BLOCK_K, 4, 1)
+# A GPU, per (operand class, stage): "half64" is 16-bit operands with E, Ev <= 64, "half128" and
+# "half256" up to 128 and 256, "wide" float32 up to 128, "wide256" float32 up to 256, "huge" wider
+# heads. Measured on an H200 (torch 2.11, triton 3.6) by tools/gpu_sweep.py at (4, 16, 4096, E):
+# the fastest of its candidates (BENCHMARKS.md, "attnlab.triton on a GPU"); the 256 classes are
+# those Triton fits into the 227 KiB of shared memory (the 64-wide ones asked for 256-417 KiB).
+GPU_TILES: dict[tuple[str, str], Tiles] = {
+    ("half64", "fwd"): Tiles(128, 64, 8, 3), ("half64", "bwd"): Tiles(64, 64, 4, 2),
+    ("half128", "fwd"): Tiles(64, 64, 4, 3), ("half128", "bwd"): Tiles(64, 64, 4, 2),
+    ("half256", "fwd"): Tiles(64, 64, 4, 3), ("half256", "bwd"): Tiles(32, 32, 4, 2),
+    ("wide", "fwd"): Tiles(128, 64, 8, 3), ("wide", "bwd"): Tiles(32, 32, 4, 2),
+    ("wide256", "fwd"): Tiles(32, 32, 4, 1), ("wide256", "bwd"): Tiles(16, 16, 4, 1),
+    ("huge", "fwd"): Tiles(16, 16, 4, 1), ("huge", "bwd"): Tiles(16, 16, 4, 1),
+}
+
+
+def _tile_class(dtype: torch.dtype, width: int) -> str:
+    half = dtype in (torch.float16, torch.bfloat16)
+    for limit, klass in ((64, "half64"), (128, "half128"), (256, "half256")) if half else ((128, "wide"),
+                                                                                           (256, "wide256")):
+        if width <= limit:
+            return klass
+    return "huge"
+
+
+def tiles(query: Tensor, value: Tensor, stage: Literal["fwd", "bwd"]) -> Tiles:
+    """The tiles :func:`flash_attention`'s ``stage`` launches with for these operands:
+    :data:`INTERPRETED_TILES` under the interpreter, else :data:`GPU_TILES`' entry for the class
+    of ``query`` ``(B, H, L, E)`` and ``value`` ``(B, Hkv, S, Ev)``."""
+    if interpreted() or query.device.type != "cuda":
+        return INTERPRETED_TILES
+    return GPU_TILES[(_tile_class(query.dtype, max(_pow2(query.shape[-1]), _pow2(value.shape[-1]))), stage)]
 
 
 def interpreted() -> bool:
@@ -106,10 +152,12 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         o = torch.empty(B, H, L, Ev, dtype=_store_dtype(q.dtype), device=q.device)
         lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
-        grid = (triton.cdiv(L, BLOCK_Q), B * H)
+        t = tiles(q, v, "fwd")
+        grid = (triton.cdiv(L, t.BQ), B * H)
         kernels.fwd_kernel[grid](q, k, v, o, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                                  *o.stride()[:3], H, Hkv, L, S, E, Ev, scale, offset, E_P=_pow2(E), EV_P=_pow2(Ev),
-                                 BQ=BLOCK_Q, BK=BLOCK_K, CAUSAL=is_causal, **_flags(q.dtype))
+                                 BQ=t.BQ, BK=t.BK, CAUSAL=is_causal, num_warps=t.num_warps, num_stages=t.num_stages,
+                                 **_flags(q.dtype))
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.meta = (is_causal, scale, offset)
         return o.to(q.dtype)
@@ -129,11 +177,13 @@ class _FlashAttention(torch.autograd.Function):
         dk = torch.zeros(B, Hkv, S, E, dtype=torch.float32, device=q.device)
         dv = torch.zeros(B, Hkv, S, Ev, dtype=torch.float32, device=q.device)
         dq = torch.zeros(B, H, L, E, dtype=torch.float32, device=q.device)
-        common = dict(E_P=_pow2(E), EV_P=_pow2(Ev), BQ=BLOCK_Q, BK=BLOCK_K, CAUSAL=is_causal, **_flags(q.dtype))
-        kernels.bwd_dkdv_kernel[(triton.cdiv(S, BLOCK_K), B * Hkv)](q, k, v, do, lse, D, dk, dv, H, Hkv, L, S, E,
-                                                                    Ev, scale, offset, **common)
-        kernels.bwd_dq_kernel[(triton.cdiv(L, BLOCK_Q), B * H)](q, k, v, do, lse, D, dq, H, Hkv, L, S, E, Ev, scale,
-                                                                offset, **common)
+        t = tiles(q, v, "bwd")
+        common = dict(E_P=_pow2(E), EV_P=_pow2(Ev), BQ=t.BQ, BK=t.BK, CAUSAL=is_causal, num_warps=t.num_warps,
+                      num_stages=t.num_stages, **_flags(q.dtype))
+        kernels.bwd_dkdv_kernel[(triton.cdiv(S, t.BK), B * Hkv)](q, k, v, do, lse, D, dk, dv, H, Hkv, L, S, E, Ev,
+                                                                 scale, offset, **common)
+        kernels.bwd_dq_kernel[(triton.cdiv(L, t.BQ), B * H)](q, k, v, do, lse, D, dq, H, Hkv, L, S, E, Ev, scale,
+                                                             offset, **common)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
