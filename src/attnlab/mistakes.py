@@ -10,7 +10,7 @@ hold them to it), so a class report can count mistakes across labs by one name.
 
 from __future__ import annotations
 
-__all__ = ["CODES", "DOCTOR_CODES", "hint", "as_markdown"]
+__all__ = ["CODES", "DOCTOR_CODES", "BACKWARD_CODES", "hint", "as_markdown"]
 
 CODES: dict[str, str] = {
     # the scores
@@ -76,6 +76,24 @@ CODES: dict[str, str] = {
                       "dQ = dS @ K * scale and dK = dS^T @ Q * scale (dV = P^T dO has none)",
     "backward_d_term": "dS = P * (dP - D) with D = rowsum(dO * O) per query row: without the D term the "
                        "gradients of Q and K are wrong (dV is not affected)",
+    "softmax_backward": "the softmax's backward multiplies by P: dS = P * (dP - D), elementwise; dS = dP - D gives "
+                        "every masked and unlikely key a gradient",
+    "backward_mask": "the backward must apply the forward's mask where it recomputes P = exp(S - lse): the same "
+                     "attn_mask and the same causal corner (top-left for is_causal), or masked keys get gradients",
+    "gqa_grad_sum": "with grouped heads each key/value head serves H / Hkv query heads: its dK and dV are the sum "
+                    "over that group (reshape (B, Hkv, r, S, E) and .sum(2)), not one head's, not the mean",
+    "sink_grad": "a sink joins each row's softmax denominator: the backward's lse must include it, and "
+                 "d sink_h = -sum over the rows of p_sink * D with p_sink = exp(sink_h - lse) and "
+                 "D = rowsum(dO * O): a sum over batch and rows, negative, never dropped",
+    "low_precision": "a product runs at less precision than its float32 inputs (TF32, tl.dot's default and "
+                     "torch.backends.cuda.matmul.allow_tf32; or operands cast to bf16/fp16): pass "
+                     "input_precision='ieee' to tl.dot, or keep float32 operands, where float32 is asked",
+    "grad_missing": "no gradient reaches an input that needs one: a .detach(), .data, torch.no_grad() or a "
+                    "custom Function's backward returning None (or zeros) for it",
+    "grad_test_blind": "this gradient test cannot fail: its loss makes every gradient smaller than its tolerance "
+                       "(out.mean() over many elements). Compare with a random cotangent, "
+                       "loss = (out * torch.randn_like(out)).sum(), against a float64 reference, with a tolerance "
+                       "from torch's own error (attnlab.testing.assert_close_to_sdpa does this)",
     # GPU kernels (lab 05, Triton)
     "load_mask": "a tile that runs past the end of L or S reads memory that is not the tensor's: load with "
                  "mask= and other=0.0 (rows < L, keys < S), store with mask=, and give keys past S a score of "
@@ -128,6 +146,12 @@ DOCTOR_CODES = ("missing_scale", "wrong_scale", "unstable_softmax", "softmax_dim
                 "mask_ignored", "causal_alignment", "causal_future", "off_by_one", "fully_masked_nan",
                 "gqa_group_mapping", "dropout_scale", "shape_error", "unknown")
 
+# what `attnlab doctor --backward` (attnlab.doctor.diagnose_backward) and `--grad-test` name; each is
+# named on the backward corpus (tests/corpus/backward.py) by tests/core/test_doctor_backward.py
+BACKWARD_CODES = ("grad_missing", "gqa_group_mapping", "gqa_grad_sum", "lse_saved", "backward_scale",
+                  "softmax_backward", "backward_d_term", "backward_mask", "sink_grad", "low_precision",
+                  "grad_test_blind", "shape_error", "unknown")
+
 
 def hint(code: str) -> str:
     """The hint of a code; a ``KeyError`` names the vocabulary when the code is not in it."""
@@ -141,14 +165,16 @@ def hint(code: str) -> str:
 def as_markdown() -> str:
     """The vocabulary as the documentation's page (``docs/mistakes.md``, which a test holds equal
     to this): each code, whether the doctor names it, and its hint."""
-    rows = [f"| `{code}` | {'yes' if code in DOCTOR_CODES else ''} | {text.replace('|', '&#124;')} |"
-            for code, text in CODES.items()]
+    def named(code: str) -> str:
+        return ", ".join(w for w, codes in (("forward", DOCTOR_CODES), ("backward", BACKWARD_CODES)) if code in codes)
+
+    rows = [f"| `{code}` | {named(code)} | {text.replace('|', '&#124;')} |" for code, text in CODES.items()]
     return ("# Named mistakes\n\n"
             "One vocabulary for the grader's checks in every lab and for the doctor "
             "(`attnlab.mistakes.CODES`): a failed check that recognises a mistake prints `-> [code]` and "
             "this hint, and the class report counts learners by code. The page is generated from the code "
             "(`python -m attnlab.mistakes > docs/mistakes.md`); a test keeps them equal.\n\n"
-            "| code | the doctor names it | hint |\n| --- | --- | --- |\n" + "\n".join(rows) + "\n")
+            "| code | the doctor names it (`attnlab doctor`, `--backward`) | hint |\n| --- | --- | --- |\n" + "\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":  # python -m attnlab.mistakes > docs/mistakes.md

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from attnlab import doctor
+from attnlab import doctor, mistakes
 from attnlab.cli import main
 from helpers.mutants import BUGGY, CORRECT, FITTED
 
@@ -30,7 +30,7 @@ def test_continuous_mistakes_are_fitted_and_the_number_is_named(code, name, fn, 
 
 def test_every_code_has_two_mutants_and_a_hint():
     codes = [c for c, _, _ in BUGGY]
-    for code in doctor.CODES:
+    for code in mistakes.DOCTOR_CODES:  # the forward's (the backward's: tests/core/test_doctor_backward.py)
         assert codes.count(code) >= 2, code
         assert len(doctor.CODES[code]) > 20
 

@@ -30,6 +30,8 @@ import inspect
 from typing import Callable, Optional
 
 from attnlab.doctor.analysis import DoctorReport, Finding, analyze
+from attnlab.doctor.backward import (BACKWARD_FEATURES, audit_gradient_test, backward_capabilities,
+                                     diagnose_backward)
 from attnlab.doctor.models import CODES
 from attnlab.doctor.probes import (ALL_CAPABILITIES, FEATURES, FailedCall, Probe, ProbeResult, build_probes,
                                    probe_arguments, probe_result, run_probes)
@@ -47,6 +49,10 @@ __all__ = [
     "run_probes",
     "analyze",
     "diagnose",
+    "diagnose_backward",
+    "audit_gradient_test",
+    "backward_capabilities",
+    "BACKWARD_FEATURES",
     "adapt_self_attention",
     "self_attention_calls",
     "self_attention_result",
