@@ -89,3 +89,16 @@ def pytest_configure(config):
     from attnlab.grading.sandbox import pool
 
     pool.keep_spare(True)
+
+
+@pytest.fixture
+def force_routes():
+    """Force native-layer route switches for one test, ``force_routes(bf16="fp32")``
+    (:func:`attnlab.kernels.routes.forced`), in place of the environment, which is read once."""
+    import contextlib
+
+    from attnlab.kernels import routes
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **switches: stack.enter_context(routes.forced(**switches))
+

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from attnlab.kernels import native as _native
+from attnlab.kernels import routes
 
 TESTS = Path(__file__).parent.parent
 # the suites that reach the AVX-512 branches: the GEMM routes (avx512 forced, bf16 forced onto its
@@ -40,16 +41,18 @@ def _child(args: list[str], timeout: int) -> subprocess.CompletedProcess:
                           cwd=TESTS.parent)
 
 
-def test_an_unknown_isa_is_refused_with_the_choices(monkeypatch):
+def test_an_unknown_isa_is_refused_with_the_choices(force_routes, monkeypatch):
     monkeypatch.setenv("ATTNLAB_NATIVE_ISA", "avx1024")
     with pytest.raises(ValueError, match=r"ATTNLAB_NATIVE_ISA must be one of native, avx512-emulated, got 'avx1024'"):
-        _native.build_isa()
+        routes.reload()
+    with pytest.raises(ValueError, match=r"ATTNLAB_NATIVE_ISA must be one of"):
+        force_routes(isa="avx1024")
 
 
-def test_the_emulated_build_has_its_own_cache_folder(monkeypatch):
-    monkeypatch.delenv("ATTNLAB_NATIVE_ISA", raising=False)
+def test_the_emulated_build_has_its_own_cache_folder(force_routes, monkeypatch):
+    force_routes(isa="native")
     native = _native._cache_dir()
-    monkeypatch.setenv("ATTNLAB_NATIVE_ISA", "avx512-emulated")
+    force_routes(isa="avx512-emulated")
     assert _native._cache_dir() != native
 
 
@@ -78,10 +81,10 @@ def test_the_avx512_source_passes_the_kernel_suites_on_emulated_instructions():
     assert counts.get("passed", 0) >= 1400, tail  # every suite ran, not a collection that found little
 
 
-def test_the_bench_says_when_its_times_are_of_the_emulated_build(monkeypatch):
+def test_the_bench_says_when_its_times_are_of_the_emulated_build(force_routes, monkeypatch):
     from attnlab.bench.machine import machine_line
 
-    monkeypatch.delenv("ATTNLAB_NATIVE_ISA", raising=False)
+    force_routes(isa="native")
     assert "avx512-emulated" not in machine_line()
-    monkeypatch.setenv("ATTNLAB_NATIVE_ISA", "avx512-emulated")
+    force_routes(isa="avx512-emulated")
     assert "attnlab's times below are of a test build, not this CPU's speed" in machine_line()

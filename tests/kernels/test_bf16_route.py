@@ -19,6 +19,7 @@ import torch
 
 from attnlab import tiled
 from attnlab.kernels import native as _native
+from attnlab.kernels import routes
 from attnlab.testing import assert_close_to_sdpa
 from helpers.route_cases import CASES, case_inputs, spy_calls
 
@@ -26,9 +27,9 @@ ROUTES = ["bf16", "bf16-emulated", "fp32"]
 
 
 @pytest.fixture(params=ROUTES)
-def route(request, monkeypatch):
+def route(force_routes, request, monkeypatch):
     assert _native.ops() is not None, _native.status()
-    monkeypatch.setenv("ATTNLAB_BF16", request.param)
+    force_routes(bf16=request.param)
     return request.param
 
 
@@ -66,8 +67,8 @@ def test_native_status_names_the_route_and_why(route):
     assert f"bfloat16 route: {expected_name(route)}" in str(status) and "ATTNLAB_BF16" in str(status)
 
 
-def test_auto_follows_the_cpus_flags(monkeypatch):
-    monkeypatch.delenv("ATTNLAB_BF16", raising=False)
+def test_auto_follows_the_cpus_flags(force_routes, monkeypatch):
+    force_routes(bf16="auto")
     has = "avx512_bf16" in _native.cpu_features() and _native.ops().bf16_units()
     assert _native.bf16_route().name == ("bf16" if has else "fp32")
     monkeypatch.setattr(_native, "cpu_features", lambda: frozenset({"avx2", "fma"}))
@@ -75,10 +76,12 @@ def test_auto_follows_the_cpus_flags(monkeypatch):
         "fp32", "this CPU has no avx512_bf16, so float32 GEMMs are the faster route")
 
 
-def test_a_bad_route_name_is_refused(monkeypatch):
-    monkeypatch.setenv("ATTNLAB_BF16", "fast")
+def test_a_bad_route_name_is_refused(force_routes, monkeypatch):
+    monkeypatch.setenv("ATTNLAB_BF16", "fast")  # read once: a bad value is refused where it is read
     with pytest.raises(ValueError, match="ATTNLAB_BF16 must be one of auto, bf16, bf16-emulated, fp32, got 'fast'"):
-        _native.bf16_route()
+        routes.reload()
+    with pytest.raises(ValueError, match="ATTNLAB_BF16 must be one of"):
+        force_routes(bf16="fast")
 
 
 @pytest.mark.parametrize("mod", ["sliding_window", "alibi"])

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from attnlab import KVCache, MultiHeadAttention, dispatch, masks
 from attnlab.kernels import native as _native
+from attnlab.kernels import routes
 from attnlab.decoding import PagedKVCache, decode_attention, paged_decode_attention
 from attnlab.kernels import decode as kernel
 from attnlab.testing import assert_close, assert_close_to_sdpa
@@ -24,13 +25,13 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 @pytest.fixture(params=["native", "stream", "stream_bf16", "gemm", "pure", "tiny_chunks"])
-def route(request, monkeypatch):
+def route(force_routes, request, monkeypatch):
     if request.param in ("native", "stream", "stream_bf16", "gemm"):  # auto, then each loop forced (ATTNLAB_DECODE)
         assert _native.ops() is not None, _native.status()  # make demo / make test build it
         if request.param != "native":
-            monkeypatch.setenv("ATTNLAB_DECODE", request.param.split("_")[0])
+            force_routes(decode=request.param.split("_")[0])
         if request.param == "stream_bf16":  # bf16 caches' scores on vdpbf16ps where the build has it (kernel.bf16_dot)
-            monkeypatch.setenv("ATTNLAB_BF16", "bf16")
+            force_routes(bf16="bf16")
     elif request.param == "pure":
         monkeypatch.setattr(kernel._native, "ops", lambda: None)
     else:  # chunks of 4 keys in blocks of 3: many parts, partial blocks, a merge per row
@@ -208,13 +209,13 @@ def test_pages_and_heads_of_any_count_are_located(route, dtype, Hkv, page_size, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
 @pytest.mark.parametrize("page_size", [3, 8, 13, 16])
 @pytest.mark.parametrize("L", [1, 4])  # 2 / 8 rows a head
-def test_rows_interleaved_by_head_are_read_in_stored_order_tile_by_tile(dtype, page_size, L, monkeypatch):
+def test_rows_interleaved_by_head_are_read_in_stored_order_tile_by_tile(force_routes, dtype, page_size, L, monkeypatch):
     """The native streaming loop reads a block of a paged cache in stored order: tiles of at most
     8 keys inside one page, every head's tile of those keys in turn, each into that head's own
     scores, scales and acc (decode.cpp's stored_block). Four heads and 203 keys: tiles cut short
     by page ends at every offset, 64-key blocks across pages, a last short tile; int8 rows have a
     scale per token and head. Against float64 attention over the cache's own dense contents."""
-    monkeypatch.setenv("ATTNLAB_DECODE", "stream")
+    force_routes(decode="stream")
     assert _native.ops() is not None, _native.status()
     int8 = dtype == torch.int8
     cache = PagedKVCache(2, 4, 16, page_size=page_size, dtype=dtype, **({"smooth_keys": False} if int8 else {}))
@@ -278,21 +279,22 @@ def test_module_decoding_equals_one_causal_pass_and_runs_the_decode_kernel(monke
 
 
 # --------------------------------------------------------------------------- the streaming loop, the int8 cache
-def test_the_loop_switch_chooses_and_names_its_values(monkeypatch):
+def test_the_loop_switch_chooses_and_names_its_values(force_routes, monkeypatch):
     assert kernel.loop(1) == kernel.loop(kernel.STREAM_MAX_ROWS) == "stream"
     assert kernel.loop(kernel.STREAM_MAX_ROWS + 1) == "gemm"
-    monkeypatch.setenv("ATTNLAB_DECODE", "gemm")
+    force_routes(decode="gemm")
     assert kernel.loop(1) == "gemm"
-    monkeypatch.setenv("ATTNLAB_DECODE", "fast")
+    monkeypatch.setenv("ATTNLAB_DECODE", "fast")  # read once: a bad value is refused where it is read
     with pytest.raises(ValueError, match="ATTNLAB_DECODE must be one of auto, stream, gemm, got 'fast'"):
-        kernel.loop(1)
+        routes.reload()
+    assert kernel.loop(1) == "gemm"  # the refused value changed nothing
 
 
 @pytest.mark.parametrize("loop", ["stream", "gemm"])
 @pytest.mark.parametrize("L", [1, 4, 16, 64])
-def test_both_loops_up_to_64_rows_bottom_right(loop, L, monkeypatch):
+def test_both_loops_up_to_64_rows_bottom_right(force_routes, loop, L, monkeypatch):
     """Chunked prefill and speculative decoding: up to 64 new rows after a cache, each loop forced."""
-    monkeypatch.setenv("ATTNLAB_DECODE", loop)
+    force_routes(decode=loop)
     q, k, v = randn(2, 8, L, 64), randn(2, 2, 700, 64, seed=1), randn(2, 2, 700, 48, seed=2)
     out = decode_attention(q, k, v, True, enable_gqa=True, causal_align="bottom_right")
     assert_close(out, torch_math(q, k, v, attn_mask=bottom_right(L, 700), enable_gqa=True), dtype=torch.float32)
@@ -301,11 +303,11 @@ def test_both_loops_up_to_64_rows_bottom_right(loop, L, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 7, 8, 10, 14, 16])
 @pytest.mark.parametrize("E,Ev", [(64, 40), (32, 64), (20, 13)], ids=["tiled", "wide", "tails"])
-def test_the_streaming_loop_takes_every_row_and_column_count(rows, E, Ev, dtype, monkeypatch):
+def test_the_streaming_loop_takes_every_row_and_column_count(force_routes, rows, E, Ev, dtype, monkeypatch):
     """The streaming loop's register tiles (six- and four-row value tiles of 16 or 8 columns, pairs of
     rows by 32 columns, two rows by four keys for the scores) and what they leave (single rows, odd columns, a block's last
     keys): ``rows`` query heads on one key/value head, 70 keys (a 64-key block and 6 more)."""
-    monkeypatch.setenv("ATTNLAB_DECODE", "stream")
+    force_routes(decode="stream")
     q = randn(1, rows, 1, E).to(dtype)
     k, v = randn(1, 1, 70, E, seed=1).to(dtype), randn(1, 1, 70, Ev, seed=2).to(dtype)
     assert_close_to_sdpa(decode_as_sdpa("top_left"), q, k, v, enable_gqa=True, check_grads=False)
@@ -326,15 +328,15 @@ def test_unequal_cache_lengths_split_into_equal_tasks(monkeypatch):
 @pytest.mark.parametrize("dot", ["int16", "float32"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 10, 16])
 @pytest.mark.parametrize("E,Ev", [(64, 40), (32, 64), (20, 13)], ids=["tiled", "wide", "tails"])
-def test_the_streaming_loop_takes_every_row_and_column_count_of_an_int8_cache(rows, E, Ev, dot, monkeypatch):
+def test_the_streaming_loop_takes_every_row_and_column_count_of_an_int8_cache(force_routes, rows, E, Ev, dot, monkeypatch):
     """The same counts on an int8 cache, each dot-product route forced: the int16 route's four-row
     integer tiles and the single rows they leave (rows % 4), the value tiles an int8 cache takes, and
     E = 20 (not a multiple of 16: the int16 route gives way to float32 there). Exact against float64
     over the dequantised cache and the query the route's scores see (_query_seen)."""
     from attnlab.decoding import dequantize, quantize
 
-    monkeypatch.setenv("ATTNLAB_DECODE", "stream")
-    monkeypatch.setenv("ATTNLAB_INT8_DOT", dot)
+    force_routes(decode="stream")
+    force_routes(int8_dot=dot)
     q = randn(1, rows, 1, E)
     (k8, ks), (v8, vs) = quantize(randn(1, 1, 70, E, seed=1)), quantize(randn(1, 1, 70, Ev, seed=2))
     out = decode_attention(q, k8, v8, enable_gqa=True, k_scale=ks, v_scale=vs)
@@ -345,15 +347,15 @@ def test_the_streaming_loop_takes_every_row_and_column_count_of_an_int8_cache(ro
 
 
 @pytest.mark.parametrize("E", [512, 528])
-def test_the_int16_route_s_sums_stay_exact_at_its_largest_head_size(E, monkeypatch):
+def test_the_int16_route_s_sums_stay_exact_at_its_largest_head_size(force_routes, E, monkeypatch):
     """The int16 route's int32 sums hold 32767 * 128 * E at most: exact up to E = 512, its limit;
     past it (E = 528) the route gives way to float32. Keys at -128 (an int8 row's extreme) against a
     query whose every element rounds to 32767 reach that bound at E = 512; a wrapped sum would turn
     key 0's score from the most negative to the largest."""
     from attnlab.decoding import dequantize
 
-    monkeypatch.setenv("ATTNLAB_DECODE", "stream")
-    monkeypatch.setenv("ATTNLAB_INT8_DOT", "int16")
+    force_routes(decode="stream")
+    force_routes(int8_dot="int16")
     assert kernel.int8_dot(E, "stream") == ("int16" if _native.ops() is not None and E <= 512 else "float32")
     q = torch.ones(1, 4, 1, E)
     k8 = torch.zeros(1, 1, 40, E, dtype=torch.int8)
@@ -390,7 +392,7 @@ def _query_seen(q: torch.Tensor, Hkv: int, lam=None) -> torch.Tensor:
 @pytest.mark.parametrize("loop,dot", [("stream", "int16"), ("stream", "float32"), ("gemm", "float32")])
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 @pytest.mark.parametrize("L,causal", [(1, False), (4, True)])
-def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(paged, L, causal, loop, dot, monkeypatch):
+def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(force_routes, paged, L, causal, loop, dot, monkeypatch):
     """The kernel reads int8 rows and their scales (the streaming loop in its dot products, on
     integers or widened to float32; the GEMM loop dequantising each block, across pages); the
     reference is float64 attention over the dequantised cache (and, on the int16 route, the query
@@ -399,8 +401,8 @@ def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(paged, L, 
     the values, shows; so does a query left unrounded on the int16 route (checked below)."""
     from attnlab.decoding import dequantize, quantize
 
-    monkeypatch.setenv("ATTNLAB_DECODE", loop)
-    monkeypatch.setenv("ATTNLAB_INT8_DOT", dot)
+    force_routes(decode=loop)
+    force_routes(int8_dot=dot)
     native = _native.ops() is not None
     assert kernel.int8_dot(64, loop) == (dot if native else "float32")
 
@@ -475,15 +477,15 @@ def _units() -> bool:
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 @pytest.mark.parametrize("rows,L", [(1, 1), (3, 1), (4, 1), (5, 1), (8, 1), (2, 4)])
 @pytest.mark.parametrize("E", [16, 48, 128, 40])
-def test_a_bf16_cache_s_scores_on_vdpbf16ps_are_exact_against_float64(rows, L, E, paged, monkeypatch):
+def test_a_bf16_cache_s_scores_on_vdpbf16ps_are_exact_against_float64(force_routes, rows, L, E, paged, monkeypatch):
     """The bf16 route forced (``ATTNLAB_BF16=bf16``): where the build has AVX512_BF16 (the
     avx512-emulated build runs this file on any CPU) a bf16 cache's scores take ``vdpbf16ps``
     (:func:`kernel.bf16_dot`); E = 40 (not a multiple of 16) and builds without the instruction
     take the float32 route. Either way exact against float64 to float32's rounding: the products of
     bf16 values are exact, as the float32 route's FMAs are. And the route really runs: its sums
     round in another order, so its answer differs in the last bits from the float32 route's."""
-    monkeypatch.setenv("ATTNLAB_DECODE", "stream")
-    monkeypatch.setenv("ATTNLAB_BF16", "bf16")
+    force_routes(decode="stream")
+    force_routes(bf16="bf16")
     taken = kernel.bf16_dot(E, "stream") == "vdpbf16ps"
     assert taken == (_units() and E % 16 == 0)
     Hkv, S = 2, 203
@@ -491,13 +493,13 @@ def test_a_bf16_cache_s_scores_on_vdpbf16ps_are_exact_against_float64(rows, L, E
     k, v = randn(Hkv, S, E, seed=1).bfloat16(), randn(Hkv, S, E, seed=2).bfloat16()
     out, want = _bf16_step(q4, k, v, Hkv, L=L, paged=paged)
     assert_close(out, want.float(), dtype=torch.float32)
-    monkeypatch.setenv("ATTNLAB_BF16", "fp32")
+    force_routes(bf16="fp32")
     widened, _ = _bf16_step(q4, k, v, Hkv, L=L, paged=paged)
     assert_close(widened, want.float(), dtype=torch.float32)
     assert torch.equal(out, widened) == (not taken)
 
 
-def test_the_status_names_the_decode_loop_s_dot_product_instructions(monkeypatch):
+def test_the_status_names_the_decode_loop_s_dot_product_instructions(force_routes, monkeypatch):
     """``decode_dot_instructions``: vdpbf16ps where the build has the bf16 units (AVX512_BF16), vpdpwssd
     where it has AVX512_VNNI with VL (the avx512-emulated build has both, on any CPU); the status
     line says which a bf16 and an int8 cache's dot products take now."""
@@ -505,7 +507,7 @@ def test_the_status_names_the_decode_loop_s_dot_product_instructions(monkeypatch
     vnni = _native.build_isa() == "avx512-emulated" or {"avx512_vnni", "avx512vl"} <= _native.cpu_features()
     assert bool(bits & 1) == _units() and bool(bits & 2) == vnni
     for route in ("bf16", "fp32"):
-        monkeypatch.setenv("ATTNLAB_BF16", route)
+        force_routes(bf16=route)
         said = _native.decode_dot_products()
         assert ("bf16 caches on vdpbf16ps" in said) == (bool(bits & 1) and route == "bf16"), said
         assert ("int8 caches on vpdpwssd" in said) == bool(bits & 2), said
@@ -526,15 +528,15 @@ def _huge_key_case(q_value: float, k_value: float):
 
 
 @pytest.mark.parametrize("case", ["float32_query", "denormal_query", "huge_query"])
-def test_the_vdpbf16ps_route_leaves_queries_it_would_change_to_the_float32_route(case, monkeypatch):
+def test_the_vdpbf16ps_route_leaves_queries_it_would_change_to_the_float32_route(force_routes, case, monkeypatch):
     """vdpbf16ps reads a bf16 query and reads denormals as zero, so the kernel takes it only where that
     changes nothing (``bf16_query_rows`` in csrc/decode.cpp), and each query here needs the float32
     route to be exact: one that is not bf16 (a float32 query, its low bits lost in bf16), a bf16
     denormal query element against a key element of 2^127 (a product of 1/8, read as 0), and a
     query of 2^126 against a denormal key element (|q * scale| past 2^64: the same product, the key
     read as 0). On a build with the instruction each case fails with that check removed."""
-    monkeypatch.setenv("ATTNLAB_DECODE", "stream")
-    monkeypatch.setenv("ATTNLAB_BF16", "bf16")
+    force_routes(decode="stream")
+    force_routes(bf16="bf16")
     if case == "float32_query":
         q4, Hkv = randn(2, 4, 1, 64), 2
         k, v = randn(2, 100, 64, seed=1).bfloat16(), randn(2, 100, 64, seed=2).bfloat16()

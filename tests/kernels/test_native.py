@@ -388,7 +388,7 @@ def _disassembly(path) -> bytes:
     return subprocess.run(["objdump", "-d", str(path)], capture_output=True, check=True).stdout
 
 
-def test_one_predicate_answers_for_every_caller(native_ops, monkeypatch):
+def test_one_predicate_answers_for_every_caller(force_routes, native_ops, monkeypatch):
     """native.can_run is the only "can the native kernels take this?": tiled, flex, the ring and
     decoding ask it (they gave four different answers: the ring took float32 only, flex bf16 too)."""
     from attnlab.kernels import native
@@ -404,9 +404,9 @@ def test_one_predicate_answers_for_every_caller(native_ops, monkeypatch):
     assert native.can_run(nan, k.bfloat16(), v.bfloat16(), cache=True)  # decoding flags them itself
     assert not native.can_run(q[..., :0], k[..., :0], v)  # E = 0
     assert not native.can_run(q, k.half(), v.half())  # mixed dtypes: only a cache is read as stored
-    monkeypatch.setenv("ATTNLAB_BF16", "fp32")
+    force_routes(bf16="fp32")
     assert not native.can_run(q.bfloat16(), k.bfloat16(), v.bfloat16())
-    monkeypatch.setenv("ATTNLAB_BF16", "bf16-emulated")
+    force_routes(bf16="bf16-emulated")
     assert native.can_run(q.bfloat16(), k.bfloat16(), v.bfloat16())
     from attnlab import distributed, tiled
     from attnlab.kernels import block_sparse

@@ -22,6 +22,7 @@ import torch
 
 from attnlab import tiled
 from attnlab.kernels import native as _native
+from attnlab.kernels import routes
 from attnlab.testing import assert_close_to_sdpa
 from helpers.route_cases import CASES, case_inputs, spy_calls
 
@@ -38,8 +39,8 @@ ROUTES_HERE = built_routes() if _native.ops() is not None else ["blas"]
 
 
 @pytest.fixture(params=ROUTES_HERE)
-def route(request, monkeypatch):
-    monkeypatch.setenv("ATTNLAB_SGEMM", request.param)
+def route(force_routes, request, monkeypatch):
+    force_routes(sgemm=request.param)
     assert _native.sgemm_route().name == request.param
     return request.param
 
@@ -139,19 +140,22 @@ def gemm_code(code: int):
     _native.ops().tile_gemm_(torch.ones(2, 2), torch.ones(2, 2), torch.zeros(2, 2), False, False, 1.0, 0.0, code)
 
 
-def test_route_choice_default_forced_fallback_and_bad_names(monkeypatch):
-    monkeypatch.delenv("ATTNLAB_SGEMM", raising=False)
+def test_route_choice_default_forced_fallback_and_bad_names(force_routes, monkeypatch):
+    force_routes(sgemm="auto")
     widest = "avx512" if "avx512" in ROUTES_HERE else "avx2" if "avx2" in ROUTES_HERE else "blas"
     assert _native.sgemm_route().name == widest
-    monkeypatch.setenv("ATTNLAB_SGEMM", "avx512")
+    force_routes(sgemm="avx512")
     expected = "avx512" if "avx512" in ROUTES_HERE else "avx512-emulated" if "avx2" in ROUTES_HERE else "blas"
     assert _native.sgemm_route().name == expected
     if expected == "avx512-emulated":
         assert "this build has no AVX-512" in _native.sgemm_route().reason
-    monkeypatch.setenv("ATTNLAB_SGEMM", "mkl")
+    monkeypatch.setenv("ATTNLAB_SGEMM", "mkl")  # read once: a bad value is refused where it is read
     with pytest.raises(ValueError, match="ATTNLAB_SGEMM must be one of auto, avx512, avx2, avx512-emulated, blas, "
                                          "got 'mkl'"):
-        _native.sgemm_route()
+        routes.reload()
+    assert routes.settings().sgemm == "avx512"  # the refused value changed nothing
+    with pytest.raises(ValueError, match="ATTNLAB_SGEMM must be one of"):
+        force_routes(sgemm="mkl")
 
 
 def test_native_status_names_the_float32_gemm(route):
@@ -178,7 +182,7 @@ def test_attention_on_each_route_is_within_the_shared_rule(route, monkeypatch, c
     assert seen and set(seen) == {_native.SGEMM_CODES[route]}, seen
 
 
-def test_the_backward_and_flex_and_decode_take_the_route(route, monkeypatch):
+def test_the_backward_and_flex_and_decode_take_the_route(force_routes, route, monkeypatch):
     """flash_backward_, the block-sparse kernels and decoding's GEMM blocks get the route too,
     and stay within the shared rule on it."""
     from attnlab import decoding, flex
@@ -188,8 +192,7 @@ def test_the_backward_and_flex_and_decode_take_the_route(route, monkeypatch):
     q, k, v = randn(1, 2, 130, 48, seed=5), randn(1, 2, 190, 48, seed=6), randn(1, 2, 190, 40, seed=7)
     assert_close_to_sdpa(tiled.flash_attention, q, k, v, is_causal=True)
     assert seen and set(seen) == {code}
-    monkeypatch.undo()
-    monkeypatch.setenv("ATTNLAB_SGEMM", route)
+    monkeypatch.undo()  # the spies go; the route, forced by the fixture, stays
 
     L, H = 200, 4
     mask_mod = flex.sliding_window(48)
@@ -204,8 +207,7 @@ def test_the_backward_and_flex_and_decode_take_the_route(route, monkeypatch):
     assert_close_to_sdpa(impl, randn(1, H, L, 32), randn(1, H, L, 32, seed=1), randn(1, H, L, 32, seed=2),
                          attn_mask=dense)
     assert set(seen_f) == {code} and set(seen_b) == {code}
-    monkeypatch.undo()
-    monkeypatch.setenv("ATTNLAB_SGEMM", route)
+    monkeypatch.undo()  # the spies go; the route, forced by the fixture, stays
 
     # decoding with many query rows takes the GEMM blocks (mode "gemm")
     seen_d = spy_routes(monkeypatch, "decode_forward", at=14)

@@ -174,19 +174,18 @@ def test_decode_benchmark_times_each_implementation_against_torch(capsys):
     assert "machine:" in out and "| 128 | float32 | torch SDPA |" in out and "GB/s" in out
 
 
-def test_decode_benchmark_adds_a_float32_dots_row_where_bf16_caches_take_vdpbf16ps(monkeypatch):
+def test_decode_benchmark_adds_a_float32_dots_row_where_bf16_caches_take_vdpbf16ps(force_routes, monkeypatch):
     """On a CPU whose bf16 route takes vdpbf16ps for a bf16 cache's scores (faked here: no CPU of
     ours need have it), --decode also times the streaming loop with them widened, right after the
     stream row, run with ATTNLAB_BF16=fp32; float32 caches, and CPUs without it, have no such row."""
-    import os
-
     from attnlab.kernels import decode as kernel_decode
+    from attnlab.kernels import routes
 
-    monkeypatch.delenv("ATTNLAB_BF16", raising=False)
+    force_routes(bf16="auto")
     asked = []
 
     def vdpbf16ps(E, mode):
-        asked.append(os.environ.get("ATTNLAB_BF16"))
+        asked.append(routes.settings().bf16)
         return "vdpbf16ps"
 
     name = "attnlab decode: stream, float32 dots"
@@ -195,7 +194,7 @@ def test_decode_benchmark_adds_a_float32_dots_row_where_bf16_caches_take_vdpbf16
     monkeypatch.setattr(kernel_decode, "bf16_dot", vdpbf16ps)
     impls = [r["impl"] for r in bench.decode_benchmark([64], dtypes=("bfloat16",), H=4, Hkv=2, E=8, repeats=1)]
     assert impls.index(name) == impls.index("attnlab decode: stream") + 1
-    assert "fp32" in asked and None in asked  # the row forces the float32 route; the others leave it alone
+    assert "fp32" in asked and "auto" in asked  # the row forces the float32 route; the others leave it alone
     assert name not in {r["impl"] for r in bench.decode_benchmark([64], dtypes=("float32",), H=4, Hkv=2, E=8,
                                                                     repeats=1)}
 

@@ -180,18 +180,13 @@ def compile_benchmark(seq_lens=COMPILE_LENS, *, B: int = 1, d_model: int = 512, 
     return rows
 
 
-def _with_env(name: str, value: str, fn: Callable) -> Callable:
-    """``fn`` run with ``$name=value`` (a route switch), the environment restored after."""
+def _forced(fn: Callable, **switches: str) -> Callable:
+    """``fn`` run with some route switches forced (:func:`attnlab.kernels.routes.forced`)."""
+    from attnlab.kernels import routes
+
     def run():
-        before = os.environ.get(name)
-        os.environ[name] = value
-        try:
+        with routes.forced(**switches):
             return fn()
-        finally:
-            if before is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = before
     return run
 
 
@@ -241,16 +236,16 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
                 return decoding.decode_attention(q, k_, v_, enable_gqa=True, **step, **kw)
 
             fns = {"attnlab (auto: decode)": lambda: dispatch.attention(q, k, v, enable_gqa=True, **step),
-                   "attnlab decode: stream": _with_env("ATTNLAB_DECODE", "stream", decode),
+                   "attnlab decode: stream": _forced(decode, decode="stream"),
                    # the same with a bf16 cache's dot products widened, where they take vdpbf16ps
-                   **({"attnlab decode: stream, float32 dots": _with_env(
-                       "ATTNLAB_BF16", "fp32", _with_env("ATTNLAB_DECODE", "stream", decode))}
+                   **({"attnlab decode: stream, float32 dots": _forced(
+                       decode, bf16="fp32", decode="stream")}
                       if dtype == torch.bfloat16 and kernel_decode.bf16_dot(E, "stream") == "vdpbf16ps" else {}),
-                   "attnlab decode: gemm": _with_env("ATTNLAB_DECODE", "gemm", decode),
+                   "attnlab decode: gemm": _forced(decode, decode="gemm"),
                    f"attnlab paged ({page_size})": lambda: decoding.paged_decode_attention(q, paged, **step),
                    "attnlab int8": lambda: decode(k8, v8, k_scale=ks, v_scale=vs),
-                   "attnlab int8: float32 dots": _with_env(
-                       "ATTNLAB_INT8_DOT", "float32", lambda: decode(k8, v8, k_scale=ks, v_scale=vs)),
+                   "attnlab int8: float32 dots": _forced(
+                       lambda: decode(k8, v8, k_scale=ks, v_scale=vs), int8_dot="float32"),
                    f"attnlab int8 paged ({page_size})": lambda: decoding.paged_decode_attention(q.float(), paged8,
                                                                                                 **step),
                    "attnlab tiled": lambda: dispatch.attention(q, k, v, mask, enable_gqa=True, impl="tiled"),
@@ -296,17 +291,7 @@ def bf16_benchmark(shapes=BF16_SHAPES, *, modes=("fwd", "fwd+bwd"), repeats: int
     from attnlab import tiled
 
     def with_route(route: str, fn: Callable) -> Callable:
-        def run():
-            before = os.environ.get("ATTNLAB_BF16")
-            os.environ["ATTNLAB_BF16"] = route
-            try:
-                return fn()
-            finally:
-                if before is None:
-                    del os.environ["ATTNLAB_BF16"]
-                else:
-                    os.environ["ATTNLAB_BF16"] = before
-        return run
+        return _forced(fn, bf16=route)
 
     rows, done, total = [], 0, len(shapes) * len(modes)
     for B, H, Hkv, L, E in shapes:
@@ -415,7 +400,7 @@ def gemm_benchmark(*, E: int = 64, L: int = 4096, H: int = 8, repeats: int = 5,
                     if backward:
                         out.backward(grad)
 
-            fns = {f"attnlab, {r}": _with_env("ATTNLAB_SGEMM", r, lambda: step(tiled.flash_attention)) for r in routes}
+            fns = {f"attnlab, {r}": _forced(lambda: step(tiled.flash_attention), sgemm=r) for r in routes}
             fns["torch SDPA"] = lambda: step(F.scaled_dot_product_attention)
             medians = interleaved_medians(fns, repeats)
             torch_ms = medians["torch SDPA"] * 1e3

@@ -33,18 +33,19 @@ bfloat16 cache's on ``vdpbf16ps`` where the bf16 route is on (:func:`bf16_dot`, 
 from __future__ import annotations
 
 import math
-import os
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
 from torch import Tensor
 
 from attnlab.kernels import native as _native
+from attnlab.kernels import routes as _routes
 from attnlab._validation import compute_dtype
 from attnlab.kernels import online
 from attnlab.kernels.numerics import merge_
 
-__all__ = ["forward", "forward_eager", "choose_chunk", "loop", "CAUSAL", "BLOCK_K", "MIN_CHUNK", "MAX_CHUNK", "STREAM_MAX_ROWS",
+__all__ = ["forward", "forward_eager", "choose_chunk", "loop", "plan", "DecodePlan", "CAUSAL", "BLOCK_K", "MIN_CHUNK", "MAX_CHUNK", "STREAM_MAX_ROWS",
            "STREAM_BLOCK_K", "LOOPS", "dequantize", "int8_dot", "int16_rounded", "INT8_DOTS", "INT8_DOT_CODES",
            "bf16_dot", "BF16_DOT_CODES"]
 
@@ -67,22 +68,52 @@ TASKS_PER_THREAD = 4  # enough tasks that the threads finish together when chunk
 # stream / gemm = 38-40 / 41-44 ms in fp32 and bf16, 37 / 40 ms int8; at 48 rows 54-56 / 51-52 ms.
 STREAM_MAX_ROWS = 32
 STREAM_BLOCK_K = 64  # keys per online-softmax step in the streaming loop: its scores stay in L1
-LOOPS = ("auto", "stream", "gemm")
-INT8_DOTS = ("auto", "int16", "float32")
+LOOPS = _routes.CHOICES["decode"]
+INT8_DOTS = _routes.CHOICES["int8_dot"]
 INT8_DOT_CODES = {"float32": 0, "int16": 1}  # what csrc/decode.cpp's decode_forward takes as int8_dot
 BF16_DOT_CODES = {"float32": 0, "vdpbf16ps": 1}  # and as bf16_dot
 
 
 def loop(rows: int) -> str:
     """The inner loop a call of ``rows = r * L`` rows per key/value head takes: ``$ATTNLAB_DECODE``
-    (``auto``, the default; ``stream`` or ``gemm`` force one), else ``stream`` up to
-    :data:`STREAM_MAX_ROWS` rows and ``gemm`` above (float and int8 caches alike)."""
-    choice = os.environ.get("ATTNLAB_DECODE", "auto").strip().lower() or "auto"
-    if choice not in LOOPS:
-        raise ValueError(f"ATTNLAB_DECODE must be one of {', '.join(LOOPS)}, got {choice!r}")
+    (:mod:`attnlab.kernels.routes`: ``auto``, the default; ``stream`` or ``gemm`` force one), else
+    ``stream`` up to :data:`STREAM_MAX_ROWS` rows and ``gemm`` above (float and int8 caches alike)."""
+    choice = _routes.settings().decode
     if choice != "auto":
         return choice
     return "stream" if rows <= STREAM_MAX_ROWS else "gemm"
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Every shape-dependent choice of one decode call, made once by :func:`plan` and passed to
+    the kernel: ``rows`` per key/value head (``r * L``), the inner ``loop``, and the dot products
+    of an int8 cache (``int8_dot``) and of a bf16 one (``bf16_dot``)."""
+
+    rows: int
+    loop: str
+    int8_dot: str
+    bf16_dot: str
+    cache_dtype: torch.dtype
+
+    @property
+    def dots(self) -> str:
+        """The instructions of the key dot products, in words."""
+        if self.cache_dtype == torch.int8:
+            return {"int16": "int16 x int8 in integers (vpmaddwd, or vpdpwssd where built)",
+                    "float32": "int8 widened to float32 FMAs"}[self.int8_dot]
+        if self.cache_dtype == torch.bfloat16:
+            return {"vdpbf16ps": "vdpbf16ps on the stored bf16", "float32": "bf16 widened to float32 FMAs"}[
+                self.bf16_dot]
+        return "float32 FMAs"
+
+
+def plan(rows: int, E: int, cache_dtype: torch.dtype) -> DecodePlan:
+    """The route of a decode call: ``rows`` query rows per key/value head, head size ``E``, the
+    cache's dtype; from the settings (:mod:`attnlab.kernels.routes`) and the build."""
+    mode = loop(rows)
+    return DecodePlan(rows, mode, int8_dot(E, mode) if cache_dtype == torch.int8 else "float32",
+                      bf16_dot(E, mode) if cache_dtype == torch.bfloat16 else "float32", cache_dtype)
 
 
 def int8_dot(E: int, mode: str) -> str:
@@ -102,9 +133,7 @@ def int8_dot(E: int, mode: str) -> str:
     int8 decoding from 0.79-0.88x bf16's time to 0.64-0.75x at ``Lq = 1`` (one thread, CPU time,
     old and new builds alternated; BENCHMARKS.md, "int8 dot products on integers").
     """
-    choice = os.environ.get("ATTNLAB_INT8_DOT", "auto").strip().lower() or "auto"
-    if choice not in INT8_DOTS:
-        raise ValueError(f"ATTNLAB_INT8_DOT must be one of {', '.join(INT8_DOTS)}, got {choice!r}")
+    choice = _routes.settings().int8_dot
     if mode != "stream" or E % 16 or E > 512 or _native.ops() is None or choice == "float32":
         return "float32"
     if choice == "int16" or "avx2" in _native.sgemm_routes_built():
@@ -170,16 +199,16 @@ def forward(q4: Tensor, k: Tensor, v: Tensor, *, Hkv: int, S: int, scale2: float
     int8 = k.dtype == torch.int8
     if int8 != (k_scale is not None) or (k_scale is None) != (v_scale is None):
         raise ValueError("decode: an int8 cache needs k_scale and v_scale, and only an int8 cache takes them")
-    rows = q4.shape[1] * q4.shape[2]
-    mode = loop(rows)
+    route = plan(q4.shape[1] * q4.shape[2], q4.shape[-1], k.dtype)
+    mode = route.loop
     native = _native.ops() is not None and q4.device.type == k.device.type == v.device.type == "cpu" and (
         _native.can_run(q4, k, v, cache=True) or (int8 and q4.dtype == torch.float32 and v.dtype == torch.int8
                                                   and 0 not in (q4.shape[-1], v.shape[-1])))
     if native:
         block = STREAM_BLOCK_K if mode == "stream" else BLOCK_K
         # chunk 0: the kernel splits every head's own keys into about TASKS_PER_THREAD tasks per thread
-        dot = INT8_DOT_CODES[int8_dot(q4.shape[-1], mode)] if int8 else 0
-        bdot = BF16_DOT_CODES[bf16_dot(q4.shape[-1], mode)] if k.dtype == torch.bfloat16 else 0
+        dot = INT8_DOT_CODES[route.int8_dot]
+        bdot = BF16_DOT_CODES[route.bf16_dot]
         out, lse2, nonfinite = _native.ops().decode_forward(
             q4.contiguous(), k, v, table, seqlens, k_scale, v_scale, Hkv, S, scale2, CAUSAL[causal], chunk or 0,
             block, 1 if mode == "stream" else 0, _native.sgemm_route().code, dot, bdot)

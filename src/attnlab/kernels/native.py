@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from attnlab._validation import compute_dtype
+from attnlab.kernels import routes
 from attnlab.kernels.numerics import finite_inputs
 
 __all__ = ["can_run", "NativeStatus", "Bf16Route", "SgemmRoute", "status", "ops", "bf16_route", "sgemm_route",
@@ -57,11 +58,12 @@ _LDFLAGS = ["-fopenmp"]
 # -O1: a test build is built more often than it runs long. On the 2-core AVX2 EPYC (2026-12-03) the
 # build took 54 s of CPU against 107 s at -O3, and its test's 1519 cases 88 s against 73 s.
 _EMULATE_AVX512_FLAGS = ["-DATTNLAB_EMULATE_AVX512", "-Wno-psabi", "-O1"]
-ISA_CHOICES = ("native", "avx512-emulated")
+ISA_CHOICES = routes.CHOICES["isa"]
 
 
 def build_isa() -> str:
-    """Which build of the native kernels this process loads: ``$ATTNLAB_NATIVE_ISA``.
+    """Which build of the native kernels this process loads: ``$ATTNLAB_NATIVE_ISA``, read once
+    (:mod:`attnlab.kernels.routes`).
 
     ``native`` (the default) compiles for this CPU's instructions (``-march=native``).
     ``avx512-emulated`` compiles the kernels' AVX-512 branches (the row pass, the 12 x 32 zmm GEMM
@@ -71,10 +73,7 @@ def build_isa() -> str:
     AVX512_BF16 only the bf16 instructions are emulated; on one with both the two builds are the same
     code. Each has its own cache folder.
     """
-    choice = os.environ.get("ATTNLAB_NATIVE_ISA", "native").strip().lower() or "native"
-    if choice not in ISA_CHOICES:
-        raise ValueError(f"ATTNLAB_NATIVE_ISA must be one of {', '.join(ISA_CHOICES)}, got {choice!r}")
-    return choice
+    return routes.settings().isa
 
 
 def _cflags() -> list[str]:
@@ -99,7 +98,7 @@ class Bf16Route:
         return f"bfloat16 route: {self.name} ({self.reason})"
 
 
-BF16_CHOICES = ("auto", "bf16", "bf16-emulated", "fp32")
+BF16_CHOICES = routes.CHOICES["bf16"]
 
 
 @dataclass(frozen=True)
@@ -124,7 +123,7 @@ class SgemmRoute:
         return f"float32 GEMM: {self.name} ({self.reason})"
 
 
-SGEMM_CHOICES = ("auto", "avx512", "avx2", "avx512-emulated", "blas")
+SGEMM_CHOICES = routes.CHOICES["sgemm"]
 SGEMM_CODES = {"blas": 0, "avx2": 1, "avx512": 2, "avx512-emulated": 3}
 
 
@@ -200,7 +199,7 @@ def _built_for_this_cpu(build_dir: Path) -> bool:
 
 
 def _load() -> tuple[Optional[Any], NativeStatus]:
-    if os.environ.get("ATTNLAB_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if routes.settings().native == "0":
         return None, NativeStatus(False, "turned off by ATTNLAB_NATIVE=0")
     if platform.system() != "Linux":
         return None, NativeStatus(False, f"the native kernel is built on Linux only, this is {platform.system()}")
@@ -340,9 +339,7 @@ def bf16_route() -> Bf16Route:
     and the build uses it: 0.48-0.53x torch's bf16 kernel time forward there (BENCHMARKS.md,
     "bfloat16"); elsewhere ``fp32``, today's float32 compute, which a widened bf16 GEMM cannot beat.
     """
-    choice = os.environ.get("ATTNLAB_BF16", "auto").strip().lower() or "auto"
-    if choice not in BF16_CHOICES:
-        raise ValueError(f"ATTNLAB_BF16 must be one of {', '.join(BF16_CHOICES)}, got {choice!r}")
+    choice = routes.settings().bf16
     if choice == "fp32":
         return Bf16Route("fp32", "forced by ATTNLAB_BF16=fp32")
     native = ops()
@@ -384,9 +381,7 @@ def sgemm_route() -> SgemmRoute:
     A forced route the build lacks falls back to the one below it (``avx512`` ->
     ``avx512-emulated``), and says so.
     """
-    choice = os.environ.get("ATTNLAB_SGEMM", "auto").strip().lower() or "auto"
-    if choice not in SGEMM_CHOICES:
-        raise ValueError(f"ATTNLAB_SGEMM must be one of {', '.join(SGEMM_CHOICES)}, got {choice!r}")
+    choice = routes.settings().sgemm
     native = ops()
     if native is None:
         return SgemmRoute("blas", "the native kernels are not in use")

@@ -1,0 +1,78 @@
+"""The native layer's switches read once, forced by a context manager, and explained per call
+(issue 49, item 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnlab.kernels import decode as kernel_decode
+from attnlab.kernels import native as _native
+from attnlab.kernels import routes
+
+
+def test_the_environment_is_read_once(monkeypatch):
+    before = routes.settings()
+    monkeypatch.setenv("ATTNLAB_DECODE", "gemm")
+    assert routes.settings() is before  # a later change of the environment changes nothing...
+    assert kernel_decode.loop(1) == ("stream" if before.decode == "auto" else before.decode)
+    try:
+        assert routes.reload().decode == "gemm"  # ...until the program asks for it again
+        assert kernel_decode.loop(1) == "gemm"
+    finally:
+        monkeypatch.delenv("ATTNLAB_DECODE")
+        routes.reload()
+    assert routes.settings().decode == "auto"
+
+
+def test_forced_changes_a_block_and_restores_what_was_before():
+    before = routes.settings()
+    with routes.forced(decode="gemm", int8_dot="float32") as now:
+        assert routes.settings() is now and (now.decode, now.int8_dot) == ("gemm", "float32")
+        assert kernel_decode.loop(1) == "gemm"
+        with routes.forced(decode="stream"):
+            assert kernel_decode.loop(10_000) == "stream" and routes.settings().int8_dot == "float32"
+        assert routes.settings().decode == "gemm"
+    assert routes.settings() is before
+    with pytest.raises(ValueError, match="ATTNLAB_DECODE must be one of auto, stream, gemm, got 'fast'"):
+        with routes.forced(decode="fast"):
+            pass
+    with pytest.raises(ValueError, match="the switches are native, isa, bf16, sgemm, decode, int8_dot, got speed"):
+        with routes.forced(speed="max"):
+            pass
+    assert routes.settings() is before
+
+
+def test_a_decode_call_is_planned_once_and_the_kernel_gets_the_plan(force_routes, monkeypatch):
+    if _native.ops() is None:
+        pytest.skip("the native kernels are not loaded (ATTNLAB_NATIVE=0)")  # make test builds them
+    force_routes(decode="stream", int8_dot="float32")
+    plans = []
+    real = kernel_decode.plan
+    monkeypatch.setattr(kernel_decode, "plan", lambda *a: plans.append(real(*a)) or plans[-1])
+    from attnlab.decoding import decode_attention, quantize
+
+    (k8, ks), (v8, vs) = quantize(torch.randn(1, 2, 40, 16)), quantize(torch.randn(1, 2, 40, 16))
+    decode_attention(torch.randn(1, 4, 1, 16), k8, v8, enable_gqa=True, k_scale=ks, v_scale=vs)
+    assert [(p.rows, p.loop, p.int8_dot) for p in plans] == [(2, "stream", "float32")]
+    assert plans[0].dots == "int8 widened to float32 FMAs"
+
+
+def test_explain_names_the_route_of_a_call(force_routes):
+    q, k = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 512, 64)
+    text = routes.explain(q, k, k, cache=True)
+    if _native.ops() is None:
+        assert text.startswith("the pure-PyTorch path")
+        return
+    assert text.startswith("native kernels; float32 GEMM: ")
+    assert "decode: stream loop (4 rows per key/value head), dot products: float32 FMAs" in text
+    force_routes(decode="gemm")
+    assert "decode: gemm loop (4 rows per key/value head)" in routes.explain(q, k, k, cache=True)
+    force_routes(bf16="fp32")  # bf16 inputs widened to float32 for the same kernels
+    assert "bfloat16 route: fp32 (forced by ATTNLAB_BF16=fp32)" in routes.explain(q.bfloat16(), k.bfloat16(),
+                                                                                  k.bfloat16())
+    assert routes.explain(q.double(), k.double(), k.double()) == \
+        "the pure-PyTorch path (the native kernels do not take these operands)"
+    force_routes(bf16="bf16-emulated")
+    assert "bfloat16 route: bf16-emulated (forced by ATTNLAB_BF16=bf16-emulated" in routes.explain(
+        q.bfloat16(), k.bfloat16(), k.bfloat16())
