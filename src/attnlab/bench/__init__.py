@@ -80,6 +80,12 @@ from attnlab.bench.peers import (  # noqa: F401
     missing_peers,
     peers_benchmark,
 )
+from attnlab.bench.generation import (  # noqa: F401
+    GENERATE_HEADER,
+    GENERATE_LENS,
+    generation_benchmark,
+    generation_table,
+)
 from attnlab.bench.suites import (  # noqa: F401
     DENSITIES,
     density_sweep,

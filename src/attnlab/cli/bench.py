@@ -10,9 +10,7 @@ from attnlab.cli._args import DTYPES, UsageError, choices, ints, need_module, no
     positive_float, positive_int
 
 HELP = """\
-Time attnlab vs torch's SDPA, or a suite below (docs/cli.md, BENCHMARKS.md).
-
-examples:
+Time attnlab vs torch's SDPA, or a suite below (docs/cli.md, BENCHMARKS.md); examples:
   attnlab bench --seq-lens 4096 --impls tiled,flash --dtypes float32 --threads 2
   attnlab bench --decode --seq-lens 4096,32768 --dtypes float32,bfloat16
 """
@@ -66,6 +64,8 @@ def add(sub) -> argparse.ArgumentParser:
                    help="with --ring: causal,sliding,document")
     p.add_argument("--transformers", action="store_true",
                    help="instead: small Hugging Face models, sdpa vs attnlab")
+    p.add_argument("--generate", action="store_true",
+                   help="instead: HF generation per token, sdpa vs attnlab, caches")
     p.add_argument("--compile", action="store_true",
                    help="instead: a model step, eager vs torch.compile")
     p.add_argument("--decode", action="store_true",
@@ -130,8 +130,8 @@ def _run_gpu(args: argparse.Namespace, causals: list[bool]) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.plot:
         need_module("matplotlib", "bench", "--plot")  # before the run, not after it
-    if args.transformers:
-        need_module("transformers", "hf", "--transformers")
+    if args.transformers or args.generate:
+        need_module("transformers", "hf", "--generate" if args.generate else "--transformers")
     import torch
 
     from attnlab import bench
@@ -163,6 +163,15 @@ def run(args: argparse.Namespace) -> int:
         _end_progress()
         print(f"machine: {bench.machine_line()}\n")
         print(bench.transformers_table(rows))
+        return 0
+    if args.generate:
+        lens = args.seq_lens if args.seq_lens != DEFAULT_LENS else list(bench.GENERATE_LENS)
+        rows = bench.generation_benchmark(lens, repeats=args.repeats if args.repeats != 5 else 2,
+                                          progress=_progress())
+        _end_progress()
+        print(f"machine: {bench.machine_line()}\n")
+        print(bench.GENERATE_HEADER + "\n")
+        print(bench.generation_table(rows))
         return 0
     if args.compile:
         lens = args.seq_lens if args.seq_lens != DEFAULT_LENS else list(bench.COMPILE_LENS)
