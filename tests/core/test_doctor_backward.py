@@ -192,3 +192,17 @@ def test_non_finite_or_misshapen_gradients_never_pass(what):
     assert not report.ok and report.findings, report
     if what == "shape":
         assert report.findings[0].code == "shape_error" and "gradient" in report.findings[0].message
+
+
+def test_no_alarm_on_attnlab_s_triton_kernels_under_the_interpreter():
+    at = pytest.importorskip("attnlab.triton", reason="make test installs triton (the dev extra)")
+    assert at.interpreted(), "tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported"
+
+    def triton_kernels(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                       enable_gqa=False):
+        if attn_mask is not None or dropout_p:
+            raise ValueError("attnlab.triton.flash_attention takes no attn_mask and no dropout")
+        return at.flash_attention(query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    report = diagnose_backward(triton_kernels)
+    assert report.ok, report
