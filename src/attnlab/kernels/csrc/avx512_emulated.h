@@ -20,7 +20,8 @@
 // Exactness, where it matters to the tests: fused multiply-adds round once (std::fma), the
 // reductions add in the order GCC's _mm512_reduce_add_ps does, round-to-nearest-even is the
 // default rounding mode's, vdpbf16ps and vcvtne2ps2bf16 treat denormal inputs as zero, and
-// vdpbf16ps rounds each step once and flushes its denormal results, as the instructions do.
+// vdpbf16ps rounds each step once, flushes a result tiny after rounding and picks a NaN as the
+// instructions do (checked against a Zen 4's, bit for bit: tests/kernels/test_real_instructions.py).
 #pragma once
 
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__) || !defined(__AVX512VNNI__)
@@ -157,12 +158,44 @@ inline float flush_denormal(float x) { return std::fpclassify(x) == FP_SUBNORMAL
 // is exact in float32 only while it stays a normal number); each step's denormal result flushed
 // to zero. tests/kernels/test_real_instructions.py holds it to a model of that and, on a CPU with
 // AVX512_BF16, to the instruction itself.
+// Whether acc + x y is tiny as the instruction sees it: below 2^-126 once rounded to 24 bits with
+// an unbounded exponent (tininess after rounding, x86's rule), given r, its float32 rounding with
+// gradual underflow. The same Zen 4: -2^-126 + 1.5 * 2^-151 gave -0 (rounded to 24 bits it is
+// 2^-150 below the smallest normal), -2^-126 + 2^-219 gave -2^-126. So tiny exactly when |acc + x y|
+// < M = 2^-126 - 2^-151, the midpoint below 2^-126 (a tie rounds to 2^-126, the even one), decided
+// on acc + x y as an exact double two-sum s + e (x y is exact in double: two 8-bit significands).
+inline bool tiny_after_rounding(float x, float y, float acc, float r) {
+  const float min_normal = 1.17549435e-38f;  // 2^-126
+  if (r == 0.0f || std::fabs(r) > min_normal) return r == 0.0f;
+  const double p = double(x) * double(y), s = double(acc) + p, bb = s - acc;
+  const double e = (double(acc) - (s - bb)) + (p - bb);  // acc + p = s + e exactly
+  const double m = std::ldexp(1.0, -126) - std::ldexp(1.0, -151);
+  return (std::fabs(s) - m) + (s > 0 ? e : -e) < 0;
+}
+// One step's NaN, as the CPU picks it (a Zen 4's vdpbf16ps, issue 49's real-instruction test): the
+// first factor's NaN, quieted, whenever it is one, signalling or not, then the second's, then the
+// accumulator's. std::fma follows IEEE's rule instead (a signalling NaN first) and differed in 114
+// of 65,536 lanes, a signalling NaN against a quiet one in the two factors.
+inline float fma_step(float x, float y, float acc) {
+  const auto quiet = [](float v) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    bits |= 0x00400000u;
+    std::memcpy(&v, &bits, 4);
+    return v;
+  };
+  if (std::isnan(x)) return quiet(x);
+  if (std::isnan(y)) return quiet(y);
+  if (std::isnan(acc)) return quiet(acc);
+  const float r = std::fma(x, y, acc);
+  return tiny_after_rounding(x, y, acc, r) ? std::copysign(0.0f, r) : r;
+}
 template <int Lanes, class F, class BH>
 inline F dpbf16(F src, BH a, BH b) {
   for (int j = 0; j < Lanes; ++j) {
     const auto at = [](BH x, int i) { return bf16_daz(static_cast<uint16_t>(x[i])); };
-    const float t = flush_denormal(std::fma(at(a, 2 * j + 1), at(b, 2 * j + 1), flush_denormal(src[j])));
-    src[j] = flush_denormal(std::fma(at(a, 2 * j), at(b, 2 * j), t));
+    const float t = flush_denormal(fma_step(at(a, 2 * j + 1), at(b, 2 * j + 1), flush_denormal(src[j])));
+    src[j] = flush_denormal(fma_step(at(a, 2 * j), at(b, 2 * j), t));
   }
   return src;
 }
