@@ -179,7 +179,7 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, is_causal: bool 
     if k_channel_scale is not None:  # q . (k / lambda * lambda) = (q * lambda) . (k / lambda): scale the query
         q4 = q4 * layout.keys(k_channel_scale[..., None, :]).unsqueeze(1)  # (Nb, r, L, E) * (Nb, 1, 1, E)
     out4, lse2 = _run(q4, k3, v3, None, Hkv=_kv_heads(layout, seqlens), S=S, scale=_scale(scale, E),
-                      is_causal=is_causal, align=causal_align, seqlens=seqlens, scales=scales)
+                      is_causal=is_causal, align=causal_align, seqlens=seqlens, scales=scales, out_dtype=query.dtype)
     if sinks is not None:
         out4, _ = _sinks.absorb(out4, lse2, _sinks.rows(sinks, layout, L, lse2.dtype), base2=True)
     return out4.reshape(*layout.batch, L, value.shape[-1]).to(query.dtype)
@@ -251,7 +251,7 @@ def paged_decode_attention(query: Tensor, cache: "PagedKVCache", is_causal: bool
         q4 = q4 * cache.k_channel_scale.reshape(B * Hkv, 1, 1, E)
     out4, lse2 = _run(q4, cache.k_pages, cache.v_pages, cache.block_table, Hkv=Hkv, S=cache.length,
                       scale=_scale(scale, E), is_causal=is_causal, align=causal_align, seqlens=None,
-                      scales=(cache.k_scales, cache.v_scales))
+                      scales=(cache.k_scales, cache.v_scales), out_dtype=query.dtype)
     if sinks is not None:  # (Nb, r, L): query head h = nb % Hkv * r + j of batch nb // Hkv
         sink_rows = sinks.to(lse2.dtype).reshape(1, Hkv, H // Hkv, 1).expand(B, Hkv, H // Hkv, L)
         out4, _ = _sinks.absorb(out4, lse2, sink_rows.reshape(B * Hkv, H // Hkv, L), base2=True)
@@ -436,9 +436,11 @@ def _seqlens(cache_seqlens, query: Tensor, key: Tensor, layout: Layout, fn: str)
 
 def _run(q4: Tensor, k: Tensor, v: Tensor, table: Optional[Tensor], *, Hkv: int, S: int, scale: float,
          is_causal: bool, align: Align, seqlens: Optional[Tensor],
-         scales: tuple[Optional[Tensor], Optional[Tensor]] = (None, None)) -> tuple[Tensor, Tensor]:
+         scales: tuple[Optional[Tensor], Optional[Tensor]] = (None, None),
+         out_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
     """``(out (Nb, r, L, Ev), lse2 (Nb, r, L))``: the kernel, and the pure path when its result is
-    not finite; ``scales``: an int8 cache's ``(k_scale, v_scale)``."""
+    not finite; ``scales``: an int8 cache's ``(k_scale, v_scale)``; ``out_dtype``: the caller's
+    output dtype (the kernel's route may depend on it: ``attnlab.kernels.decode.plan``)."""
     causal = align if is_causal else "none"
     Nb, r, L, _ = q4.shape
     if scales[0] is not None and (Nb * r * L == 0 or S == 0 or v.shape[-1] == 0 or q4.shape[-1] == 0):
@@ -446,9 +448,11 @@ def _run(q4: Tensor, k: Tensor, v: Tensor, table: Optional[Tensor], *, Hkv: int,
     if Nb * r * L == 0 or S == 0 or v.shape[-1] == 0 or q4.shape[-1] == 0:
         return _degenerate(q4, k, v, table, Hkv, S, scale, causal, seqlens)
     out, lse2, nonfinite = kernel.forward(q4, k, v, Hkv=Hkv, S=S, scale2=scale * LOG2E, causal=causal,
-                                          table=table, seqlens=seqlens, k_scale=scales[0], v_scale=scales[1])
-    # (int8 values are finite: the hidden-values check has nothing to find in them)
-    if not nonfinite and _finite(out, lse2) and (scales[0] is not None or
+                                          table=table, seqlens=seqlens, k_scale=scales[0], v_scale=scales[1],
+                                          out_dtype=out_dtype)
+    # nonfinite: the native kernel saw a NaN or inf score or output (the pure path propagates them
+    # itself, as torch's MATH does). int8 values are finite: the hidden-values check has nothing to find.
+    if not nonfinite and (scales[0] is not None or
                                                   not _hidden_values_infinite(v, table, S, L, causal, seqlens)):
         return out, lse2
     if scales[0] is not None:  # a rerun on the pure path: the cache dequantised, only now
@@ -482,11 +486,6 @@ def _degenerate(q4, k, v, table, Hkv, S, scale, causal, seqlens) -> tuple[Tensor
                                          seqlens=seqlens)
         return out[..., :0], lse2
     return kernel.forward_eager(zeros_q, zeros_k, v3.to(dtype), Hkv=Hkv, scale2=LOG2E, causal=causal, seqlens=seqlens)
-
-
-def _finite(out: Tensor, lse2: Tensor) -> bool:
-    """No NaN or inf in the output, no NaN or +inf in lse2 (-inf: a row that saw no key)."""
-    return bool(torch.isfinite(out).all()) and not bool((torch.isnan(lse2) | (lse2 == float("inf"))).any())
 
 
 def _hidden_values_infinite(v: Tensor, table: Optional[Tensor], S: int, L: int, causal: str,

@@ -71,7 +71,8 @@ STREAM_BLOCK_K = 64  # keys per online-softmax step in the streaming loop: its s
 LOOPS = _routes.CHOICES["decode"]
 INT8_DOTS = _routes.CHOICES["int8_dot"]
 INT8_DOT_CODES = {"float32": 0, "int16": 1}  # what csrc/decode.cpp's decode_forward takes as int8_dot
-BF16_DOT_CODES = {"float32": 0, "vdpbf16ps": 1}  # and as bf16_dot
+BF16_DOT_CODES = {"float32": 0, "vdpbf16ps": 1}  # and as bf16_dot's bit 0 (the scores)
+BF16_VALUES_BIT = 2  # bf16_dot's bit 1: the value pass on vdpbf16ps too (DecodePlan.bf16_values)
 
 
 def loop(rows: int) -> str:
@@ -95,6 +96,12 @@ class DecodePlan:
     int8_dot: str
     bf16_dot: str
     cache_dtype: torch.dtype
+    bf16_values: bool = False  # the value pass on vdpbf16ps too, P~ rounded to bf16 (:func:`bf16_values`)
+
+    @property
+    def bf16_code(self) -> int:
+        """What ``csrc/decode.cpp``'s ``decode_forward`` takes as ``bf16_dot``."""
+        return BF16_DOT_CODES[self.bf16_dot] | (BF16_VALUES_BIT if self.bf16_values else 0)
 
     @property
     def dots(self) -> str:
@@ -103,17 +110,22 @@ class DecodePlan:
             return {"int16": "int16 x int8 in integers (vpmaddwd, or vpdpwssd where built)",
                     "float32": "int8 widened to float32 FMAs"}[self.int8_dot]
         if self.cache_dtype == torch.bfloat16:
-            return {"vdpbf16ps": "vdpbf16ps on the stored bf16", "float32": "bf16 widened to float32 FMAs"}[
+            words = {"vdpbf16ps": "vdpbf16ps on the stored bf16", "float32": "bf16 widened to float32 FMAs"}[
                 self.bf16_dot]
+            return words + (", values on vdpbf16ps (P rounded to bf16)" if self.bf16_values else "")
         return "float32 FMAs"
 
 
-def plan(rows: int, E: int, cache_dtype: torch.dtype) -> DecodePlan:
-    """The route of a decode call: ``rows`` query rows per key/value head, head size ``E``, the
-    cache's dtype; from the settings (:mod:`attnlab.kernels.routes`) and the build."""
+def plan(rows: int, E: int, cache_dtype: torch.dtype, out_dtype: torch.dtype = torch.float32,
+         Ev: Optional[int] = None) -> DecodePlan:
+    """The route of a decode call: ``rows`` query rows per key/value head, head sizes ``E`` and
+    ``Ev`` (default ``E``), the cache's dtype and the output's; from the settings
+    (:mod:`attnlab.kernels.routes`) and the build."""
     mode = loop(rows)
-    return DecodePlan(rows, mode, int8_dot(E, mode) if cache_dtype == torch.int8 else "float32",
-                      bf16_dot(E, mode) if cache_dtype == torch.bfloat16 else "float32", cache_dtype)
+    bf16 = cache_dtype == torch.bfloat16
+    dot = bf16_dot(E, mode) if bf16 else "float32"
+    return DecodePlan(rows, mode, int8_dot(E, mode) if cache_dtype == torch.int8 else "float32", dot, cache_dtype,
+                      bf16 and bf16_values(E if Ev is None else Ev, mode, out_dtype))
 
 
 def int8_dot(E: int, mode: str) -> str:
@@ -161,6 +173,15 @@ def bf16_dot(E: int, mode: str) -> str:
     return "vdpbf16ps" if _native.bf16_route().name == "bf16" else "float32"
 
 
+def bf16_values(Ev: int, mode: str, out_dtype: torch.dtype) -> bool:
+    """Whether the native streaming loop runs a bfloat16 cache's value pass on ``vdpbf16ps`` too:
+    where the scores take it (:func:`bf16_dot`, with ``Ev`` for ``E``), ``Ev`` is a multiple of 32
+    and the output is bfloat16 (a bfloat16 query). P~ is then rounded to bf16 before its product
+    with V, as torch's bf16 kernel rounds P before its P V GEMM; a float32 output keeps float32
+    weights. Measured in BENCHMARKS.md ("decode, bf16 value pass on vdpbf16ps")."""
+    return out_dtype == torch.bfloat16 and Ev % 32 == 0 and bf16_dot(Ev, mode) == "vdpbf16ps"
+
+
 def int16_rounded(q: Tensor) -> Tensor:
     """``q (..., E)`` float32 as the int16 route uses it: each row rounded to int16 on the scale
     ``amax / 32767`` (``amax`` its largest magnitude; half to even), returned dequantised in
@@ -185,21 +206,23 @@ def choose_chunk(S: int, Nb: int, threads: int, page: int = 1) -> int:
 def forward(q4: Tensor, k: Tensor, v: Tensor, *, Hkv: int, S: int, scale2: float, causal: Causal = "none",
             table: Optional[Tensor] = None, seqlens: Optional[Tensor] = None,
             chunk: Optional[int] = None, k_scale: Optional[Tensor] = None,
-            v_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor, bool]:
+            v_scale: Optional[Tensor] = None, out_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, bool]:
     """``(out, lse2, nonfinite)`` for ``q4`` against the cache (see the module doc);
     ``scale2 = scale * log2(e)``; ``k_scale``, ``v_scale``: an int8 cache's scales, ``(Nb, S)``
-    dense or ``(P, page, Hkv)`` paged.
+    dense or ``(P, page, Hkv)`` paged; ``out_dtype``: what the caller turns ``out`` into (a
+    bfloat16 output lets a bf16 cache's value pass round P to bf16: :func:`bf16_values`).
 
     Runs ``csrc/decode.cpp`` when the native library is loaded (K/V in float32, bfloat16,
     float16 or int8, read as stored), else :func:`forward_eager`. The native kernel flags NaN or
-    inf scores as it computes them (``nonfinite``) instead of re-reading the cache first; values'
-    show in the output. The caller (:mod:`attnlab.decoding`) then reruns the call on the pure
-    path, which propagates them as torch's MATH backend does.
+    inf scores as it computes them (``nonfinite``) instead of re-reading the cache first, and a NaN
+    or inf output (values') or NaN or +inf ``lse2`` as it merges. The caller (:mod:`attnlab.decoding`)
+    then reruns the call on the pure path, which propagates them as torch's MATH backend does (and
+    whose own results this returns with ``nonfinite`` False).
     """
     int8 = k.dtype == torch.int8
     if int8 != (k_scale is not None) or (k_scale is None) != (v_scale is None):
         raise ValueError("decode: an int8 cache needs k_scale and v_scale, and only an int8 cache takes them")
-    route = plan(q4.shape[1] * q4.shape[2], q4.shape[-1], k.dtype)
+    route = plan(q4.shape[1] * q4.shape[2], q4.shape[-1], k.dtype, out_dtype, v.shape[-1])
     mode = route.loop
     native = _native.ops() is not None and q4.device.type == k.device.type == v.device.type == "cpu" and (
         _native.can_run(q4, k, v, cache=True) or (int8 and q4.dtype == torch.float32 and v.dtype == torch.int8
@@ -208,7 +231,7 @@ def forward(q4: Tensor, k: Tensor, v: Tensor, *, Hkv: int, S: int, scale2: float
         block = STREAM_BLOCK_K if mode == "stream" else BLOCK_K
         # chunk 0: the kernel splits every head's own keys into about TASKS_PER_THREAD tasks per thread
         dot = INT8_DOT_CODES[route.int8_dot]
-        bdot = BF16_DOT_CODES[route.bf16_dot]
+        bdot = route.bf16_code
         out, lse2, nonfinite = _native.ops().decode_forward(
             q4.contiguous(), k, v, table, seqlens, k_scale, v_scale, Hkv, S, scale2, CAUSAL[causal], chunk or 0,
             block, 1 if mode == "stream" else 0, _native.sgemm_route().code, dot, bdot)

@@ -47,7 +47,7 @@ __all__ = ["can_run", "NativeStatus", "Bf16Route", "SgemmRoute", "status", "ops"
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "flash.cpp", _CSRC / "block_sparse.cpp", _CSRC / "decode.cpp")
 _HEADERS = (_CSRC / "kernels.h", _CSRC / "bf16_gemm.h", _CSRC / "sgemm.h", _CSRC / "avx512_emulated.h",
-            _CSRC / "decode_sources.h", _CSRC / "decode_dots.h")
+            _CSRC / "decode_sources.h", _CSRC / "decode_dots.h", _CSRC / "decode_bf16.h")
 _NAME = "attnlab_native"
 # -march=native: the build runs on the machine that uses it; -fopenmp: at::parallel_for's
 # pragmas (the library resolves to the libgomp torch has already loaded, so one thread pool)

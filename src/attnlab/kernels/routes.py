@@ -141,6 +141,9 @@ def explain(query, key, value, *, cache: bool = False) -> str:
     if _native.ops() is None:
         return f"the pure-PyTorch path ({_native.status().detail})"
     bf16 = torch.bfloat16 in (query.dtype, key.dtype)
+    out_dtype = query.dtype  # decoding's output (a bf16 one lets the value pass round P: decode.bf16_values)
+    if cache:  # decoding: the query reaches the kernel as float32
+        query = query.float()
     if not cache:  # bfloat16 reaches the kernels as bf16, or widened to float32 (the bf16 route says)
         dtype = _native.operand_dtype(query.dtype)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
@@ -149,8 +152,10 @@ def explain(query, key, value, *, cache: bool = False) -> str:
     parts = ["native kernels"]
     if bf16:
         parts.append(str(_native.bf16_route()))
-    parts.append(f"float32 GEMM: {_native.sgemm_route().name} ({_native.sgemm_route().reason})")
+    gemm = _native.sgemm_route()
+    parts.append(f"float32 GEMM: {gemm.name} ({gemm.reason})")
     if cache:
-        plan = _decode.plan(query.shape[1] // key.shape[1] * query.shape[2], query.shape[-1], key.dtype)
+        plan = _decode.plan(query.shape[1] // key.shape[1] * query.shape[2], query.shape[-1], key.dtype,
+                            out_dtype, value.shape[-1])
         parts.append(f"decode: {plan.loop} loop ({plan.rows} rows per key/value head), dot products: {plan.dots}")
     return "; ".join(parts)

@@ -38,11 +38,13 @@
 //             2: bottom-right (row i sees keys 0..S_b - L + i: new tokens after the cache)
 //     int8_dot  int8 caches on the streaming loop: 0 each element widened to float32; 1 integer dot
 //             products against the query rounded to int16 per row (E % 16 == 0, E <= 512; else 0)
-//     bf16_dot  bf16 caches on the streaming loop: 0 each element widened to float32; 1 vdpbf16ps
-//             against the query's bf16 rows (a build with AVX512_BF16, E % 16 == 0, a query that is
-//             bf16 already: bf16_query_rows; else 0)
+//     bf16_dot  bf16 caches on the streaming loop, on vdpbf16ps where the build has AVX512_BF16 (else
+//             each element widened to float32): bit 0 the scores, against the query's bf16 rows
+//             (E % 16 == 0, a query that is bf16 already: bf16_query_rows); bit 1 the value pass,
+//             P~ rounded to bf16 (Ev % 32 == 0: bvalues)
 // Returns out (Nb, r, L, Ev) float32, lse2 (Nb, r, L) (base 2; -inf where a row saw no key) and a
-// bool scalar: true when some score was NaN or inf (the result is then not to be used).
+// bool scalar: true when some score or output was NaN or inf, or some lse2 NaN or +inf (the result
+// is then not to be used).
 // There is no backward: decoding runs without gradients (attnlab.decoding refuses them).
 
 #include <ATen/ATen.h>
@@ -54,6 +56,7 @@
 #include "kernels.h"
 #include "decode_sources.h"  // where a block's rows are: dense views or pages
 #include "decode_dots.h"  // the streaming loop's dot products
+#include "decode_bf16.h"  // a bf16 cache's scores and values on vdpbf16ps
 
 #include <atomic>
 #include <cmath>
@@ -81,6 +84,9 @@ namespace {
 // build alternated, q (1,32,1,128) against (1,8,S,128)): fp32 15.7 -> 13.5 ms at S = 32k and
 // 62 -> 54 ms at 131k; bf16 10.9 -> 9.2 ms and 34.9 -> 32.5 ms.
 constexpr int PREFETCH_ROWS = 4;
+#ifndef BF16_PREFETCH_ROWS
+#define BF16_PREFETCH_ROWS 16
+#endif
 //
 // A head-major (contiguous) cache's value rows are also asked for into L2 while the same keys'
 // scores are computed (stream_scores' v): the value pass asked for a 64-key block's rows only as it
@@ -127,7 +133,8 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
                           const int16_t* qi = nullptr, const float* qs = nullptr, bool own_prefetch = true,
                           const c10::BFloat16* qb = nullptr) {
   // rows asked for here; the loops ask for the rest (none when the caller asks for them: own_prefetch false)
-  const int first = !own_prefetch || nk <= PREFETCH_RUN_ROWS ? nk : PREFETCH_ROWS;
+  const int ahead = std::is_same_v<T, c10::BFloat16> && qb ? BF16_PREFETCH_ROWS : PREFETCH_ROWS;
+  const int first = !own_prefetch || nk <= PREFETCH_RUN_ROWS ? nk : std::min(ahead, nk);
   if (own_prefetch)
     for (int j = 0; j < first; ++j) prefetch_row(k + j * k_ld, E);
   int j = 0;
@@ -145,6 +152,20 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
       for (int i = 0; i < 4; ++i) f[i] = k_scale ? scale2 * k_scale[j + i] : scale2;
       dots4<T>(q, n, E, k + j * k_ld, k_ld, f, s, ld, j);
     }
+#endif
+#if defined(ATTNLAB_DECODE_BF16_DOTS)
+  // a bf16 cache on vdpbf16ps: four rows by four keys where the rows come in fours (bdots4)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (qb && n % 4 == 0)
+      for (; j + 4 <= nk; j += 4) {
+        for (int i = BF16_PREFETCH_ROWS; i < BF16_PREFETCH_ROWS + 4; ++i)
+          if (j + i >= first && j + i < nk) prefetch_row(k + (j + i) * k_ld, E);
+        if (v)
+          for (int i = 0; i < 4; ++i) prefetch_row<T, 2>(v + (j + i) * v_ld, Ev);
+        const float f[4] = {scale2, scale2, scale2, scale2};
+        bdots4(qb, n, E, k + j * k_ld, k_ld, f, s, ld, j);
+      }
+  }
 #endif
   for (; j < nk; j += 2) {
     if (j + PREFETCH_ROWS >= first && j + PREFETCH_ROWS < nk) prefetch_row(k + (j + PREFETCH_ROWS) * k_ld, E);
@@ -357,7 +378,7 @@ template <class T, class Visible>
 void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& kss, const ScaleSource& vss, bool int8,
                   const Span& task, int64_t j0, int nk, int64_t G, int64_t n, int64_t E, int64_t Ev, float scale2,
                   const float* q, const int16_t* q_int16, const float* q_scale, const c10::BFloat16* q_bf16,
-                  float* s, int bk, float* kscale, float* vscale, float* states, int64_t state,
+                  bool bf16_values, float* s, int bk, float* kscale, float* vscale, float* states, int64_t state,
                   const Visible& visible, std::atomic<bool>& saw_nonfinite) {
   const T* kb = reinterpret_cast<const T*>(ks.base);
   const T* vb = reinterpret_cast<const T*>(vs.base);
@@ -395,6 +416,7 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
     if (!all_finite(sg, n * nk)) saw_nonfinite.store(true, std::memory_order_relaxed);
     online_update(sg, n, nk, visible, acc + n * Ev, acc + n * Ev + n, acc, Ev);
   }
+  uint16_t* pb = bf16_values ? p_as_bf16(s, G * n * bk) : nullptr;  // each head's P~ (n, nk) as bf16, n * bk apart
   for (int j = 0, m; j < nk; j += m) {  // acc += P~ V_j, tile by tile in stored order
     int64_t off, noff = 0;
     m = tile(vs, j, &off);
@@ -408,6 +430,14 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
           for (int i = 0; i < m; ++i) sg[a * nk + j + i] *= vscale[i];
       }
       for (int i = 0; i < ahead; ++i) prefetch_row(vb + noff + g * vs.s_head + i * vs.s_row, Ev);
+#if defined(ATTNLAB_DECODE_BF16_DOTS)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (pb) {
+          bvalues(pb + g * n * bk + j, nk, n, Ev, vb + off + g * vs.s_head, vs.s_row, m, states + g * state);
+          continue;
+        }
+      }
+#endif
       stream_values<T>(sg + j, n, Ev, vb + off + g * vs.s_head, vs.s_row, m, nk, states + g * state,
                        /*own_prefetch=*/false);
     }
@@ -522,9 +552,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   // a bf16 cache on the streaming loop with bf16_dot = 1 (a build with the instruction): the query
   // rows as bf16 once (bdots2), when that changes no answer (bf16_query_rows), else the float32 route
 #if defined(ATTNLAB_DECODE_BF16_DOTS)
-  bool bf16_dots = ks.dtype == at::kBFloat16 && mode == 1 && bf16_dot == 1 && E % 16 == 0;
+  bool bf16_dots = ks.dtype == at::kBFloat16 && mode == 1 && (bf16_dot & 1) && E % 16 == 0;
+  // and the value pass on it (bf16_dot bit 1: decode.py asks for it when the output is bf16, as P~
+  // is rounded to bf16 for it), 32 columns at a time
+  const bool bf16_values = ks.dtype == at::kBFloat16 && mode == 1 && (bf16_dot & 2) && Ev % 32 == 0;
 #else
   bool bf16_dots = false;
+  const bool bf16_values = false;
 #endif
   std::vector<c10::BFloat16> q_bf16(bf16_dots ? static_cast<size_t>(Nb * n * E) : 0);
   if (bf16_dots) bf16_dots = bf16_query_rows(q, Nb * n, E, scale2, q_bf16.data());
@@ -572,7 +606,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
           with_row_type(ks.dtype, [&](auto tag) {
             stored_block<decltype(tag)>(ks, vs, kss, vss, int8, task, j0, nk, G, n, E, Ev, scale2, q,
                                         int16_dots ? q_int16.data() : nullptr, int16_dots ? q_scale.data() : nullptr,
-                                        bf16_dots ? q_bf16.data() : nullptr, s, bk, kscale, vscale, states, state,
+                                        bf16_dots ? q_bf16.data() : nullptr, bf16_values, s, bk, kscale, vscale,
+                                        states, state,
                                         visible, saw_nonfinite);
           });
           j0 += nk;
@@ -607,6 +642,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
               // The check reads the scores in cache, never the K/V rows again.
               if (!all_finite(s, n * nk)) saw_nonfinite.store(true, std::memory_order_relaxed);
               online_update(s, n, nk, visible, m_i, l_i, acc, Ev);
+              const uint16_t* pb = bf16_values ? p_as_bf16(s, n * nk) : nullptr;  // P~ (n, nk) as bf16
               for (int j = 0, m; j < nk; j += m) {
                 int64_t run;
                 const int64_t off = vs.locate(nb, j0 + j, &run);
@@ -616,6 +652,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
                   for (int64_t a = 0; a < n; ++a)
                     for (int i = 0; i < m; ++i) s[a * nk + j + i] *= vscale[i];
                 }
+#if defined(ATTNLAB_DECODE_BF16_DOTS)
+                if constexpr (std::is_same_v<T, c10::BFloat16>) {
+                  if (pb) {
+                    bvalues(pb + j, nk, n, Ev, vb + off, vs.s_row, m, acc);
+                    continue;
+                  }
+                }
+#endif
                 stream_values<T>(s + j, n, Ev, vb + off, vs.s_row, m, nk, acc);
               }
             };
@@ -656,6 +700,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
       if (parts == 0) continue;  // no key: out 0, lse2 -inf, as allocated
       merge_rows(part_o.data() + first_part[nb] * n * Ev, part_l.data() + first_part[nb] * n, parts, n, Ev,
                  o + nb * n * Ev, l + nb * n);
+      // the output's NaN or inf (from V), and lse2's NaN or +inf (-inf: a row that saw no key), flagged
+      // here so that the caller need not read the output again (torch.isfinite took 30 of a small
+      // call's 130 us: q (1, 32, 4, 128) against 16 keys, 2 threads, Zen 4, 2026-12-04)
+      bool bad = !all_finite(o + nb * n * Ev, n * Ev);
+      for (int64_t a = 0; a < n; ++a) bad |= std::isnan(l[nb * n + a]) || l[nb * n + a] == -neg_inf;
+      if (bad) saw_nonfinite.store(true, std::memory_order_relaxed);
     }
   });
   return {out, lse2, at::scalar_tensor(saw_nonfinite.load(), at::TensorOptions().dtype(at::kBool))};
