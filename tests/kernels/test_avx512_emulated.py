@@ -28,7 +28,7 @@ TESTS = Path(__file__).parent.parent
 # the suites that reach the AVX-512 branches: the GEMM routes (avx512 forced, bf16 forced onto its
 # units), the flash kernels' row pass (tiled, native), decoding's over every cache kind, and the
 # block-sparse kernels' (flex): about 1500 cases, 50 s on the 2-core AVX2 EPYC once built
-SUITES = ["kernels/test_sgemm.py", "kernels/test_bf16_route.py", "kernels/test_native.py", "kernels/test_tiled.py",
+SUITES = ["kernels/test_sgemm.py", "kernels/test_bf16_route.py", "kernels/test_bf16_gemm.py", "kernels/test_native.py", "kernels/test_tiled.py",
           "kernels/test_kernels.py", "kernels/test_decoding.py", "flex"]
 # in-process checks only: the children's children would build yet more libraries
 SELECT = "not (subprocess or slow or large)"

@@ -3,6 +3,7 @@ models, decoding, bf16, block-mask construction, and the ring (with and without 
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import subprocess
@@ -282,9 +283,9 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
 BF16_SHAPES = ((1, 8, 8, 4096, 64), (2, 16, 16, 2048, 128), (1, 32, 8, 4096, 128))
 
 
-def bf16_benchmark(shapes=BF16_SHAPES, *, modes=("fwd", "fwd+bwd"), repeats: int = 3,
+def bf16_benchmark(shapes=BF16_SHAPES, *, modes=("fwd", "fwd+bwd"), repeats: int = 3, causals=(True,),
                    progress: Optional[Callable[[int, int, str], None]] = None) -> list[dict]:
-    """Median time per (shape, mode) of ``attnlab.flash_attention`` on bfloat16 inputs with
+    """Median time per (shape, causal, mode) of ``attnlab.flash_attention`` on bfloat16 inputs with
     ``ATTNLAB_BF16=bf16`` and ``=fp32``, and of torch's SDPA, interleaved run by run."""
     import torch.nn.functional as F
 
@@ -293,8 +294,8 @@ def bf16_benchmark(shapes=BF16_SHAPES, *, modes=("fwd", "fwd+bwd"), repeats: int
     def with_route(route: str, fn: Callable) -> Callable:
         return _forced(fn, bf16=route)
 
-    rows, done, total = [], 0, len(shapes) * len(modes)
-    for B, H, Hkv, L, E in shapes:
+    rows, done, total = [], 0, len(shapes) * len(modes) * len(causals)
+    for (B, H, Hkv, L, E), causal in itertools.product(shapes, causals):
         g = torch.Generator().manual_seed(L)
         q = torch.randn(B, H, L, E, generator=g).to(torch.bfloat16)
         k, v = (torch.randn(B, Hkv, L, E, generator=g).to(torch.bfloat16) for _ in range(2))
@@ -304,7 +305,7 @@ def bf16_benchmark(shapes=BF16_SHAPES, *, modes=("fwd", "fwd+bwd"), repeats: int
             ins = [t.clone().requires_grad_(backward) for t in (q, k, v)]
 
             def step(attn):
-                out = attn(*ins, is_causal=True, enable_gqa=Hkv != H)
+                out = attn(*ins, is_causal=causal, enable_gqa=Hkv != H)
                 if backward:
                     out.backward(grad)
 
@@ -316,10 +317,11 @@ def bf16_benchmark(shapes=BF16_SHAPES, *, modes=("fwd", "fwd+bwd"), repeats: int
             torch_ms = medians["torch SDPA"] * 1e3
             for name, sec in medians.items():
                 ms = sec * 1e3
-                rows.append({"shape": (B, H, Hkv, L, E), "mode": mode, "impl": name, "ms": ms, "ratio": ms / torch_ms})
+                rows.append({"shape": (B, H, Hkv, L, E), "causal": causal, "mode": mode, "impl": name, "ms": ms,
+                             "ratio": ms / torch_ms})
             done += 1
             if progress:
-                progress(done, total, f"{(B, H, Hkv, L, E)} {mode}")
+                progress(done, total, f"{(B, H, Hkv, L, E)} {'causal' if causal else 'full'} {mode}")
     return rows
 
 

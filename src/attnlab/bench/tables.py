@@ -174,13 +174,14 @@ def peers_table(result: dict) -> str:
 
 
 BF16_HEADER = ("bfloat16: attnlab's tiled path on its bf16 route (bf16 GEMMs, csrc/bf16_gemm.h) and on its fp32 "
-               "route (inputs converted to float32), against torch's SDPA in bfloat16, causal, same run")
+               "route (inputs converted to float32), against torch's SDPA in bfloat16, same run")
 
 
 def bf16_table(rows: list[dict]) -> str:
-    lines = ["| (B, H, Hkv, L, E) | mode | implementation | ms | x torch bf16 |", "|---|---|---|---|---|"]
+    lines = ["| (B, H, Hkv, L, E) | causal | mode | implementation | ms | x torch bf16 |", "|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['mode']} | {r['impl']} | {r['ms']:.1f} | {r['ratio']:.2f}x |")
+        causal = "yes" if r.get("causal", True) else "no"
+        lines.append(f"| {r['shape']} | {causal} | {r['mode']} | {r['impl']} | {r['ms']:.1f} | {r['ratio']:.2f}x |")
     return "\n".join(lines)
 
 

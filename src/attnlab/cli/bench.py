@@ -220,7 +220,8 @@ def run(args: argparse.Namespace) -> int:
         print(bench.peers_table(result))
         return 0
     if args.bf16:
-        rows = bench.bf16_benchmark(modes=args.modes, repeats=args.repeats, progress=_progress())
+        rows = bench.bf16_benchmark(modes=args.modes, repeats=args.repeats, progress=_progress(),
+                                    causals={"both": (True, False), "yes": (True,), "no": (False,)}[args.causal])
         _end_progress()
         print(f"machine: {bench.machine_line()}\n")
         print(bench.BF16_HEADER + "\n")

@@ -8,7 +8,7 @@ Legend: ``Nb`` key/value heads times batch, ``r`` query heads per key/value head
 ``v3`` (Nb, S, Ev), as in ``csrc/flash.cpp``.
 
 The ops that write into tensors they are given (``flash_forward_``, ``flash_backward_``,
-``block_sparse_backward_``, ``tile_gemm_``) return nothing: their fakes do nothing, as their
+``block_sparse_backward_``, ``tile_gemm_``, ``tile_gemm_bf16_``) return nothing: their fakes do nothing, as their
 schemas (``Tensor(a!)``) already tell the tracer what they mutate.
 """
 
@@ -23,7 +23,7 @@ __all__ = ["register", "FAKED"]
 
 # the native ops with tensor arguments, each with a fake below
 FAKED = ("flash_forward", "flash_forward_", "flash_backward_", "block_sparse_forward", "block_sparse_backward_",
-         "decode_forward", "tile_gemm_")
+         "decode_forward", "tile_gemm_", "tile_gemm_bf16_")
 
 
 def _forward(q4: Tensor, v3: Tensor) -> tuple[Tensor, Tensor]:
@@ -56,7 +56,8 @@ def _writes_in_place(*args, **kwargs) -> None:
 
 _FAKES = {"flash_forward": flash_forward, "block_sparse_forward": block_sparse_forward,
           "decode_forward": decode_forward, "flash_forward_": _writes_in_place, "flash_backward_": _writes_in_place,
-          "block_sparse_backward_": _writes_in_place, "tile_gemm_": _writes_in_place}
+          "block_sparse_backward_": _writes_in_place, "tile_gemm_": _writes_in_place,
+          "tile_gemm_bf16_": _writes_in_place}
 _registered: Optional[bool] = None
 
 

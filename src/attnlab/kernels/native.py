@@ -221,7 +221,7 @@ def _load() -> tuple[Optional[Any], NativeStatus]:
         namespace = torch.ops.attnlab_native
         for op in ("flash_forward", "flash_forward_", "flash_backward_", "block_sparse_forward",
                    "block_sparse_backward_", "decode_forward", "bf16_units", "sgemm_route_built", "tile_gemm_",
-                   "decode_dot_instructions"):
+                   "tile_gemm_bf16_", "decode_dot_instructions"):
             getattr(namespace, op)  # all registered
         from attnlab.kernels import fake
 

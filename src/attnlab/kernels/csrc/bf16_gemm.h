@@ -58,11 +58,73 @@ inline uint16_t at_op(const uint16_t* x, int64_t ld, bool t, int64_t i, int64_t 
   return t ? x[kk * ld + i] : x[i * ld + kk];
 }
 
+// dst's pairs (dst[2 j], dst[2 j + 1]) = (r0[j], r1[j]) for j < n; r1 null: (r0[j], 0). The
+// packing of "VNNI" order: two rows along k become one row of pairs. Sixteen columns a step with
+// AVX2 (vpunpck{l,h}wd, then vperm2i128 to undo their 128-bit lanes).
+inline void interleave_rows(const uint16_t* r0, const uint16_t* r1, int64_t n, uint16_t* dst) {
+  int64_t j = 0;
+#if defined(__AVX2__)
+  if (r1)
+    for (; j + 16 <= n; j += 16) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + j));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + j));
+      const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);  // cols 0-3, 8-11 | 4-7, 12-15
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * j), _mm256_permute2x128_si256(lo, hi, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * j + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
+    }
+#endif
+  for (; j < n; ++j) {
+    dst[2 * j] = r0[j];
+    dst[2 * j + 1] = r1 ? r1[j] : 0;
+  }
+}
+
+// dst[p * dst_ld + 2 j + t] = x[j * ld + 2 p + t] for j < n and the kp = ceil(k / 2) pairs p of a
+// row of k elements (an odd k's last pair is (x[k - 1], 0)): a transpose of 32-bit pairs, K^T and
+// V^T packed for the bf16 micro-kernel. Eight by eight pairs a step with AVX2; the scalar gather
+// it replaced took 7% of a bf16 backward's samples (issue 49, perf on a Zen 4).
+inline void transpose_pairs(const uint16_t* x, int64_t ld, int64_t n, int64_t k, uint16_t* dst, int64_t dst_ld) {
+  const int64_t kf = k / 2, kp = (k + 1) / 2;  // whole pairs, all pairs
+  int64_t jb = 0, pb = 0;                      // the 8 x 8 blocks cover j < jb, p < pb
+#if defined(__AVX2__)
+  jb = n / 8 * 8, pb = kf / 8 * 8;
+  for (int64_t j0 = 0; j0 < jb; j0 += 8)
+    for (int64_t p0 = 0; p0 < pb; p0 += 8) {
+      __m256i r[8], t[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + (j0 + i) * ld + 2 * p0));
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+      }
+      for (int i = 0; i < 4; ++i) {  // rows i and i + 4 of the transpose: low and high 128-bit halves
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (p0 + i) * dst_ld + 2 * j0),
+                            _mm256_permute2x128_si256(r[i], r[i + 4], 0x20));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (p0 + i + 4) * dst_ld + 2 * j0),
+                            _mm256_permute2x128_si256(r[i], r[i + 4], 0x31));
+      }
+    }
+#endif
+  for (int64_t p = 0; p < kp; ++p)
+    for (int64_t j = p < pb ? jb : 0; j < n; ++j) {
+      uint16_t* d = dst + p * dst_ld + 2 * j;
+      d[0] = x[j * ld + 2 * p];
+      d[1] = 2 * p + 1 < k ? x[j * ld + 2 * p + 1] : 0;
+    }
+}
+
 #if defined(__AVX512BF16__)
-// C[0:MR, 0:16 NR] = alpha * sum_p A_p B_p + beta * C, last zmm column masked by `last`
+// C[0:MR, 0:16 NR] = alpha * sum_p A_p B_p + beta * C, last zmm column masked by `last`. Row i's
+// pair p of A (two bf16 along k) is at ap + i * a_i + p * a_p: A read in place (a_i = lda, a_p = 2)
+// or packed as rows of pairs along m (a_i = 2, a_p = 2 m: A^T).
 template <int MR, int NR>
-inline void micro_bf16(int64_t kp, const uint16_t* ap, int64_t a_ld, const uint16_t* bp, int64_t b_ld, float alpha,
-                       float beta, float* c, int64_t ldc, __mmask16 last) {
+inline void micro_bf16(int64_t kp, const uint16_t* ap, int64_t a_i, int64_t a_p, const uint16_t* bp, int64_t b_ld,
+                       float alpha, float beta, float* c, int64_t ldc, __mmask16 last) {
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -72,7 +134,7 @@ inline void micro_bf16(int64_t kp, const uint16_t* ap, int64_t a_ld, const uint1
       b[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(reinterpret_cast<const void*>(bp + p * b_ld + 32 * j)));
     for (int i = 0; i < MR; ++i) {
       int32_t pair;
-      std::memcpy(&pair, ap + i * a_ld + 2 * p, 4);
+      std::memcpy(&pair, ap + i * a_i + p * a_p, 4);
       const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
     }
@@ -90,13 +152,13 @@ inline void micro_bf16(int64_t kp, const uint16_t* ap, int64_t a_ld, const uint1
 }
 
 template <int MR>
-inline void micro_rows(int nr, int64_t kp, const uint16_t* ap, int64_t a_ld, const uint16_t* bp, int64_t b_ld,
-                       float alpha, float beta, float* c, int64_t ldc, __mmask16 last) {
+inline void micro_rows(int nr, int64_t kp, const uint16_t* ap, int64_t a_i, int64_t a_p, const uint16_t* bp,
+                       int64_t b_ld, float alpha, float beta, float* c, int64_t ldc, __mmask16 last) {
   switch (nr) {
-    case 1: micro_bf16<MR, 1>(kp, ap, a_ld, bp, b_ld, alpha, beta, c, ldc, last); break;
-    case 2: micro_bf16<MR, 2>(kp, ap, a_ld, bp, b_ld, alpha, beta, c, ldc, last); break;
-    case 3: micro_bf16<MR, 3>(kp, ap, a_ld, bp, b_ld, alpha, beta, c, ldc, last); break;
-    default: micro_bf16<MR, 4>(kp, ap, a_ld, bp, b_ld, alpha, beta, c, ldc, last); break;
+    case 1: micro_bf16<MR, 1>(kp, ap, a_i, a_p, bp, b_ld, alpha, beta, c, ldc, last); break;
+    case 2: micro_bf16<MR, 2>(kp, ap, a_i, a_p, bp, b_ld, alpha, beta, c, ldc, last); break;
+    case 3: micro_bf16<MR, 3>(kp, ap, a_i, a_p, bp, b_ld, alpha, beta, c, ldc, last); break;
+    default: micro_bf16<MR, 4>(kp, ap, a_i, a_p, bp, b_ld, alpha, beta, c, ldc, last); break;
   }
 }
 #endif
@@ -113,36 +175,34 @@ inline void gemm_bf16(bool ta, bool tb, int m, int n, int k, float alpha, const 
   const int64_t kp = (k + 1) / 2;         // pairs of k
   const int64_t np = (n + 15) / 16 * 16;  // columns, padded to whole zmm
   thread_local std::vector<uint16_t> a_pack, b_pack;
-  a_pack.resize(static_cast<size_t>(m) * 2 * kp);
-  b_pack.resize(static_cast<size_t>(kp) * np * 2);
-  for (int64_t i = 0; i < m; ++i) {  // A rows along k, an odd k padded with 0
-    uint16_t* row = a_pack.data() + i * 2 * kp;
-    if (!ta) {
+  // A: read in place when its rows hold whole pairs (Q, P, dS: no copy); else rows padded with a 0
+  // (an odd k), or A^T as rows of pairs along m (P^T, dS^T: two rows of the stored A interleaved)
+  const uint16_t* ap = a;
+  int64_t a_i = lda, a_p = 2;
+  if (ta) {
+    a_pack.resize(static_cast<size_t>(kp) * 2 * m);
+    for (int64_t p = 0; p < kp; ++p)
+      interleave_rows(a + 2 * p * lda, 2 * p + 1 < k ? a + (2 * p + 1) * lda : nullptr, m, a_pack.data() + p * 2 * m);
+    ap = a_pack.data(), a_i = 2, a_p = 2 * m;
+  } else if (k % 2) {
+    a_pack.resize(static_cast<size_t>(m) * 2 * kp);
+    for (int64_t i = 0; i < m; ++i) {
+      uint16_t* row = a_pack.data() + i * 2 * kp;
       std::memcpy(row, a + i * lda, static_cast<size_t>(k) * 2);
-    } else {
-      for (int64_t kk = 0; kk < k; ++kk) row[kk] = a[kk * lda + i];
+      row[k] = 0;
     }
-    if (k % 2) row[k] = 0;
+    ap = a_pack.data(), a_i = 2 * kp;
   }
-  for (int64_t p = 0; p < kp; ++p) {  // Bp[p][j][t] = B(2p + t, j), padding 0
-    uint16_t* dst = b_pack.data() + p * np * 2;
-    const int64_t k0 = 2 * p, k1 = 2 * p + 1;
-    if (!tb) {
-      const uint16_t* r0 = b + k0 * ldb;
-      const uint16_t* r1 = k1 < k ? b + k1 * ldb : nullptr;
-      for (int64_t j = 0; j < n; ++j) {
-        dst[2 * j] = r0[j];
-        dst[2 * j + 1] = r1 ? r1[j] : 0;
-      }
-    } else {
-      for (int64_t j = 0; j < n; ++j) {
-        const uint16_t* col = b + j * ldb;
-        dst[2 * j] = col[k0];
-        dst[2 * j + 1] = k1 < k ? col[k1] : 0;
-      }
-    }
-    std::fill(dst + 2 * n, dst + 2 * np, static_cast<uint16_t>(0));
+  // B in "VNNI" order, Bp[p][j][t] = B(2p + t, j), padding 0: two rows interleaved (V, dO, K, Q),
+  // or pairs transposed (K^T, V^T)
+  b_pack.resize(static_cast<size_t>(kp) * np * 2);
+  if (!tb) {
+    for (int64_t p = 0; p < kp; ++p)
+      interleave_rows(b + 2 * p * ldb, 2 * p + 1 < k ? b + (2 * p + 1) * ldb : nullptr, n, b_pack.data() + p * np * 2);
+  } else {
+    transpose_pairs(b, ldb, n, k, b_pack.data(), 2 * np);
   }
+  for (int64_t p = 0; p < kp; ++p) std::fill(b_pack.data() + p * np * 2 + 2 * n, b_pack.data() + (p + 1) * np * 2, uint16_t(0));
   constexpr int MR = 6, NR = 4;  // 24 accumulators + 4 B loads + 1 broadcast of the 32 zmm
   for (int64_t j0 = 0; j0 < n; j0 += 16 * NR) {
     const int cols = static_cast<int>(std::min<int64_t>(16 * NR, n - j0));
@@ -152,15 +212,15 @@ inline void gemm_bf16(bool ta, bool tb, int m, int n, int k, float alpha, const 
     const uint16_t* bp = b_pack.data() + 2 * j0;
     for (int64_t i0 = 0; i0 < m; i0 += MR) {
       const int rows = static_cast<int>(std::min<int64_t>(MR, m - i0));
-      const uint16_t* ap = a_pack.data() + i0 * 2 * kp;
+      const uint16_t* at = ap + i0 * a_i;
       float* cc = c + i0 * ldc + j0;
       switch (rows) {
-        case 1: micro_rows<1>(nr, kp, ap, 2 * kp, bp, 2 * np, alpha, beta, cc, ldc, last); break;
-        case 2: micro_rows<2>(nr, kp, ap, 2 * kp, bp, 2 * np, alpha, beta, cc, ldc, last); break;
-        case 3: micro_rows<3>(nr, kp, ap, 2 * kp, bp, 2 * np, alpha, beta, cc, ldc, last); break;
-        case 4: micro_rows<4>(nr, kp, ap, 2 * kp, bp, 2 * np, alpha, beta, cc, ldc, last); break;
-        case 5: micro_rows<5>(nr, kp, ap, 2 * kp, bp, 2 * np, alpha, beta, cc, ldc, last); break;
-        default: micro_rows<6>(nr, kp, ap, 2 * kp, bp, 2 * np, alpha, beta, cc, ldc, last); break;
+        case 1: micro_rows<1>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, last); break;
+        case 2: micro_rows<2>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, last); break;
+        case 3: micro_rows<3>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, last); break;
+        case 4: micro_rows<4>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, last); break;
+        case 5: micro_rows<5>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, last); break;
+        default: micro_rows<6>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, last); break;
       }
     }
   }

@@ -381,6 +381,24 @@ void tile_gemm_(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, b
         a.data_ptr<float>(), ld(a), b.data_ptr<float>(), ld(b), static_cast<float>(beta), c.data_ptr<float>(), ld(c));
 }
 
+// c = alpha * op(a) op(b) + beta * c on the bf16 GEMM (bf16_gemm.h), single-threaded, a and b
+// bf16, c float32: on the bf16 instructions (units, in a build that has them) or widened to float32;
+// exposed for its parity test (tests/kernels/test_bf16_gemm.py). Strides as tile_gemm_'s.
+void tile_gemm_bf16_(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool ta, bool tb, double alpha,
+                     double beta, bool units) {
+  for (const at::Tensor* t : {&a, &b, &c})
+    TORCH_CHECK(t->dim() == 2 && t->scalar_type() == (t == &c ? at::kFloat : at::kBFloat16) && t->device().is_cpu() &&
+                    t->stride(1) == 1,
+                "attnlab tile_gemm_bf16_: a, b must be 2-D bf16 and c 2-D float32 CPU tensors, unit column stride");
+  const int64_t m = ta ? a.size(1) : a.size(0), k = ta ? a.size(0) : a.size(1);
+  const int64_t n = tb ? b.size(0) : b.size(1), kb = tb ? b.size(1) : b.size(0);
+  TORCH_CHECK(kb == k && c.size(0) == m && c.size(1) == n, "attnlab tile_gemm_bf16_: shapes do not chain");
+  auto ld = [](const at::Tensor& t) { return static_cast<int>(std::max<int64_t>(t.stride(0), std::max<int64_t>(t.size(1), 1))); };
+  gemm_bf16(ta, tb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), static_cast<float>(alpha),
+            static_cast<const uint16_t*>(a.data_ptr()), ld(a), static_cast<const uint16_t*>(b.data_ptr()), ld(b),
+            static_cast<float>(beta), c.data_ptr<float>(), ld(c), units);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(attnlab_native, m) {
@@ -390,6 +408,7 @@ TORCH_LIBRARY(attnlab_native, m) {
   m.def("bf16_units() -> bool");
   m.def("sgemm_route_built(int route) -> bool");
   m.def("tile_gemm_(Tensor a, Tensor b, Tensor(a!) c, bool ta, bool tb, float alpha, float beta, int route) -> ()");
+  m.def("tile_gemm_bf16_(Tensor a, Tensor b, Tensor(a!) c, bool ta, bool tb, float alpha, float beta, bool units) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
@@ -397,6 +416,7 @@ TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {
   m.impl("flash_forward_", &flash_forward_);
   m.impl("flash_backward_", &flash_backward_);
   m.impl("tile_gemm_", &tile_gemm_);
+  m.impl("tile_gemm_bf16_", &tile_gemm_bf16_);
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CompositeExplicitAutograd, m) {
