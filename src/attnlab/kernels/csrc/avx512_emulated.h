@@ -21,7 +21,7 @@
 // reductions add in the order GCC's _mm512_reduce_add_ps does, round-to-nearest-even is the
 // default rounding mode's, vdpbf16ps and vcvtne2ps2bf16 treat denormal inputs as zero, and
 // vdpbf16ps rounds each step once, flushes a result tiny after rounding and picks a NaN as the
-// instructions do (checked against a Zen 4's, bit for bit: tests/kernels/test_real_instructions.py).
+// instructions do (checked against a Zen 5's, bit for bit: tests/kernels/test_real_instructions.py).
 #pragma once
 
 #if !defined(__AVX512F__) || !defined(__AVX512BF16__) || !defined(__AVX512VNNI__)
@@ -160,7 +160,7 @@ inline float flush_denormal(float x) { return std::fpclassify(x) == FP_SUBNORMAL
 // AVX512_BF16, to the instruction itself.
 // Whether acc + x y is tiny as the instruction sees it: below 2^-126 once rounded to 24 bits with
 // an unbounded exponent (tininess after rounding, x86's rule), given r, its float32 rounding with
-// gradual underflow. The same Zen 4: -2^-126 + 1.5 * 2^-151 gave -0 (rounded to 24 bits it is
+// gradual underflow. The same Zen 5: -2^-126 + 1.5 * 2^-151 gave -0 (rounded to 24 bits it is
 // 2^-150 below the smallest normal), -2^-126 + 2^-219 gave -2^-126. So tiny exactly when |acc + x y|
 // < M = 2^-126 - 2^-151, the midpoint below 2^-126 (a tie rounds to 2^-126, the even one), decided
 // on acc + x y as an exact double two-sum s + e (x y is exact in double: two 8-bit significands).
@@ -172,7 +172,7 @@ inline bool tiny_after_rounding(float x, float y, float acc, float r) {
   const double m = std::ldexp(1.0, -126) - std::ldexp(1.0, -151);
   return (std::fabs(s) - m) + (s > 0 ? e : -e) < 0;
 }
-// One step's NaN, as the CPU picks it (a Zen 4's vdpbf16ps, issue 49's real-instruction test): the
+// One step's NaN, as the CPU picks it (a 2-core EPYC Zen 5's vdpbf16ps, 2026-12-04, issue 49's real-instruction test): the
 // first factor's NaN, quieted, whenever it is one, signalling or not, then the second's, then the
 // accumulator's. std::fma follows IEEE's rule instead (a signalling NaN first) and differed in 114
 // of 65,536 lanes, a signalling NaN against a quiet one in the two factors.

@@ -84,9 +84,6 @@ namespace {
 // build alternated, q (1,32,1,128) against (1,8,S,128)): fp32 15.7 -> 13.5 ms at S = 32k and
 // 62 -> 54 ms at 131k; bf16 10.9 -> 9.2 ms and 34.9 -> 32.5 ms.
 constexpr int PREFETCH_ROWS = 4;
-#ifndef BF16_PREFETCH_ROWS
-#define BF16_PREFETCH_ROWS 16
-#endif
 //
 // A head-major (contiguous) cache's value rows are also asked for into L2 while the same keys'
 // scores are computed (stream_scores' v): the value pass asked for a 64-key block's rows only as it
@@ -133,8 +130,7 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
                           const int16_t* qi = nullptr, const float* qs = nullptr, bool own_prefetch = true,
                           const c10::BFloat16* qb = nullptr) {
   // rows asked for here; the loops ask for the rest (none when the caller asks for them: own_prefetch false)
-  const int ahead = std::is_same_v<T, c10::BFloat16> && qb ? BF16_PREFETCH_ROWS : PREFETCH_ROWS;
-  const int first = !own_prefetch || nk <= PREFETCH_RUN_ROWS ? nk : std::min(ahead, nk);
+  const int first = !own_prefetch || nk <= PREFETCH_RUN_ROWS ? nk : PREFETCH_ROWS;
   if (own_prefetch)
     for (int j = 0; j < first; ++j) prefetch_row(k + j * k_ld, E);
   int j = 0;
@@ -152,20 +148,6 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
       for (int i = 0; i < 4; ++i) f[i] = k_scale ? scale2 * k_scale[j + i] : scale2;
       dots4<T>(q, n, E, k + j * k_ld, k_ld, f, s, ld, j);
     }
-#endif
-#if defined(ATTNLAB_DECODE_BF16_DOTS)
-  // a bf16 cache on vdpbf16ps: four rows by four keys where the rows come in fours (bdots4)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (qb && n % 4 == 0)
-      for (; j + 4 <= nk; j += 4) {
-        for (int i = BF16_PREFETCH_ROWS; i < BF16_PREFETCH_ROWS + 4; ++i)
-          if (j + i >= first && j + i < nk) prefetch_row(k + (j + i) * k_ld, E);
-        if (v)
-          for (int i = 0; i < 4; ++i) prefetch_row<T, 2>(v + (j + i) * v_ld, Ev);
-        const float f[4] = {scale2, scale2, scale2, scale2};
-        bdots4(qb, n, E, k + j * k_ld, k_ld, f, s, ld, j);
-      }
-  }
 #endif
   for (; j < nk; j += 2) {
     if (j + PREFETCH_ROWS >= first && j + PREFETCH_ROWS < nk) prefetch_row(k + (j + PREFETCH_ROWS) * k_ld, E);
@@ -702,7 +684,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
                  o + nb * n * Ev, l + nb * n);
       // the output's NaN or inf (from V), and lse2's NaN or +inf (-inf: a row that saw no key), flagged
       // here so that the caller need not read the output again (torch.isfinite took 30 of a small
-      // call's 130 us: q (1, 32, 4, 128) against 16 keys, 2 threads, Zen 4, 2026-12-04)
+      // call's 130 us: q (1, 32, 4, 128) against 16 keys, 2 threads, 2-core EPYC Zen 5, 2026-12-04)
       bool bad = !all_finite(o + nb * n * Ev, n * Ev);
       for (int64_t a = 0; a < n; ++a) bad |= std::isnan(l[nb * n + a]) || l[nb * n + a] == -neg_inf;
       if (bad) saw_nonfinite.store(true, std::memory_order_relaxed);

@@ -155,38 +155,6 @@ inline void bvalues(const uint16_t* pb, int ld, int64_t n, int64_t Ev, const c10
 }
 #endif
 
-#if defined(ATTNLAB_DECODE_BF16_DOTS)
-// s[a * nk + j0 .. j0 + 3] = f[0 .. 3] * (qb[a] . k_j) for the n rows (n % 4 == 0) and four key rows
-// (k_ld apart): four rows by four keys, sixteen vdpbf16ps chains. bdots2's eight chains were bound
-// by the instruction's latency (6 cycles on Zen 4, two a cycle: twelve chains keep it busy), and it
-// loaded each query chunk once per two keys; here once per four, and a row's four scores leave as
-// one 4-wide store. E % 16 == 0.
-inline void bdots4(const c10::BFloat16* __restrict__ qb, int64_t n, int64_t E, const c10::BFloat16* __restrict__ k,
-                   int64_t k_ld, const float* f, float* __restrict__ s, int nk, int j0) {
-  auto load = [](const c10::BFloat16* p) {
-    return reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  };
-  const c10::BFloat16 *k0 = k, *k1 = k0 + k_ld, *k2 = k1 + k_ld, *k3 = k2 + k_ld;
-  const __m128 fv = _mm_loadu_ps(f);
-  for (int64_t a = 0; a < n; a += 4) {
-    const c10::BFloat16* q0 = qb + a * E;
-    __m256 x[4][4];  // row a + i, key j
-    for (int i = 0; i < 4; ++i)
-      for (int j = 0; j < 4; ++j) x[i][j] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < E; c += 16) {
-      const __m256bh c0 = load(k0 + c), c1 = load(k1 + c), c2 = load(k2 + c), c3 = load(k3 + c);
-      for (int i = 0; i < 4; ++i) {
-        const __m256bh qa = load(q0 + i * E + c);
-        x[i][0] = _mm256_dpbf16_ps(x[i][0], qa, c0), x[i][1] = _mm256_dpbf16_ps(x[i][1], qa, c1);
-        x[i][2] = _mm256_dpbf16_ps(x[i][2], qa, c2), x[i][3] = _mm256_dpbf16_ps(x[i][3], qa, c3);
-      }
-    }
-    for (int i = 0; i < 4; ++i)
-      _mm_storeu_ps(s + (a + i) * nk + j0, _mm_mul_ps(sum8x4(x[i][0], x[i][1], x[i][2], x[i][3]), fv));
-  }
-}
-#endif
-
 // qb (m, E) = q (m, E) as bf16, when the route gives the float32 route's answers: every element
 // is a bf16 value (its low 16 bits zero: a bf16 query widened), none is a denormal (vdpbf16ps
 // reads those as zero), and |q| * |scale2| < 2^64, so that the key elements it reads as zero
