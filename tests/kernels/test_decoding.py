@@ -449,7 +449,8 @@ def test_an_int8_cache_is_exact_against_its_own_dequantised_reference(force_rout
     assert (out.double() - exact).abs().max().item() < 0.05 * exact.abs().max().item()
 
 
-def _bf16_step(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, Hkv: int, *, L: int = 1, paged: bool = False):
+def _bf16_step(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, Hkv: int, *, L: int = 1, paged: bool = False,
+               out_dtype: torch.dtype = torch.float32):
     """``(out, want)``: the decode kernel's float32 output (``kernel.forward``: not rounded to bf16,
     so that float32's tolerance applies) for ``q4 (Nb, r, L, E)`` against bf16 ``k, v (Nb, S, E)``,
     the cache dense or copied into 16-token pages, and float64 attention over the same values."""
@@ -461,9 +462,11 @@ def _bf16_step(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, Hkv: int, *, 
         cache = PagedKVCache(Nb // Hkv, Hkv, E, dtype=torch.bfloat16)
         cache.append(k.view(Nb // Hkv, Hkv, S, E), v.view(Nb // Hkv, Hkv, S, E))
         out, _, _ = kernel.forward(q4, cache.k_pages, cache.v_pages, Hkv=Hkv, S=S,
-                                   scale2=scale * 1.4426950408889634, causal=causal, table=cache.block_table)
+                                   scale2=scale * 1.4426950408889634, causal=causal, table=cache.block_table,
+                                   out_dtype=out_dtype)
     else:
-        out, _, _ = kernel.forward(q4, k, v, Hkv=Hkv, S=S, scale2=scale * 1.4426950408889634, causal=causal)
+        out, _, _ = kernel.forward(q4, k, v, Hkv=Hkv, S=S, scale2=scale * 1.4426950408889634, causal=causal,
+                                   out_dtype=out_dtype)
     # each head nb as a batch of r query heads on one key/value head: (Nb, r, L, E) against (Nb, 1, S, E)
     want = torch_math(q4.double(), k[:, None].double(), v[:, None].double(), bottom_right(L, S) if L > 1 else None,
                       enable_gqa=True)
@@ -497,6 +500,33 @@ def test_a_bf16_cache_s_scores_on_vdpbf16ps_are_exact_against_float64(force_rout
     widened, _ = _bf16_step(q4, k, v, Hkv, L=L, paged=paged)
     assert_close(widened, want.float(), dtype=torch.float32)
     assert torch.equal(out, widened) == (not taken)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("rows,L", [(1, 1), (4, 1), (6, 1), (7, 1), (2, 4), (13, 1)])
+@pytest.mark.parametrize("Ev", [32, 128, 96, 48])
+def test_a_bf16_output_s_value_pass_on_vdpbf16ps_rounds_only_p(force_routes, rows, L, Ev, paged):
+    """With a bf16 output (``out_dtype``: a bf16 query) the value pass takes ``vdpbf16ps`` too
+    (:func:`kernel.bf16_values`: where the scores do and Ev % 32 == 0; Ev = 48 and builds without the
+    instruction keep float32 weights): P~ rounded to bf16, as torch's bf16 kernel rounds P. Its
+    float32 output is then within bf16's tolerance of float64 (each weight off by at most 2^-9 of
+    itself), on tiles of 1 to 6 rows (13 = 6 + 6 + 1), an odd number of keys (S = 203: a last key
+    paired with zeros) and pages; and the route really runs: it differs from the float32 weights'
+    answer, which a float32 output keeps."""
+    force_routes(decode="stream")
+    force_routes(bf16="bf16")
+    E = Ev if paged else 64  # a PagedKVCache has one head size
+    taken = kernel.plan(rows * L, E, torch.bfloat16, torch.bfloat16, Ev).bf16_values
+    assert taken == (_units() and Ev % 32 == 0)
+    assert not kernel.plan(rows * L, E, torch.bfloat16, torch.float32, Ev).bf16_values
+    Hkv, S = 2, 203
+    q4 = randn(Hkv, rows, L, E).bfloat16().float()
+    k, v = randn(Hkv, S, E, seed=1).bfloat16(), (3 * randn(Hkv, S, Ev, seed=2)).bfloat16()
+    out, want = _bf16_step(q4, k, v, Hkv, L=L, paged=paged, out_dtype=torch.bfloat16)
+    assert_close(out, want.float(), dtype=torch.bfloat16)
+    float_weights, _ = _bf16_step(q4, k, v, Hkv, L=L, paged=paged, out_dtype=torch.float32)
+    assert_close(float_weights, want.float(), dtype=torch.float32)
+    assert torch.equal(out, float_weights) == (not taken)
 
 
 def test_the_status_names_the_decode_loop_s_dot_product_instructions(force_routes, monkeypatch):

@@ -44,8 +44,7 @@ def test_forced_changes_a_block_and_restores_what_was_before():
 
 
 def test_a_decode_call_is_planned_once_and_the_kernel_gets_the_plan(force_routes, monkeypatch):
-    if _native.ops() is None:
-        pytest.skip("the native kernels are not loaded (ATTNLAB_NATIVE=0)")  # make test builds them
+    """(The pure path plans its call too: this holds with ATTNLAB_NATIVE=0.)"""
     force_routes(decode="stream", int8_dot="float32")
     plans = []
     real = kernel_decode.plan
@@ -56,6 +55,24 @@ def test_a_decode_call_is_planned_once_and_the_kernel_gets_the_plan(force_routes
     decode_attention(torch.randn(1, 4, 1, 16), k8, v8, enable_gqa=True, k_scale=ks, v_scale=vs)
     assert [(p.rows, p.loop, p.int8_dot) for p in plans] == [(2, "stream", "float32")]
     assert plans[0].dots == "int8 widened to float32 FMAs"
+
+
+def test_explain_names_a_bf16_cache_s_instructions_and_the_value_pass(force_routes):
+    """A bf16 query against a bf16 cache (decoding widens the query, and its bf16 output lets the
+    value pass round P): vdpbf16ps for the scores and the values where the build has the bf16
+    units and the bf16 route is on, else widened FMAs; a float32 output would keep float32 weights."""
+    if _native.ops() is None:
+        assert routes.explain(torch.randn(1, 8, 1, 64), torch.randn(1, 2, 64, 64), torch.randn(1, 2, 64, 64),
+                              cache=True).startswith("the pure-PyTorch path")
+        return
+    q, k = torch.randn(1, 8, 1, 64).bfloat16(), torch.randn(1, 2, 512, 64).bfloat16()
+    force_routes(decode="stream", bf16="bf16")
+    units = bool(_native.ops().bf16_units())
+    text = routes.explain(q, k, k, cache=True)
+    assert ("dot products: vdpbf16ps on the stored bf16, values on vdpbf16ps (P rounded to bf16)" in text) == units, text
+    assert ("dot products: bf16 widened to float32 FMAs" in text) == (not units), text
+    force_routes(bf16="fp32")
+    assert "dot products: bf16 widened to float32 FMAs" in routes.explain(q, k, k, cache=True)
 
 
 def test_explain_names_the_route_of_a_call(force_routes):

@@ -125,7 +125,7 @@ def plan(rows: int, E: int, cache_dtype: torch.dtype, out_dtype: torch.dtype = t
     bf16 = cache_dtype == torch.bfloat16
     dot = bf16_dot(E, mode) if bf16 else "float32"
     return DecodePlan(rows, mode, int8_dot(E, mode) if cache_dtype == torch.int8 else "float32", dot, cache_dtype,
-                      bf16 and bf16_values(E if Ev is None else Ev, mode, out_dtype))
+                      bf16 and bf16_values(E if Ev is None else Ev, dot, out_dtype))
 
 
 def int8_dot(E: int, mode: str) -> str:
@@ -173,13 +173,13 @@ def bf16_dot(E: int, mode: str) -> str:
     return "vdpbf16ps" if _native.bf16_route().name == "bf16" else "float32"
 
 
-def bf16_values(Ev: int, mode: str, out_dtype: torch.dtype) -> bool:
+def bf16_values(Ev: int, dot: str, out_dtype: torch.dtype) -> bool:
     """Whether the native streaming loop runs a bfloat16 cache's value pass on ``vdpbf16ps`` too:
-    where the scores take it (:func:`bf16_dot`, with ``Ev`` for ``E``), ``Ev`` is a multiple of 32
-    and the output is bfloat16 (a bfloat16 query). P~ is then rounded to bf16 before its product
-    with V, as torch's bf16 kernel rounds P before its P V GEMM; a float32 output keeps float32
-    weights. Measured in BENCHMARKS.md ("decode, bf16 value pass on vdpbf16ps")."""
-    return out_dtype == torch.bfloat16 and Ev % 32 == 0 and bf16_dot(Ev, mode) == "vdpbf16ps"
+    where its scores take it (``dot``, :func:`bf16_dot`'s answer), ``Ev`` is a multiple of 32 and
+    the output is bfloat16 (a bfloat16 query). P~ is then rounded to bf16 before its product with
+    V, as torch's bf16 kernel rounds P before its P V GEMM; a float32 output keeps float32 weights.
+    Measured in BENCHMARKS.md ("a bf16 value pass on vdpbf16ps")."""
+    return out_dtype == torch.bfloat16 and Ev % 32 == 0 and dot == "vdpbf16ps"
 
 
 def int16_rounded(q: Tensor) -> Tensor:
