@@ -287,3 +287,22 @@ def test_tiles_by_device_and_class(monkeypatch):
             with monkeypatch.context() as m:
                 m.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")))
                 assert at.tiles(q, q, stage) == at.GPU_TILES[(klass, stage)], (dtype, E, stage)
+
+
+def test_the_graders_element_types_are_the_interpreters():
+    """The grader's guards (``attnlab.grading.sandbox.interpreter``) size each load and store by the
+    element type's numpy dtype from a map of their own, not the interpreter's private
+    ``_get_np_dtype``; here the two agree on every type Triton has (a Triton upgrade that stores a type
+    differently fails here, not in a learner's grade)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from attnlab.grading.sandbox.interpreter import _np_dtype
+
+    scalars = [tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32,
+               tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e5b16, tl.float8e4nv,
+               tl.float8e4b8, tl.float8e4b15]
+    types = scalars + [tl.pointer_type(t) for t in scalars] + [tl.block_type(t, [4]) for t in scalars] + \
+        [tl.block_type(tl.pointer_type(t), [4]) for t in scalars]
+    for t in types:
+        assert _np_dtype(t) == interpreter._get_np_dtype(t), t  # noqa: SLF001 (the oracle, in a test only)

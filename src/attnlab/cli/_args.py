@@ -171,9 +171,8 @@ EXAMPLE_MAX_ELEMENTS = 4_000_000
 
 def example_config(args: argparse.Namespace):
     """The :class:`attnlab.example.ExampleConfig` of parsed example options, refused with a
-    :class:`UsageError` when it would allocate more than the example is for."""
-    from attnlab.example import ExampleConfig
-
+    :class:`UsageError` when it would allocate more than the example is for (checked before
+    attnlab.example, and torch with it, is imported: the refusal comes at once)."""
     elements = args.batch * (2 * args.seq_len * args.seq_len
                              + args.seq_len * (args.d_model + 2 * args.d_k + 2 * args.d_v))
     if elements > EXAMPLE_MAX_ELEMENTS:
@@ -181,6 +180,8 @@ def example_config(args: argparse.Namespace):
             f"--batch {args.batch} --seq-len {args.seq_len} --d-model {args.d_model} would keep {elements:,} numbers "
             f"(~{elements * 8 / 2**30:.1f} GiB) to print; the worked example is for small sizes (at most "
             f"{EXAMPLE_MAX_ELEMENTS:,}, e.g. --seq-len 1000). For timing large sizes use 'attnlab bench'.")
+    from attnlab.example import ExampleConfig
+
     return ExampleConfig(seed=args.seed, batch=args.batch, seq_len=args.seq_len, d_model=args.d_model,
                          d_k=args.d_k, d_v=args.d_v, causal=args.causal, dtype=args.dtype)
 

@@ -36,8 +36,9 @@ def add(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    config = example_config(args)  # a size past the example's refused before torch is imported
     from attnlab.example import format_example, run_example
 
-    result = run_example(example_config(args))
+    result = run_example(config)
     print(json.dumps(result.to_dict()) if args.json else format_example(result))
     return 0

@@ -208,8 +208,7 @@ def _explains(m: BackwardModel, cases: list[_Case]) -> bool:
 
 
 def _relevant(field: str, caps: frozenset[str]) -> bool:
-    return {"gqa": "gqa" in caps, "sink": "sinks" in caps, "lse": True,
-            "p_bool": "mask" in caps}.get(field, True)
+    return {"gqa": "gqa" in caps, "sink": "sinks" in caps, "p_bool": "mask" in caps}.get(field, True)
 
 
 def _fit(cases: list[_Case], caps: frozenset[str]) -> list[BackwardModel]:

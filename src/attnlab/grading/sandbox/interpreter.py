@@ -96,6 +96,26 @@ def drop_dead_overflow_checks() -> bool:
     return True
 
 
+def _np_dtype(tt) -> "np.dtype":
+    """numpy's dtype for the elements of a Triton (block or scalar) type, as Triton's interpreter
+    stores them: bf16 as uint16 and fp8 as uint8 (their bits), pointers as uint64. Our own map,
+    from the type's name and width, not the interpreter's private one."""
+    import numpy as np
+    import triton.language as tl
+
+    tt = tt.element_ty if isinstance(tt, tl.block_type) else tt
+    if isinstance(tt, tl.pointer_type):
+        return np.dtype(np.uint64)
+    name, bits = tt.name, tt.primitive_bitwidth
+    if name == "int1":
+        return np.dtype(bool)
+    if name in ("fp16", "fp32", "fp64"):
+        return np.dtype(f"float{bits}")
+    if name == "bf16" or name.startswith("fp8"):
+        return np.dtype(f"uint{bits}")
+    return np.dtype(name)  # int8 .. int64, uint8 .. uint64: numpy's names
+
+
 def poison_masked_loads() -> bool:
     """A masked load without ``other=`` reads NaN in its masked-off lanes (float tensors), where
     Triton's interpreter would give 0.0: on a GPU those lanes are undefined (whatever the registers
@@ -114,7 +134,7 @@ def poison_masked_loads() -> bool:
     def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
         if other is None:
             dtype_tt = ptrs.get_element_ty()
-            dtype_np = interpreter._get_np_dtype(dtype_tt)
+            dtype_np = _np_dtype(dtype_tt)
             if np.issubdtype(dtype_np, np.floating):
                 other = interpreter.TensorHandle(np.full_like(ptrs.data, np.nan, dtype=dtype_np), dtype_tt)
         return original(self, ptrs, mask, other, cache_policy, is_volatile)
@@ -204,14 +224,14 @@ def guard_pointers() -> bool:
         return False
 
     def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
-        n = _outside(ptrs, mask, interpreter._get_np_dtype(ptrs.get_element_ty()))
+        n = _outside(ptrs, mask, _np_dtype(ptrs.get_element_ty()))
         if n:
             raise OutOfBounds(f"tl.load reads outside every tensor passed to the kernel ({n} lanes of this load): "
                               "load with mask= (rows < L, keys < S) and other=0.0")
         return load(self, ptrs, mask, other, cache_policy, is_volatile)
 
     def create_masked_store(self, ptrs, value, mask, cache_policy):
-        n = _outside(ptrs, mask, interpreter._get_np_dtype(ptrs.get_element_ty()))
+        n = _outside(ptrs, mask, _np_dtype(ptrs.get_element_ty()))
         if n:
             raise OutOfBounds(f"tl.store writes outside every tensor passed to the kernel ({n} lanes of this "
                               "store): store with mask= (rows < L)")
