@@ -8,7 +8,7 @@
 //   dpwssd:   src 8 x i32, a 16 x i16, b 16 x i16   ->  8 x i32    (_mm256_dpwssd_epi32)
 #include <immintrin.h>
 
-#include "avx512_emulated.h"
+#include "isa/avx512_emulated.h"
 
 #include <cstdio>
 #include <cstring>

@@ -46,15 +46,15 @@ __all__ = ["can_run", "NativeStatus", "Bf16Route", "SgemmRoute", "status", "ops"
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "flash.cpp", _CSRC / "block_sparse.cpp", _CSRC / "decode.cpp")
-_HEADERS = (_CSRC / "kernels.h", _CSRC / "bf16_gemm.h", _CSRC / "sgemm.h", _CSRC / "avx512_emulated.h",
-            _CSRC / "decode_sources.h", _CSRC / "decode_dots.h", _CSRC / "decode_bf16.h")
+_HEADERS = (_CSRC / "kernels.h", _CSRC / "bf16_gemm.h", _CSRC / "sgemm.h", _CSRC / "decode_sources.h",
+            _CSRC / "decode_dots.h", _CSRC / "decode_bf16.h", *sorted((_CSRC / "isa").glob("*.h")))
 _NAME = "attnlab_native"
 # -march=native: the build runs on the machine that uses it; -fopenmp: at::parallel_for's
 # pragmas (the library resolves to the libgomp torch has already loaded, so one thread pool)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 # ATTNLAB_NATIVE_ISA=avx512-emulated: the kernels' AVX-512 source on portable stand-ins for its
-# instructions (csrc/avx512_emulated.h), so that it runs, and is tested, on a CPU without AVX-512.
+# instructions (csrc/isa/avx512_emulated.h), so that it runs, and is tested, on a CPU without AVX-512.
 # -O1: a test build is built more often than it runs long. On the 2-core AVX2 EPYC (2026-12-03) the
 # build took 54 s of CPU against 107 s at -O3, and its test's 1519 cases 88 s against 73 s.
 _EMULATE_AVX512_FLAGS = ["-DATTNLAB_EMULATE_AVX512", "-Wno-psabi", "-O1"]
@@ -68,7 +68,7 @@ def build_isa() -> str:
     ``native`` (the default) compiles for this CPU's instructions (``-march=native``).
     ``avx512-emulated`` compiles the kernels' AVX-512 branches (the row pass, the 12 x 32 zmm GEMM
     tile, the ``vdpbf16ps`` bf16 GEMM) with each AVX-512 instruction written out in portable C++
-    (``csrc/avx512_emulated.h``): a test build (its times are not the CPU's) that lets an AVX2-only CPU run
+    (``csrc/isa/avx512_emulated.h``): a test build (its times are not the CPU's) that lets an AVX2-only CPU run
     the AVX-512 source (``tests/kernels/test_avx512_emulated.py``). On a CPU with AVX-512F but not
     AVX512_BF16 only the bf16 instructions are emulated; on one with both the two builds are the same
     code. Each has its own cache folder.

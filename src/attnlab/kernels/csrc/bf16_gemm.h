@@ -44,12 +44,8 @@ inline uint16_t float_to_bf16(float f) {
 // dst[0..count) = bf16(src[0..count)): P and dS before their GEMMs, as torch's kernel rounds them
 inline void round_to_bf16(const float* src, int64_t count, uint16_t* dst) {
   int64_t c = 0;
-#if defined(__AVX512BF16__)
-  for (; c + 32 <= count; c += 32) {
-    const __m512bh two = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + c + 16), _mm512_loadu_ps(src + c));
-    _mm512_storeu_si512(reinterpret_cast<void*>(dst + c), reinterpret_cast<__m512i>(two));
-  }
-#endif
+  if constexpr (isa::kBf16)
+    for (; c + 32 <= count; c += 32) isa::to_bf16_x32(src + c, dst + c);
   for (; c < count; ++c) dst[c] = float_to_bf16(src[c]);
 }
 
@@ -59,20 +55,13 @@ inline uint16_t at_op(const uint16_t* x, int64_t ld, bool t, int64_t i, int64_t 
 }
 
 // dst's pairs (dst[2 j], dst[2 j + 1]) = (r0[j], r1[j]) for j < n; r1 null: (r0[j], 0). The
-// packing of "VNNI" order: two rows along k become one row of pairs. Sixteen columns a step with
-// AVX2 (vpunpck{l,h}wd, then vperm2i128 to undo their 128-bit lanes).
+// packing of "VNNI" order: two rows along k become one row of pairs. Sixteen columns a step
+// (isa::interleave16: vpunpck{l,h}wd on AVX2).
 inline void interleave_rows(const uint16_t* r0, const uint16_t* r1, int64_t n, uint16_t* dst) {
   int64_t j = 0;
-#if defined(__AVX2__)
-  if (r1)
-    for (; j + 16 <= n; j += 16) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + j));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + j));
-      const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);  // cols 0-3, 8-11 | 4-7, 12-15
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * j), _mm256_permute2x128_si256(lo, hi, 0x20));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 2 * j + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
-    }
-#endif
+  if constexpr (isa::kShuffles16)
+    if (r1)
+      for (; j + 16 <= n; j += 16) isa::interleave16(r0 + j, r1 + j, dst + 2 * j);
   for (; j < n; ++j) {
     dst[2 * j] = r0[j];
     dst[2 * j + 1] = r1 ? r1[j] : 0;
@@ -81,35 +70,18 @@ inline void interleave_rows(const uint16_t* r0, const uint16_t* r1, int64_t n, u
 
 // dst[p * dst_ld + 2 j + t] = x[j * ld + 2 p + t] for j < n and the kp = ceil(k / 2) pairs p of a
 // row of k elements (an odd k's last pair is (x[k - 1], 0)): a transpose of 32-bit pairs, K^T and
-// V^T packed for the bf16 micro-kernel. Eight by eight pairs a step with AVX2; the scalar gather
-// it replaced took 7% of a bf16 backward's samples (issue 49, perf on a Zen 4).
+// V^T packed for the bf16 micro-kernel. Eight by eight pairs a step (isa::transpose_pairs8x8:
+// AVX2's 32- and 64-bit unpacks); the scalar gather it replaced took 7% of a bf16 backward's
+// samples (issue 49, perf on a Zen 4).
 inline void transpose_pairs(const uint16_t* x, int64_t ld, int64_t n, int64_t k, uint16_t* dst, int64_t dst_ld) {
   const int64_t kf = k / 2, kp = (k + 1) / 2;  // whole pairs, all pairs
   int64_t jb = 0, pb = 0;                      // the 8 x 8 blocks cover j < jb, p < pb
-#if defined(__AVX2__)
-  jb = n / 8 * 8, pb = kf / 8 * 8;
-  for (int64_t j0 = 0; j0 < jb; j0 += 8)
-    for (int64_t p0 = 0; p0 < pb; p0 += 8) {
-      __m256i r[8], t[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + (j0 + i) * ld + 2 * p0));
-      for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
-      }
-      for (int i = 0; i < 8; i += 4) {
-        r[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
-      }
-      for (int i = 0; i < 4; ++i) {  // rows i and i + 4 of the transpose: low and high 128-bit halves
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (p0 + i) * dst_ld + 2 * j0),
-                            _mm256_permute2x128_si256(r[i], r[i + 4], 0x20));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (p0 + i + 4) * dst_ld + 2 * j0),
-                            _mm256_permute2x128_si256(r[i], r[i + 4], 0x31));
-      }
-    }
-#endif
+  if constexpr (isa::kShuffles16) {
+    jb = n / 8 * 8, pb = kf / 8 * 8;
+    for (int64_t j0 = 0; j0 < jb; j0 += 8)
+      for (int64_t p0 = 0; p0 < pb; p0 += 8)
+        isa::transpose_pairs8x8(x + j0 * ld + 2 * p0, ld, dst + p0 * dst_ld + 2 * j0, dst_ld);
+  }
   for (int64_t p = 0; p < kp; ++p)
     for (int64_t j = p < pb ? jb : 0; j < n; ++j) {
       uint16_t* d = dst + p * dst_ld + 2 * j;
@@ -118,50 +90,47 @@ inline void transpose_pairs(const uint16_t* x, int64_t ld, int64_t n, int64_t k,
     }
 }
 
-#if defined(__AVX512BF16__)
-// C[0:MR, 0:16 NR] = alpha * sum_p A_p B_p + beta * C, last zmm column masked by `last`. Row i's
+// C[0:MR, 0:16 NR] = alpha * sum_p A_p B_p + beta * C, the last 16 columns cut to `tail`. Row i's
 // pair p of A (two bf16 along k) is at ap + i * a_i + p * a_p: A read in place (a_i = lda, a_p = 2)
 // or packed as rows of pairs along m (a_i = 2, a_p = 2 m: A^T).
 template <int MR, int NR>
 inline void micro_bf16(int64_t kp, const uint16_t* ap, int64_t a_i, int64_t a_p, const uint16_t* bp, int64_t b_ld,
-                       float alpha, float beta, float* c, int64_t ldc, __mmask16 last) {
-  __m512 acc[MR][NR];
+                       float alpha, float beta, float* c, int64_t ldc, int tail) {
+  using X = isa::F16;
+  using B = isa::B32;
+  X::V acc[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NR; ++j) acc[i][j] = X::zero();
   for (int64_t p = 0; p < kp; ++p) {
-    __m512bh b[NR];
-    for (int j = 0; j < NR; ++j)
-      b[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(reinterpret_cast<const void*>(bp + p * b_ld + 32 * j)));
+    typename B::V b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = B::load(bp + p * b_ld + 32 * j);
     for (int i = 0; i < MR; ++i) {
-      int32_t pair;
-      std::memcpy(&pair, ap + i * a_i + p * a_p, 4);
-      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+      const typename B::V a = B::pair(ap + i * a_i + p * a_p);
+      for (int j = 0; j < NR; ++j) acc[i][j] = isa::dpbf16(acc[i][j], a, b[j]);
     }
   }
-  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  const X::V va = X::set1(alpha), vb = X::set1(beta);
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
       float* out = c + i * ldc + 16 * j;
-      const __mmask16 m = j == NR - 1 ? last : static_cast<__mmask16>(0xffff);
-      __m512 r = _mm512_mul_ps(acc[i][j], va);
-      if (beta != 0.0f) r = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, out), vb, r);
-      _mm512_mask_storeu_ps(out, m, r);
+      const int cols = j == NR - 1 ? tail : 16;
+      X::V r = X::mul(acc[i][j], va);
+      if (beta != 0.0f) r = X::fma(X::load_partial(out, cols, 0.0f), vb, r);
+      X::store_partial(out, cols, r);
     }
   }
 }
 
 template <int MR>
 inline void micro_rows(int nr, int64_t kp, const uint16_t* ap, int64_t a_i, int64_t a_p, const uint16_t* bp,
-                       int64_t b_ld, float alpha, float beta, float* c, int64_t ldc, __mmask16 last) {
+                       int64_t b_ld, float alpha, float beta, float* c, int64_t ldc, int tail) {
   switch (nr) {
-    case 1: micro_bf16<MR, 1>(kp, ap, a_i, a_p, bp, b_ld, alpha, beta, c, ldc, last); break;
-    case 2: micro_bf16<MR, 2>(kp, ap, a_i, a_p, bp, b_ld, alpha, beta, c, ldc, last); break;
-    case 3: micro_bf16<MR, 3>(kp, ap, a_i, a_p, bp, b_ld, alpha, beta, c, ldc, last); break;
-    default: micro_bf16<MR, 4>(kp, ap, a_i, a_p, bp, b_ld, alpha, beta, c, ldc, last); break;
+    case 1: micro_bf16<MR, 1>(kp, ap, a_i, a_p, bp, b_ld, alpha, beta, c, ldc, tail); break;
+    case 2: micro_bf16<MR, 2>(kp, ap, a_i, a_p, bp, b_ld, alpha, beta, c, ldc, tail); break;
+    case 3: micro_bf16<MR, 3>(kp, ap, a_i, a_p, bp, b_ld, alpha, beta, c, ldc, tail); break;
+    default: micro_bf16<MR, 4>(kp, ap, a_i, a_p, bp, b_ld, alpha, beta, c, ldc, tail); break;
   }
 }
-#endif
 
 // Row-major C (m x n, ldc, float32) = alpha * op(A) op(B) + beta * C, with A (m x k) and B
 // (k x n) bf16 (op = transpose when ta / tb; lda, ldb are the stored matrices' leading dims).
@@ -170,8 +139,7 @@ inline void micro_rows(int nr, int64_t kp, const uint16_t* ap, int64_t a_i, int6
 inline void gemm_bf16(bool ta, bool tb, int m, int n, int k, float alpha, const uint16_t* a, int lda,
                       const uint16_t* b, int ldb, float beta, float* c, int ldc, bool units) {
   if (m <= 0 || n <= 0) return;
-#if defined(__AVX512BF16__)
-  if (units) {
+  if (units && isa::kBf16) {
   const int64_t kp = (k + 1) / 2;         // pairs of k
   const int64_t np = (n + 15) / 16 * 16;  // columns, padded to whole zmm
   thread_local std::vector<uint16_t> a_pack, b_pack;
@@ -207,26 +175,24 @@ inline void gemm_bf16(bool ta, bool tb, int m, int n, int k, float alpha, const 
   for (int64_t j0 = 0; j0 < n; j0 += 16 * NR) {
     const int cols = static_cast<int>(std::min<int64_t>(16 * NR, n - j0));
     const int nr = (cols + 15) / 16;
-    const int tail = cols - 16 * (nr - 1);
-    const __mmask16 last = static_cast<__mmask16>(tail == 16 ? 0xffff : (1u << tail) - 1u);
+    const int tail = cols - 16 * (nr - 1);  // columns of the last 16
     const uint16_t* bp = b_pack.data() + 2 * j0;
     for (int64_t i0 = 0; i0 < m; i0 += MR) {
       const int rows = static_cast<int>(std::min<int64_t>(MR, m - i0));
       const uint16_t* at = ap + i0 * a_i;
       float* cc = c + i0 * ldc + j0;
       switch (rows) {
-        case 1: micro_rows<1>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, last); break;
-        case 2: micro_rows<2>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, last); break;
-        case 3: micro_rows<3>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, last); break;
-        case 4: micro_rows<4>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, last); break;
-        case 5: micro_rows<5>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, last); break;
-        default: micro_rows<6>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, last); break;
+        case 1: micro_rows<1>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, tail); break;
+        case 2: micro_rows<2>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, tail); break;
+        case 3: micro_rows<3>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, tail); break;
+        case 4: micro_rows<4>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, tail); break;
+        case 5: micro_rows<5>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, tail); break;
+        default: micro_rows<6>(nr, kp, at, a_i, a_p, bp, 2 * np, alpha, beta, cc, ldc, tail); break;
       }
     }
   }
   return;
   }
-#endif
   // no bf16 instructions: widen op(A) and op(B) to float32 and run sgemm (same products, exact)
   thread_local std::vector<float> a32, b32;
   a32.resize(static_cast<size_t>(m) * k);
@@ -239,12 +205,6 @@ inline void gemm_bf16(bool ta, bool tb, int m, int n, int k, float alpha, const 
 }
 
 // Whether gemm_bf16 runs on the CPU's bf16 instructions in this build (else it widens to float32).
-inline bool bf16_gemm_native() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
+inline bool bf16_gemm_native() { return isa::kBf16; }
 
 }  // namespace

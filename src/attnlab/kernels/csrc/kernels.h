@@ -10,12 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
-#if defined(ATTNLAB_EMULATE_AVX512)  // the avx512-emulated test build (attnlab.kernels.native)
-#include "avx512_emulated.h"
-#endif
+#include "isa/isa.h"  // the one instruction-set seam: every intrinsic and ISA #if of the kernels below
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -78,226 +73,70 @@ struct GemmBf16 {
   }
 };
 
-// 2^x for x <= 0, vectorisable: x = n + f with n = round(x), f in [-1/2, 1/2];
-// 2^f by its degree-7 Taylor polynomial in f*ln2 (relative error < 1e-8, under float32's
-// half ulp); 2^n by writing n + 127 into the exponent bits. x <= -127 gives exactly 0.
-inline float exp2_nonpos(float x) {
-  x = x < -127.0f ? -127.0f : x;
-  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
-  const float shifted = x + magic;
-  const float n = shifted - magic;
-  const float f = (x - n) * 0.6931471805599453f;  // f * ln 2, in [-0.347, 0.347]
-  float p = 1.0f / 5040.0f;
-  p = p * f + 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  int32_t shifted_bits, magic_bits;
-  std::memcpy(&shifted_bits, &shifted, 4);
-  std::memcpy(&magic_bits, &magic, 4);
-  const int32_t exponent = (shifted_bits - magic_bits + 127) << 23;  // n = -127 -> 0.0f
-  float two_n;
-  std::memcpy(&two_n, &exponent, 4);
-  return p * two_n;
-}
+using isa::exp2_nonpos;  // 2^x for x <= 0, one float (isa/portable.h)
 
 // One row of the tile: returns max(m_old, rowmax(row[0:valid])) and overwrites row[0:valid]
-// with 2^(row - m_new), row[valid:nk] with 0; *row_sum gets the sum of the new values.
-#if defined(__AVX512F__)
-// The same 2^x with AVX-512: vroundscaleps gives n, vscalefps multiplies by 2^n (and
-// underflows to 0 by itself), and the polynomial in f is a degree-6 near-minimax fit of 2^f on
-// [-1/2, 1/2] (relative error 1.0e-7 in float32, about torch's own exp); 11 vector ops for
-// 16 values where the portable version needs 18: the row pass is bound by this arithmetic.
-inline __m512 exp2_nonpos_v(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));  // keeps x - n finite for x = -inf
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5370704932138324e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399848248809576e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618373587727547e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550329014658928e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022647738456726f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471824645996f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
+// with 2^(row - m_new), row[valid:nk] with 0; *row_sum gets the sum of the new values. Written once
+// over the build's widest vector (isa::Wide: 16 lanes on AVX-512, 8 on AVX2, 1 portable), each
+// ISA's 2^x its own (isa::F16::exp2_nonpos: vroundscaleps and vscalefps; F8's: the exponent bits).
+// Two max and two sum chains: vmaxps latency would otherwise bind. The last valid % W values
+// take one masked step (AVX-512's masks; AVX2 through a buffer).
+template <class X = isa::Wide>
 inline float row_pass(float* row, int valid, int nk, float m_old, float* row_sum) {
-  const int full = valid & ~15;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (valid - full)) - 1u);
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 mx0 = neg_inf, mx1 = neg_inf;  // two chains: vmaxps latency would otherwise bind
-  int c = 0;
-  for (; c + 32 <= full; c += 32) {
-    mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(row + c));
-    mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(row + c + 16));
-  }
-  for (; c < full; c += 16) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(row + c));
-  if (tail) mx1 = _mm512_max_ps(mx1, _mm512_mask_loadu_ps(neg_inf, tail, row + full));
-  const float m_new = std::max(m_old, _mm512_reduce_max_ps(_mm512_max_ps(mx0, mx1)));
-  if (m_new == -std::numeric_limits<float>::infinity()) {  // every key so far masked: nothing to add
-    std::fill(row, row + nk, 0.0f);
-    *row_sum = 0.0f;
-    return m_new;
-  }
-  const __m512 shift = _mm512_set1_ps(m_new);
-  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-  for (c = 0; c + 32 <= full; c += 32) {
-    const __m512 p0 = exp2_nonpos_v(_mm512_sub_ps(_mm512_loadu_ps(row + c), shift));
-    const __m512 p1 = exp2_nonpos_v(_mm512_sub_ps(_mm512_loadu_ps(row + c + 16), shift));
-    _mm512_storeu_ps(row + c, p0);
-    _mm512_storeu_ps(row + c + 16, p1);
-    sum0 = _mm512_add_ps(sum0, p0);
-    sum1 = _mm512_add_ps(sum1, p1);
-  }
-  for (; c < full; c += 16) {
-    const __m512 p0 = exp2_nonpos_v(_mm512_sub_ps(_mm512_loadu_ps(row + c), shift));
-    _mm512_storeu_ps(row + c, p0);
-    sum0 = _mm512_add_ps(sum0, p0);
-  }
-  if (tail) {
-    const __m512 p0 = _mm512_maskz_mov_ps(tail, exp2_nonpos_v(_mm512_sub_ps(_mm512_mask_loadu_ps(shift, tail, row + full), shift)));
-    _mm512_mask_storeu_ps(row + full, tail, p0);
-    sum1 = _mm512_add_ps(sum1, p0);
-  }
-  for (c = valid; c < nk; ++c) row[c] = 0.0f;
-  *row_sum = _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
-  return m_new;
-}
-// row[0:valid] = 2^(row - shift): the backward's P from the saved log-sum-exp
-inline void exp2_shifted(float* row, int valid, float shift) {
-  const int full = valid & ~15;
-  const __m512 sh = _mm512_set1_ps(shift);
-  int c = 0;
-  for (; c < full; c += 16) _mm512_storeu_ps(row + c, exp2_nonpos_v(_mm512_sub_ps(_mm512_loadu_ps(row + c), sh)));
-  if (c < valid) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (valid - c)) - 1u);
-    _mm512_mask_storeu_ps(row + c, tail, exp2_nonpos_v(_mm512_sub_ps(_mm512_mask_loadu_ps(sh, tail, row + c), sh)));
-  }
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-// AVX2 (no AVX-512): GCC does not vectorise the portable loops below (objdump of the build on
-// an AVX2-only EPYC: 4 ymm FMAs in the whole library, 60 scalar ones), so the row pass ran one
-// float at a time. Eight at a time here: n = round(x), the AVX-512 path's degree-6 polynomial
-// for 2^f, and 2^n written into the exponent bits; x <= -127 gives exactly 0, as the portable
-// exp2_nonpos does (the exponent field is then 0 and the mantissa 0).
-inline __m256 exp2_nonpos_v8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));  // also keeps x - n finite for x = -inf
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.5370704932138324e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3399848248809576e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618373587727547e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550329014658928e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022647738456726f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931471824645996f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-  return _mm_cvtss_f32(m);
-}
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
-// the portable scalar 2^x with the same polynomial as exp2_nonpos_v8 (for the tails)
-inline float exp2_nonpos_tail(float x) {
-  alignas(32) float lane[8] = {x, x, x, x, x, x, x, x};
-  _mm256_store_ps(lane, exp2_nonpos_v8(_mm256_load_ps(lane)));
-  return lane[0];
-}
-
-// row[0:valid] = 2^(row - shift): the backward's P from the saved log-sum-exp
-inline void exp2_shifted(float* row, int valid, float shift) {
-  const __m256 sh = _mm256_set1_ps(shift);
-  int c = 0;
-  for (; c + 8 <= valid; c += 8) _mm256_storeu_ps(row + c, exp2_nonpos_v8(_mm256_sub_ps(_mm256_loadu_ps(row + c), sh)));
-  for (; c < valid; ++c) row[c] = exp2_nonpos_tail(row[c] - shift);
-}
-
-inline float row_pass(float* row, int valid, int nk, float m_old, float* row_sum) {
+  using V = typename X::V;
+  constexpr int W = X::W;
+  const int full = valid / W * W, tail = valid - full;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  __m256 mx0 = _mm256_set1_ps(neg_inf), mx1 = mx0;  // two chains: vmaxps latency would otherwise bind
+  V mx0 = X::set1(neg_inf), mx1 = mx0;
   int c = 0;
-  for (; c + 16 <= valid; c += 16) {
-    mx0 = _mm256_max_ps(mx0, _mm256_loadu_ps(row + c));
-    mx1 = _mm256_max_ps(mx1, _mm256_loadu_ps(row + c + 8));
+  for (; c + 2 * W <= full; c += 2 * W) {
+    mx0 = X::max(mx0, X::load(row + c));
+    mx1 = X::max(mx1, X::load(row + c + W));
   }
-  for (; c + 8 <= valid; c += 8) mx0 = _mm256_max_ps(mx0, _mm256_loadu_ps(row + c));
-  float mx = hmax8(_mm256_max_ps(mx0, mx1));
-  for (; c < valid; ++c) mx = std::max(mx, row[c]);
-  const float m_new = std::max(m_old, mx);
+  for (; c < full; c += W) mx0 = X::max(mx0, X::load(row + c));
+  if (tail) mx1 = X::max(mx1, X::load_partial(row + full, tail, neg_inf));
+  const float m_new = std::max(m_old, X::reduce_max(X::max(mx0, mx1)));
   if (m_new == neg_inf) {  // every key so far masked: nothing to add
     std::fill(row, row + nk, 0.0f);
     *row_sum = 0.0f;
     return m_new;
   }
-  const __m256 shift = _mm256_set1_ps(m_new);
-  __m256 sum0 = _mm256_setzero_ps(), sum1 = _mm256_setzero_ps();
-  for (c = 0; c + 16 <= valid; c += 16) {
-    const __m256 p0 = exp2_nonpos_v8(_mm256_sub_ps(_mm256_loadu_ps(row + c), shift));
-    const __m256 p1 = exp2_nonpos_v8(_mm256_sub_ps(_mm256_loadu_ps(row + c + 8), shift));
-    _mm256_storeu_ps(row + c, p0);
-    _mm256_storeu_ps(row + c + 8, p1);
-    sum0 = _mm256_add_ps(sum0, p0);
-    sum1 = _mm256_add_ps(sum1, p1);
+  const V shift = X::set1(m_new);
+  V sum0 = X::zero(), sum1 = X::zero();
+  for (c = 0; c + 2 * W <= full; c += 2 * W) {
+    const V p0 = X::exp2_nonpos(X::sub(X::load(row + c), shift));
+    const V p1 = X::exp2_nonpos(X::sub(X::load(row + c + W), shift));
+    X::store(row + c, p0);
+    X::store(row + c + W, p1);
+    sum0 = X::add(sum0, p0);
+    sum1 = X::add(sum1, p1);
   }
-  for (; c + 8 <= valid; c += 8) {
-    const __m256 p0 = exp2_nonpos_v8(_mm256_sub_ps(_mm256_loadu_ps(row + c), shift));
-    _mm256_storeu_ps(row + c, p0);
-    sum0 = _mm256_add_ps(sum0, p0);
+  for (; c < full; c += W) {
+    const V p0 = X::exp2_nonpos(X::sub(X::load(row + c), shift));
+    X::store(row + c, p0);
+    sum0 = X::add(sum0, p0);
   }
-  float sum = hsum8(_mm256_add_ps(sum0, sum1));
-  for (; c < valid; ++c) {
-    row[c] = exp2_nonpos_tail(row[c] - m_new);
-    sum += row[c];
+  if (tail) {
+    const V p0 = X::keep_first(X::exp2_nonpos(X::sub(X::load_partial(row + full, tail, m_new), shift)), tail);
+    X::store_partial(row + full, tail, p0);
+    sum1 = X::add(sum1, p0);
   }
   for (c = valid; c < nk; ++c) row[c] = 0.0f;
-  *row_sum = sum;
+  *row_sum = X::reduce_add(X::add(sum0, sum1));
   return m_new;
-}
-#else
-// row[0:valid] = 2^(row - shift): the backward's P from the saved log-sum-exp
-inline void exp2_shifted(float* row, int valid, float shift) {
-#pragma omp simd
-  for (int c = 0; c < valid; ++c) row[c] = exp2_nonpos(row[c] - shift);
 }
 
-inline float row_pass(float* row, int valid, int nk, float m_old, float* row_sum) {
-  float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-  for (int c = 0; c < valid; ++c) mx = std::max(mx, row[c]);
-  const float m_new = std::max(m_old, mx);
-  if (m_new == -std::numeric_limits<float>::infinity()) {  // every key so far masked: nothing to add
-    std::fill(row, row + nk, 0.0f);
-    *row_sum = 0.0f;
-    return m_new;
-  }
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int c = 0; c < valid; ++c) {
-    const float p = exp2_nonpos(row[c] - m_new);
-    row[c] = p;
-    sum += p;
-  }
-  for (int c = valid; c < nk; ++c) row[c] = 0.0f;
-  *row_sum = sum;
-  return m_new;
+// row[0:valid] = 2^(row - shift): the backward's P from the saved log-sum-exp
+template <class X = isa::Wide>
+inline void exp2_shifted(float* row, int valid, float shift) {
+  constexpr int W = X::W;
+  const int full = valid / W * W;
+  const typename X::V sh = X::set1(shift);
+  int c = 0;
+  for (; c < full; c += W) X::store(row + c, X::exp2_nonpos(X::sub(X::load(row + c), sh)));
+  if (c < valid)
+    X::store_partial(row + c, valid - c, X::exp2_nonpos(X::sub(X::load_partial(row + c, valid - c, shift), sh)));
 }
-#endif
 
 // One key block into the online-softmax state of n rows (FlashAttention-2's inner step, the
 // one place it is written in C++). s (n, nk) holds the block's base-2 scores; visible(a, row)

@@ -41,20 +41,8 @@ namespace {
 
 enum SgemmRoute : int64_t { kSgemmBlas = 0, kSgemmAvx2 = 1, kSgemmAvx512 = 2, kSgemmAvx512Emu = 3 };
 
-#if defined(__AVX2__) && defined(__FMA__)
-struct Ymm {  // 8 floats
-  static constexpr int W = 8;
-  using V = __m256;
-  static V zero() { return _mm256_setzero_ps(); }
-  static V set1(float x) { return _mm256_set1_ps(x); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static V bcast(const float* p) { return _mm256_broadcast_ss(p); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
-};
-
-// a wide vector made of two narrow ones (the AVX-512 tile on AVX2)
+// The vectors are the seam's (isa/isa.h): isa::F8 (ymm), isa::F16 (zmm), and a pair of narrow ones
+// standing for one wide one (the AVX-512 tile on AVX2).
 template <class H>
 struct Pair {
   static constexpr int W = 2 * H::W;
@@ -75,23 +63,7 @@ struct Pair {
     H::store(p + H::W, x.hi);
   }
 };
-#endif
 
-#if defined(__AVX512F__)
-struct Zmm {  // 16 floats
-  static constexpr int W = 16;
-  using V = __m512;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static V bcast(const float* p) { return _mm512_set1_ps(*p); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
-};
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__)
 // C[0:MR, 0:NR] = alpha * sum_p A(i, p) B(p, :) + beta * C for one whole micro-tile, with
 // A(i, p) = a[i * lda + p] (AT: a[p * lda + i]) and B(p, :) the NR floats at b + p * ldb.
 // Edge tiles go through edge_tile, so that nothing here takes the accumulators' address (GCC
@@ -218,19 +190,14 @@ inline void sgemm_tiles(bool ta, bool tb, int m, int n, int k, float alpha, cons
     }
   }
 }
-#endif
 
 // Which own routes this build has: kSgemmAvx512 needs an AVX-512 build, the others AVX2 + FMA.
 inline bool sgemm_route_built(int64_t route) {
   switch (route) {
     case kSgemmBlas: return true;
-#if defined(__AVX2__) && defined(__FMA__)
     case kSgemmAvx2:
-    case kSgemmAvx512Emu: return true;
-#endif
-#if defined(__AVX512F__)
-    case kSgemmAvx512: return true;
-#endif
+    case kSgemmAvx512Emu: return isa::kF8;
+    case kSgemmAvx512: return isa::kF16;
     default: return false;
   }
 }
@@ -239,14 +206,13 @@ inline bool sgemm_route_built(int64_t route) {
 // lacks takes BLAS; attnlab.kernels.native never asks for one).
 inline void sgemm(int64_t route, bool ta, bool tb, int m, int n, int k, float alpha, const float* a, int lda,
                   const float* b, int ldb, float beta, float* c, int ldc) {
+  if (!sgemm_route_built(route)) route = kSgemmBlas;
   switch (route) {
-#if defined(__AVX512F__)
-    case kSgemmAvx512: sgemm_tiles<Zmm, 12, 2>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); return;
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-    case kSgemmAvx2: sgemm_tiles<Ymm, 6, 2>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); return;
-    case kSgemmAvx512Emu: sgemm_tiles<Pair<Ymm>, 12, 2>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); return;
-#endif
+    case kSgemmAvx512: sgemm_tiles<isa::F16, 12, 2>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); return;
+    case kSgemmAvx2: sgemm_tiles<isa::F8, 6, 2>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); return;
+    case kSgemmAvx512Emu:
+      sgemm_tiles<Pair<isa::F8>, 12, 2>(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+      return;
     default: gemm_rm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); return;
   }
 }
