@@ -335,53 +335,71 @@ def test_native_masks_match_the_pure_code(name, gen, monkeypatch, native_ops):
         assert (native[0][0, 0, 3] == 0).all() and (native[0][1, :, 10:20] == 0).all()  # empty rows give 0
 
 
+_PORTABLE_CHECK = textwrap.dedent("""
+    import torch
+    from attnlab.kernels import native as _native
+    _native._CFLAGS = _native._CFLAGS + EXTRA_CFLAGS
+    print("LIBRARY", _native._cache_dir())
+    from attnlab import tiled
+    from attnlab.decoding import decode_attention
+    from attnlab.testing import assert_close
+    assert tiled.native_status().available, str(tiled.native_status())
+    g = torch.Generator().manual_seed(0)
+    for causal, use_mask in [(False, False), (True, False), (False, True)]:
+        q = torch.randn(2, 4, 70, 32, generator=g, requires_grad=True)
+        k = torch.randn(2, 2, 90, 32, generator=g, requires_grad=True)
+        v = torch.randn(2, 2, 90, 16, generator=g, requires_grad=True)
+        mask = torch.rand(2, 1, 70, 90, generator=g) > 0.4 if use_mask else None
+        out = tiled.flash_attention(q, k, v, mask, is_causal=causal, enable_gqa=True, block_q=32, block_k=48)
+        go = torch.randn_like(out)
+        out.backward(go)
+        qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, mask, is_causal=causal, enable_gqa=True)
+        ref.backward(go.double())
+        assert_close(out, ref, dtype=torch.float32, msg="portable output")
+        for a, b in zip((q, k, v), (qd, kd, vd)):
+            assert_close(a.grad, b.grad, dtype=torch.float32, msg="portable gradient")
+    for dtype in (torch.float32, torch.bfloat16):  # decoding, and the bf16 GEMMs widened
+        q, k, v = (torch.randn(1, 8, n, 64, generator=g).to(dtype) for n in (1, 300, 300))
+        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+        assert_close(decode_attention(q, k[:, :2], v[:, :2], enable_gqa=True).double(),
+                     torch.nn.functional.scaled_dot_product_attention(q.double(), k[:, :2].double(),
+                                                                      v[:, :2].double(), enable_gqa=True),
+                     dtype=dtype, msg="portable decode")
+        assert_close(tiled.flash_attention(q, k, v).double(), ref, dtype=dtype, msg="portable tiled")
+    print("PORTABLE OK")
+""")
+
+
 @pytest.mark.subprocess
 @pytest.mark.slow
-def test_the_portable_kernel_without_avx512(tmp_path):
-    """Machines without AVX-512 compile the portable exp2 and row pass: outputs and gradients
-    against float64 torch, and no zmm register in the library. On an AVX-512 CPU it is built here
-    with -mno-avx512f into a scratch cache; on a CPU without AVX-512 the build every other test
-    uses is that portable build already, and it is the one checked (not a second, 25 s build)."""
+@pytest.mark.parametrize("build", ["without_avx512", "without_vector_units"])
+def test_the_portable_kernel(tmp_path, build):
+    """The builds the seam's stand-ins serve (csrc/isa/): a CPU without AVX-512 (isa::F8's row pass
+    and 2^x) and one without AVX at all (isa::F1, the portable F8 and F16, no vector unit: the build
+    of a CPU with none of x86's, as an aarch64 one), outputs, gradients, decoding and the bf16 route
+    against float64 torch, and no zmm (no ymm) register in the library. Built here with
+    -mno-avx512f or -mno-avx into a scratch cache; on a CPU without AVX-512 the first is the build
+    every other test uses, and it is the one checked (not a second, 25 s build)."""
     avx512 = "avx512f" in _native.cpu_features()
-    code = textwrap.dedent("""
-        import torch
-        from attnlab.kernels import native as _native
-        if AVX512:
-            _native._CFLAGS = _native._CFLAGS + ["-mno-avx512f"]
-        print("LIBRARY", _native._cache_dir())
-        from attnlab import tiled
-        from attnlab.testing import assert_close
-        assert tiled.native_status().available, str(tiled.native_status())
-        g = torch.Generator().manual_seed(0)
-        for causal, use_mask in [(False, False), (True, False), (False, True)]:
-            q = torch.randn(2, 4, 70, 32, generator=g, requires_grad=True)
-            k = torch.randn(2, 2, 90, 32, generator=g, requires_grad=True)
-            v = torch.randn(2, 2, 90, 16, generator=g, requires_grad=True)
-            mask = torch.rand(2, 1, 70, 90, generator=g) > 0.4 if use_mask else None
-            out = tiled.flash_attention(q, k, v, mask, is_causal=causal, enable_gqa=True, block_q=32, block_k=48)
-            go = torch.randn_like(out)
-            out.backward(go)
-            qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-            ref = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, mask, is_causal=causal, enable_gqa=True)
-            ref.backward(go.double())
-            assert_close(out, ref, dtype=torch.float32, msg="portable output")
-            for a, b in zip((q, k, v), (qd, kd, vd)):
-                assert_close(a.grad, b.grad, dtype=torch.float32, msg="portable gradient")
-        print("PORTABLE OK")
-    """).replace("AVX512", str(avx512))
-    env = {"ATTNLAB_CACHE_DIR": str(tmp_path / "cache")} if avx512 else {}
+    scratch = avx512 or build == "without_vector_units"
+    flags = (["-mno-avx512f"] if avx512 else []) if build == "without_avx512" else ["-mno-avx", "-mno-fma", "-mno-f16c"]
+    code = _PORTABLE_CHECK.replace("EXTRA_CFLAGS", repr(flags))
+    env = {"ATTNLAB_CACHE_DIR": str(tmp_path / "cache")} if scratch else {}
     run = _run_python(code, ATTNLAB_NATIVE="1", **env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "PORTABLE OK" in run.stdout
     library = Path(run.stdout.split("LIBRARY ", 1)[1].split()[0]) / "attnlab_native.so"
-    assert library.is_file() and (library.parent.parent == tmp_path / "cache") == avx512
-    assert b"zmm" not in _disassembly(library)
-    # the zmm check is not vacuous: the same detector finds AVX-512 code where there is some,
-    # also on a machine without AVX-512 (the compiler emits it when told to; nothing runs it)
-    probe = tmp_path / "avx512.c"
-    probe.write_text("#include <immintrin.h>\n__m512 twice(__m512 x) { return _mm512_add_ps(x, x); }\n")
-    subprocess.run(["gcc", "-O2", "-mavx512f", "-c", str(probe), "-o", str(tmp_path / "avx512.o")], check=True)
-    assert b"zmm" in _disassembly(tmp_path / "avx512.o")
+    assert library.is_file() and (library.parent.parent == tmp_path / "cache") == scratch
+    banned = b"zmm" if build == "without_avx512" else b"ymm"
+    assert banned not in _disassembly(library)
+    # the check is not vacuous: the same detector finds AVX code where there is some, also on a
+    # machine without it (the compiler emits it when told to; nothing runs it)
+    width, flag = ("512", "-mavx512f") if banned == b"zmm" else ("256", "-mavx")
+    probe = tmp_path / "wide.c"
+    probe.write_text(f"#include <immintrin.h>\n__m{width} twice(__m{width} x) {{ return _mm{width}_add_ps(x, x); }}\n")
+    subprocess.run(["gcc", "-O2", flag, "-c", str(probe), "-o", str(tmp_path / "wide.o")], check=True)
+    assert banned in _disassembly(tmp_path / "wide.o")
 
 
 def _disassembly(path) -> bytes:
