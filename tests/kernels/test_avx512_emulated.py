@@ -2,7 +2,7 @@
 machine).
 
 ``ATTNLAB_NATIVE_ISA=avx512-emulated`` builds the kernels with each AVX-512 instruction they use
-written out in portable C++ (``csrc/avx512_emulated.h``), so the AVX-512 branches (kernels.h's row
+written out in portable C++ (``csrc/isa/avx512_emulated.h``), so the AVX-512 branches (kernels.h's row
 pass and 2^x, the 12 x 32 zmm GEMM tile of the ``avx512`` float32 route, the ``vdpbf16ps`` bf16
 GEMM and its packing) run on an AVX2-only CPU. Here that build runs the kernels' own parity
 suites in a child process: the same checks, against torch and float64, that the native build

@@ -1,6 +1,6 @@
 """The real instruction is the oracle of its emulation (issue 49 item 3).
 
-The avx512-emulated build (``csrc/avx512_emulated.h``) runs the kernels' AVX-512 source on CPUs
+The avx512-emulated build (``csrc/isa/avx512_emulated.h``) runs the kernels' AVX-512 source on CPUs
 without AVX-512. Each instruction it emulates is checked here, bit for bit, over random bits and
 the corners where emulations go wrong (denormal inputs and accumulators, products that underflow,
 ties, overflow, inf and NaN):
