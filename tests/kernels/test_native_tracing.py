@@ -56,6 +56,8 @@ def captured(monkeypatch):
                      torch.randn(1, 2, 300, 16, generator=g), enable_gqa=True)
     a, b = torch.randn(8, 16, generator=g), torch.randn(16, 8, generator=g)
     Recorder().tile_gemm_(a, b, torch.zeros(8, 8), False, False, 1.0, 0.0, 0)
+    Recorder().tile_gemm_bf16_(a.bfloat16(), b.bfloat16(), torch.zeros(8, 8), False, False, 1.0, 0.0,
+                               bool(real.bf16_units()))
     return calls
 
 
