@@ -134,7 +134,7 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
   if (own_prefetch)
     for (int j = 0; j < first; ++j) prefetch_row(k + j * k_ld, E);
   int j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (isa::kF8)
   // two rows by four keys from 8 rows on; at 4 rows (a decode step of one GQA group) dots2's four
   // rows by two keys read each key once, not twice: 3-5% faster there in fp32 and bf16 (q (1, 32, 1,
   // 128) against S = 32768, 2 threads, AVX2 EPYC, 2026-12-03; int8 2% slower, within the noise)
@@ -148,7 +148,6 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
       for (int i = 0; i < 4; ++i) f[i] = k_scale ? scale2 * k_scale[j + i] : scale2;
       dots4<T>(q, n, E, k + j * k_ld, k_ld, f, s, ld, j);
     }
-#endif
   for (; j < nk; j += 2) {
     if (j + PREFETCH_ROWS >= first && j + PREFETCH_ROWS < nk) prefetch_row(k + (j + PREFETCH_ROWS) * k_ld, E);
     if (v) {
@@ -166,14 +165,12 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
         continue;
       }
     }
-#if defined(ATTNLAB_DECODE_BF16_DOTS)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if constexpr (std::is_same_v<T, c10::BFloat16> && isa::kBf16x8) {
       if (qb) {
         bdots2(qb, n, E, k + j * k_ld, two ? k + (j + 1) * k_ld : nullptr, f0, f1, s, ld, j);
         continue;
       }
     }
-#endif
     dots2<T>(q, n, E, k + j * k_ld, two ? k + (j + 1) * k_ld : nullptr, f0, f1, s, ld, j);
   }
 }
@@ -187,126 +184,124 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
 // and every key's FMAs then waited on stores and reloads; so did an array of accumulators GCC
 // would not keep in registers (2026-12-03, 2-core AVX2 EPYC, q (8, 4, 4, 128) against S = 2048 on
 // one thread: perf put most of the kernel's samples on those stores).
-#if defined(__AVX2__) && defined(__FMA__)
 // acc rows a .. a + R - 1, columns [c, c + 8 * U) (R = 4 or 6, U = 1 or 2) += P~ rows a ..
 // a + R - 1 (p0, ld apart) times V's columns. Six rows (twelve accumulators, the two value vectors,
 // one weight at a time: 15 registers) let each value vector feed six FMAs, not four: at 16 rows a
 // head (q (1, 32, 4, 128) fp32 against S = 32768, 2 threads, 2-core AVX2 EPYC, 2026-12-03) they
 // took the step from 24.7 to 21.0 ms.
-template <class T, int R, int U>
+template <class T, int R, int U, class X = isa::F8>
 inline void value_tile(const float* __restrict__ p0, int ld, int nk, const T* __restrict__ v, int64_t v_ld,
                        int64_t c, float* __restrict__ acc, int64_t Ev) {
   static_assert((R == 4 || R == 6) && (U == 1 || U == 2), "value_tile: 4 or 6 rows, one or two vectors");
+  using V = typename X::V;
   float* d = acc + c;
-  __m256 r00 = _mm256_loadu_ps(d), r10 = _mm256_loadu_ps(d + Ev), r20 = _mm256_loadu_ps(d + 2 * Ev);
-  __m256 r30 = _mm256_loadu_ps(d + 3 * Ev), r40 = r00, r50 = r00;
-  if constexpr (R == 6) r40 = _mm256_loadu_ps(d + 4 * Ev), r50 = _mm256_loadu_ps(d + 5 * Ev);
-  __m256 r01 = r00, r11 = r00, r21 = r00, r31 = r00, r41 = r00, r51 = r00;
+  V r00 = X::load(d), r10 = X::load(d + Ev), r20 = X::load(d + 2 * Ev);
+  V r30 = X::load(d + 3 * Ev), r40 = r00, r50 = r00;
+  if constexpr (R == 6) r40 = X::load(d + 4 * Ev), r50 = X::load(d + 5 * Ev);
+  V r01 = r00, r11 = r00, r21 = r00, r31 = r00, r41 = r00, r51 = r00;
   if constexpr (U == 2) {
-    r01 = _mm256_loadu_ps(d + 8), r11 = _mm256_loadu_ps(d + Ev + 8), r21 = _mm256_loadu_ps(d + 2 * Ev + 8);
-    r31 = _mm256_loadu_ps(d + 3 * Ev + 8);
-    if constexpr (R == 6) r41 = _mm256_loadu_ps(d + 4 * Ev + 8), r51 = _mm256_loadu_ps(d + 5 * Ev + 8);
+    r01 = X::load(d + 8), r11 = X::load(d + Ev + 8), r21 = X::load(d + 2 * Ev + 8);
+    r31 = X::load(d + 3 * Ev + 8);
+    if constexpr (R == 6) r41 = X::load(d + 4 * Ev + 8), r51 = X::load(d + 5 * Ev + 8);
   }
   for (int j = 0; j < nk; ++j) {
     const T* row = v + j * v_ld + c;
-    __m256 x0 = load8<T>(row), x1 = x0;
-    in_register(x0);
-    if constexpr (U == 2) x1 = load8<T>(row + 8), in_register(x1);
+    V x0 = load8<X>(row), x1 = x0;
+    X::keep(x0);
+    if constexpr (U == 2) x1 = load8<X>(row + 8), X::keep(x1);
     // one row's weight times the value vectors
-    auto row_fma = [&](int i, __m256& ra, __m256& rb) {
-      const __m256 w = _mm256_broadcast_ss(p0 + i * ld + j);
-      ra = _mm256_fmadd_ps(w, x0, ra);
-      if constexpr (U == 2) rb = _mm256_fmadd_ps(w, x1, rb);
+    auto row_fma = [&](int i, V& ra, V& rb) {
+      const V w = X::bcast(p0 + i * ld + j);
+      ra = X::fma(w, x0, ra);
+      if constexpr (U == 2) rb = X::fma(w, x1, rb);
     };
     row_fma(0, r00, r01), row_fma(1, r10, r11), row_fma(2, r20, r21), row_fma(3, r30, r31);
     if constexpr (R == 6) row_fma(4, r40, r41), row_fma(5, r50, r51);
   }
-  _mm256_storeu_ps(d, r00), _mm256_storeu_ps(d + Ev, r10), _mm256_storeu_ps(d + 2 * Ev, r20);
-  _mm256_storeu_ps(d + 3 * Ev, r30);
-  if constexpr (R == 6) _mm256_storeu_ps(d + 4 * Ev, r40), _mm256_storeu_ps(d + 5 * Ev, r50);
+  X::store(d, r00), X::store(d + Ev, r10), X::store(d + 2 * Ev, r20);
+  X::store(d + 3 * Ev, r30);
+  if constexpr (R == 6) X::store(d + 4 * Ev, r40), X::store(d + 5 * Ev, r50);
   if constexpr (U == 2) {
-    _mm256_storeu_ps(d + 8, r01), _mm256_storeu_ps(d + Ev + 8, r11), _mm256_storeu_ps(d + 2 * Ev + 8, r21);
-    _mm256_storeu_ps(d + 3 * Ev + 8, r31);
-    if constexpr (R == 6) _mm256_storeu_ps(d + 4 * Ev + 8, r41), _mm256_storeu_ps(d + 5 * Ev + 8, r51);
+    X::store(d + 8, r01), X::store(d + Ev + 8, r11), X::store(d + 2 * Ev + 8, r21);
+    X::store(d + 3 * Ev + 8, r31);
+    if constexpr (R == 6) X::store(d + 4 * Ev + 8, r41), X::store(d + 5 * Ev + 8, r51);
   }
 }
-#endif
 
-#if defined(__AVX2__) && defined(__FMA__)
 // acc rows a, a + 1, columns [c, c + 32) += P~ rows a, a + 1 times V's columns: eight accumulators,
 // four value vectors, two weights. For the 2 or 4 rows of a decode step: a pass over the block reads
 // two lines of each value row, not one, and float32 at 4 rows (q (1, 32, 1, 128) against S = 32768,
 // 2 threads, AVX2 EPYC, 2026-12-03) took 13.3-14.3 ms this way against 14.2-16.1 ms with the
 // four-row 16-column tile (the same as before the tiles: a four-row 32-column tile that spilled).
-template <class T>
+template <class T, class X = isa::F8>
 inline void value_pair32(const float* __restrict__ p0, int ld, int nk, const T* __restrict__ v, int64_t v_ld,
                          int64_t c, float* __restrict__ acc, int64_t Ev) {
+  using V = typename X::V;
   const float* p1 = p0 + ld;
   float *d0 = acc + c, *d1 = d0 + Ev;
-  __m256 r00 = _mm256_loadu_ps(d0), r01 = _mm256_loadu_ps(d0 + 8), r02 = _mm256_loadu_ps(d0 + 16);
-  __m256 r03 = _mm256_loadu_ps(d0 + 24), r10 = _mm256_loadu_ps(d1), r11 = _mm256_loadu_ps(d1 + 8);
-  __m256 r12 = _mm256_loadu_ps(d1 + 16), r13 = _mm256_loadu_ps(d1 + 24);
+  V r00 = X::load(d0), r01 = X::load(d0 + 8), r02 = X::load(d0 + 16);
+  V r03 = X::load(d0 + 24), r10 = X::load(d1), r11 = X::load(d1 + 8);
+  V r12 = X::load(d1 + 16), r13 = X::load(d1 + 24);
   for (int j = 0; j < nk; ++j) {
     const T* row = v + j * v_ld + c;
-    __m256 x0 = load8<T>(row), x1 = load8<T>(row + 8), x2 = load8<T>(row + 16), x3 = load8<T>(row + 24);
-    in_register(x0), in_register(x1), in_register(x2), in_register(x3);
-    const __m256 w0 = _mm256_broadcast_ss(p0 + j), w1 = _mm256_broadcast_ss(p1 + j);
-    r00 = _mm256_fmadd_ps(w0, x0, r00), r01 = _mm256_fmadd_ps(w0, x1, r01);
-    r02 = _mm256_fmadd_ps(w0, x2, r02), r03 = _mm256_fmadd_ps(w0, x3, r03);
-    r10 = _mm256_fmadd_ps(w1, x0, r10), r11 = _mm256_fmadd_ps(w1, x1, r11);
-    r12 = _mm256_fmadd_ps(w1, x2, r12), r13 = _mm256_fmadd_ps(w1, x3, r13);
+    V x0 = load8<X>(row), x1 = load8<X>(row + 8), x2 = load8<X>(row + 16), x3 = load8<X>(row + 24);
+    X::keep(x0), X::keep(x1), X::keep(x2), X::keep(x3);
+    const V w0 = X::bcast(p0 + j), w1 = X::bcast(p1 + j);
+    r00 = X::fma(w0, x0, r00), r01 = X::fma(w0, x1, r01);
+    r02 = X::fma(w0, x2, r02), r03 = X::fma(w0, x3, r03);
+    r10 = X::fma(w1, x0, r10), r11 = X::fma(w1, x1, r11);
+    r12 = X::fma(w1, x2, r12), r13 = X::fma(w1, x3, r13);
   }
-  _mm256_storeu_ps(d0, r00), _mm256_storeu_ps(d0 + 8, r01), _mm256_storeu_ps(d0 + 16, r02);
-  _mm256_storeu_ps(d0 + 24, r03), _mm256_storeu_ps(d1, r10), _mm256_storeu_ps(d1 + 8, r11);
-  _mm256_storeu_ps(d1 + 16, r12), _mm256_storeu_ps(d1 + 24, r13);
+  X::store(d0, r00), X::store(d0 + 8, r01), X::store(d0 + 16, r02);
+  X::store(d0 + 24, r03), X::store(d1, r10), X::store(d1 + 8, r11);
+  X::store(d1 + 16, r12), X::store(d1 + 24, r13);
 }
-#endif
 
 template <class T>
 inline void stream_values(const float* __restrict__ s, int64_t n, int64_t Ev, const T* __restrict__ v, int64_t v_ld,
                           int nk, int ld, float* __restrict__ acc, bool own_prefetch = true) {
   if (own_prefetch)
     for (int j = 0; j < nk; ++j) prefetch_row(v + j * v_ld, Ev);  // the block's V rows, while the first are used
-  int64_t done = 0;  // rows [0, done) are taken by the register tiles
-#if defined(__AVX2__) && defined(__FMA__)
-  // a decode step's few rows: pairs of rows by 32 columns. Not for int8 rows: each pair of rows
-  // converts every value element again (vpmovsxbd, vcvtdq2ps), so 4 rows take the four-row tile
-  // below, which converts it once. int8 at 4 rows a head, with the int16 dot products (q (1, 32, 1,
-  // 128) against (1, 8, S, 128), one thread, CPU time, 2-core AVX2 EPYC, 2026-12-03): 0.72-0.87x
-  // bf16's time with the pairs, 0.69-0.72x with the four-row tile (three rounds each, S = 4096 and 32768).
-  if (n < 6 && n % 2 == 0 && Ev % 32 == 0 && !std::is_same_v<T, int8_t>) {
-    for (int64_t c = 0; c < Ev; c += 32)
-      for (int64_t a = 0; a < n; a += 2) value_pair32<T>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
-    return;
-  }
-  // six-row tiles, then four-row ones: as many six-row tiles as cover the most rows
-  int64_t sixes = 0;
-  done = n & ~int64_t(3);
-  for (int64_t t = 1; 6 * t <= n; ++t)
-    if (6 * t + ((n - 6 * t) & ~int64_t(3)) >= done) sixes = t, done = 6 * t + ((n - 6 * t) & ~int64_t(3));
-  const int64_t wide = Ev & ~int64_t(15), full = Ev & ~int64_t(7);
-  // columns outer, row tiles inner: a column block's value lines are read from L1 by every tile
-  int64_t c = 0;
-  for (; c < wide; c += 16) {
-    int64_t a = 0;
-    for (; a < 6 * sixes; a += 6) value_tile<T, 6, 2>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
-    for (; a < done; a += 4) value_tile<T, 4, 2>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
-  }
-  for (; c < full; c += 8) {
-    int64_t a = 0;
-    for (; a < 6 * sixes; a += 6) value_tile<T, 6, 1>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
-    for (; a < done; a += 4) value_tile<T, 4, 1>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
-  }
-  for (int64_t a = 0; a < done; ++a) {  // the last columns, one at a time
-    const float* pa = s + a * ld;
-    for (int64_t c = full; c < Ev; ++c) {
-      float t = 0.0f;
-      for (int j = 0; j < nk; ++j) t += pa[j] * widen<T>(v[j * v_ld + c]);
-      acc[a * Ev + c] += t;
+  int64_t done = 0;  // rows [0, done) are taken by the register tiles (on the seam's 8-lane vector)
+  if constexpr (isa::kF8) {
+    // a decode step's few rows: pairs of rows by 32 columns. Not for int8 rows: each pair of rows
+    // converts every value element again (vpmovsxbd, vcvtdq2ps), so 4 rows take the four-row tile
+    // below, which converts it once. int8 at 4 rows a head, with the int16 dot products (q (1, 32, 1,
+    // 128) against (1, 8, S, 128), one thread, CPU time, 2-core AVX2 EPYC, 2026-12-03): 0.72-0.87x
+    // bf16's time with the pairs, 0.69-0.72x with the four-row tile (three rounds each, S = 4096 and 32768).
+    if (n < 6 && n % 2 == 0 && Ev % 32 == 0 && !std::is_same_v<T, int8_t>) {
+      for (int64_t c = 0; c < Ev; c += 32)
+        for (int64_t a = 0; a < n; a += 2) value_pair32<T>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
+      return;
+    }
+    // six-row tiles, then four-row ones: as many six-row tiles as cover the most rows
+    int64_t sixes = 0;
+    done = n & ~int64_t(3);
+    for (int64_t t = 1; 6 * t <= n; ++t)
+      if (6 * t + ((n - 6 * t) & ~int64_t(3)) >= done) sixes = t, done = 6 * t + ((n - 6 * t) & ~int64_t(3));
+    const int64_t wide = Ev & ~int64_t(15), full = Ev & ~int64_t(7);
+    // columns outer, row tiles inner: a column block's value lines are read from L1 by every tile
+    int64_t c = 0;
+    for (; c < wide; c += 16) {
+      int64_t a = 0;
+      for (; a < 6 * sixes; a += 6) value_tile<T, 6, 2>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
+      for (; a < done; a += 4) value_tile<T, 4, 2>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
+    }
+    for (; c < full; c += 8) {
+      int64_t a = 0;
+      for (; a < 6 * sixes; a += 6) value_tile<T, 6, 1>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
+      for (; a < done; a += 4) value_tile<T, 4, 1>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
+    }
+    for (int64_t a = 0; a < done; ++a) {  // the last columns, one at a time
+      const float* pa = s + a * ld;
+      for (int64_t c = full; c < Ev; ++c) {
+        float t = 0.0f;
+        for (int j = 0; j < nk; ++j) t += pa[j] * widen<T>(v[j * v_ld + c]);
+        acc[a * Ev + c] += t;
+      }
     }
   }
-#endif
-  for (int64_t a = done; a < n; ++a) {  // rows left over (and every row without AVX2): one row at a time
+  for (int64_t a = done; a < n; ++a) {  // rows left over (and every row without F8): one row at a time
     const float* pa = s + a * ld;
     float* dst = acc + a * Ev;
     for (int j = 0; j < nk; ++j) {
@@ -412,14 +407,12 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
           for (int i = 0; i < m; ++i) sg[a * nk + j + i] *= vscale[i];
       }
       for (int i = 0; i < ahead; ++i) prefetch_row(vb + noff + g * vs.s_head + i * vs.s_row, Ev);
-#if defined(ATTNLAB_DECODE_BF16_DOTS)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (std::is_same_v<T, c10::BFloat16> && isa::kBf16x8) {
         if (pb) {
           bvalues(pb + g * n * bk + j, nk, n, Ev, vb + off + g * vs.s_head, vs.s_row, m, states + g * state);
           continue;
         }
       }
-#endif
       stream_values<T>(sg + j, n, Ev, vb + off + g * vs.s_head, vs.s_row, m, nk, states + g * state,
                        /*own_prefetch=*/false);
     }
@@ -533,15 +526,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
     return {out, lse2, at::scalar_tensor(true, at::TensorOptions().dtype(at::kBool))};  // NaN or inf in q
   // a bf16 cache on the streaming loop with bf16_dot = 1 (a build with the instruction): the query
   // rows as bf16 once (bdots2), when that changes no answer (bf16_query_rows), else the float32 route
-#if defined(ATTNLAB_DECODE_BF16_DOTS)
-  bool bf16_dots = ks.dtype == at::kBFloat16 && mode == 1 && (bf16_dot & 1) && E % 16 == 0;
+  bool bf16_dots = isa::kBf16x8 && ks.dtype == at::kBFloat16 && mode == 1 && (bf16_dot & 1) && E % 16 == 0;
   // and the value pass on it (bf16_dot bit 1: decode.py asks for it when the output is bf16, as P~
   // is rounded to bf16 for it), 32 columns at a time
-  const bool bf16_values = ks.dtype == at::kBFloat16 && mode == 1 && (bf16_dot & 2) && Ev % 32 == 0;
-#else
-  bool bf16_dots = false;
-  const bool bf16_values = false;
-#endif
+  const bool bf16_values = isa::kBf16x8 && ks.dtype == at::kBFloat16 && mode == 1 && (bf16_dot & 2) && Ev % 32 == 0;
   std::vector<c10::BFloat16> q_bf16(bf16_dots ? static_cast<size_t>(Nb * n * E) : 0);
   if (bf16_dots) bf16_dots = bf16_query_rows(q, Nb * n, E, scale2, q_bf16.data());
 
@@ -634,14 +622,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
                   for (int64_t a = 0; a < n; ++a)
                     for (int i = 0; i < m; ++i) s[a * nk + j + i] *= vscale[i];
                 }
-#if defined(ATTNLAB_DECODE_BF16_DOTS)
-                if constexpr (std::is_same_v<T, c10::BFloat16>) {
+                if constexpr (std::is_same_v<T, c10::BFloat16> && isa::kBf16x8) {
                   if (pb) {
                     bvalues(pb + j, nk, n, Ev, vb + off, vs.s_row, m, acc);
                     continue;
                   }
                 }
-#endif
                 stream_values<T>(s + j, n, Ev, vb + off, vs.s_row, m, nk, acc);
               }
             };
@@ -696,16 +682,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
 // The dot-product instructions this build's streaming decode loop has (attnlab.kernels.native's
 // status names them): bit 0 vdpbf16ps for bf16 caches (bdots2), bit 1 vpdpwssd for int8 caches
 // (dot_pairs). Without them: bf16 widened to float32, int8 on vpmaddwd and vpaddd.
-int64_t decode_dot_instructions() {
-  int64_t bits = 0;
-#if defined(ATTNLAB_DECODE_BF16_DOTS)
-  bits |= 1;
-#endif
-#if defined(ATTNLAB_DECODE_VNNI_DOTS)
-  bits |= 2;
-#endif
-  return bits;
-}
+int64_t decode_dot_instructions() { return (isa::kBf16x8 ? 1 : 0) | (isa::kVnni ? 2 : 0); }
 
 }  // namespace
 

@@ -4,12 +4,23 @@
 
 #include <immintrin.h>
 
+#include "portable.h"  // half_bits_to_float
+
 #include <cstdint>
 #include <cstring>
 
 namespace isa {
 
+struct F4 {  // 4 floats: a row's four scores
+  using V = __m128;
+  static V set1(float x) { return _mm_set1_ps(x); }
+  static V load(const float* p) { return _mm_loadu_ps(p); }
+  static void store(float* p, V x) { _mm_storeu_ps(p, x); }
+  static V mul(V a, V b) { return _mm_mul_ps(a, b); }
+};
+
 struct F8 {  // 8 floats
+  static constexpr bool real = true;
   static constexpr int W = 8;
   using V = __m256;
   static V zero() { return _mm256_setzero_ps(); }
@@ -49,6 +60,36 @@ struct F8 {  // 8 floats
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     return _mm_cvtss_f32(m);
   }
+  // 8 stored elements widened to float32: bf16 (the top half of a float32: a shift), fp16 (F16C's
+  // vcvtph2ps), int8 (without its scale)
+  static V load_bf16(const uint16_t* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static V load_f16(const uint16_t* p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    alignas(32) float b[8];
+    for (int i = 0; i < 8; ++i) b[i] = half_bits_to_float(p[i]);
+    return _mm256_load_ps(b);
+#endif
+  }
+  static V load_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  // Keep x in a register: without this GCC folds a float32 load into each FMA that uses it, so a
+  // key's 8 elements were loaded four times (once per query row) and the decode loop was bound by
+  // the load ports (two 256-bit loads a cycle on Zen 3), not the FMAs.
+  static void keep(V& x) { asm("" : "+x"(x)); }
+  // the four sums of s0..s3, as one vector (a hadd tree: cheaper than four horizontal sums)
+  static F4::V sum4(V s0, V s1, V s2, V s3) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  }
+  // (a's low 128 bits, b's low) and (a's high, b's high)
+  static V join_lo(V a, V b) { return _mm256_permute2f128_ps(a, b, 0x20); }
+  static V join_hi(V a, V b) { return _mm256_permute2f128_ps(a, b, 0x31); }
   // 2^x for x <= 0: n = round(x), 2^f (f = x - n in [-1/2, 1/2]) by a degree-6 near-minimax
   // polynomial (relative error 1.0e-7), 2^n written into the exponent bits; x <= -127 gives 0.
   // GCC does not vectorise the portable loop (objdump of the build on an AVX2-only EPYC: 4 ymm FMAs
@@ -69,6 +110,42 @@ struct F8 {  // 8 floats
   }
 };
 constexpr bool kF8 = true;
+
+// 16 int16 lanes: the int8 cache's integer dot products (the query rounded to int16, the keys
+// sign-extended), summed in pairs into 8 int32 lanes
+struct I16 {
+  static constexpr bool real = true;
+  using V = __m256i;
+  static V zero() { return _mm256_setzero_si256(); }
+  static V load(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static V widen_i8(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void keep(V& x) { asm("" : "+x"(x)); }
+  // acc + the sums of a's and b's int16 pairs, per int32 lane: one vpdpwssd where the build has
+  // AVX512_VNNI with VL (the avx512-emulated build has it everywhere), else vpmaddwd and vpaddd.
+  // The same wrapping int32 sums either way, so the two give the same bits.
+  static V dot_pairs(V acc, V a, V b) {
+#if defined(__AVX512VNNI__) && (defined(__AVX512VL__) || defined(ATTNLAB_EMULATE_AVX512))
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+  }
+  // the four sums of the int32 lanes of s0..s3, as floats (sum4's tree on integers: exact)
+  static F4::V sum4(V s0, V s1, V s2, V s3) {
+    const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+    return _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
+  }
+};
+#if defined(__AVX512VNNI__) && (defined(__AVX512VL__) || defined(ATTNLAB_EMULATE_AVX512))
+constexpr bool kVnni = true;  // I16::dot_pairs is one vpdpwssd
+#else
+constexpr bool kVnni = false;
+#endif
+#if defined(__F16C__)
+constexpr bool kF16c = true;  // F8::load_f16 (vcvtph2ps)
+#else
+constexpr bool kF16c = false;
+#endif
 
 // dst's 16 pairs (dst[2 j], dst[2 j + 1]) = (r0[j], r1[j]), j < 16: vpunpck{l,h}wd, then
 // vperm2i128 to undo their 128-bit lanes

@@ -9,6 +9,7 @@
 namespace isa {
 
 struct F16 {  // 16 floats
+  static constexpr bool real = true;
   static constexpr int W = 16;
   using V = __m512;
   static __mmask16 first(int n) { return static_cast<__mmask16>((1u << n) - 1u); }  // lanes [0, n), n <= 16
@@ -66,6 +67,27 @@ inline void to_bf16_x32(const float* src, uint16_t* dst) {
   _mm512_storeu_si512(reinterpret_cast<void*>(dst), reinterpret_cast<__m512i>(two));
 }
 constexpr bool kBf16 = true;
+#endif
+
+#if defined(__AVX512BF16__) && (defined(__AVX512VL__) || defined(ATTNLAB_EMULATE_AVX512))
+// 16 bf16 in a ymm: vdpbf16ps on 256 bits (AVX512_BF16 with VL), the decode kernel's. 256 bits,
+// not 512: Zen 4 runs a 512-bit vdpbf16ps as two halves anyway, and 8-lane sums reuse F8::sum4.
+struct B16 {
+  static constexpr bool real = true;
+  using V = __m256bh;
+  static V load(const uint16_t* p) { return reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V pair(uint32_t two) { return reinterpret_cast<__m256bh>(_mm256_set1_epi32(static_cast<int>(two))); }
+  // the pairs (r0[j], r1[j]) of 16 columns: *lo holds columns 0-3 and 8-11, *hi 4-7 and 12-15
+  // (vpunpck{l,h}wd keep to 128-bit lanes); r1 null: pairs with 0
+  static void interleave(const uint16_t* r0, const uint16_t* r1, V* lo, V* hi) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0));
+    const __m256i b = r1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1)) : _mm256_setzero_si256();
+    *lo = reinterpret_cast<__m256bh>(_mm256_unpacklo_epi16(a, b));
+    *hi = reinterpret_cast<__m256bh>(_mm256_unpackhi_epi16(a, b));
+  }
+};
+// acc[j] + a[2j] b[2j] + a[2j + 1] b[2j + 1] per float32 lane, 8 lanes
+inline __m256 dpbf16(__m256 acc, __m256bh a, __m256bh b) { return _mm256_dpbf16_ps(acc, a, b); }
 #endif
 
 }  // namespace isa

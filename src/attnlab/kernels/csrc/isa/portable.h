@@ -37,9 +37,26 @@ inline float exp2_nonpos(float x) {
   return p * two_n;
 }
 
+// fp16 bits as float32: exact (every half is a float32), denormals, inf and NaN included
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const int exponent = (h >> 10) & 0x1f;
+  const uint32_t mantissa = h & 0x3ffu;
+  float f;
+  if (exponent == 0x1f) {  // inf or NaN (payload kept)
+    const uint32_t bits = sign | 0x7f800000u | (mantissa << 13);
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  f = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -24)  // zero or a denormal
+                    : std::ldexp(static_cast<float>(mantissa | 0x400u), exponent - 25);
+  return sign ? -f : f;
+}
+
 // N float lanes in plain C++, the interface of F8 and F16
 template <int N>
 struct Portable {
+  static constexpr bool real = false;  // a stand-in: correct, not fast (decode's kernels skip it)
   static constexpr int W = N;
   struct V {
     float x[N];
@@ -74,6 +91,7 @@ struct Portable {
     return m;
   }
   static V exp2_nonpos(V a) { return each([&](int i) { return isa::exp2_nonpos(a.x[i]); }); }
+  static V load_f16(const uint16_t* p) { return each([p](int i) { return half_bits_to_float(p[i]); }); }
 };
 using F1 = Portable<1>;
 
@@ -84,6 +102,11 @@ inline float bf16_bits_to_float(uint16_t h) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+
+// a type the build does not have: its kernels' branches are not compiled (if constexpr (X::real))
+struct Absent {
+  static constexpr bool real = false;
+};
 
 // the stand-ins
 struct PortableB32 {
