@@ -25,21 +25,9 @@
 
 namespace {
 
-// bf16 bits <-> float32: a bf16 is the top half of a float32; rounding is to nearest even
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN stays NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
+// bf16 bits <-> float32 (a bf16 is the top half of a float32; rounding to nearest even): the seam's
+using isa::bf16_to_float;
+using isa::float_to_bf16;
 
 // dst[0..count) = bf16(src[0..count)): P and dS before their GEMMs, as torch's kernel rounds them
 inline void round_to_bf16(const float* src, int64_t count, uint16_t* dst) {

@@ -63,7 +63,7 @@ using B32 = PortableB32;
 template <class Acc>
 inline Acc dpbf16(Acc acc, B32::V a, B32::V b) { return portable_dpbf16(acc, a, b); }
 inline void to_bf16_x32(const float* src, uint16_t* dst) {
-  for (int i = 0; i < 32; ++i) dst[i] = portable_to_bf16(src[i]);
+  for (int i = 0; i < 32; ++i) dst[i] = float_to_bf16(src[i]);
 }
 constexpr bool kBf16 = false;
 #endif

@@ -96,7 +96,7 @@ struct Portable {
 using F1 = Portable<1>;
 
 // bf16 bits as float32 (a bf16 is the top half of a float32)
-inline float bf16_bits_to_float(uint16_t h) {
+inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
   std::memcpy(&f, &bits, 4);
@@ -129,13 +129,13 @@ inline Acc portable_dpbf16(Acc acc, PortableB32::V a, PortableB32::V b) {
   float lanes[16];
   std::memcpy(lanes, &acc, sizeof lanes);
   for (int j = 0; j < 16; ++j) {
-    lanes[j] = std::fma(bf16_bits_to_float(a.h[2 * j + 1]), bf16_bits_to_float(b.h[2 * j + 1]), lanes[j]);
-    lanes[j] = std::fma(bf16_bits_to_float(a.h[2 * j]), bf16_bits_to_float(b.h[2 * j]), lanes[j]);
+    lanes[j] = std::fma(bf16_to_float(a.h[2 * j + 1]), bf16_to_float(b.h[2 * j + 1]), lanes[j]);
+    lanes[j] = std::fma(bf16_to_float(a.h[2 * j]), bf16_to_float(b.h[2 * j]), lanes[j]);
   }
   std::memcpy(&acc, lanes, sizeof lanes);
   return acc;
 }
-inline uint16_t portable_to_bf16(float f) {  // to nearest even, NaN quiet
+inline uint16_t float_to_bf16(float f) {  // to nearest even, NaN quiet
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
   if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
