@@ -3,7 +3,8 @@ and the tests (not library code: it spawns processes and injects faults).
 
 :func:`run_ring` starts ``world`` ranks on 127.0.0.1 (gloo); each runs :func:`worker`:
 seeded inputs, ring attention forward+backward, and, on rank 0, the comparison with one
-process. Fault hooks for the tests: ``die_rank`` (a rank that exits before the ring) and
+process. Fault hooks for the tests: ``die_rank`` (a rank that exits before the ring, or before it
+joins the group with ``die_at="join"``) and
 ``nan_query`` (a NaN query row); ``message_bytes`` makes many head groups at small sizes.
 """
 
@@ -39,8 +40,11 @@ def worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(cfg.get("threads", 1))
     ring_kw = {"message_bytes": cfg["message_bytes"]} if "message_bytes" in cfg else {}  # many head groups
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg.get("timeout", 30)))
-    try:
+    try:  # joining the group is inside: a peer that dies while the mesh connects is a reported error
+        if cfg.get("die_rank") == rank and cfg.get("die_at") == "join":
+            os._exit(3)  # a rank that dies before it joins the group
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=cfg.get("timeout", 30)))
         dtype = getattr(torch, cfg.get("dtype", "float32"))
         B, H, Hkv, L, E = cfg["B"], cfg["H"], cfg.get("Hkv", cfg["H"]), cfg["L"], cfg["E"]
         g = torch.Generator().manual_seed(cfg.get("seed", 0))
@@ -53,8 +57,8 @@ def worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
             ring_kw["sinks"] = sinks
         if cfg.get("nan_query"):  # one query row of NaN: it must propagate as in one process
             q[0, 0, L // 3] = float("nan")
-        if cfg.get("die_rank") == rank:
-            os._exit(3)  # a rank that dies before the ring starts
+        if cfg.get("die_rank") == rank and cfg.get("die_at", "ring") == "ring":
+            os._exit(3)  # a rank that dies after joining, before the ring starts
         layout, causal, gqa = cfg["layout"], cfg["causal"], Hkv != H
         mask_mod = named_mask(cfg["mask"], L) if cfg.get("mask") else None
         if mask_mod is not None:
@@ -111,10 +115,11 @@ def worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
     except Exception as exc:  # reported to the launcher, never a hang
         queue.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
     finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a dead peer's group may not tear down cleanly: the report is sent
+                pass
 
 
 def named_mask(name: str, L: int):
