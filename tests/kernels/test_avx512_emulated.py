@@ -3,7 +3,7 @@ machine).
 
 ``ATTNLAB_NATIVE_ISA=avx512-emulated`` builds the kernels with each AVX-512 instruction they use
 written out in portable C++ (``csrc/isa/avx512_emulated.h``), so the AVX-512 branches (kernels.h's row
-pass and 2^x, the 12 x 32 zmm GEMM tile of the ``avx512`` float32 route, the ``vdpbf16ps`` bf16
+pass and 2^x, the 6 x 64 zmm GEMM tile of the ``avx512`` float32 route, the ``vdpbf16ps`` bf16
 GEMM and its packing) run on an AVX2-only CPU. Here that build runs the kernels' own parity
 suites in a child process: the same checks, against torch and float64, that the native build
 passes. On a CPU with AVX-512F only the bf16 instructions are emulated; on one with AVX512_BF16
@@ -70,7 +70,8 @@ def test_the_avx512_source_passes_the_kernel_suites_on_emulated_instructions():
     assert "avx512-emulated test build" in probe.stdout or "avx512f" in _native.cpu_features(), probe.stdout
     assert "float32 GEMM: avx512" in probe.stdout, probe.stdout
     assert "UNITS True" in probe.stdout and " avx512 " in probe.stdout.split("ROUTES", 1)[1] + " ", probe.stdout
-    assert "DECODE 3 " in probe.stdout, probe.stdout  # decoding's vdpbf16ps and vpdpwssd branches too
+    # decoding's vdpbf16ps and vpdpwssd branches too, and the 512-bit lane kernels (bits 2 and 3)
+    assert "DECODE 15 " in probe.stdout, probe.stdout
 
     run = _child(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", SELECT, "-o", "addopts=",
                   *(str(TESTS / s) for s in SUITES)], timeout=1500)

@@ -536,10 +536,16 @@ def test_the_status_names_the_decode_loop_s_dot_product_instructions(force_route
     bits = int(_native.ops().decode_dot_instructions())
     vnni = _native.build_isa() == "avx512-emulated" or {"avx512_vnni", "avx512vl"} <= _native.cpu_features()
     assert bool(bits & 1) == _units() and bool(bits & 2) == vnni
+    # bit 2, the lane kernel's 512-bit vdpbf16ps with AVX-512's float vectors: wherever bit 0 is (a
+    # CPU with AVX512_BF16 has AVX-512F; the emulated build has both)
+    assert bool(bits & 4) == bool(bits & 1)
+    # bit 3, the int8 lane kernel's 512-bit int16 pairs (AVX512BW; the emulated build has it)
+    assert bool(bits & 8) == (_native.build_isa() == "avx512-emulated" or "avx512bw" in _native.cpu_features())
     for route in ("bf16", "fp32"):
         force_routes(bf16=route)
         said = _native.decode_dot_products()
         assert ("bf16 caches on vdpbf16ps" in said) == (bool(bits & 1) and route == "bf16"), said
+        assert ("vdpbf16ps (512 bits)" in said) == (bool(bits & 4) and route == "bf16"), said
         assert ("int8 caches on vpdpwssd" in said) == bool(bits & 2), said
         assert said in str(_native.status())
 
@@ -805,3 +811,84 @@ def test_a_long_caches_decode_is_more_accurate_than_torch_because_its_tasks_are_
     uncapped = error(whole.reshape(1, H, 1, E))
     assert ours < 0.5 * theirs, (ours, theirs)  # 2.7e-6 against 1.1e-5 measured
     assert uncapped > 2 * ours, (uncapped, ours)  # 9.9e-6: what the cap buys
+
+
+def test_the_kernel_takes_its_integers_as_one_named_plan():
+    """``decode_forward``'s integers travel as one list, ``plan``, in ``PLAN_FIELDS``' order
+    (``DecodePlan.codes``): the front door's call equals one made by hand from named codes, and a
+    plan of the wrong length is refused with the fields it needs."""
+    ops = _native.ops()
+    assert ops is not None, _native.status()  # make demo / make test build it
+    q, k, v = randn(1, 8, 3, 64, seed=1), randn(1, 2, 300, 64, seed=2), randn(1, 2, 300, 48, seed=3)
+    q4 = q.reshape(2, 4, 3, 64)  # (Nb, r, L, E): 2 key/value heads, 4 query heads each
+    route = kernel.plan(12, 64, torch.float32, torch.float32, 48)
+    codes = route.codes(Hkv=2, S=300, causal=kernel.CAUSAL["none"], chunk=0, block_k=kernel.STREAM_BLOCK_K,
+                        sgemm=_native.sgemm_route().code)
+    assert len(codes) == len(kernel.PLAN_FIELDS) == 9
+    assert dict(zip(kernel.PLAN_FIELDS, codes))["S"] == 300
+    out, lse2, bad = ops.decode_forward(q4, k[0], v[0], None, None, None, None, 0.125 * 1.4426950408889634, codes)
+    assert not bool(bad)
+    expected = F.scaled_dot_product_attention(q, k, v, scale=0.125, enable_gqa=True)
+    assert_close(out.reshape(1, 8, 3, 48), expected)
+    with pytest.raises(RuntimeError, match=r"plan must hold 9 integers \(Hkv, S, causal.*got 8"):
+        ops.decode_forward(q4, k[0], v[0], None, None, None, None, 0.18, codes[:-1])
+
+
+def test_the_kernel_checks_the_plan_s_dot_products_and_never_second_guesses_them():
+    """The C++ runs the dot products the plan names, or refuses a plan its build or the shapes cannot
+    run (issue 49 item 1: routes decided once, in Python): int16 dot products for a float cache or
+    E = 20, the bf16 value pass without the bf16 scores or with Ev = 48."""
+    ops = _native.ops()
+    assert ops is not None, _native.status()  # make demo / make test build it
+    fields = kernel.PLAN_FIELDS
+
+    def plan(E, **codes):
+        named = dict(Hkv=1, S=40, causal=0, chunk=0, block_k=kernel.STREAM_BLOCK_K, mode=1, sgemm=0, int8_dot=0,
+                     bf16_dot=0) | codes
+        return [named[f] for f in fields]
+
+    q4, k, v = randn(1, 4, 1, 20, seed=1), randn(1, 40, 20, seed=2), randn(1, 40, 20, seed=3)
+    ops.decode_forward(q4, k, v, None, None, None, None, 0.3, plan(20))  # the float32 route runs
+    with pytest.raises(RuntimeError, match=r"int8_dot = 1 .*needs an int8 cache .*E = 20"):
+        ops.decode_forward(q4, k, v, None, None, None, None, 0.3, plan(20, int8_dot=1))
+    kb, vb = randn(1, 40, 32, seed=2).bfloat16(), randn(1, 40, 48, seed=3).bfloat16()
+    q4 = randn(1, 4, 1, 32, seed=1).bfloat16().float()
+    if _native.decode_dot_bits() & 1:  # a build with vdpbf16ps: the value pass's own conditions
+        with pytest.raises(RuntimeError, match=r"bf16_dot bit 1 .*needs bit 0"):
+            ops.decode_forward(q4, kb, kb, None, None, None, None, 0.3, plan(32, bf16_dot=2))
+        with pytest.raises(RuntimeError, match=r"Ev a multiple of 32; got Ev = 48"):
+            ops.decode_forward(q4, kb, vb, None, None, None, None, 0.3, plan(32, bf16_dot=3))
+    else:  # without it, the plan's vdpbf16ps itself is refused
+        with pytest.raises(RuntimeError, match=r"bf16_dot = 1 \(vdpbf16ps\) needs a build with AVX512_BF16"):
+            ops.decode_forward(q4, kb, kb, None, None, None, None, 0.3, plan(32, bf16_dot=1))
+
+
+def test_the_plan_decides_where_a_bf16_step_s_rows_go_across_lanes():
+    """``decode.bf16_lanes`` (the plan's bf16_dot bit 2) and ``decode.int8_lanes`` (int8_dot bit 1),
+    not the C++, decide the lane kernels: 9-16 rows a head on a build with 512-bit vdpbf16ps (or
+    AVX512BW); explain() (the plan's words) names them; the C++ refuses them for 4 rows."""
+    wide = bool(_native.decode_dot_bits() & 4)
+    with routes.forced(decode="stream"):
+        assert kernel.plan(16, 128, torch.bfloat16, torch.bfloat16).bf16_lanes == (
+            wide and kernel.bf16_dot(128, "stream") == "vdpbf16ps")
+        assert not kernel.plan(4, 128, torch.bfloat16, torch.bfloat16).bf16_lanes
+        assert not kernel.plan(17, 128, torch.bfloat16, torch.bfloat16).bf16_lanes
+        assert not kernel.plan(16, 128, torch.float32).bf16_lanes
+        wide8 = bool(_native.decode_dot_bits() & 8) and kernel.int8_dot(128, "stream") == "int16"
+        assert kernel.plan(16, 128, torch.int8).int8_lanes == wide8
+        assert not kernel.plan(16, 48, torch.int8).int8_lanes and not kernel.plan(8, 128, torch.int8).int8_lanes
+        assert ("the rows across a zmm's lanes" in kernel.plan(16, 128, torch.int8).dots) == wide8
+        if kernel.plan(16, 128, torch.bfloat16, torch.bfloat16).bf16_lanes:
+            q, k = randn(1, 16, 4, 128).bfloat16(), randn(1, 4, 64, 128).bfloat16()  # 4 heads a group x 4 rows
+            assert "rows across a zmm's lanes" in routes.explain(q, k, k, cache=True)
+    ops = _native.ops()
+    assert ops is not None, _native.status()
+    plan = dict(Hkv=1, S=40, causal=0, chunk=0, block_k=kernel.STREAM_BLOCK_K, mode=1, sgemm=0, int8_dot=0, bf16_dot=5)
+    kb, q4 = randn(1, 40, 32, seed=2).bfloat16(), randn(1, 4, 1, 32, seed=1).bfloat16().float()
+    refused = r"bf16_dot bit 2 .*9 to 16 rows a head; got 4 rows|bf16_dot = 5 \(vdpbf16ps\)"  # the latter: no vdpbf16ps
+    with pytest.raises(RuntimeError, match=refused):
+        ops.decode_forward(q4, kb, kb, None, None, None, None, 0.3, [plan[f] for f in kernel.PLAN_FIELDS])
+    plan.update(bf16_dot=0, int8_dot=3)  # int16 dots across lanes for 4 rows
+    k8, scale = randn(1, 40, 32, seed=2).to(torch.int8), torch.ones(1, 40)
+    with pytest.raises(RuntimeError, match=r"int8_dot bit 1 .*9 to 16 rows a head .*got 4 rows"):
+        ops.decode_forward(q4, k8, k8, None, None, scale, scale, 0.3, [plan[f] for f in kernel.PLAN_FIELDS])

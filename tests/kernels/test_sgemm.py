@@ -2,7 +2,7 @@
 ATTNLAB_SGEMM so that every route this build has is tested on the CPU at hand:
 
 * ``avx2``: attnlab's micro-kernel, 6 x 16 tiles of ymm;
-* ``avx512``: 12 x 32 tiles of zmm, in an AVX-512 build only (elsewhere forcing it reports
+* ``avx512``: 6 x 64 tiles of zmm, in an AVX-512 build only (elsewhere forcing it reports
   ``avx512-emulated``, tested below);
 * ``avx512-emulated``: the AVX-512 tile walk on pairs of ymm, the same template code and tile
   shape, so that its edges and packing are tested on an AVX2-only CPU;
@@ -23,7 +23,7 @@ import torch
 from attnlab import tiled
 from attnlab.kernels import native as _native
 from attnlab.kernels import routes
-from attnlab.testing import assert_close_to_sdpa
+from attnlab.testing import assert_close_to_sdpa, tolerance
 from helpers.route_cases import CASES, case_inputs, spy_calls
 
 ISA_ROUTES = {"avx2": {"avx2", "fma"}, "avx512-emulated": {"avx2", "fma"}, "avx512": {"avx512f"}, "blas": set()}
@@ -76,7 +76,7 @@ SHAPES = [(1, 1, 1), (5, 7, 3), (6, 16, 8), (7, 17, 9), (12, 32, 5), (13, 33, 64
 
 @pytest.mark.parametrize("ta,tb", list(itertools.product([False, True], repeat=2)))
 def test_each_route_computes_every_tile_exactly(route, ta, tb):
-    """Whole tiles, edge rows (m % MR), edge columns (n % NR) and both, for 6 x 16 and 12 x 32
+    """Whole tiles, edge rows (m % MR), edge columns (n % NR) and both, for 6 x 16 and 6 x 64
     tiles, every transpose (A^T packed, B^T packed), alpha and beta."""
     for i, (m, n, k) in enumerate(SHAPES):
         a = ints(*((k, m) if ta else (m, k)), seed=i)
@@ -163,8 +163,12 @@ def test_native_status_names_the_float32_gemm(route):
 
 
 def spy_routes(monkeypatch, op_name: str, at: int = -1) -> list:
-    """The sgemm route code (argument ``at``: the last, or decode_forward's 15th, before int8_dot)
+    """The sgemm route code (argument ``at``: the last; decode_forward's: its ``plan``'s ``sgemm``)
     of each call of the native ``op_name``."""
+    if op_name == "decode_forward":
+        from attnlab.kernels.decode import PLAN_FIELDS
+
+        return spy_calls(monkeypatch, op_name, lambda args: args[-1][PLAN_FIELDS.index("sgemm")])
     return spy_calls(monkeypatch, op_name, lambda args: args[at])
 
 
@@ -210,7 +214,7 @@ def test_the_backward_and_flex_and_decode_take_the_route(force_routes, route, mo
     monkeypatch.undo()  # the spies go; the route, forced by the fixture, stays
 
     # decoding with many query rows takes the GEMM blocks (mode "gemm")
-    seen_d = spy_routes(monkeypatch, "decode_forward", at=14)
+    seen_d = spy_routes(monkeypatch, "decode_forward")
     qd, kd, vd = randn(1, 8, 40, 64, seed=8), randn(1, 2, 300, 64, seed=9), randn(1, 2, 300, 64, seed=10)
 
     def dec(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
@@ -218,3 +222,45 @@ def test_the_backward_and_flex_and_decode_take_the_route(force_routes, route, mo
 
     assert_close_to_sdpa(dec, qd, kd, vd, enable_gqa=True, check_grads=False)
     assert seen_d and set(seen_d) == {code}
+
+
+@pytest.mark.parametrize("L,S", [(1, 100), (261, 300), (7, 64)])
+def test_the_rows_maxima_found_by_the_score_gemm(route, L, S):
+    """The forward's score GEMM finds each row's maximum as its tiles leave the registers (the
+    row pass then skips its max sweep): every key of the row counts, and nothing else does. Scores
+    far below 0 (about -300 in base 2) with key counts off the tiles' 64 (16) columns and query
+    rows off their 6: a maximum that took a padded column's 0, or another row's value, would
+    make every 2^(s - m) underflow to 0 (an output of zeros) or be off by far more than the rule."""
+    g = torch.Generator().manual_seed(L + S)
+    direction = torch.randn(32, generator=g)
+    direction = direction / direction.norm()
+    q = (direction * 30 + 0.1 * torch.randn(1, 2, L, 32, generator=g))
+    k = (-direction * 80 + 0.5 * torch.randn(1, 2, S, 32, generator=g))
+    v = torch.randn(1, 2, S, 16, generator=g)
+    scores = (q @ k.transpose(-1, -2)) / 32 ** 0.5
+    assert float(scores.max()) < -300, float(scores.max())  # every score far below 0
+    assert_close_to_sdpa(tiled.flash_attention, q, k, v)
+    out = tiled.flash_attention(q, k, v)
+    assert float(out.abs().amax(dim=-1).min()) > 0.01  # no row of zeros
+
+
+@pytest.mark.parametrize("how", ["is_causal", "attn_mask", "bottom_right"])
+def test_hidden_keys_never_reach_the_rows_maxima(route, how):
+    """Only blocks every row sees whole take the GEMM's maxima: a key hidden by causality or by a
+    mask must not count. Score (i, j) = a (j - i - off - 1/2): every hidden key (j > i + off) scores
+    at least +a/2, every visible one at most -a/2 (a = 600 / sqrt(2)); blocks of 64 put the diagonal
+    on block edges, and bottom-right's offset of 62 one key short of a block's last (a block taken
+    for whole one key too early fails). A maximum that took a hidden key would underflow each row's
+    2^(s - m) to 0; each row's output is the value of its last visible key."""
+    L, a = 200, 600.0
+    off = 62 if how == "bottom_right" else 0
+    i, j = torch.arange(L, dtype=torch.float32), torch.arange(L + off, dtype=torch.float32)
+    q = torch.stack([-(i + off + 0.5) * a, torch.full((L,), a)], dim=-1).expand(1, 2, L, 2).contiguous()
+    k = torch.stack([torch.ones(L + off), j], dim=-1).expand(1, 2, L + off, 2).contiguous()
+    v = randn(1, 2, L + off, 8, seed=11)
+    kw = {"attn_mask": torch.ones(L, L, dtype=torch.bool).tril()} if how == "attn_mask" else {"is_causal": True}
+    if how == "bottom_right":
+        kw["causal_align"] = "bottom_right"
+    out = tiled.flash_attention(q, k, v, block_q=64, block_k=64, **kw)
+    tol = tolerance(torch.float32)
+    torch.testing.assert_close(out, v[:, :, off:], atol=tol.atol, rtol=tol.rtol)  # row i: key i + off

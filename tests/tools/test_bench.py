@@ -175,23 +175,27 @@ def test_decode_benchmark_times_each_implementation_against_torch(capsys):
 
 
 def test_decode_benchmark_adds_a_float32_dots_row_where_bf16_caches_take_vdpbf16ps(force_routes, monkeypatch):
-    """On a CPU whose bf16 route takes vdpbf16ps for a bf16 cache's scores (faked here: no CPU of
-    ours need have it), --decode also times the streaming loop with them widened, right after the
-    stream row, run with ATTNLAB_BF16=fp32; float32 caches, and CPUs without it, have no such row."""
+    """On a CPU whose bf16 route takes vdpbf16ps for a bf16 cache's scores (faked here, for the
+    bench's question only: no CPU of ours need have it, and the kernel refuses a plan its build
+    cannot run), --decode also times the streaming loop with them widened, right after the stream
+    row, run with ATTNLAB_BF16=fp32; float32 caches, and CPUs without it, have no such row."""
+    from attnlab.bench import suites
     from attnlab.kernels import decode as kernel_decode
     from attnlab.kernels import routes
 
     force_routes(bf16="auto")
     asked = []
+    real = kernel_decode.bf16_dot
 
-    def vdpbf16ps(E, mode):
+    def spy(E, mode):  # the route each decode call plans under
         asked.append(routes.settings().bf16)
-        return "vdpbf16ps"
+        return real(E, mode)
 
     name = "attnlab decode: stream, float32 dots"
     assert name not in {r["impl"] for r in bench.decode_benchmark([64], dtypes=("bfloat16",), H=4, Hkv=2, E=8,
                                                                     repeats=1)}
-    monkeypatch.setattr(kernel_decode, "bf16_dot", vdpbf16ps)
+    monkeypatch.setattr(kernel_decode, "bf16_dot", spy)
+    monkeypatch.setattr(suites, "_bf16_scores_on_vdpbf16ps", lambda E: True)
     impls = [r["impl"] for r in bench.decode_benchmark([64], dtypes=("bfloat16",), H=4, Hkv=2, E=8, repeats=1)]
     assert impls.index(name) == impls.index("attnlab decode: stream") + 1
     assert "fp32" in asked and "auto" in asked  # the row forces the float32 route; the others leave it alone

@@ -191,6 +191,14 @@ def _forced(fn: Callable, **switches: str) -> Callable:
     return run
 
 
+def _bf16_scores_on_vdpbf16ps(E: int) -> bool:
+    """Whether a bf16 cache's scores take ``vdpbf16ps`` here (:func:`attnlab.kernels.decode.bf16_dot`):
+    the decode bench then adds a row with them widened."""
+    from attnlab.kernels import decode as kernel_decode
+
+    return kernel_decode.bf16_dot(E, "stream") == "vdpbf16ps"
+
+
 def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: int = 1, H: int = 32, Hkv: int = 8,
                      E: int = 128, L: int = 1, repeats: int = 10, page_size: int = 16,
                      progress: Optional[Callable[[int, int, str], None]] = None) -> list[dict]:
@@ -241,7 +249,7 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
                    # the same with a bf16 cache's dot products widened, where they take vdpbf16ps
                    **({"attnlab decode: stream, float32 dots": _forced(
                        decode, bf16="fp32", decode="stream")}
-                      if dtype == torch.bfloat16 and kernel_decode.bf16_dot(E, "stream") == "vdpbf16ps" else {}),
+                      if dtype == torch.bfloat16 and _bf16_scores_on_vdpbf16ps(E) else {}),
                    "attnlab decode: gemm": _forced(decode, decode="gemm"),
                    f"attnlab paged ({page_size})": lambda: decoding.paged_decode_attention(q, paged, **step),
                    "attnlab int8": lambda: decode(k8, v8, k_scale=ks, v_scale=vs),

@@ -73,6 +73,11 @@ INT8_DOTS = _routes.CHOICES["int8_dot"]
 INT8_DOT_CODES = {"float32": 0, "int16": 1}  # what csrc/decode.cpp's decode_forward takes as int8_dot
 BF16_DOT_CODES = {"float32": 0, "vdpbf16ps": 1}  # and as bf16_dot's bit 0 (the scores)
 BF16_VALUES_BIT = 2  # bf16_dot's bit 1: the value pass on vdpbf16ps too (DecodePlan.bf16_values)
+BF16_LANES_BIT = 4  # bit 2: the scores with the rows across a zmm's lanes (DecodePlan.bf16_lanes)
+INT8_LANES_BIT = 2  # int8_dot's bit 1: the int16 dot products with the rows across lanes (DecodePlan.int8_lanes)
+LANE_ROWS = 16  # csrc/decode_lanes.h: rows a zmm's lanes hold
+# csrc/decode.cpp's decode_forward takes its integers as one list, ``plan``, in this order
+PLAN_FIELDS = ("Hkv", "S", "causal", "chunk", "block_k", "mode", "sgemm", "int8_dot", "bf16_dot")
 
 
 def loop(rows: int) -> str:
@@ -97,21 +102,36 @@ class DecodePlan:
     bf16_dot: str
     cache_dtype: torch.dtype
     bf16_values: bool = False  # the value pass on vdpbf16ps too, P~ rounded to bf16 (:func:`bf16_values`)
+    bf16_lanes: bool = False  # the scores with the rows across a zmm's lanes (:func:`bf16_lanes`)
+    int8_lanes: bool = False  # an int8 cache's int16 dot products the same way (:func:`int8_lanes`)
 
     @property
     def bf16_code(self) -> int:
         """What ``csrc/decode.cpp``'s ``decode_forward`` takes as ``bf16_dot``."""
-        return BF16_DOT_CODES[self.bf16_dot] | (BF16_VALUES_BIT if self.bf16_values else 0)
+        return (BF16_DOT_CODES[self.bf16_dot] | (BF16_VALUES_BIT if self.bf16_values else 0)
+                | (BF16_LANES_BIT if self.bf16_lanes else 0))
+
+    def codes(self, *, Hkv: int, S: int, causal: int, chunk: int, block_k: int, sgemm: int) -> list[int]:
+        """``decode_forward``'s ``plan``: this route's codes with the call's shape, in
+        :data:`PLAN_FIELDS`' order (``causal``: :data:`CAUSAL`'s code; ``chunk`` 0: the kernel's
+        choice; ``sgemm``: the float32 GEMM route's code)."""
+        named = dict(Hkv=Hkv, S=S, causal=causal, chunk=chunk, block_k=block_k,
+                     mode=1 if self.loop == "stream" else 0, sgemm=sgemm,
+                     int8_dot=INT8_DOT_CODES[self.int8_dot] | (INT8_LANES_BIT if self.int8_lanes else 0),
+                     bf16_dot=self.bf16_code)
+        return [int(named[field]) for field in PLAN_FIELDS]
 
     @property
     def dots(self) -> str:
         """The instructions of the key dot products, in words."""
         if self.cache_dtype == torch.int8:
-            return {"int16": "int16 x int8 in integers (vpmaddwd, or vpdpwssd where built)",
-                    "float32": "int8 widened to float32 FMAs"}[self.int8_dot]
+            words = {"int16": "int16 x int8 in integers (vpmaddwd, or vpdpwssd where built)",
+                     "float32": "int8 widened to float32 FMAs"}[self.int8_dot]
+            return words + (", the rows across a zmm's lanes" if self.int8_lanes else "")
         if self.cache_dtype == torch.bfloat16:
             words = {"vdpbf16ps": "vdpbf16ps on the stored bf16", "float32": "bf16 widened to float32 FMAs"}[
                 self.bf16_dot]
+            words += ", the rows across a zmm's lanes" if self.bf16_lanes else ""
             return words + (", values on vdpbf16ps (P rounded to bf16)" if self.bf16_values else "")
         return "float32 FMAs"
 
@@ -124,8 +144,9 @@ def plan(rows: int, E: int, cache_dtype: torch.dtype, out_dtype: torch.dtype = t
     mode = loop(rows)
     bf16 = cache_dtype == torch.bfloat16
     dot = bf16_dot(E, mode) if bf16 else "float32"
-    return DecodePlan(rows, mode, int8_dot(E, mode) if cache_dtype == torch.int8 else "float32", dot, cache_dtype,
-                      bf16 and bf16_values(E if Ev is None else Ev, dot, out_dtype))
+    idot = int8_dot(E, mode) if cache_dtype == torch.int8 else "float32"
+    return DecodePlan(rows, mode, idot, dot, cache_dtype, bf16 and bf16_values(E if Ev is None else Ev, dot, out_dtype),
+                      bf16 and bf16_lanes(rows, E, dot), int8_lanes(rows, E, idot))
 
 
 def int8_dot(E: int, mode: str) -> str:
@@ -166,11 +187,32 @@ def bf16_dot(E: int, mode: str) -> str:
     for a query whose values are bf16 already (a bf16 query widened: no rounding), with no denormal
     (the instruction reads those as zero) and ``|q * scale|`` below ``2^64`` (so that key denormals,
     read as zero, move a score by less than ``E * 2^-62``); for any other query the call runs on the
-    float32 route. Not measured yet: no session has had an AVX512_BF16 CPU since it was written.
+    float32 route. Measured on a Zen 5 in BENCHMARKS.md ("Decoding at the memory's speed").
+    The kernel checks this choice and refuses one its build cannot run.
     """
-    if mode != "stream" or E % 16 or _native.ops() is None:
+    if mode != "stream" or E % 16 or not _native.decode_dot_bits() & 1:
         return "float32"
     return "vdpbf16ps" if _native.bf16_route().name == "bf16" else "float32"
+
+
+def bf16_lanes(rows: int, E: int, dot: str) -> bool:
+    """Whether a bfloat16 cache's scores on ``vdpbf16ps`` (``dot``, :func:`bf16_dot`'s answer) hold
+    the ``rows`` query rows of a key/value head across one zmm's lanes (``csrc/decode_lanes.h``:
+    each key's pair of elements broadcast into the instruction, no reductions): for 9 to
+    :data:`LANE_ROWS` rows (fewer waste lanes; the row-major ``bdots2`` takes them), ``E % 4 == 0``,
+    where the build has 512-bit ``vdpbf16ps`` (:func:`attnlab.kernels.native.decode_dot_bits`' bit
+    2). Same sums as ``bdots2`` in another order. Measured in BENCHMARKS.md ("the streaming loop on
+    512 bits")."""
+    return dot == "vdpbf16ps" and 8 < rows <= LANE_ROWS and E % 4 == 0 and bool(_native.decode_dot_bits() & 4)
+
+
+def int8_lanes(rows: int, E: int, dot: str) -> bool:
+    """Whether an int8 cache's integer dot products (``dot``, :func:`int8_dot`'s answer ``"int16"``)
+    hold the ``rows`` query rows of a key/value head across one zmm's lanes, as :func:`bf16_lanes`
+    does for bf16 (``csrc/decode_lanes.h``'s ``lane_idots8``: 512-bit ``vpdpwssd``, the same exact
+    int32 sums, the same scores to the bit): 9 to :data:`LANE_ROWS` rows, ``E % 32 == 0``, where
+    the build has AVX512BW (:func:`attnlab.kernels.native.decode_dot_bits`' bit 3)."""
+    return dot == "int16" and 8 < rows <= LANE_ROWS and E % 32 == 0 and bool(_native.decode_dot_bits() & 8)
 
 
 def bf16_values(Ev: int, dot: str, out_dtype: torch.dtype) -> bool:
@@ -228,13 +270,11 @@ def forward(q4: Tensor, k: Tensor, v: Tensor, *, Hkv: int, S: int, scale2: float
         _native.can_run(q4, k, v, cache=True) or (int8 and q4.dtype == torch.float32 and v.dtype == torch.int8
                                                   and 0 not in (q4.shape[-1], v.shape[-1])))
     if native:
-        block = STREAM_BLOCK_K if mode == "stream" else BLOCK_K
         # chunk 0: the kernel splits every head's own keys into about TASKS_PER_THREAD tasks per thread
-        dot = INT8_DOT_CODES[route.int8_dot]
-        bdot = route.bf16_code
-        out, lse2, nonfinite = _native.ops().decode_forward(
-            q4.contiguous(), k, v, table, seqlens, k_scale, v_scale, Hkv, S, scale2, CAUSAL[causal], chunk or 0,
-            block, 1 if mode == "stream" else 0, _native.sgemm_route().code, dot, bdot)
+        codes = route.codes(Hkv=Hkv, S=S, causal=CAUSAL[causal], chunk=chunk or 0,
+                            block_k=STREAM_BLOCK_K if mode == "stream" else BLOCK_K, sgemm=_native.sgemm_route().code)
+        out, lse2, nonfinite = _native.ops().decode_forward(q4.contiguous(), k, v, table, seqlens, k_scale, v_scale,
+                                                            scale2, codes)
         return out, lse2, bool(nonfinite)
     page = k.shape[1] if table is not None else 1
     chunk = chunk or choose_chunk(S, q4.shape[0], torch.get_num_threads(), page)

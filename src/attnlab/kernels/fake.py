@@ -42,8 +42,7 @@ def block_sparse_forward(q4, k3, v3, row_ptr, cols, bit_idx, bits, plane_of_head
     return _forward(q4, v3)
 
 
-def decode_forward(q4, k, v, table, seqlens, k_scale, v_scale, Hkv, S, scale2, causal, chunk, block_k, mode, sgemm=0,
-                   int8_dot=0, bf16_dot=0):
+def decode_forward(q4, k, v, table, seqlens, k_scale, v_scale, scale2, plan):
     """(out (Nb, r, L, Ev) in q4's dtype, lse2 (Nb, r, L), whether a non-finite value was seen: a 0-d bool)."""
     Nb, r, L, _ = q4.shape
     return (q4.new_empty((Nb, r, L, v.shape[-1])), q4.new_empty((Nb, r, L)),

@@ -42,12 +42,13 @@ from attnlab.kernels.numerics import finite_inputs
 
 __all__ = ["can_run", "NativeStatus", "Bf16Route", "SgemmRoute", "status", "ops", "bf16_route", "sgemm_route",
            "operand_dtype", "BF16_CHOICES", "SGEMM_CHOICES", "SGEMM_CODES", "sgemm_routes_built", "cache_root",
-           "build_isa", "ISA_CHOICES", "decode_dot_products"]
+           "build_isa", "ISA_CHOICES", "decode_dot_products", "decode_dot_bits"]
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "flash.cpp", _CSRC / "block_sparse.cpp", _CSRC / "decode.cpp")
 _HEADERS = (_CSRC / "kernels.h", _CSRC / "bf16_gemm.h", _CSRC / "sgemm.h", _CSRC / "decode_sources.h",
-            _CSRC / "decode_dots.h", _CSRC / "decode_bf16.h", *sorted((_CSRC / "isa").glob("*.h")))
+            _CSRC / "decode_dots.h", _CSRC / "decode_bf16.h", _CSRC / "decode_lanes.h", _CSRC / "decode_values.h",
+            *sorted((_CSRC / "isa").glob("*.h")))
 _NAME = "attnlab_native"
 # -march=native: the build runs on the machine that uses it; -fopenmp: at::parallel_for's
 # pragmas (the library resolves to the libgomp torch has already loaded, so one thread pool)
@@ -66,7 +67,7 @@ def build_isa() -> str:
     (:mod:`attnlab.kernels.routes`).
 
     ``native`` (the default) compiles for this CPU's instructions (``-march=native``).
-    ``avx512-emulated`` compiles the kernels' AVX-512 branches (the row pass, the 12 x 32 zmm GEMM
+    ``avx512-emulated`` compiles the kernels' AVX-512 branches (the row pass, the 6 x 64 zmm GEMM
     tile, the ``vdpbf16ps`` bf16 GEMM) with each AVX-512 instruction written out in portable C++
     (``csrc/isa/avx512_emulated.h``): a test build (its times are not the CPU's) that lets an AVX2-only CPU run
     the AVX-512 source (``tests/kernels/test_avx512_emulated.py``). On a CPU with AVX-512F but not
@@ -105,7 +106,7 @@ BF16_CHOICES = routes.CHOICES["bf16"]
 class SgemmRoute:
     """Which float32 GEMM the native kernels' tiles run on, and why (``csrc/sgemm.h``).
 
-    ``"avx512"``: attnlab's micro-kernel, 12 x 32 tiles of zmm (AVX-512 builds);
+    ``"avx512"``: attnlab's micro-kernel, 6 x 64 tiles of zmm (AVX-512 builds);
     ``"avx2"``: the same, 6 x 16 tiles of ymm; ``"avx512-emulated"``: the AVX-512 tile walk with
     each 16-lane vector a pair of ymm, so that its logic is tested on an AVX2-only CPU (slow, a
     test route); ``"blas"``: MKL's sgemm through torch, the route before issue 33.
@@ -268,16 +269,29 @@ def status() -> NativeStatus:
     return NativeStatus(loaded.available, loaded.detail, bf16_route(), sgemm_route(), decode_dot_products())
 
 
+@functools.lru_cache(maxsize=4)
+def _dot_bits_of(library) -> int:
+    return int(library.decode_dot_instructions())
+
+
+def decode_dot_bits() -> int:
+    """The loaded build's decode dot-product instructions as bits (``csrc/decode.cpp``'s
+    ``decode_dot_instructions``: bit 0 ``vdpbf16ps``, bit 1 ``vpdpwssd``, bit 2 ``vdpbf16ps`` on 512
+    bits with AVX-512's float vectors: the bf16 lane kernel's, bit 3 512-bit int16 pairs: the int8
+    lane kernel's), asked once; 0 without the native kernels."""
+    native = ops()
+    return _dot_bits_of(native) if native is not None else 0
+
+
 def decode_dot_products() -> str:
     """Which instructions the loaded build's streaming decode loop has for a cache's dot products,
     in words: ``vdpbf16ps`` for bf16 caches (taken on the ``bf16`` route, :func:`bf16_route`) and
     ``vpdpwssd`` for int8 ones (AVX512_VNNI), or what runs without them (bf16 widened to float32;
     int8 on ``vpmaddwd`` and ``vpaddd`` with AVX2). Asked of the library
     (``decode_dot_instructions``): the build, not the CPU's flags, decides."""
-    native = ops()
-    bits = int(native.decode_dot_instructions()) if native is not None else 0
+    bits = decode_dot_bits()
     if bits & 1:
-        bf16 = "on vdpbf16ps" if bf16_route().name == "bf16" else \
+        bf16 = ("on vdpbf16ps" + (" (512 bits)" if bits & 4 else "")) if bf16_route().name == "bf16" else \
             "widened to float32 (vdpbf16ps is built: ATTNLAB_BF16=bf16 takes it)"
     else:
         bf16 = "widened to float32"

@@ -11,7 +11,7 @@
 //                    1 = attend) set the hidden scores to -inf before the row pass
 //     empty   block: not in the list, never touched
 //
-// The online softmax per row is flash.cpp's (m_i, l_i, acc in base 2; row_pass from kernels.h).
+// The online softmax per row is flash.cpp's (m_i, l_i, acc in base 2; row_max and row_exp from kernels.h).
 // The common score mods run here too (ScoreMod: ALiBi and relative-position bias tables, with
 // the table's gradient, and tanh soft-capping); any other score_mod runs attnlab.flex's pure path.
 //

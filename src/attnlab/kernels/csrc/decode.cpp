@@ -27,21 +27,28 @@
 // Work is split into tasks of about `chunk` keys of one head, over the keys each head really
 // has (seqlens, the causal stop), so unequal caches give equal tasks.
 //
-// The online softmax per row is flash.cpp's (m_i, l_i, acc in base 2; row_pass from kernels.h).
+// The online softmax per row is flash.cpp's (m_i, l_i, acc in base 2; row_max and row_exp from kernels.h).
 //
 //     q4      (Nb, r, L, E) float32, contiguous (row a = h * L + i)
 //     k, v    dense: (Nb, S, E) / (Nb, S, Ev) views;  paged: (P, page, Hkv, E) / (P, page, Hkv, Ev)
 //     table   paged only: (B, max_pages) int64, logical page -> pool page (Nb = B * Hkv)
 //     seqlens optional (B,) int64: keys of batch b (default S), as flash_attn_with_kvcache's
 //     k_scale, v_scale  int8 caches only: float32 (Nb, S) (dense) or (P, page, Hkv) (paged)
+//     scale2  the softmax scale times log2(e)
+//     plan    the call's integers, in this order (decode.py's PLAN_FIELDS: DecodePlan.codes):
+//             Hkv, S (keys of the longest sequence), causal, chunk (keys a task; 0: the kernel's
+//             choice), block_k (keys a block), mode (0: the GEMM loop, 1: streaming), sgemm (the
+//             float32 GEMM route's code), int8_dot, bf16_dot, as below
 //     causal  0: none; 1: top-left (SDPA's is_causal: row i sees keys 0..i);
 //             2: bottom-right (row i sees keys 0..S_b - L + i: new tokens after the cache)
 //     int8_dot  int8 caches on the streaming loop: 0 each element widened to float32; 1 integer dot
-//             products against the query rounded to int16 per row (E % 16 == 0, E <= 512; else 0)
+//             products against the query rounded to int16 per row (E % 16 == 0, E <= 512); 3 the
+//             same with 9-16 rows across a zmm's lanes (decode_lanes.h, E % 32 == 0)
 //     bf16_dot  bf16 caches on the streaming loop, on vdpbf16ps where the build has AVX512_BF16 (else
 //             each element widened to float32): bit 0 the scores, against the query's bf16 rows
 //             (E % 16 == 0, a query that is bf16 already: bf16_query_rows); bit 1 the value pass,
-//             P~ rounded to bf16 (Ev % 32 == 0: bvalues)
+//             P~ rounded to bf16 (Ev % 32 == 0: bvalues); bit 2 the scores with 9-16 rows across a
+//             zmm's lanes (decode_lanes.h)
 // Returns out (Nb, r, L, Ev) float32, lse2 (Nb, r, L) (base 2; -inf where a row saw no key) and a
 // bool scalar: true when some score or output was NaN or inf, or some lse2 NaN or +inf (the result
 // is then not to be used).
@@ -57,6 +64,8 @@
 #include "decode_sources.h"  // where a block's rows are: dense views or pages
 #include "decode_dots.h"  // the streaming loop's dot products
 #include "decode_bf16.h"  // a bf16 cache's scores and values on vdpbf16ps
+#include "decode_lanes.h"  // a bf16 decode step's 9-16 rows a head across one vector's lanes
+#include "decode_values.h"  // the streaming loop's value pass (register tiles)
 
 #include <atomic>
 #include <cmath>
@@ -108,6 +117,14 @@ constexpr int PREFETCH_ROWS = 4;
 // (Measured when paged rows were read head by head; since stored_block they serve a cache whose
 // rows a page holds for one head only, Hkv = 1.)
 constexpr int PREFETCH_RUN_ROWS = 16;
+// Rows the lane kernel (decode_lanes.h, eight keys a step) asks for ahead of the keys it uses: two
+// steps (8, 16 and 24 measured within the noise of each other, Zen 5, 2026-12-05).
+constexpr int LANE_AHEAD = 16;
+// Whether this build has the lane kernels (decode_lanes.h): bf16 on 512-bit vdpbf16ps with AVX-512's
+// float vectors, int8 on 512-bit int16 pairs (isa::I32). decode_dot_instructions' bits 2 and 3; the
+// plan's checks in decode_forward and stream_scores ask these, not the ISA flags again.
+constexpr bool kLaneBf16 = isa::kBf16x8 && isa::kF16 && isa::kBf16;
+constexpr bool kLaneInt8 = isa::kF16 && isa::kI32;
 // From this many rows a head the streaming loop's blocks span pages: one online-softmax step and one
 // acc load and store per tile for up to STREAM_BLOCK_K keys, not per 16-key page. Paged against
 // contiguous at Lq = 4 (16 rows; q (1, 32, 4, 128) against S = 32768, 2 threads, AVX2 EPYC,
@@ -117,28 +134,49 @@ constexpr int PREFETCH_RUN_ROWS = 16;
 // (Measured head by head as well; rows interleaved by head now take stored_block, whose blocks span
 // pages at every row count.)
 constexpr int SPAN_MIN_ROWS = 16;
-// ask for a row's lines into L1 (Locality 3) or L2 (2)
-template <class T, int Locality = 3>
-inline void prefetch_row(const T* row, int64_t width) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, Locality);
-}
 
 template <class T>
 inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int64_t k_ld, const float* k_scale,
                           int nk, int ld, float scale2, float* s, const T* v = nullptr, int64_t v_ld = 0, int64_t Ev = 0,
                           const int16_t* qi = nullptr, const float* qs = nullptr, bool own_prefetch = true,
-                          const c10::BFloat16* qb = nullptr) {
+                          const c10::BFloat16* qb = nullptr, const void* lanes = nullptr) {
   // rows asked for here; the loops ask for the rest (none when the caller asks for them: own_prefetch false)
   const int first = !own_prefetch || nk <= PREFETCH_RUN_ROWS ? nk : PREFETCH_ROWS;
   if (own_prefetch)
     for (int j = 0; j < first; ++j) prefetch_row(k + j * k_ld, E);
   int j = 0;
-  if constexpr (isa::kF8)
+  // a bf16 or int16 query's rows across lanes (decode_lanes.h; decode_forward lays them out where the
+  // plan asks): eight keys a step, the key rows asked for LANE_AHEAD rows ahead
+  constexpr bool lane_bf16 = kLaneBf16 && std::is_same_v<T, c10::BFloat16>;
+  constexpr bool lane_int8 = kLaneInt8 && std::is_same_v<T, int8_t>;
+  if constexpr (lane_bf16 || lane_int8) {
+    if (lanes) {
+      if (own_prefetch)
+        for (int i = first; i < std::min(LANE_AHEAD, nk); ++i) prefetch_row(k + i * k_ld, E);
+      for (; j < nk; j += 8) {
+        const int m = std::min(8, nk - j);
+        for (int i = LANE_AHEAD; i < LANE_AHEAD + 8; ++i)
+          if (j + i >= first && j + i < nk) prefetch_row(k + (j + i) * k_ld, E);
+        if (v)
+          for (int i = 0; i < m; ++i) prefetch_row<T, 2>(v + (j + i) * v_ld, Ev);
+        if constexpr (lane_bf16) {
+          lane_bdots8<isa::B32, isa::F16>(static_cast<const uint32_t*>(lanes), E, k + j * k_ld, k_ld, m, scale2, n, s,
+                                          ld, j);
+        } else {
+          float f[8];
+          for (int i = 0; i < 8; ++i) f[i] = scale2 * k_scale[j + std::min(i, m - 1)];
+          lane_idots8<isa::I32, isa::F16>(static_cast<const uint32_t*>(lanes), E, k + j * k_ld, k_ld, m, f, n, s, ld, j);
+        }
+      }
+      return;
+    }
+  }
+  using X = isa::Stream;
+  if constexpr (X::real)
   // two rows by four keys from 8 rows on; at 4 rows (a decode step of one GQA group) dots2's four
   // rows by two keys read each key once, not twice: 3-5% faster there in fp32 and bf16 (q (1, 32, 1,
   // 128) against S = 32768, 2 threads, AVX2 EPYC, 2026-12-03; int8 2% slower, within the noise)
-  if (E % 8 == 0 && n % 2 == 0 && n >= 8 && qi == nullptr && qb == nullptr)
+  if (E % X::W == 0 && n % 2 == 0 && n >= 8 && qi == nullptr && qb == nullptr)
     for (; j + 4 <= nk; j += 4) {
       for (int i = PREFETCH_ROWS; i < PREFETCH_ROWS + 4; ++i)
         if (j + i >= first && j + i < nk) prefetch_row(k + (j + i) * k_ld, E);
@@ -175,145 +213,6 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
   }
 }
 
-// acc += P~ V for the block, P~ in s (n, nk) (an int8 cache's value scales already folded in: see
-// run_block), each V row read once from memory as stored. Register-blocked: four or six rows'
-// accumulators for 16 columns stay in registers while the block's nk value rows stream past
-// (each converted once), so acc is loaded and stored once per block, not once per key (the AXPY
-// form's store port bound it). At most twelve accumulators: with two value vectors and a weight
-// that is 15 of AVX2's 16 ymm registers. Four rows by 32 columns (sixteen) spilled to the stack,
-// and every key's FMAs then waited on stores and reloads; so did an array of accumulators GCC
-// would not keep in registers (2026-12-03, 2-core AVX2 EPYC, q (8, 4, 4, 128) against S = 2048 on
-// one thread: perf put most of the kernel's samples on those stores).
-// acc rows a .. a + R - 1, columns [c, c + 8 * U) (R = 4 or 6, U = 1 or 2) += P~ rows a ..
-// a + R - 1 (p0, ld apart) times V's columns. Six rows (twelve accumulators, the two value vectors,
-// one weight at a time: 15 registers) let each value vector feed six FMAs, not four: at 16 rows a
-// head (q (1, 32, 4, 128) fp32 against S = 32768, 2 threads, 2-core AVX2 EPYC, 2026-12-03) they
-// took the step from 24.7 to 21.0 ms.
-template <class T, int R, int U, class X = isa::F8>
-inline void value_tile(const float* __restrict__ p0, int ld, int nk, const T* __restrict__ v, int64_t v_ld,
-                       int64_t c, float* __restrict__ acc, int64_t Ev) {
-  static_assert((R == 4 || R == 6) && (U == 1 || U == 2), "value_tile: 4 or 6 rows, one or two vectors");
-  using V = typename X::V;
-  float* d = acc + c;
-  V r00 = X::load(d), r10 = X::load(d + Ev), r20 = X::load(d + 2 * Ev);
-  V r30 = X::load(d + 3 * Ev), r40 = r00, r50 = r00;
-  if constexpr (R == 6) r40 = X::load(d + 4 * Ev), r50 = X::load(d + 5 * Ev);
-  V r01 = r00, r11 = r00, r21 = r00, r31 = r00, r41 = r00, r51 = r00;
-  if constexpr (U == 2) {
-    r01 = X::load(d + 8), r11 = X::load(d + Ev + 8), r21 = X::load(d + 2 * Ev + 8);
-    r31 = X::load(d + 3 * Ev + 8);
-    if constexpr (R == 6) r41 = X::load(d + 4 * Ev + 8), r51 = X::load(d + 5 * Ev + 8);
-  }
-  for (int j = 0; j < nk; ++j) {
-    const T* row = v + j * v_ld + c;
-    V x0 = load8<X>(row), x1 = x0;
-    X::keep(x0);
-    if constexpr (U == 2) x1 = load8<X>(row + 8), X::keep(x1);
-    // one row's weight times the value vectors
-    auto row_fma = [&](int i, V& ra, V& rb) {
-      const V w = X::bcast(p0 + i * ld + j);
-      ra = X::fma(w, x0, ra);
-      if constexpr (U == 2) rb = X::fma(w, x1, rb);
-    };
-    row_fma(0, r00, r01), row_fma(1, r10, r11), row_fma(2, r20, r21), row_fma(3, r30, r31);
-    if constexpr (R == 6) row_fma(4, r40, r41), row_fma(5, r50, r51);
-  }
-  X::store(d, r00), X::store(d + Ev, r10), X::store(d + 2 * Ev, r20);
-  X::store(d + 3 * Ev, r30);
-  if constexpr (R == 6) X::store(d + 4 * Ev, r40), X::store(d + 5 * Ev, r50);
-  if constexpr (U == 2) {
-    X::store(d + 8, r01), X::store(d + Ev + 8, r11), X::store(d + 2 * Ev + 8, r21);
-    X::store(d + 3 * Ev + 8, r31);
-    if constexpr (R == 6) X::store(d + 4 * Ev + 8, r41), X::store(d + 5 * Ev + 8, r51);
-  }
-}
-
-// acc rows a, a + 1, columns [c, c + 32) += P~ rows a, a + 1 times V's columns: eight accumulators,
-// four value vectors, two weights. For the 2 or 4 rows of a decode step: a pass over the block reads
-// two lines of each value row, not one, and float32 at 4 rows (q (1, 32, 1, 128) against S = 32768,
-// 2 threads, AVX2 EPYC, 2026-12-03) took 13.3-14.3 ms this way against 14.2-16.1 ms with the
-// four-row 16-column tile (the same as before the tiles: a four-row 32-column tile that spilled).
-template <class T, class X = isa::F8>
-inline void value_pair32(const float* __restrict__ p0, int ld, int nk, const T* __restrict__ v, int64_t v_ld,
-                         int64_t c, float* __restrict__ acc, int64_t Ev) {
-  using V = typename X::V;
-  const float* p1 = p0 + ld;
-  float *d0 = acc + c, *d1 = d0 + Ev;
-  V r00 = X::load(d0), r01 = X::load(d0 + 8), r02 = X::load(d0 + 16);
-  V r03 = X::load(d0 + 24), r10 = X::load(d1), r11 = X::load(d1 + 8);
-  V r12 = X::load(d1 + 16), r13 = X::load(d1 + 24);
-  for (int j = 0; j < nk; ++j) {
-    const T* row = v + j * v_ld + c;
-    V x0 = load8<X>(row), x1 = load8<X>(row + 8), x2 = load8<X>(row + 16), x3 = load8<X>(row + 24);
-    X::keep(x0), X::keep(x1), X::keep(x2), X::keep(x3);
-    const V w0 = X::bcast(p0 + j), w1 = X::bcast(p1 + j);
-    r00 = X::fma(w0, x0, r00), r01 = X::fma(w0, x1, r01);
-    r02 = X::fma(w0, x2, r02), r03 = X::fma(w0, x3, r03);
-    r10 = X::fma(w1, x0, r10), r11 = X::fma(w1, x1, r11);
-    r12 = X::fma(w1, x2, r12), r13 = X::fma(w1, x3, r13);
-  }
-  X::store(d0, r00), X::store(d0 + 8, r01), X::store(d0 + 16, r02);
-  X::store(d0 + 24, r03), X::store(d1, r10), X::store(d1 + 8, r11);
-  X::store(d1 + 16, r12), X::store(d1 + 24, r13);
-}
-
-template <class T>
-inline void stream_values(const float* __restrict__ s, int64_t n, int64_t Ev, const T* __restrict__ v, int64_t v_ld,
-                          int nk, int ld, float* __restrict__ acc, bool own_prefetch = true) {
-  if (own_prefetch)
-    for (int j = 0; j < nk; ++j) prefetch_row(v + j * v_ld, Ev);  // the block's V rows, while the first are used
-  int64_t done = 0;  // rows [0, done) are taken by the register tiles (on the seam's 8-lane vector)
-  if constexpr (isa::kF8) {
-    // a decode step's few rows: pairs of rows by 32 columns. Not for int8 rows: each pair of rows
-    // converts every value element again (vpmovsxbd, vcvtdq2ps), so 4 rows take the four-row tile
-    // below, which converts it once. int8 at 4 rows a head, with the int16 dot products (q (1, 32, 1,
-    // 128) against (1, 8, S, 128), one thread, CPU time, 2-core AVX2 EPYC, 2026-12-03): 0.72-0.87x
-    // bf16's time with the pairs, 0.69-0.72x with the four-row tile (three rounds each, S = 4096 and 32768).
-    if (n < 6 && n % 2 == 0 && Ev % 32 == 0 && !std::is_same_v<T, int8_t>) {
-      for (int64_t c = 0; c < Ev; c += 32)
-        for (int64_t a = 0; a < n; a += 2) value_pair32<T>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
-      return;
-    }
-    // six-row tiles, then four-row ones: as many six-row tiles as cover the most rows
-    int64_t sixes = 0;
-    done = n & ~int64_t(3);
-    for (int64_t t = 1; 6 * t <= n; ++t)
-      if (6 * t + ((n - 6 * t) & ~int64_t(3)) >= done) sixes = t, done = 6 * t + ((n - 6 * t) & ~int64_t(3));
-    const int64_t wide = Ev & ~int64_t(15), full = Ev & ~int64_t(7);
-    // columns outer, row tiles inner: a column block's value lines are read from L1 by every tile
-    int64_t c = 0;
-    for (; c < wide; c += 16) {
-      int64_t a = 0;
-      for (; a < 6 * sixes; a += 6) value_tile<T, 6, 2>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
-      for (; a < done; a += 4) value_tile<T, 4, 2>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
-    }
-    for (; c < full; c += 8) {
-      int64_t a = 0;
-      for (; a < 6 * sixes; a += 6) value_tile<T, 6, 1>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
-      for (; a < done; a += 4) value_tile<T, 4, 1>(s + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
-    }
-    for (int64_t a = 0; a < done; ++a) {  // the last columns, one at a time
-      const float* pa = s + a * ld;
-      for (int64_t c = full; c < Ev; ++c) {
-        float t = 0.0f;
-        for (int j = 0; j < nk; ++j) t += pa[j] * widen<T>(v[j * v_ld + c]);
-        acc[a * Ev + c] += t;
-      }
-    }
-  }
-  for (int64_t a = done; a < n; ++a) {  // rows left over (and every row without F8): one row at a time
-    const float* pa = s + a * ld;
-    float* dst = acc + a * Ev;
-    for (int j = 0; j < nk; ++j) {
-      const float w = pa[j];
-      if (w == 0.0f) continue;
-      const T* row = v + j * v_ld;
-#pragma omp simd
-      for (int64_t c = 0; c < Ev; ++c) dst[c] += w * widen<T>(row[c]);
-    }
-  }
-}
-
 // f(T{}) for the cache's stored element type T
 template <class F>
 inline void with_row_type(at::ScalarType t, F&& f) {
@@ -335,14 +234,24 @@ struct Span {
 // S, 128), one thread, CPU time, 2-core AVX2 EPYC (Zen 3), 2026-12-03, the orders alternated in one
 // process (S = 32768, nine rounds): 8 keys 1.16-1.33x (fp32 / bf16 / int8), 4 keys 1.21-1.49x, 16
 // keys 1.43-1.52x; the head-by-head order before it 1.61-1.84x.
-constexpr int STORED_KEYS = 8;
+// On a 2-core EPYC Zen 5 (2026-12-05, q (1, 32, Lq, 128) against (1, 8, 32768, 128) in pages of 16,
+// one thread, CPU time, 8 and 16 keys alternated, three or four rounds) the best tile was one of the
+// same bytes, not keys: fp32 8 keys 0.99-1.09x (Lq = 4) and 1.26-1.36x (Lq = 1) against 16 keys'
+// 1.12-1.19x and 1.47-1.63x; bf16 16 keys 1.17-1.37x and 1.31-1.33x against 8 keys' 1.32-1.50x and
+// 1.40-1.52x; int8 16 keys (its pages' run) 1.04-1.11x and 0.97-1.10x against 8 keys' 1.16-1.24x and
+// 0.97-1.02x. So a tile is STORED_TILE_BYTES of a head's rows (8 float32 rows of 128, 16 bf16, 32
+// int8), at least 4 and at most 32 keys (a page's run caps it too).
+constexpr int64_t STORED_TILE_BYTES = 4096;
+inline int64_t stored_keys(int64_t row_bytes) {
+  return std::clamp<int64_t>(STORED_TILE_BYTES / std::max<int64_t>(row_bytes, 1), 4, 32);
+}
 
 // One block of nk keys (from j0) of a task's G heads whose rows are interleaved by head (vLLM's
 // (page, Hkv, E) pages): scores, the online-softmax step, and acc += P~ V, each head's into its own
 // scores (s + g * n * bk) and state (states + g * state). Head by head, each head's run of a page read
 // one 512-byte piece of every 4 KiB of the page, which neither the hardware prefetcher nor the
 // explicit one-run-at-a-time prefetches kept fed: a paged decode step took 1.5-1.8x the contiguous
-// cache's (the numbers above). Here the block is read in stored order, STORED_KEYS keys at a time,
+// cache's (the numbers above). Here the block is read in stored order, a tile of keys at a time,
 // every head's tile of those keys in turn, so each 4 KiB is read whole before the next; while a tile
 // is used, the same head's next tile is asked for (its K rows in the score pass, its V rows in the
 // value pass), one round of G tiles ahead. q (1, 32, 1, 128), one thread, as above, the old and new
@@ -355,15 +264,17 @@ template <class T, class Visible>
 void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& kss, const ScaleSource& vss, bool int8,
                   const Span& task, int64_t j0, int nk, int64_t G, int64_t n, int64_t E, int64_t Ev, float scale2,
                   const float* q, const int16_t* q_int16, const float* q_scale, const c10::BFloat16* q_bf16,
-                  bool bf16_values, float* s, int bk, float* kscale, float* vscale, float* states, int64_t state,
+                  const void* q_lanes, bool bf16_values, float* s, int bk, float* kscale, float* vscale, float* states,
+                  int64_t state,
                   const Visible& visible, std::atomic<bool>& saw_nonfinite) {
   const T* kb = reinterpret_cast<const T*>(ks.base);
   const T* vb = reinterpret_cast<const T*>(vs.base);
-  // a tile: m <= STORED_KEYS keys from key j (one stride: inside a page); head g's rows at + g * s_head
+  // a tile: m <= tile_keys keys from key j (one stride: inside a page); head g's rows at + g * s_head
+  const int64_t tile_keys = stored_keys(E * static_cast<int64_t>(sizeof(T)));
   auto tile = [&](const RowSource& src, int j, int64_t* off) {
     int64_t run;
     *off = src.locate(task.nb, j0 + j, &run);
-    return static_cast<int>(std::min<int64_t>({run, static_cast<int64_t>(STORED_KEYS), static_cast<int64_t>(nk - j)}));
+    return static_cast<int>(std::min<int64_t>({run, tile_keys, static_cast<int64_t>(nk - j)}));
   };
   auto next = [&](const RowSource& src, int j, int m, int64_t* off) -> int {  // the tile after, or 0 rows
     if (j0 + j + m >= task.j_end) return 0;
@@ -383,7 +294,8 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
       stream_scores<T>(q + nb * n * E, n, E, kb + off + g * ks.s_head, ks.s_row, int8 ? kscale_g + j : nullptr, m, nk,
                        scale2, s + g * n * bk + j, nullptr, 0, 0, q_int16 ? q_int16 + nb * n * E : nullptr,
                        q_scale ? q_scale + nb * n : nullptr, /*own_prefetch=*/false,
-                       q_bf16 ? q_bf16 + nb * n * E : nullptr);
+                       q_bf16 ? q_bf16 + nb * n * E : nullptr,
+                       q_lanes ? static_cast<const uint32_t*>(q_lanes) + nb * lane_block(E) : nullptr);
     }
   }
   for (int64_t g = 0; g < G; ++g) {  // each head's online-softmax step over the block
@@ -423,10 +335,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
                                                   const std::optional<at::Tensor>& table,
                                                   const std::optional<at::Tensor>& seqlens,
                                                   const std::optional<at::Tensor>& k_scale,
-                                                  const std::optional<at::Tensor>& v_scale, int64_t Hkv, int64_t S,
-                                                  double scale2_d, int64_t causal, int64_t chunk, int64_t block_k,
-                                                  int64_t mode, int64_t sgemm_route, int64_t int8_dot,
-                                                  int64_t bf16_dot) {
+                                                  const std::optional<at::Tensor>& v_scale, double scale2_d,
+                                                  at::IntArrayRef plan) {
+  // the call's integers, named (decode.py's PLAN_FIELDS, in this order)
+  TORCH_CHECK(plan.size() == 9, "attnlab native decode: plan must hold 9 integers (Hkv, S, causal, chunk, block_k, "
+              "mode, sgemm, int8_dot, bf16_dot), got ", plan.size());
+  const int64_t Hkv = plan[0], S = plan[1], causal = plan[2];
+  int64_t chunk = plan[3];
+  const int64_t block_k = plan[4], mode = plan[5], sgemm_route = plan[6], int8_dot = plan[7], bf16_dot = plan[8];
   TORCH_CHECK(q4.dim() == 4 && q4.scalar_type() == at::kFloat && q4.is_contiguous() && q4.device().is_cpu(),
               "attnlab native decode: q4 must be a contiguous float32 (Nb, r, L, E) CPU tensor");
   TORCH_CHECK(causal >= 0 && causal <= 2, "attnlab native decode: causal must be 0, 1 or 2");
@@ -517,21 +433,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   std::vector<float> part_l(static_cast<size_t>(n_parts * n));
   const float scale2 = static_cast<float>(scale2_d);
   const float* q = q4.data_ptr<float>();
-  // an int8 cache on the streaming loop with int8_dot = 1: the query rows rounded to int16 once
-  // (idots2); E a multiple of 16 (vpmaddwd's 16 lanes), E <= 512 (its int32 sums stay exact)
-  const bool int16_dots = int8 && mode == 1 && int8_dot == 1 && E % 16 == 0 && E <= 512;
+  // The plan's dot products (decode.py's plan made them, from the same conditions) are checked
+  // here, never second-guessed: a plan this build or these shapes cannot run is an error, so that
+  // routes.explain() and the status name what a call takes. The one choice left to the kernel is
+  // data-dependent: a query that is not bf16 already takes the float32 scores (bf16_query_rows).
+  const bool bf16 = ks.dtype == at::kBFloat16;
+  TORCH_CHECK(int8_dot == 0 || ((int8_dot == 1 || int8_dot == 3) && int8 && mode == 1 && E % 16 == 0 && E <= 512),
+              "attnlab native decode: plan's int8_dot = ", int8_dot, " (1: int16 dot products) needs an int8 cache on ",
+              "the streaming loop (mode 1) and E a multiple of 16 up to 512; got mode ", mode, ", E = ", E);
+  TORCH_CHECK(!(int8_dot & 2) || (kLaneInt8 && n > 8 && n <= LANE_ROWS && E % 32 == 0),
+              "attnlab native decode: plan's int8_dot bit 1 (the rows across a zmm's lanes) needs a build with ",
+              "AVX512BW, 9 to 16 rows a head and E a multiple of 32; got ", n, " rows, E = ", E);
+  TORCH_CHECK((bf16_dot & ~int64_t(7)) == 0 && (bf16_dot == 0 || (isa::kBf16x8 && bf16 && mode == 1 && E % 16 == 0)),
+              "attnlab native decode: plan's bf16_dot = ", bf16_dot, " (vdpbf16ps) needs a build with AVX512_BF16 ",
+              "(this one: ", isa::kBf16x8 ? "yes" : "no",
+              "), a bf16 cache on the streaming loop and E a multiple of 16");
+  TORCH_CHECK(!(bf16_dot & 2) || ((bf16_dot & 1) && Ev % 32 == 0),
+              "attnlab native decode: plan's bf16_dot bit 1 (the value pass on vdpbf16ps) needs bit 0 and Ev a "
+              "multiple of 32; got Ev = ", Ev);
+  TORCH_CHECK(!(bf16_dot & 4) || ((bf16_dot & 1) && kLaneBf16 && n > 8 && n <= LANE_ROWS && E % 4 == 0),
+              "attnlab native decode: plan's bf16_dot bit 2 (the rows across a zmm's lanes) needs bit 0, a build with "
+              "512-bit vdpbf16ps and 9 to 16 rows a head; got ", n, " rows");
+  // an int8 cache with int8_dot = 1: the query rows rounded to int16 once (idots2); E a multiple of
+  // 16 (vpmaddwd's 16 lanes), E <= 512 (its int32 sums stay exact)
+  const bool int16_dots = (int8_dot & 1) != 0;
   std::vector<int16_t> q_int16(int16_dots ? static_cast<size_t>(Nb * n * E) : 0);
   std::vector<float> q_scale(int16_dots ? static_cast<size_t>(Nb * n) : 0);
   if (int16_dots && !quantize_rows(q, Nb * n, E, q_int16.data(), q_scale.data()))
     return {out, lse2, at::scalar_tensor(true, at::TensorOptions().dtype(at::kBool))};  // NaN or inf in q
-  // a bf16 cache on the streaming loop with bf16_dot = 1 (a build with the instruction): the query
-  // rows as bf16 once (bdots2), when that changes no answer (bf16_query_rows), else the float32 route
-  bool bf16_dots = isa::kBf16x8 && ks.dtype == at::kBFloat16 && mode == 1 && (bf16_dot & 1) && E % 16 == 0;
-  // and the value pass on it (bf16_dot bit 1: decode.py asks for it when the output is bf16, as P~
-  // is rounded to bf16 for it), 32 columns at a time
-  const bool bf16_values = isa::kBf16x8 && ks.dtype == at::kBFloat16 && mode == 1 && (bf16_dot & 2) && Ev % 32 == 0;
+  // a bf16 cache with bf16_dot bit 0: the query rows as bf16 once (bdots2), when that changes no
+  // answer (bf16_query_rows), else the float32 route
+  bool bf16_dots = (bf16_dot & 1) != 0;
+  // and bit 1, the value pass on it (decode.py asks for it when the output is bf16, as P~ is
+  // rounded to bf16 for it), 32 or 64 columns at a time
+  const bool bf16_values = (bf16_dot & 2) != 0;
   std::vector<c10::BFloat16> q_bf16(bf16_dots ? static_cast<size_t>(Nb * n * E) : 0);
   if (bf16_dots) bf16_dots = bf16_query_rows(q, Nb * n, E, scale2, q_bf16.data());
+  // bf16_dot bit 2: the scores on vdpbf16ps with a head's 9-16 rows across one zmm's lanes
+  // (decode_lanes.h; decode.bf16_lanes asks for it, where the build has 512-bit vdpbf16ps; below 9
+  // rows bdots2 wastes fewer lanes). Per head E / 2 * 16 bf16 pairs.
+  // int8_dot bit 1: the same for an int8 cache's int16 dot products (lane_idots8), the rows' scales
+  // after the pairs. Per head lane_block(E) uint32.
+  const bool lanes = (bf16_dots && (bf16_dot & 4)) || (int16_dots && (int8_dot & 2));
+  std::vector<uint32_t> q_lanes(lanes ? static_cast<size_t>(Nb * lane_block(E)) : 0);
+  for (int64_t nb = 0; lanes && nb < Nb; ++nb) {
+    uint32_t* dst = q_lanes.data() + nb * lane_block(E);
+    if (int8) lay_int16_pairs_in_lanes(q_int16.data() + nb * n * E, q_scale.data() + nb * n, n, E, dst);
+    else lay_pairs_in_lanes(q_bf16.data() + nb * n * E, n, E, dst);
+  }
+  auto lanes_of = [&](int64_t nb) -> const void* { return lanes ? q_lanes.data() + nb * lane_block(E) : nullptr; };
 
   // the streaming loop over rows interleaved by head (G > 1) reads each block in stored order
   const bool stored_order = mode == 1 && G > 1;
@@ -576,9 +526,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
           with_row_type(ks.dtype, [&](auto tag) {
             stored_block<decltype(tag)>(ks, vs, kss, vss, int8, task, j0, nk, G, n, E, Ev, scale2, q,
                                         int16_dots ? q_int16.data() : nullptr, int16_dots ? q_scale.data() : nullptr,
-                                        bf16_dots ? q_bf16.data() : nullptr, bf16_values, s, bk, kscale, vscale,
-                                        states, state,
-                                        visible, saw_nonfinite);
+                                        bf16_dots ? q_bf16.data() : nullptr, lanes_of(0), bf16_values, s, bk, kscale,
+                                        vscale, states, state, visible, saw_nonfinite);
           });
           j0 += nk;
           continue;
@@ -605,7 +554,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
                 stream_scores<T>(qn, n, E, kb + off, ks.s_row, int8 ? kscale + j : nullptr, m, nk, scale2, s + j,
                                  vrows, vs.s_row, Ev, int16_dots ? q_int16.data() + nb * n * E : nullptr,
                                  int16_dots ? q_scale.data() + nb * n : nullptr, /*own_prefetch=*/true,
-                                 bf16_dots ? q_bf16.data() + nb * n * E : nullptr);
+                                 bf16_dots ? q_bf16.data() + nb * n * E : nullptr, lanes_of(nb));
               }
               // a NaN or inf score (from Q or K) would be swallowed by the row pass (its max and 2^x drop
               // NaN): flag it, so the caller redoes the call on the pure path; V's show in the output.
@@ -652,7 +601,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
       }
       const int64_t c = task.j_begin / chunk;  // the chunk's index among the group's
       for (int64_t g = 0; g < G; ++g) {
-        const float* acc = states + g * state;
+        float* acc = states + g * state;
+        if constexpr (isa::kBf16x8)
+          if (bf16_values) bvalues_finish(acc, n, Ev);  // acc's columns back in order (bvalue_tile's)
         const int64_t part = first_part[task.nb + g] + c;
         finish_rows(acc, acc + n * Ev, acc + n * Ev + n, n, Ev, part_o.data() + part * n * Ev, Ev,
                     part_l.data() + part * n, 1);
@@ -681,17 +632,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
 
 // The dot-product instructions this build's streaming decode loop has (attnlab.kernels.native's
 // status names them): bit 0 vdpbf16ps for bf16 caches (bdots2), bit 1 vpdpwssd for int8 caches
-// (dot_pairs). Without them: bf16 widened to float32, int8 on vpmaddwd and vpaddd.
-int64_t decode_dot_instructions() { return (isa::kBf16x8 ? 1 : 0) | (isa::kVnni ? 2 : 0); }
+// (dot_pairs), bit 2 512-bit vdpbf16ps with AVX-512's float vectors (the lane kernel, decode_lanes.h),
+// bit 3 512-bit int16 pairs (isa::I32: the int8 lane kernel).
+// Without them: bf16 widened to float32, int8 on vpmaddwd and vpaddd.
+int64_t decode_dot_instructions() {
+  return (isa::kBf16x8 ? 1 : 0) | (isa::kVnni ? 2 : 0) | (kLaneBf16 ? 4 : 0) | (kLaneInt8 ? 8 : 0);
+}
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab_native, m) {
   m.def("decode_dot_instructions() -> int");
   m.def("decode_forward(Tensor q4, Tensor k, Tensor v, Tensor? table, Tensor? seqlens, Tensor? k_scale, "
-        "Tensor? v_scale, int Hkv, int S, float scale2, int causal, int chunk, int block_k, int mode, int sgemm=0, "
-        "int int8_dot=0, int bf16_dot=0) -> (Tensor, "
-        "Tensor, Tensor)");
+        "Tensor? v_scale, float scale2, int[] plan) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnlab_native, CPU, m) {

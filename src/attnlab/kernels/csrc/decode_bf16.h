@@ -8,7 +8,7 @@
 #include <c10/util/BFloat16.h>
 
 #include "kernels.h"
-#include "decode_dots.h"  // load8
+#include "decode_dots.h"
 
 #include <algorithm>
 #include <cmath>
@@ -34,11 +34,12 @@ inline uint16_t* p_as_bf16(const float* p, int64_t count) {
 // one instruction a row per 16. On a 2-core Zen 5 (2026-12-04, q (1, 32, 4, 128) against 8 heads of
 // 32768 bf16 keys) 10.5 ms against the widening's 14.0 (BENCHMARKS.md).
 // Same answers as the float32 route to float32's rounding, given bf16_query_rows' conditions.
-// s[a * nk + j] (j = j0, j0 + 1) = f_j * qb[a] . k_j: four rows by two keys, as dots2. E % 16 == 0.
-// Called only where B is real (isa::kBf16x8).
-template <class B = isa::B16, class X = isa::F8>
-inline void bdots2(const c10::BFloat16* __restrict__ qb_, int64_t n, int64_t E, const c10::BFloat16* __restrict__ k0_,
-                   const c10::BFloat16* __restrict__ k1_, float f0, float f1, float* __restrict__ s, int nk, int j0) {
+// s[a * nk + j] (j = j0, j0 + 1) = f_j * qb[a] . k_j: four rows by two keys, as dots2.
+// B, X: isa::B16 and F8 (256 bits, E % 16 == 0) or isa::B32 and F16 (512 bits, E % 32 == 0: see bdots).
+template <class B, class X>
+inline void bdots2_on(const c10::BFloat16* __restrict__ qb_, int64_t n, int64_t E,
+                      const c10::BFloat16* __restrict__ k0_, const c10::BFloat16* __restrict__ k1_, float f0, float f1,
+                      float* __restrict__ s, int nk, int j0) {
   using V = typename X::V;
   using F4 = isa::F4;
   const uint16_t* qb = reinterpret_cast<const uint16_t*>(qb_);
@@ -49,7 +50,7 @@ inline void bdots2(const c10::BFloat16* __restrict__ qb_, int64_t n, int64_t E, 
     const uint16_t *q0 = qb + a * E, *q1 = q0 + E, *q2 = q1 + E, *q3 = q2 + E;
     V x0 = X::zero(), x1 = x0, x2 = x0, x3 = x0;  // key 0, rows a .. a + 3
     V y0 = x0, y1 = x0, y2 = x0, y3 = x0;         // key 1
-    for (int64_t c = 0; c < E; c += 16) {
+    for (int64_t c = 0; c < E; c += 2 * X::W) {
       const typename B::V a0 = B::load(q0 + c), a1 = B::load(q1 + c), a2 = B::load(q2 + c), a3 = B::load(q3 + c);
       const typename B::V kc = B::load(k0 + c);
       x0 = isa::dpbf16(x0, a0, kc), x1 = isa::dpbf16(x1, a1, kc);
@@ -70,7 +71,7 @@ inline void bdots2(const c10::BFloat16* __restrict__ qb_, int64_t n, int64_t E, 
   }
   for (; a < n; ++a) {  // rows left over, one at a time
     V x = X::zero(), y = x;
-    for (int64_t c = 0; c < E; c += 16) {
+    for (int64_t c = 0; c < E; c += 2 * X::W) {
       const typename B::V qa = B::load(qb + a * E + c);
       x = isa::dpbf16(x, qa, B::load(k0 + c));
       if (k1) y = isa::dpbf16(y, qa, B::load(k1 + c));
@@ -82,30 +83,45 @@ inline void bdots2(const c10::BFloat16* __restrict__ qb_, int64_t n, int64_t E, 
   }
 }
 
+// bdots2_on at the widest width E allows: 512-bit vdpbf16ps (isa::B32, 32 elements an instruction,
+// where the build has AVX512_BF16: isa::kBf16) for E % 32 == 0, else 256 bits (isa::B16). Zen 5
+// runs the 512-bit instruction at full width (7.7 G instructions a second on one core, as many as
+// 512-bit FMAs; Zen 4 splits it in two): with bvalues on 512 bits as well, q (1, 32, 4, 128) against
+// 8 heads of bf16 keys took 14.1-15.6 -> 12.2-13.5 ms at S = 32768 and 1.70-1.75 -> 1.21-1.52 ms at
+// S = 4096 (one thread, CPU time, 2-core EPYC Zen 5, 2026-12-04, old and new builds alternated).
+// For 9-16 rows a head the scores take the rows across one zmm's lanes instead (decode_lanes.h).
+// Called only where isa::kBf16x8 (a template: the 512-bit branch is not instantiated without it).
+template <int = 0>
+inline void bdots2(const c10::BFloat16* qb, int64_t n, int64_t E, const c10::BFloat16* k0, const c10::BFloat16* k1,
+                   float f0, float f1, float* s, int nk, int j0) {
+  if constexpr (isa::kBf16 && isa::kF16)
+    if (E % 32 == 0) return bdots2_on<isa::B32, isa::F16>(qb, n, E, k0, k1, f0, f1, s, nk, j0);
+  bdots2_on<isa::B16, isa::F8>(qb, n, E, k0, k1, f0, f1, s, nk, j0);
+}
+
 // acc (n, Ev) += P~ V for nk value rows (v_ld apart) of a bf16 cache, P~ as bf16 (pb: n rows, ld
 // apart): vdpbf16ps takes two keys at once, each output lane summing P~_j V_j + P~_j+1 V_j+1 (one
 // rounding each step, float32 accumulators). A pair of value rows is interleaved once (B::interleave:
-// the columns come out as 0-3, 8-11 | 4-7, 12-15 of each 16, undone when acc is stored) and feeds
+// the columns come out in 128-bit lanes' order, which acc keeps: bvalues_finish) and feeds
 // every row's instructions: per pair of keys, 4 loads and 4 unpacks, then one broadcast and 4
-// instructions a row for 32 columns; the float32 value pass runs 8 FMAs a row for the same. R rows
-// by 32 columns: 4 R accumulators, 4 value vectors and a weight, 29 of AVX-512's 32 ymm at R = 6.
-// Needs Ev % 32 == 0 (decode_forward checks). An odd nk's last key pairs with zeros.
-template <int R, class B = isa::B16, class X = isa::F8>
+// instructions a row for 4 X::W columns (32 on 256 bits, 64 on 512); the float32 value pass runs 8
+// FMAs a row for 32. R rows: 4 R accumulators, 4 value vectors and a weight, 29 of AVX-512's 32
+// registers at R = 6. Needs Ev % (4 X::W) == 0 (bvalues). An odd nk's last key pairs with zeros.
+template <int R, class B, class X>
 inline void bvalue_tile(const uint16_t* __restrict__ pb, int ld, int nk, const c10::BFloat16* __restrict__ v_,
                         int64_t v_ld, int64_t c, float* __restrict__ acc, int64_t Ev) {
   using V = typename X::V;
+  constexpr int W = X::W;
   const uint16_t* v = reinterpret_cast<const uint16_t*>(v_);
   V r[R][4];
-  for (int i = 0; i < R; ++i) {  // acc's columns in the interleaved order
+  for (int i = 0; i < R; ++i) {  // acc holds its columns in the interleaved order (bvalues_finish undoes it)
     const float* d = acc + i * Ev + c;
-    const V l0 = X::load(d), l1 = X::load(d + 8), l2 = X::load(d + 16), l3 = X::load(d + 24);
-    r[i][0] = X::join_lo(l0, l1), r[i][1] = X::join_hi(l0, l1);
-    r[i][2] = X::join_lo(l2, l3), r[i][3] = X::join_hi(l2, l3);
+    r[i][0] = X::load(d), r[i][1] = X::load(d + W), r[i][2] = X::load(d + 2 * W), r[i][3] = X::load(d + 3 * W);
   }
   auto step = [&](int j, const uint16_t* v0, const uint16_t* v1, bool pair) {
     typename B::V x0, x1, x2, x3;
     B::interleave(v0, v1, &x0, &x1);
-    B::interleave(v0 + 16, v1 ? v1 + 16 : nullptr, &x2, &x3);
+    B::interleave(v0 + 2 * W, v1 ? v1 + 2 * W : nullptr, &x2, &x3);
     for (int i = 0; i < R; ++i) {  // (P~_j, P~_j+1) of row i in every lane
       uint32_t w;
       if (pair) std::memcpy(&w, pb + i * ld + j, 4);
@@ -120,31 +136,67 @@ inline void bvalue_tile(const uint16_t* __restrict__ pb, int ld, int nk, const c
   if (j < nk) step(j, v + j * v_ld + c, nullptr, false);
   for (int i = 0; i < R; ++i) {
     float* d = acc + i * Ev + c;
-    X::store(d, X::join_lo(r[i][0], r[i][1]));
-    X::store(d + 8, X::join_hi(r[i][0], r[i][1]));
-    X::store(d + 16, X::join_lo(r[i][2], r[i][3]));
-    X::store(d + 24, X::join_hi(r[i][2], r[i][3]));
+    X::store(d, r[i][0]), X::store(d + W, r[i][1]), X::store(d + 2 * W, r[i][2]), X::store(d + 3 * W, r[i][3]);
   }
 }
 
-// acc (n, Ev) += P~ V: the n rows in tiles of six (then the rest), each over Ev in 32 columns.
-template <class B = isa::B16>
-inline void bvalues(const uint16_t* pb, int ld, int64_t n, int64_t Ev, const c10::BFloat16* v, int64_t v_ld, int nk,
-                    float* acc) {
-  for (int64_t c = 0; c < Ev; c += 32) {
+// acc (n, Ev) from the interleaved column order bvalue_tile keeps it in back to the columns' own
+// (X::undeal on every 2 X::W columns), once, when a task's rows are done: the order is kept across
+// a task's blocks because a paged cache's stored-order tiles of 8 keys reloaded acc each tile, and
+// dealing it in and out took as long as the tile's vdpbf16ps (perf, q (1, 32, 4, 128) against 8
+// heads of 32768 bf16 keys in pages of 16, one thread, Zen 5, 2026-12-05). Zeros and the online
+// softmax's per-row rescaling do not see the order.
+template <class X>
+inline void undeal_rows(float* acc, int64_t n, int64_t Ev) {
+  using V = typename X::V;
+  constexpr int W = X::W;
+  for (int64_t a = 0; a < n; ++a)
+    for (int64_t c = 0; c < Ev; c += 2 * W) {
+      float* d = acc + a * Ev + c;
+      V l0, l1;
+      X::undeal(X::load(d), X::load(d + W), &l0, &l1);
+      X::store(d, l0), X::store(d + W, l1);
+    }
+}
+
+// acc (n, Ev) += P~ V: the n rows in tiles of six (then the rest), over Ev in tiles of 4 X::W columns
+template <class B, class X>
+inline void bvalues_on(const uint16_t* pb, int ld, int64_t n, int64_t Ev, const c10::BFloat16* v, int64_t v_ld, int nk,
+                       float* acc) {
+  for (int64_t c = 0; c < Ev; c += 4 * X::W) {
     int64_t a = 0;
-    for (; a + 6 <= n; a += 6) bvalue_tile<6, B>(pb + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
+    for (; a + 6 <= n; a += 6) bvalue_tile<6, B, X>(pb + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
     const uint16_t* p = pb + a * ld;
     float* d = acc + a * Ev;
     switch (n - a) {
-      case 5: bvalue_tile<5, B>(p, ld, nk, v, v_ld, c, d, Ev); break;
-      case 4: bvalue_tile<4, B>(p, ld, nk, v, v_ld, c, d, Ev); break;
-      case 3: bvalue_tile<3, B>(p, ld, nk, v, v_ld, c, d, Ev); break;
-      case 2: bvalue_tile<2, B>(p, ld, nk, v, v_ld, c, d, Ev); break;
-      case 1: bvalue_tile<1, B>(p, ld, nk, v, v_ld, c, d, Ev); break;
+      case 5: bvalue_tile<5, B, X>(p, ld, nk, v, v_ld, c, d, Ev); break;
+      case 4: bvalue_tile<4, B, X>(p, ld, nk, v, v_ld, c, d, Ev); break;
+      case 3: bvalue_tile<3, B, X>(p, ld, nk, v, v_ld, c, d, Ev); break;
+      case 2: bvalue_tile<2, B, X>(p, ld, nk, v, v_ld, c, d, Ev); break;
+      case 1: bvalue_tile<1, B, X>(p, ld, nk, v, v_ld, c, d, Ev); break;
       default: break;
     }
   }
+}
+
+// bvalues' acc back in column order (undeal_rows at bvalues' width), after a task's last block.
+// Called only where isa::kBf16x8.
+template <int = 0>
+inline void bvalues_finish(float* acc, int64_t n, int64_t Ev) {
+  if constexpr (isa::kBf16 && isa::kF16)
+    if (Ev % 64 == 0) return undeal_rows<isa::F16>(acc, n, Ev);
+  undeal_rows<isa::F8>(acc, n, Ev);
+}
+
+// bvalues_on at the widest width Ev allows: 512 bits (isa::B32, 64 columns a tile) for Ev % 64 == 0
+// where the build has it, else 256 (isa::B16, 32 columns; Ev % 32 == 0: decode_forward checks).
+// Called only where isa::kBf16x8 (a template: the 512-bit branch is not instantiated without it).
+template <int = 0>
+inline void bvalues(const uint16_t* pb, int ld, int64_t n, int64_t Ev, const c10::BFloat16* v, int64_t v_ld, int nk,
+                    float* acc) {
+  if constexpr (isa::kBf16 && isa::kF16)
+    if (Ev % 64 == 0) return bvalues_on<isa::B32, isa::F16>(pb, ld, n, Ev, v, v_ld, nk, acc);
+  bvalues_on<isa::B16, isa::F8>(pb, ld, n, Ev, v, v_ld, nk, acc);
 }
 
 // qb (m, E) = q (m, E) as bf16, when the route gives the float32 route's answers: every element
@@ -154,14 +206,19 @@ inline void bvalues(const uint16_t* pb, int ld, int64_t n, int64_t Ev, const c10
 // next to the softmax's other scores. False otherwise (the caller takes the float32 route).
 inline bool bf16_query_rows(const float* q, int64_t m, int64_t E, float scale2, c10::BFloat16* qb) {
   const float limit = std::ldexp(1.0f, 64) / std::max(std::fabs(scale2), 1e-30f);
+  uint16_t* out = reinterpret_cast<uint16_t*>(qb);
+  // branch-free, so that GCC vectorises it: a bf16 decode call's fixed cost (q (1, 32, 4, 128)
+  // against 16 keys, 2 threads, 2-core EPYC Zen 5, 2026-12-05) spent 17-19 of its 76 us in the branchy
+  // loop this replaced (75.6 -> 56.5-58.9 us a call)
+  uint32_t bad = 0;
   for (int64_t i = 0; i < m * E; ++i) {
     uint32_t bits;
     std::memcpy(&bits, q + i, 4);
-    const bool denormal = (bits & 0x7f800000u) == 0 && (bits & 0x007fffffu) != 0;
-    if ((bits & 0xffffu) != 0 || denormal || !(std::fabs(q[i]) < limit)) return false;
-    qb[i] = c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+    const uint32_t denormal = (bits & 0x7f800000u) == 0 && (bits & 0x007fffffu) != 0;
+    bad |= (bits & 0xffffu) | denormal | static_cast<uint32_t>(!(std::fabs(q[i]) < limit));
+    out[i] = static_cast<uint16_t>(bits >> 16);
   }
-  return true;
+  return bad == 0;
 }
 
 }  // namespace

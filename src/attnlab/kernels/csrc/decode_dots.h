@@ -20,9 +20,16 @@ namespace {
 // The streaming loop: one key block, each K and V row read once in its stored dtype
 // ---------------------------------------------------------------------------------------------
 
-// 8 stored elements as float32 (int8 without its scale), on the seam's 8-lane vector
+// ask for a row's lines into L1 (Locality 3) or L2 (2)
+template <class T, int Locality = 3>
+inline void prefetch_row(const T* row, int64_t width) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, Locality);
+}
+
+// X::W stored elements as float32 (int8 without its scale), on the seam's vector X (F8 or F16)
 template <class X, class T>
-inline typename X::V load8(const T* p) {
+inline typename X::V widen_load(const T* p) {
   if constexpr (std::is_same_v<T, float>) return X::load(p);
   else if constexpr (std::is_same_v<T, c10::BFloat16>) return X::load_bf16(reinterpret_cast<const uint16_t*>(p));
   else if constexpr (std::is_same_v<T, c10::Half>) return X::load_f16(reinterpret_cast<const uint16_t*>(p));
@@ -35,28 +42,29 @@ template <>
 inline float widen<int8_t>(int8_t x) { return static_cast<float>(x); }
 
 // s[a * nk + j] (j = j0, j0 + 1) = f_j * q[a] . k_j for the n query rows (E apart) and two
-// key rows k0, k1: each 8 elements of a key are loaded (and widened) once and feed four rows'
+// key rows k0, k1: each X::W elements of a key are loaded (and widened) once and feed four rows'
 // FMA chains; two keys at a time share each load of a query chunk. k1 may be null (one key).
-// X: the seam's 8-lane vector (isa::F8); a build without one (X::real false) takes the row loop.
-template <class T, class X = isa::F8>
+// X: the seam's streaming vector (isa::Stream: 16 lanes with AVX-512, else 8); a build without one
+// (X::real false) takes the row loop.
+template <class T, class X = isa::Stream>
 inline void dots2(const float* __restrict__ q, int64_t n, int64_t E, const T* __restrict__ k0,
                   const T* __restrict__ k1, float f0, float f1, float* __restrict__ s, int nk, int j0) {
   int64_t a = 0;
   if constexpr (X::real) {
     using V = typename X::V;
-    const int64_t full = E & ~int64_t(7);
+    const int64_t full = E & ~int64_t(X::W - 1);
     for (; a + 4 <= n; a += 4) {
       const float *q0 = q + a * E, *q1 = q0 + E, *q2 = q1 + E, *q3 = q2 + E;
       V x0 = X::zero(), x1 = x0, x2 = x0, x3 = x0;  // key 0, rows a .. a + 3
       V y0 = x0, y1 = x0, y2 = x0, y3 = x0;         // key 1
-      for (int64_t c = 0; c < full; c += 8) {
+      for (int64_t c = 0; c < full; c += X::W) {
         V a0 = X::load(q0 + c), a1 = X::load(q1 + c), a2 = X::load(q2 + c), a3 = X::load(q3 + c);
         X::keep(a0), X::keep(a1), X::keep(a2), X::keep(a3);
-        V kc = load8<X>(k0 + c);
+        V kc = widen_load<X>(k0 + c);
         X::keep(kc);
         x0 = X::fma(a0, kc, x0), x1 = X::fma(a1, kc, x1), x2 = X::fma(a2, kc, x2), x3 = X::fma(a3, kc, x3);
         if (k1) {
-          V kd = load8<X>(k1 + c);
+          V kd = widen_load<X>(k1 + c);
           X::keep(kd);
           y0 = X::fma(a0, kd, y0), y1 = X::fma(a1, kd, y1), y2 = X::fma(a2, kd, y2), y3 = X::fma(a3, kd, y3);
         }
@@ -88,12 +96,12 @@ inline void dots2(const float* __restrict__ q, int64_t n, int64_t E, const T* __
 }
 
 // s[a * nk + j0 .. j0 + 3] = f[0 .. 3] * (q[a] . k_j) for the n query rows (E apart) and four key
-// rows (k, k_ld apart): two rows by four keys, eight FMA chains; each 8 elements of a key are loaded
-// (and widened) once per two rows, and a row's four sums leave as one 4-wide store. The four rows
+// rows (k, k_ld apart): two rows by four keys, eight FMA chains; each X::W elements of a key are
+// loaded (and widened) once per two rows, and a row's four sums leave as one 4-wide store. The four rows
 // by two keys this replaced left each score as a scalar (eight extracts and stores per tile), and
 // its reductions took a quarter of the loop's time (perf, 2026-12-03, 2-core AVX2 EPYC, q (8, 4, 4,
-// 128) fp32 against S = 2048, one thread). Needs E % 8 == 0, n even (stream_scores: n >= 8), X real.
-template <class T, class X = isa::F8>
+// 128) fp32 against S = 2048, one thread). Needs E % X::W == 0, n even (stream_scores: n >= 8), X real.
+template <class T, class X = isa::Stream>
 inline void dots4(const float* __restrict__ q, int64_t n, int64_t E, const T* __restrict__ k, int64_t k_ld,
                   const float* f, float* __restrict__ s, int nk, int j0) {
   using V = typename X::V;
@@ -104,19 +112,19 @@ inline void dots4(const float* __restrict__ q, int64_t n, int64_t E, const T* __
     const float *q0 = q + a * E, *q1 = q0 + E;
     V x0 = X::zero(), x1 = x0, x2 = x0, x3 = x0;  // row a, keys 0 .. 3
     V y0 = x0, y1 = x0, y2 = x0, y3 = x0;         // row a + 1
-    for (int64_t c = 0; c < E; c += 8) {
+    for (int64_t c = 0; c < E; c += X::W) {
       V a0 = X::load(q0 + c), a1 = X::load(q1 + c);
       X::keep(a0), X::keep(a1);
-      V kc = load8<X>(k0 + c);
+      V kc = widen_load<X>(k0 + c);
       X::keep(kc);
       x0 = X::fma(a0, kc, x0), y0 = X::fma(a1, kc, y0);
-      kc = load8<X>(k1 + c);
+      kc = widen_load<X>(k1 + c);
       X::keep(kc);
       x1 = X::fma(a0, kc, x1), y1 = X::fma(a1, kc, y1);
-      kc = load8<X>(k2 + c);
+      kc = widen_load<X>(k2 + c);
       X::keep(kc);
       x2 = X::fma(a0, kc, x2), y2 = X::fma(a1, kc, y2);
-      kc = load8<X>(k3 + c);
+      kc = widen_load<X>(k3 + c);
       X::keep(kc);
       x3 = X::fma(a0, kc, x3), y3 = X::fma(a1, kc, y3);
     }

@@ -90,6 +90,9 @@ struct F8 {  // 8 floats
   // (a's low 128 bits, b's low) and (a's high, b's high)
   static V join_lo(V a, V b) { return _mm256_permute2f128_ps(a, b, 0x20); }
   static V join_hi(V a, V b) { return _mm256_permute2f128_ps(a, b, 0x31); }
+  // 16 columns in B16::interleave's order (lo: 0-3, 8-11; hi: 4-7, 12-15) back to their own
+  // (l0: 0-7, l1: 8-15)
+  static void undeal(V lo, V hi, V* l0, V* l1) { *l0 = join_lo(lo, hi), *l1 = join_hi(lo, hi); }
   // 2^x for x <= 0: n = round(x), 2^f (f = x - n in [-1/2, 1/2]) by a degree-6 near-minimax
   // polynomial (relative error 1.0e-7), 2^n written into the exponent bits; x <= -127 gives 0.
   // GCC does not vectorise the portable loop (objdump of the build on an AVX2-only EPYC: 4 ymm FMAs
@@ -98,13 +101,7 @@ struct F8 {  // 8 floats
     x = _mm256_max_ps(x, _mm256_set1_ps(-127.0f));  // also keeps x - n finite for x = -inf
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.5370704932138324e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3399848248809576e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618373587727547e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550329014658928e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022647738456726f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931471824645996f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256 p = exp2_poly<F8>(f);
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
   }

@@ -1,6 +1,6 @@
 // The AVX-512 instructions the native kernels use, in portable C++: the "avx512-emulated" build
 // (attnlab.kernels.native, ATTNLAB_NATIVE_ISA=avx512-emulated) includes this on a CPU without
-// AVX-512, so that the kernels' AVX-512 source (kernels.h's row pass and 2^x, sgemm.h's 12 x 32
+// AVX-512, so that the kernels' AVX-512 source (kernels.h's row pass and 2^x, sgemm.h's 6 x 64
 // zmm tile, bf16_gemm.h's vdpbf16ps micro-kernel and packing, decode.cpp's bf16 dot products on
 // 256-bit vdpbf16ps, and its int8 dot products on 256-bit vpdpwssd) runs, and is tested, on an
 // AVX2-only machine. It is a test build: correct, slow.
@@ -30,6 +30,8 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+
+#include "portable.h"  // half_bits_to_float
 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"  // 64-byte vectors passed without AVX-512: inline, never across a library ABI
@@ -125,6 +127,132 @@ inline float reduce_max_ps(m512 a) {
   return reduce(a, [](float x, float y) { return x > y ? x : y; });
 }
 
+// the decode kernel's widening loads and F16::fold (isa::F16's load_bf16, load_f16, load_i8, fold);
+// __m128i, __m256i and __m256 are AVX2's own types here
+inline m512 castsi512_ps(m512i x) {
+  m512 r;
+  std::memcpy(&r, &x, sizeof r);
+  return r;
+}
+inline m512i slli_epi32(m512i x, unsigned int n) {
+  uint32_t lanes[16];
+  std::memcpy(lanes, &x, sizeof lanes);
+  for (auto& l : lanes) l = n > 31 ? 0u : l << n;
+  return loadu_si512(lanes);
+}
+// vpmovzxwd and vpmovsxbd: 16 elements of type From (the low bytes of x) to 16 int32 lanes
+template <class From, class In>
+inline m512i widen_epi32(In x) {
+  From e[16];
+  int32_t lanes[16];
+  std::memcpy(e, &x, sizeof e);
+  for (int i = 0; i < 16; ++i) lanes[i] = e[i];
+  return loadu_si512(lanes);
+}
+inline m512i cvtepu16_epi32(__m256i x) { return widen_epi32<uint16_t>(x); }
+inline m512i cvtepi8_epi32(__m128i x) { return widen_epi32<int8_t>(x); }
+inline m512 cvtepi32_ps(m512i x) {  // exact for the int8 values the kernels convert
+  int32_t lanes[16];
+  std::memcpy(lanes, &x, sizeof lanes);
+  m512 r;
+  for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(lanes[i]);
+  return r;
+}
+inline m512 cvtph_ps(__m256i x) {  // vcvtph2ps: exact (every fp16 value is a float32)
+  uint16_t h[16];
+  std::memcpy(h, &x, sizeof h);
+  m512 r;
+  for (int i = 0; i < 16; ++i) r[i] = isa::half_bits_to_float(h[i]);
+  return r;
+}
+// vshuff32x4 (a, b, imm): 128-bit lanes 0, 1 of the result from a, 2, 3 from b, each picked by 2 bits of imm
+inline m512 shuffle_f32x4(m512 a, m512 b, int imm) {
+  m512 r;
+  for (int i = 0; i < 4; ++i) {
+    const m512& src = i < 2 ? a : b;
+    const int lane = imm >> (2 * i) & 3;
+    for (int j = 0; j < 4; ++j) r[4 * i + j] = src[4 * lane + j];
+  }
+  return r;
+}
+// vpunpck{l,h}wd: per 128-bit lane, the low (high) four 16-bit elements of a and b, alternating
+inline m512i unpack_epi16(m512i a, m512i b, int half) {
+  int16_t x[32], y[32], r[32];
+  std::memcpy(x, &a, 64), std::memcpy(y, &b, 64);
+  for (int lane = 0; lane < 4; ++lane)
+    for (int i = 0; i < 4; ++i) {
+      r[8 * lane + 2 * i] = x[8 * lane + 4 * half + i];
+      r[8 * lane + 2 * i + 1] = y[8 * lane + 4 * half + i];
+    }
+  return loadu_si512(r);
+}
+inline m512i unpacklo_epi16(m512i a, m512i b) { return unpack_epi16(a, b, 0); }
+inline m512i unpackhi_epi16(m512i a, m512i b) { return unpack_epi16(a, b, 1); }
+inline m512i setzero_si512() { return m512i{}; }
+inline m512i cvtepi8_epi16(__m256i x) {  // vpmovsxbw: 32 int8 to 32 int16
+  int8_t b[32];
+  int16_t r[32];
+  std::memcpy(b, &x, 32);
+  for (int i = 0; i < 32; ++i) r[i] = b[i];
+  return loadu_si512(r);
+}
+// vpdpwssd on 512 bits: each int32 lane of src plus the two products of its int16 pairs, wrapping
+// vpdpwssd over Lanes int32 lanes (the same code for 256 and 512 bits): each lane of src plus the
+// two products of its int16 pairs, wrapping as the instruction does (not the saturating vpdpwssds)
+template <int Lanes, class Vec>
+inline Vec dpwssd(Vec src, Vec a, Vec b) {
+  static_assert(sizeof(Vec) == 4 * Lanes, "dpwssd: Lanes int32 lanes");
+  int32_t s[Lanes];
+  int16_t x[2 * Lanes], y[2 * Lanes];
+  std::memcpy(s, &src, sizeof s), std::memcpy(x, &a, sizeof x), std::memcpy(y, &b, sizeof y);
+  for (int j = 0; j < Lanes; ++j) {
+    const int64_t t = int64_t(s[j]) + int32_t(x[2 * j]) * y[2 * j] + int32_t(x[2 * j + 1]) * y[2 * j + 1];
+    s[j] = static_cast<int32_t>(static_cast<uint32_t>(t));
+  }
+  Vec r;
+  std::memcpy(&r, s, sizeof r);
+  return r;
+}
+inline m512i dpwssd_epi32_512(m512i src, m512i a, m512i b) { return dpwssd<16>(src, a, b); }
+inline m512i add_epi32(m512i a, m512i b) {
+  int32_t x[16], y[16];
+  std::memcpy(x, &a, 64), std::memcpy(y, &b, 64);
+  for (int j = 0; j < 16; ++j) x[j] = static_cast<int32_t>(static_cast<uint32_t>(x[j]) + static_cast<uint32_t>(y[j]));
+  return loadu_si512(x);
+}
+// vunpck{l,h}ps: per 128-bit lane, a[0], b[0], a[1], b[1] (low) or a[2], b[2], a[3], b[3] (high)
+inline m512 unpack_ps(m512 a, m512 b, int half) {
+  m512 r;
+  for (int lane = 0; lane < 4; ++lane)
+    for (int i = 0; i < 2; ++i) {
+      r[4 * lane + 2 * i] = a[4 * lane + 2 * half + i];
+      r[4 * lane + 2 * i + 1] = b[4 * lane + 2 * half + i];
+    }
+  return r;
+}
+inline m512 unpacklo_ps(m512 a, m512 b) { return unpack_ps(a, b, 0); }
+inline m512 unpackhi_ps(m512 a, m512 b) { return unpack_ps(a, b, 1); }
+// vshufps: per 128-bit lane, a[imm 0-1], a[imm 2-3], b[imm 4-5], b[imm 6-7]
+inline m512 shuffle_ps(m512 a, m512 b, int imm) {
+  m512 r;
+  for (int lane = 0; lane < 4; ++lane)
+    for (int i = 0; i < 4; ++i) r[4 * lane + i] = (i < 2 ? a : b)[4 * lane + (imm >> (2 * i) & 3)];
+  return r;
+}
+// vpermt2ps: lane i of the result is lane idx[i] % 32 of a's and b's 32 (a first)
+inline m512 permutex2var_ps(m512 a, m512i idx, m512 b) {
+  int32_t k[16];
+  std::memcpy(k, &idx, 64);
+  m512 r;
+  for (int i = 0; i < 16; ++i) r[i] = (k[i] & 16) ? b[k[i] & 15] : a[k[i] & 15];
+  return r;
+}
+inline __m256 castps512_ps256(m512 x) {
+  __m256 r;
+  std::memcpy(&r, &x, sizeof r);
+  return r;
+}
+
 // bf16 <-> float32 as the bf16 instructions see them: denormal inputs are zero
 inline float bf16_daz(uint16_t h) {
   const uint32_t bits = (h & 0x7f80u) == 0 ? (static_cast<uint32_t>(h) & 0x8000u) << 16 : static_cast<uint32_t>(h) << 16;
@@ -208,18 +336,7 @@ inline __m256 dpbf16_ps256(__m256 src, m256bh a, m256bh b) { return dpbf16<8>(sr
 // vpdpwssd on 256 bits (AVX512_VNNI with AVX512VL: decode.cpp's int8 dot products): each int32
 // lane of src plus the two products of its int16 pairs, wrapping as the instruction does (not the
 // saturating vpdpwssds)
-inline __m256i dpwssd_epi32(__m256i src, __m256i a, __m256i b) {
-  int32_t s[8];
-  int16_t x[16], y[16];
-  std::memcpy(s, &src, 32), std::memcpy(x, &a, 32), std::memcpy(y, &b, 32);
-  for (int j = 0; j < 8; ++j) {
-    const int64_t t = int64_t(s[j]) + int32_t(x[2 * j]) * y[2 * j] + int32_t(x[2 * j + 1]) * y[2 * j + 1];
-    s[j] = static_cast<int32_t>(static_cast<uint32_t>(t));
-  }
-  __m256i r;
-  std::memcpy(&r, s, 32);
-  return r;
-}
+inline __m256i dpwssd_epi32(__m256i src, __m256i a, __m256i b) { return dpwssd<8>(src, a, b); }
 
 }  // namespace attnlab_avx512_emulated
 
@@ -250,6 +367,24 @@ inline __m256i dpwssd_epi32(__m256i src, __m256i a, __m256i b) {
 #define _mm512_maskz_mov_ps attnlab_avx512_emulated::maskz_mov_ps
 #define _mm512_reduce_add_ps attnlab_avx512_emulated::reduce_add_ps
 #define _mm512_reduce_max_ps attnlab_avx512_emulated::reduce_max_ps
+#define _mm512_castsi512_ps attnlab_avx512_emulated::castsi512_ps
+#define _mm512_slli_epi32 attnlab_avx512_emulated::slli_epi32
+#define _mm512_cvtepu16_epi32 attnlab_avx512_emulated::cvtepu16_epi32
+#define _mm512_cvtepi8_epi32 attnlab_avx512_emulated::cvtepi8_epi32
+#define _mm512_cvtepi32_ps attnlab_avx512_emulated::cvtepi32_ps
+#define _mm512_cvtph_ps attnlab_avx512_emulated::cvtph_ps
+#define _mm512_shuffle_f32x4 attnlab_avx512_emulated::shuffle_f32x4
+#define _mm512_castps512_ps256 attnlab_avx512_emulated::castps512_ps256
+#define _mm512_unpacklo_epi16 attnlab_avx512_emulated::unpacklo_epi16
+#define _mm512_unpackhi_epi16 attnlab_avx512_emulated::unpackhi_epi16
+#define _mm512_setzero_si512 attnlab_avx512_emulated::setzero_si512
+#define _mm512_cvtepi8_epi16 attnlab_avx512_emulated::cvtepi8_epi16
+#define _mm512_add_epi32 attnlab_avx512_emulated::add_epi32
+#define _mm512_unpacklo_ps attnlab_avx512_emulated::unpacklo_ps
+#define _mm512_unpackhi_ps attnlab_avx512_emulated::unpackhi_ps
+#define _mm512_shuffle_ps attnlab_avx512_emulated::shuffle_ps
+#define _mm512_permutex2var_ps attnlab_avx512_emulated::permutex2var_ps
+#define ATTNLAB_AVX512F_EMULATED 1  // isa::F16::keep: no zmm registers to keep a value in
 #define __AVX512F__ 1
 #endif  // !__AVX512F__
 
@@ -264,6 +399,7 @@ inline __m256i dpwssd_epi32(__m256i src, __m256i a, __m256i b) {
 
 #if !defined(__AVX512VNNI__)
 #define _mm256_dpwssd_epi32 attnlab_avx512_emulated::dpwssd_epi32
+#define _mm512_dpwssd_epi32 attnlab_avx512_emulated::dpwssd_epi32_512
 #define __AVX512VNNI__ 1
 #endif  // !__AVX512VNNI__
 

@@ -11,11 +11,12 @@
 //   isa::B16   16 bf16 for 256-bit vdpbf16ps (AVX512_BF16 with VL): the decode kernel's
 //   isa::F4, isa::I16  4 floats (a row's four scores) and 16 int16 (int8 dot products, AVX2;
 //              vpdpwssd where AVX512_VNNI with VL: kVnni)
+//   isa::I32   16 int32 lanes of int16 pairs (AVX512BW; vpdpwssd with AVX512_VNNI): kI32
 //   isa::interleave16, isa::transpose_pairs8x8: the bf16 GEMM's packing shuffles (AVX2)
 //
 // Each float type has the same static functions (zero, set1, load, bcast, store, fma, mul, add,
-// sub, max, load_partial, store_partial, keep_first, reduce_add, reduce_max, exp2_nonpos; F8 also
-// the decode kernel's widening loads, keep, sum4, join_lo/hi). What a build lacks is a portable
+// sub, max, load_partial, store_partial, keep_first, reduce_add, reduce_max, exp2_nonpos; F16 and
+// F8 also the decode kernel's widening loads, keep, sum4; F8 join_lo/hi). What a build lacks is a portable
 // stand-in (portable.h) whose flag here is false (kF8, kF16, kBf16, kShuffles16, kBf16x8), or
 // isa::Absent (real = false) where only a kernel templated on the type uses it, under
 // `if constexpr (X::real)`: a kernel asks the flag, never the compiler's macros.
@@ -58,6 +59,10 @@ constexpr bool kShuffles16 = false;
 using F16 = Portable<16>;
 constexpr bool kF16 = false;
 #endif
+#if !(defined(__AVX512BW__) || defined(ATTNLAB_AVX512F_EMULATED))
+using I32 = Absent;
+constexpr bool kI32 = false;  // the int8 decode lane kernel's 512-bit integer pairs
+#endif
 #if !defined(__AVX512BF16__)
 using B32 = PortableB32;
 template <class Acc>
@@ -75,5 +80,8 @@ constexpr bool kBf16x8 = B16::real;  // the decode kernel's 256-bit vdpbf16ps
 
 // the widest float32 vector of this build: the row pass's
 using Wide = std::conditional_t<kF16, F16, std::conditional_t<kF8, F8, F1>>;
+// the decode kernel's streaming loop's (its widening loads, keep, sum4): F16 where the build has
+// AVX-512, else F8 (Portable<8>, real = false, without vector units)
+using Stream = std::conditional_t<kF16, F16, F8>;
 
 }  // namespace isa
