@@ -113,7 +113,8 @@ inline void bvalue_tile(const uint16_t* __restrict__ pb, int ld, int nk, const c
   using V = typename X::V;
   constexpr int W = X::W;
   const uint16_t* v = reinterpret_cast<const uint16_t*>(v_);
-  V r[R][4];
+  V r[R][4];  // in registers: every loop over R unrolled (the pragmas; see bf16_gemm.h's micro_bf16)
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {  // acc holds its columns in the interleaved order (bvalues_finish undoes it)
     const float* d = acc + i * Ev + c;
     r[i][0] = X::load(d), r[i][1] = X::load(d + W), r[i][2] = X::load(d + 2 * W), r[i][3] = X::load(d + 3 * W);
@@ -122,6 +123,7 @@ inline void bvalue_tile(const uint16_t* __restrict__ pb, int ld, int nk, const c
     typename B::V x0, x1, x2, x3;
     B::interleave(v0, v1, &x0, &x1);
     B::interleave(v0 + 2 * W, v1 ? v1 + 2 * W : nullptr, &x2, &x3);
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {  // (P~_j, P~_j+1) of row i in every lane
       uint32_t w;
       if (pair) std::memcpy(&w, pb + i * ld + j, 4);
@@ -134,6 +136,7 @@ inline void bvalue_tile(const uint16_t* __restrict__ pb, int ld, int nk, const c
   int j = 0;
   for (; j + 2 <= nk; j += 2) step(j, v + j * v_ld + c, v + (j + 1) * v_ld + c, true);
   if (j < nk) step(j, v + j * v_ld + c, nullptr, false);
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
     float* d = acc + i * Ev + c;
     X::store(d, r[i][0]), X::store(d + W, r[i][1]), X::store(d + 2 * W, r[i][2]), X::store(d + 3 * W, r[i][3]);
