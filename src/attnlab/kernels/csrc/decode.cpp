@@ -155,17 +155,22 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
         for (int i = first; i < std::min(LANE_AHEAD, nk); ++i) prefetch_row(k + i * k_ld, E);
       for (; j < nk; j += 8) {
         const int m = std::min(8, nk - j);
+        // bf16: the lines asked for as the step's dot products run (decode_dots.h); int8 asks for
+        // them at once (spread, its step took 23.2-23.7 -> 24.0-24.7 ms at S = 32768, one thread, Zen 4)
+        SpreadLines lines;
         for (int i = LANE_AHEAD; i < LANE_AHEAD + 8; ++i)
-          if (j + i >= first && j + i < nk) prefetch_row(k + (j + i) * k_ld, E);
+          if (j + i >= first && j + i < nk) lines.add_k(k + (j + i) * k_ld, E);
         if (v)
-          for (int i = 0; i < m; ++i) prefetch_row<T, 2>(v + (j + i) * v_ld, Ev);
+          for (int i = 0; i < m; ++i) lines.add_v(v + (j + i) * v_ld, Ev);
+        if constexpr (!lane_bf16) lines.at_once();
         if constexpr (lane_bf16) {
           lane_bdots8<isa::B32, isa::F16>(static_cast<const uint32_t*>(lanes), E, k + j * k_ld, k_ld, m, scale2, n, s,
-                                          ld, j);
+                                          ld, j, lines);
         } else {
           float f[8];
           for (int i = 0; i < 8; ++i) f[i] = scale2 * k_scale[j + std::min(i, m - 1)];
-          lane_idots8<isa::I32, isa::F16>(static_cast<const uint32_t*>(lanes), E, k + j * k_ld, k_ld, m, f, n, s, ld, j);
+          lane_idots8<isa::I32, isa::F16>(static_cast<const uint32_t*>(lanes), E, k + j * k_ld, k_ld, m, f, n, s, ld, j,
+                                          lines);
         }
       }
       return;
@@ -178,13 +183,14 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
   // 128) against S = 32768, 2 threads, AVX2 EPYC, 2026-12-03; int8 2% slower, within the noise)
   if (E % X::W == 0 && n % 2 == 0 && n >= 8 && qi == nullptr && qb == nullptr)
     for (; j + 4 <= nk; j += 4) {
+      SpreadLines lines;  // asked for as the dot products run (decode_dots.h)
       for (int i = PREFETCH_ROWS; i < PREFETCH_ROWS + 4; ++i)
-        if (j + i >= first && j + i < nk) prefetch_row(k + (j + i) * k_ld, E);
+        if (j + i >= first && j + i < nk) lines.add_k(k + (j + i) * k_ld, E);
       if (v)
-        for (int i = 0; i < 4; ++i) prefetch_row<T, 2>(v + (j + i) * v_ld, Ev);
+        for (int i = 0; i < 4; ++i) lines.add_v(v + (j + i) * v_ld, Ev);
       float f[4];
       for (int i = 0; i < 4; ++i) f[i] = k_scale ? scale2 * k_scale[j + i] : scale2;
-      dots4<T>(q, n, E, k + j * k_ld, k_ld, f, s, ld, j);
+      dots4<T>(q, n, E, k + j * k_ld, k_ld, f, s, ld, j, lines);
     }
   for (; j < nk; j += 2) {
     if (j + PREFETCH_ROWS >= first && j + PREFETCH_ROWS < nk) prefetch_row(k + (j + PREFETCH_ROWS) * k_ld, E);

@@ -27,6 +27,47 @@ inline void prefetch_row(const T* row, int64_t width) {
   for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, Locality);
 }
 
+// The cache lines a step of the lane kernels (decode_lanes.h) asks for, handed out one of each kind
+// per iteration of its dot products' loop (operator()) rather than all before it: the next key
+// rows into L1, this step's value rows into L2. A burst of 64 prefetches (8 bf16 key rows and 8
+// value rows of E = 128) stalled the loop on full miss buffers; spread, q (1, 32, 4, 128) against 8
+// heads of 32768 bf16 keys took 22.4-23.2 -> 19.5-20.1 ms on one thread and 11.5-12.2 -> 9.8-9.9 ms
+// (median) on two (2-core EPYC Zen 4, 2026-12-05, alternated runs). Lines past kMax, and those left
+// when the loop ends (rest), are asked for at once.
+struct SpreadLines {
+  static constexpr int kMax = 128;
+  const char* k[kMax];
+  const char* v[kMax];
+  int nk = 0, nv = 0;
+  template <class T>
+  void add_k(const T* row, int64_t width) { add(k, nk, reinterpret_cast<const char*>(row), width * sizeof(T), 3); }
+  template <class T>
+  void add_v(const T* row, int64_t width) { add(v, nv, reinterpret_cast<const char*>(row), width * sizeof(T), 2); }
+  void operator()(int64_t t) const {
+    if (t < nk) __builtin_prefetch(k[t], 0, 3);
+    if (t < nv) __builtin_prefetch(v[t], 0, 2);
+  }
+  void rest(int64_t from) const {
+    for (int64_t t = from; t < nk; ++t) __builtin_prefetch(k[t], 0, 3);
+    for (int64_t t = from; t < nv; ++t) __builtin_prefetch(v[t], 0, 2);
+  }
+  void at_once() {  // every line now, none left to spread
+    rest(0);
+    nk = nv = 0;
+  }
+
+ private:
+  template <int Locality>
+  static void now(const char* p) { __builtin_prefetch(p, 0, Locality); }
+  static void add(const char** lines, int& n, const char* row, int64_t bytes, int locality) {
+    for (int64_t b = 0; b < bytes; b += 64) {
+      if (n < kMax) lines[n++] = row + b;
+      else if (locality == 3) now<3>(row + b);
+      else now<2>(row + b);
+    }
+  }
+};
+
 // X::W stored elements as float32 (int8 without its scale), on the seam's vector X (F8 or F16)
 template <class X, class T>
 inline typename X::V widen_load(const T* p) {
@@ -101,18 +142,21 @@ inline void dots2(const float* __restrict__ q, int64_t n, int64_t E, const T* __
 // by two keys this replaced left each score as a scalar (eight extracts and stores per tile), and
 // its reductions took a quarter of the loop's time (perf, 2026-12-03, 2-core AVX2 EPYC, q (8, 4, 4,
 // 128) fp32 against S = 2048, one thread). Needs E % X::W == 0, n even (stream_scores: n >= 8), X real.
+// The lines the step asks for (SpreadLines) go out one of each kind per iteration, the rest after.
 template <class T, class X = isa::Stream>
 inline void dots4(const float* __restrict__ q, int64_t n, int64_t E, const T* __restrict__ k, int64_t k_ld,
-                  const float* f, float* __restrict__ s, int nk, int j0) {
+                  const float* f, float* __restrict__ s, int nk, int j0, const SpreadLines& lines) {
   using V = typename X::V;
   using F4 = isa::F4;
   const T *k0 = k, *k1 = k0 + k_ld, *k2 = k1 + k_ld, *k3 = k2 + k_ld;
   const typename F4::V fv = F4::load(f);
+  int64_t t = 0;
   for (int64_t a = 0; a < n; a += 2) {
     const float *q0 = q + a * E, *q1 = q0 + E;
     V x0 = X::zero(), x1 = x0, x2 = x0, x3 = x0;  // row a, keys 0 .. 3
     V y0 = x0, y1 = x0, y2 = x0, y3 = x0;         // row a + 1
     for (int64_t c = 0; c < E; c += X::W) {
+      lines(t++);
       V a0 = X::load(q0 + c), a1 = X::load(q1 + c);
       X::keep(a0), X::keep(a1);
       V kc = widen_load<X>(k0 + c);
@@ -131,6 +175,7 @@ inline void dots4(const float* __restrict__ q, int64_t n, int64_t E, const T* __
     F4::store(s + a * nk + j0, F4::mul(X::sum4(x0, x1, x2, x3), fv));
     F4::store(s + (a + 1) * nk + j0, F4::mul(X::sum4(y0, y1, y2, y3), fv));
   }
+  lines.rest(t);
 }
 
 // An int8 cache's scores on integer dot products (int8_dot = 1: decode.py's "int16" route): the

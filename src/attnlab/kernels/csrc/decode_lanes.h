@@ -72,12 +72,15 @@ inline void lanes_to_rows(typename X::V a0, typename X::V a1, typename X::V a2, 
 // out[i] = the 16 lanes' sums over E of qp's pairs times key row r[i]'s pairs (each pair broadcast),
 // i < 8: D::dot on every pair, even and odd pairs in two accumulators each (sixteen chains: the
 // instruction's latency hidden). E % 4 == 0. D: Bf16Pairs (vdpbf16ps) or IntPairs (vpdpwssd).
+// Each iteration also asks for line c / 4 of the step's SpreadLines (decode_dots.h), the rest after.
 template <class D, class P>
-inline void pair_dots8(const uint32_t* __restrict__ qp, int64_t E, const P* const* r, typename D::Acc* out) {
+inline void pair_dots8(const uint32_t* __restrict__ qp, int64_t E, const P* const* r, typename D::Acc* out,
+                       const SpreadLines& lines) {
   using A = typename D::Acc;
   A a0 = D::zero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   A b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
   for (int64_t c = 0; c < E; c += 4) {
+    lines(c / 4);
     const typename D::Q qc = D::load(qp + c / 2 * LANE_ROWS), qd = D::load(qp + (c / 2 + 1) * LANE_ROWS);
     a0 = D::dot(a0, qc, D::pair(r[0] + c)), b0 = D::dot(b0, qd, D::pair(r[0] + c + 2));
     a1 = D::dot(a1, qc, D::pair(r[1] + c)), b1 = D::dot(b1, qd, D::pair(r[1] + c + 2));
@@ -88,6 +91,7 @@ inline void pair_dots8(const uint32_t* __restrict__ qp, int64_t E, const P* cons
     a6 = D::dot(a6, qc, D::pair(r[6] + c)), b6 = D::dot(b6, qd, D::pair(r[6] + c + 2));
     a7 = D::dot(a7, qc, D::pair(r[7] + c)), b7 = D::dot(b7, qd, D::pair(r[7] + c + 2));
   }
+  lines.rest(E / 4);
   out[0] = D::add(a0, b0), out[1] = D::add(a1, b1), out[2] = D::add(a2, b2), out[3] = D::add(a3, b3);
   out[4] = D::add(a4, b4), out[5] = D::add(a5, b5), out[6] = D::add(a6, b6), out[7] = D::add(a7, b7);
 }
@@ -121,12 +125,12 @@ struct IntPairs {
 // broadcast. Keys past m repeat key m - 1 (computed, not stored). E % 4 == 0. B, X: isa::B32, isa::F16.
 template <class B, class X>
 inline void lane_bdots8(const uint32_t* __restrict__ qp, int64_t E, const c10::BFloat16* __restrict__ k_, int64_t k_ld,
-                        int m, float f, int64_t n, float* __restrict__ s, int ld, int j0) {
+                        int m, float f, int64_t n, float* __restrict__ s, int ld, int j0, const SpreadLines& lines) {
   const uint16_t* k = reinterpret_cast<const uint16_t*>(k_);
   const uint16_t* r[8];
   for (int i = 0; i < 8; ++i) r[i] = k + std::min(i, m - 1) * k_ld;
   typename X::V a[8];
-  pair_dots8<Bf16Pairs<B, X>>(qp, E, r, a);
+  pair_dots8<Bf16Pairs<B, X>>(qp, E, r, a, lines);
   const float fs[8] = {f, f, f, f, f, f, f, f};
   lanes_to_rows<X>(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], fs, m, n, s, ld, j0);
 }
@@ -137,14 +141,14 @@ inline void lane_bdots8(const uint32_t* __restrict__ qp, int64_t E, const c10::B
 // (float(sum) * qs[a]), idots2's operations in its order, so the same bits. I, X: isa::I32, isa::F16.
 template <class I, class X>
 inline void lane_idots8(const uint32_t* __restrict__ qp, int64_t E, const int8_t* __restrict__ k, int64_t k_ld, int m,
-                        const float* f, int64_t n, float* __restrict__ s, int ld, int j0) {
+                        const float* f, int64_t n, float* __restrict__ s, int ld, int j0, const SpreadLines& lines) {
   alignas(64) int16_t wide[8][512];
   for (int i = 0; i < m; ++i)
     for (int64_t c = 0; c < E; c += 32) I::widen_i8x32(k + i * k_ld + c, wide[i] + c);
   const int16_t* r[8];
   for (int i = 0; i < 8; ++i) r[i] = wide[std::min(i, m - 1)];
   typename I::V a[8];
-  pair_dots8<IntPairs<I>>(qp, E, r, a);
+  pair_dots8<IntPairs<I>>(qp, E, r, a, lines);
   const typename X::V qs = X::load(reinterpret_cast<const float*>(qp + E / 2 * LANE_ROWS));
   auto scaled = [&](int i) { return X::mul(I::to_float(a[i]), qs); };
   lanes_to_rows<X>(scaled(0), scaled(1), scaled(2), scaled(3), scaled(4), scaled(5), scaled(6), scaled(7), f, m, n, s,
