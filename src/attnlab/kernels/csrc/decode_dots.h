@@ -55,6 +55,13 @@ struct SpreadLines {
     rest(0);
     nk = nv = 0;
   }
+  // the key lines [from, to) of another list, as this one's key lines (to spread a list over steps)
+  void take_k(const SpreadLines& o, int from, int to) {
+    for (int t = from; t < to; ++t) {
+      if (nk < kMax) k[nk++] = o.k[t];
+      else now<3>(o.k[t]);
+    }
+  }
 
  private:
   template <int Locality>
