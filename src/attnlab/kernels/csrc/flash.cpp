@@ -229,10 +229,13 @@ void forward_tiles(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, co
         const int valid = static_cast<int>(std::clamp<int64_t>(visible, 0, nk));
         if (mv.present() && valid > 0) mv.apply(row, head, i0 + a0 + a, j0, valid);
         return valid;
-      }, m_i + a0, l_i + a0, acc + a0 * Ev, Ev, maxed ? rmax : nullptr);
+      }, m_i + a0, l_i + a0, acc + a0 * Ev, Ev, maxed ? rmax : nullptr,
+         [&](int64_t a, const float* row) {  // P~ as the GEMM operand, row by row
+           if (rounds) gemm.row_operand(row, nk, p_buf + a * nk);
+         });
       // acc += P~ V_j   (rows, Ev)
-      gemm(false, false, rows, static_cast<int>(Ev), nk, 1.0f, gemm.operand(s, static_cast<int64_t>(rows) * nk, p_buf),
-           nk, v_head + j0 * v_s1, static_cast<int>(v_s1), 1.0f, acc + a0 * Ev, static_cast<int>(Ev));
+      gemm(false, false, rows, static_cast<int>(Ev), nk, 1.0f, gemm.rows_operand(s, p_buf), nk, v_head + j0 * v_s1,
+           static_cast<int>(v_s1), 1.0f, acc + a0 * Ev, static_cast<int>(Ev));
     };
     const int64_t j_end = keys_seen(i0, n);
     for (int64_t j0 = 0; j0 < j_end; j0 += bk) {

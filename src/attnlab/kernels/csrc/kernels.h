@@ -58,6 +58,9 @@ struct Gemm32 {
     sgemm(route, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
   const float* operand(const float* x, int64_t, float*) const { return x; }
+  // operand() one row at a time (online_update's done), and the rows it made
+  void row_operand(const float*, int64_t, float*) const {}
+  const float* rows_operand(const float* x, const float*) const { return x; }
   // The forward's S = alpha A B^T (beta = 0), with its rows' maxima (m x kRowMaxLanes, set to -inf
   // by the caller) found on the way where the route can: returns whether it did (sgemm.h).
   bool scores(int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb, float* c, int ldc,
@@ -77,6 +80,8 @@ struct GemmBf16 {
     round_to_bf16(x, count, buf);
     return buf;
   }
+  void row_operand(const float* row, int64_t count, uint16_t* buf_row) const { round_to_bf16(row, count, buf_row); }
+  const uint16_t* rows_operand(const float*, const uint16_t* buf) const { return buf; }
   bool scores(int m, int n, int k, float alpha, const uint16_t* a, int lda, const uint16_t* b, int ldb, float* c,
               int ldc, float*) const {
     (*this)(false, true, m, n, k, alpha, a, lda, b, ldb, 0.0f, c, ldc);
@@ -162,9 +167,14 @@ inline void exp2_shifted(float* row, int valid, float shift) {
 //
 // rmax (optional): each row's maximum, as kRowMaxLanes lanes (sgemm's, when every key of the block
 // is visible to every row and nothing is masked): the row pass then skips its max sweep.
-template <class Visible>
+// done(a, row) is called once row a holds its P~, while it is in L1 (the bf16 route rounds it to
+// its GEMM operand there: Gemm::row_operand).
+struct NoRowDone {
+  void operator()(int64_t, const float*) const {}
+};
+template <class Visible, class RowDone = NoRowDone>
 inline void online_update(float* s, int64_t n, int nk, Visible visible, float* m_i, float* l_i, float* acc, int64_t Ev,
-                          const float* rmax = nullptr) {
+                          const float* rmax = nullptr, const RowDone& done = RowDone()) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   // GROUP rows' maxima are found before any of their 2^x: one row's max, its reduction and the
   // broadcast of m_new are a chain the next sweep waits on; over a group the rows' chains overlap.
@@ -185,11 +195,13 @@ inline void online_update(float* s, int64_t n, int nk, Visible visible, float* m
       float* row = s + (a0 + a) * nk;
       if (valid[a] == 0) {  // nothing to add for this row in this block
         std::fill(row, row + nk, 0.0f);
+        done(a0 + a, row);
         continue;
       }
       float row_sum = 0.0f;
       if (m_new[a] == neg_inf) std::fill(row, row + nk, 0.0f);  // every key so far masked: nothing to add
       else row_sum = row_exp(row, valid[a], nk, m_new[a]);
+      done(a0 + a, row);
       const float m_old = m_i[a0 + a];
       // alpha = 2^(m_old - m_new) rescales the old state; the first visit (m_old = -inf) gives 0
       const float alpha = m_old == neg_inf ? 0.0f : exp2_nonpos(m_old - m_new[a]);
