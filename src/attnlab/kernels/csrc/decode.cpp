@@ -297,25 +297,31 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
     return static_cast<int>(std::min<int64_t>(run, m));
   };
   for (int j = 0, m; j < nk; j += m) {  // S_j = scale2 * Q K_j^T, tile by tile in stored order
-    int64_t off, noff = 0;
+    int64_t off, noff = 0, voff = 0;
     m = tile(ks, j, &off);
     const int ahead = next(ks, j, m, &noff);
+    const bool v_early = q_lanes != nullptr && !int8;  // bf16's lane steps ask for the value rows into L2
+    if (v_early) tile(vs, j, &voff);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t nb = task.nb + g;
       float* kscale_g = kscale + g * bk;
       if (int8) kss.read(ks, nb, j0 + j, m, kscale_g + j);
       // the head's next tile: the lane kernels ask for it as this tile's dot products run (a share
       // each step: paged bf16 at Lq = 4, q (1, 32, 4, 128) against 8 heads of 32768 keys in pages
-      // of 16, one thread, Zen 4, 2026-12-05, alternated: 24.6-26.0 -> 21.5-22.8 ms); the other loops
-      // at once, before it (spread through stream_scores, float32 measured 37-39 -> 40-48 ms)
+      // of 16, one thread, Zen 4, 2026-12-05, alternated: 24.6-26.0 -> 21.5-22.8 ms), with this
+      // tile's value rows into L2 (perf had the value pass waiting on them: 23.4-24.6 -> 19.5-21.2
+      // ms, seven rounds; int8's 25.7-25.9 -> 26.2-27.2, not taken); the other loops at once, before
+      // it (spread through stream_scores, float32 measured 37-39 -> 40-48 ms; value rows during the
+      // scores were no better there, 2026-12-03)
       SpreadLines next_rows;
       if (q_lanes == nullptr) {
         for (int i = 0; i < ahead; ++i) prefetch_row(kb + noff + g * ks.s_head + i * ks.s_row, E);
       } else {
         for (int i = 0; i < ahead; ++i) next_rows.add_k(kb + noff + g * ks.s_head + i * ks.s_row, E);
       }
+      const T* vrows = v_early ? vb + voff + g * vs.s_head : nullptr;
       stream_scores<T>(q + nb * n * E, n, E, kb + off + g * ks.s_head, ks.s_row, int8 ? kscale_g + j : nullptr, m, nk,
-                       scale2, s + g * n * bk + j, nullptr, 0, 0, q_int16 ? q_int16 + nb * n * E : nullptr,
+                       scale2, s + g * n * bk + j, vrows, vs.s_row, Ev, q_int16 ? q_int16 + nb * n * E : nullptr,
                        q_scale ? q_scale + nb * n : nullptr, /*own_prefetch=*/false,
                        q_bf16 ? q_bf16 + nb * n * E : nullptr,
                        q_lanes ? static_cast<const uint32_t*>(q_lanes) + nb * lane_block(E) : nullptr, &next_rows);
