@@ -27,13 +27,14 @@ inline void prefetch_row(const T* row, int64_t width) {
   for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, Locality);
 }
 
-// The cache lines a step of the lane kernels (decode_lanes.h) asks for, handed out one of each kind
-// per iteration of its dot products' loop (operator()) rather than all before it: the next key
-// rows into L1, this step's value rows into L2. A burst of 64 prefetches (8 bf16 key rows and 8
-// value rows of E = 128) stalled the loop on full miss buffers; spread, q (1, 32, 4, 128) against 8
-// heads of 32768 bf16 keys took 22.4-23.2 -> 19.5-20.1 ms on one thread and 11.5-12.2 -> 9.8-9.9 ms
-// (median) on two (2-core EPYC Zen 4, 2026-12-05, alternated runs). Lines past kMax, and those left
-// when the loop ends (rest), are asked for at once.
+// The cache lines a step of the streaming loop (the lane kernels of decode_lanes.h, dots4) asks
+// for, handed out one of each kind per iteration of its dot products' loop (operator()) rather than
+// all before it: the next key rows into L1, this step's value rows into L2. A burst of 64
+// prefetches (8 bf16 key rows and 8 value rows of E = 128) stalled the loop on full miss buffers;
+// spread, q (1, 32, 4, 128) against 8 heads of 32768 keys, 2-core EPYC Zen 4, 2026-12-05, old and
+// new builds alternated, three rounds: bf16 23.7-26.7 -> 18.0-18.4 ms on one thread, 11.3-11.8 ->
+// 8.5-9.4 ms on two; float32 39.0-40.3 -> 35.8-36.0 and 20.6-21.4 -> 17.4-18.5 ms. Lines past kMax,
+// and those left when the loop ends (rest), are asked for at once.
 struct SpreadLines {
   static constexpr int kMax = 128;
   const char* k[kMax];
