@@ -220,7 +220,6 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
     import torch.nn.functional as F
 
     from attnlab import decoding, dispatch, masks
-    from attnlab.kernels import decode as kernel_decode
 
     rows, done, total = [], 0, len(seq_lens) * len(dtypes)
     peak = read_bandwidth()
