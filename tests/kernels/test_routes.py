@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -93,3 +95,42 @@ def test_explain_names_the_route_of_a_call(force_routes):
     force_routes(bf16="bf16-emulated")
     assert "bfloat16 route: bf16-emulated (forced by ATTNLAB_BF16=bf16-emulated" in routes.explain(
         q.bfloat16(), k.bfloat16(), k.bfloat16())
+
+
+def test_a_plan_and_the_routes_are_decided_once_per_setting(force_routes, monkeypatch):
+    """A call's fixed cost (issue 49, item 5): the same shape under the same settings gets the same
+    plan without asking the library again; other settings get their own."""
+    force_routes(decode="auto", bf16="auto")
+    first = kernel_decode.plan(16, 128, torch.bfloat16, torch.bfloat16)
+    asked = []
+    monkeypatch.setattr(kernel_decode, "bf16_dot", lambda *a: asked.append(a) or "float32")
+    assert kernel_decode.plan(16, 128, torch.bfloat16, torch.bfloat16) is first and asked == []
+    assert _native.bf16_route() is _native.bf16_route() and _native.sgemm_route() is _native.sgemm_route()
+    monkeypatch.undo()
+    force_routes(bf16="fp32")
+    assert kernel_decode.plan(16, 128, torch.bfloat16, torch.bfloat16).bf16_dot == "float32"
+    assert _native.bf16_route().name == "fp32"
+    force_routes(bf16="auto")
+    assert kernel_decode.plan(16, 128, torch.bfloat16, torch.bfloat16) == first
+
+
+def test_the_decode_kernel_without_gradients_skips_autograd_and_with_them_refuses_a_backward():
+    """kernel.forward calls the op below its autograd layer when no gradient is asked for; an input
+    that requires one still meets the op's refusal by name (decoding has no backward)."""
+    from attnlab.kernels.decode import forward
+    from attnlab.testing import assert_close
+
+    g = torch.Generator().manual_seed(4)
+    q4 = torch.randn(2, 2, 1, 16, generator=g, requires_grad=True)  # (Nb, r, L, E)
+    k, v = torch.randn(2, 40, 16, generator=g), torch.randn(2, 40, 16, generator=g)  # (Nb, S, E)
+    with torch.no_grad():
+        out, lse2, _ = forward(q4, k, v, Hkv=2, S=40, scale2=0.3)
+    assert out.grad_fn is None and not out.requires_grad
+    scores = q4.detach().double() @ k.double().unsqueeze(1).transpose(-1, -2) * (0.3 * math.log(2))  # (Nb, r, 1, S)
+    assert_close(out, torch.softmax(scores, dim=-1) @ v.double().unsqueeze(1), dtype=torch.float32)
+    if _native.ops() is None:
+        return  # the pure path: no op to refuse
+    out, lse2, _ = forward(q4, k, v, Hkv=2, S=40, scale2=0.3)
+    assert out.grad_fn is not None
+    with pytest.raises(RuntimeError, match="decode_forward has no backward"):
+        out.sum().backward()

@@ -185,16 +185,16 @@ def test_decode_benchmark_adds_a_float32_dots_row_where_bf16_caches_take_vdpbf16
 
     force_routes(bf16="auto")
     asked = []
-    real = kernel_decode.bf16_dot
+    real = kernel_decode.plan
 
-    def spy(E, mode):  # the route each decode call plans under
+    def spy(*args, **kwargs):  # the route each decode call plans under
         asked.append(routes.settings().bf16)
-        return real(E, mode)
+        return real(*args, **kwargs)
 
     name = "attnlab decode: stream, float32 dots"
     assert name not in {r["impl"] for r in bench.decode_benchmark([64], dtypes=("bfloat16",), H=4, Hkv=2, E=8,
                                                                     repeats=1)}
-    monkeypatch.setattr(kernel_decode, "bf16_dot", spy)
+    monkeypatch.setattr(kernel_decode, "plan", spy)
     monkeypatch.setattr(suites, "_bf16_scores_on_vdpbf16ps", lambda E: True)
     impls = [r["impl"] for r in bench.decode_benchmark([64], dtypes=("bfloat16",), H=4, Hkv=2, E=8, repeats=1)]
     assert impls.index(name) == impls.index("attnlab decode: stream") + 1

@@ -353,10 +353,16 @@ def bf16_route() -> Bf16Route:
     and the build uses it: 0.48-0.53x torch's bf16 kernel time forward there (BENCHMARKS.md,
     "bfloat16"); elsewhere ``fp32``, today's float32 compute, which a widened bf16 GEMM cannot beat.
     """
-    choice = routes.settings().bf16
+    return _bf16_route_of(routes.settings().bf16, ops(), cpu_features())
+
+
+# The routes are functions of the settings, the loaded library and the CPU's flags, asked by every
+# call of the kernels: decided once per combination (a decode call of 16 keys spent 4 of its ~115 us
+# asking the library for its bf16 units again: q (1, 32, 4, 128), bf16, 2-core Zen 4, 2026-12-05).
+@functools.lru_cache(maxsize=16)
+def _bf16_route_of(choice: str, native: Optional[Any], flags: frozenset[str]) -> Bf16Route:
     if choice == "fp32":
         return Bf16Route("fp32", "forced by ATTNLAB_BF16=fp32")
-    native = ops()
     if native is None:
         return Bf16Route("fp32", "the native kernels are not in use")
     units = bool(native.bf16_units())
@@ -367,7 +373,7 @@ def bf16_route() -> Bf16Route:
             return Bf16Route("bf16", "forced by ATTNLAB_BF16=bf16")
         return Bf16Route("bf16-emulated", "forced by ATTNLAB_BF16=bf16, but this build has no AVX512_BF16: "
                                           "its GEMMs widen to float32")
-    if units and "avx512_bf16" in cpu_features():
+    if units and "avx512_bf16" in flags:
         return Bf16Route("bf16", "this CPU has avx512_bf16")
     return Bf16Route("fp32", "this CPU has no avx512_bf16, so float32 GEMMs are the faster route")
 
@@ -395,8 +401,11 @@ def sgemm_route() -> SgemmRoute:
     A forced route the build lacks falls back to the one below it (``avx512`` ->
     ``avx512-emulated``), and says so.
     """
-    choice = routes.settings().sgemm
-    native = ops()
+    return _sgemm_route_of(routes.settings().sgemm, ops(), build_isa())
+
+
+@functools.lru_cache(maxsize=16)
+def _sgemm_route_of(choice: str, native: Optional[Any], isa: str) -> SgemmRoute:
     if native is None:
         return SgemmRoute("blas", "the native kernels are not in use")
     built = set(sgemm_routes_built())
@@ -410,7 +419,7 @@ def sgemm_route() -> SgemmRoute:
                                                  "its tile walk runs on pairs of ymm")
         return SgemmRoute("blas", f"forced by ATTNLAB_SGEMM={choice}, but this build has no AVX2 + FMA")
     if "avx512" in built:
-        if build_isa() == "avx512-emulated":
+        if isa == "avx512-emulated":
             return SgemmRoute("avx512", "the avx512-emulated build: AVX-512 source, its instructions emulated")
         return SgemmRoute("avx512", "this CPU has avx512f")
     if "avx2" in built:
