@@ -273,6 +273,38 @@ def test_the_backward_cut_over_keys_matches_on_any_thread_count(Nb, threads, off
         assert_close(n, o, msg=f"{name} on {threads} threads vs one thread")
 
 
+@pytest.mark.parametrize("offset", [0, 30, -9], ids=["top_left", "bottom_right", "negative"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_forward_s_task_order_and_walks_give_one_answer_on_any_thread_count(causal, offset, gen, native_ops):
+    """The forward hands out a head's tasks together, costliest first, and every other task walks
+    its key blocks backwards (for L2): each task's direction comes from its place in that order, so
+    the output is the same to the bit on 1, 2 and 3 threads, and matches float64 SDPA (3 key/value
+    heads of 2 query heads, 6 query tiles against 7 key blocks, causal at any offset)."""
+    Nb, r, L, S, E, Ev, bq, bk = 3, 2, 90, 100, 16, 8, 16, 16
+    q4, k3, v3 = _inputs(gen, Nb, r, L, S, E, Ev)
+    scale = 1 / math.sqrt(E)
+    before = torch.get_num_threads()
+
+    def forward(n_threads):
+        torch.set_num_threads(n_threads)
+        try:
+            return native_ops.flash_forward(q4, k3, v3, None, None, scale * dense.LOG2E, causal, offset, bq, bk, False,
+                                            _native.sgemm_route().code)
+        finally:
+            torch.set_num_threads(before)
+
+    visible = torch.ones(L, S, dtype=torch.bool).tril(offset) if causal else torch.ones(L, S, dtype=torch.bool)
+    golden = torch.nn.functional.scaled_dot_product_attention(
+        q4.double(), k3.double()[:, None].expand(-1, r, -1, -1), v3.double()[:, None].expand(-1, r, -1, -1),
+        attn_mask=visible)
+    golden = torch.where(visible.any(-1)[:, None], golden, 0.0)  # rows that see no key: 0, as SDPA's is_causal
+    one, _ = forward(1)
+    assert_close(one, golden, dtype=torch.float32, msg="one thread vs float64 SDPA")
+    for threads in (2, 3):
+        out, _ = forward(threads)
+        assert torch.equal(out, one), f"{threads} threads differ from one: {(out - one).abs().max()}"
+
+
 def test_native_backward_adds_into_views(gen, native_ops):
     """accumulate_into with views of bigger tensors, as the ring's backward does."""
     q4, k3, v3 = _inputs(gen, 2, 1, 40, 40, 8, 8)
