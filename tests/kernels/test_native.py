@@ -276,10 +276,11 @@ def test_the_backward_cut_over_keys_matches_on_any_thread_count(Nb, threads, off
 @pytest.mark.parametrize("offset", [0, 30, -9], ids=["top_left", "bottom_right", "negative"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_forward_s_task_order_and_walks_give_one_answer_on_any_thread_count(causal, offset, gen, native_ops):
-    """The forward hands out a head's tasks together, costliest first, and every other task walks
-    its key blocks backwards (for L2): each task's direction comes from its place in that order, so
-    the output is the same to the bit on 1, 2 and 3 threads, and matches float64 SDPA (3 key/value
-    heads of 2 query heads, 6 query tiles against 7 key blocks, causal at any offset)."""
+    """The forward hands out a head's tasks together, costliest first, and under causality every
+    other task walks its key blocks backwards (for L2): each task's direction comes from its place
+    in that order, so the output is the same to the bit on 1, 2 and 3 threads, and matches float64
+    SDPA (3 key/value heads of 2 query heads, 6 query tiles against 7 key blocks, causal at any
+    offset, and not)."""
     Nb, r, L, S, E, Ev, bq, bk = 3, 2, 90, 100, 16, 8, 16, 16
     q4, k3, v3 = _inputs(gen, Nb, r, L, S, E, Ev)
     scale = 1 / math.sqrt(E)

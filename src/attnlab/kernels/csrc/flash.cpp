@@ -186,16 +186,18 @@ void forward_tiles(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, co
   }
   // The order the tasks are handed out in (one at a time): a key/value head's tasks together,
   // costliest first (a causal triangle's last query tiles visit the most key blocks; the run ends
-  // on the last head's cheapest, so the threads finish together), and successive tasks walk their
-  // key blocks in alternate directions, so that a task starts on the blocks the one before it read
-  // last, still in L2 (a head's K and V at S = 4096, E = 64 are 2 MiB; L2 holds half). Every
-  // task's direction is fixed by its place in the order: the results do not depend on the threads.
-  // One thread, (1, 8, 4096, 64) causal forward on the Zen 4 (2026-12-05): 181.7-187.1 ms with the
-  // tasks costliest first over all heads and every walk forwards, 177.0-179.6 ms so; 2 threads
-  // 92.1-93.6 -> 90.0-91.2 ms; without causality within the noise (172.0-172.5 ms on 2 threads).
-  // The bf16 route, one thread, causal: (1, 8, 4096, 64) 105.5-107.5 -> 102.2-103.0 ms,
-  // (1, 16, 2048, 128) 104.7-105.6 -> 99.0-100.8 ms. (The backward's query tiles walking alternate
-  // ways measured within the noise: 612.9-633.6 against 617.0-620.3 ms, float32 causal fwd+bwd.)
+  // on the last head's cheapest, so the threads finish together). Under causality successive tasks
+  // walk their key blocks in alternate directions, so that a task starts on the blocks the one
+  // before it read last, still in L2 (a head's K and V at S = 4096, E = 64 are 2 MiB; L2 holds
+  // half). A task's direction is fixed by its place in the order: results do not depend on the
+  // threads. Zen 4, 2026-12-05, against the tasks costliest first over all heads, every walk
+  // forwards: (1, 8, 4096, 64) causal, float32, one thread 181.7-187.1 -> 177.0-179.6 ms, two
+  // 92.1-93.6 -> 90.0-91.2 ms; bf16, one thread, 105.5-107.5 -> 102.2-103.0 ms, (1, 16, 2048, 128)
+  // 104.7-105.6 -> 99.0-100.8 ms. Without causality (every task reads all its head's blocks) the
+  // alternate walks were no help (float32 172.0-172.5 ms both ways on two threads; bf16 GQA
+  // (1, 32 on 8, 4096, 128), one thread, 1460-1477 -> 1481-1495 ms): every walk goes forwards there.
+  // The backward's query tiles walking alternate ways measured within the noise (float32 causal
+  // fwd+bwd, one thread: 612.9-633.6 against 617.0-620.3 ms).
   std::vector<int64_t> order(static_cast<size_t>(n_tasks));
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
@@ -203,7 +205,7 @@ void forward_tiles(const G& gemm, const at::Tensor& q4, const at::Tensor& k3, co
     return head_a != head_b ? head_a < head_b : costs[a] > costs[b];
   });
   std::vector<char> walks_back(static_cast<size_t>(n_tasks));
-  for (int64_t place = 0; place < n_tasks; ++place) walks_back[order[place]] = place % 2;
+  for (int64_t place = 0; is_causal && place < n_tasks; ++place) walks_back[order[place]] = place % 2;
   for_each_dynamic(order, [&](int64_t task) {
     float* s = scratch.data() + per_thread * at::get_thread_num();
     float* acc = s + static_cast<int64_t>(bq) * bk;
