@@ -70,6 +70,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -410,10 +411,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   }
 
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  at::Tensor out = at::zeros({Nb, r, L, Ev}, q4.options());
-  at::Tensor lse2 = at::full({Nb, r, L}, neg_inf, q4.options());
+  // out and lse2 are written whole by the merge below (a head with no key included), the parts by
+  // their tasks: nothing is filled first (q (1, 32, 4, 128) against 16 keys, 2 threads, Zen 4,
+  // 2026-12-05, alternated: a call 68.6-70.8 -> 63.0-63.8 us float32, 91.1-94.0 -> 88.8-90.0 bf16)
+  at::Tensor out = at::empty({Nb, r, L, Ev}, q4.options());
+  at::Tensor lse2 = at::empty({Nb, r, L}, q4.options());
   const int64_t n = r * L;  // rows of one task's tile
   if (Nb == 0 || n == 0 || S == 0 || Ev == 0) {
+    out.zero_(), lse2.fill_(neg_inf);
     return {out, lse2, at::scalar_tensor(false, at::TensorOptions().dtype(at::kBool))};
   }
   TORCH_CHECK(block_k >= 1, "attnlab native decode: block_k must be positive");
@@ -458,8 +463,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   const int bk = static_cast<int>(std::min<int64_t>(block_k, chunk));
   // the partial results of every head's chunks, merged per head below: (n_parts, n, Ev) and (n_parts, n)
-  std::vector<float> part_o(static_cast<size_t>(n_parts * n * Ev));
-  std::vector<float> part_l(static_cast<size_t>(n_parts * n));
+  std::unique_ptr<float[]> part_o(new float[static_cast<size_t>(n_parts * n * Ev)]);
+  std::unique_ptr<float[]> part_l(new float[static_cast<size_t>(n_parts * n)]);
   const float scale2 = static_cast<float>(scale2_d);
   const float* q = q4.data_ptr<float>();
   // The plan's dot products (decode.py's plan made them, from the same conditions) are checked
@@ -489,7 +494,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   std::vector<int16_t> q_int16(int16_dots ? static_cast<size_t>(Nb * n * E) : 0);
   std::vector<float> q_scale(int16_dots ? static_cast<size_t>(Nb * n) : 0);
   if (int16_dots && !quantize_rows(q, Nb * n, E, q_int16.data(), q_scale.data()))
-    return {out, lse2, at::scalar_tensor(true, at::TensorOptions().dtype(at::kBool))};  // NaN or inf in q
+    return {out.zero_(), lse2.fill_(neg_inf), at::scalar_tensor(true, at::TensorOptions().dtype(at::kBool))};  // NaN or inf in q
   // a bf16 cache with bf16_dot bit 0: the query rows as bf16 once (bdots2), when that changes no
   // answer (bf16_query_rows), else the float32 route
   bool bf16_dots = (bf16_dot & 1) != 0;
@@ -634,8 +639,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
         if constexpr (isa::kBf16x8)
           if (bf16_values) bvalues_finish(acc, n, Ev);  // acc's columns back in order (bvalue_tile's)
         const int64_t part = first_part[task.nb + g] + c;
-        finish_rows(acc, acc + n * Ev, acc + n * Ev + n, n, Ev, part_o.data() + part * n * Ev, Ev,
-                    part_l.data() + part * n, 1);
+        finish_rows(acc, acc + n * Ev, acc + n * Ev + n, n, Ev, part_o.get() + part * n * Ev, Ev,
+                    part_l.get() + part * n, 1);
       }
     }
   });
@@ -645,8 +650,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
   at::parallel_for(0, Nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) {
       const int64_t parts = first_part[nb + 1] - first_part[nb];
-      if (parts == 0) continue;  // no key: out 0, lse2 -inf, as allocated
-      merge_rows(part_o.data() + first_part[nb] * n * Ev, part_l.data() + first_part[nb] * n, parts, n, Ev,
+      if (parts == 0) {  // no key: out 0, lse2 -inf, as SDPA's rows that see none
+        std::fill(o + nb * n * Ev, o + (nb + 1) * n * Ev, 0.0f);
+        std::fill(l + nb * n, l + (nb + 1) * n, neg_inf);
+        continue;
+      }
+      merge_rows(part_o.get() + first_part[nb] * n * Ev, part_l.get() + first_part[nb] * n, parts, n, Ev,
                  o + nb * n * Ev, l + nb * n);
       // the output's NaN or inf (from V), and lse2's NaN or +inf (-inf: a row that saw no key), flagged
       // here so that the caller need not read the output again (torch.isfinite took 30 of a small
