@@ -130,7 +130,24 @@ def test_the_decode_kernel_without_gradients_skips_autograd_and_with_them_refuse
     assert_close(out, torch.softmax(scores, dim=-1) @ v.double().unsqueeze(1), dtype=torch.float32)
     if _native.ops() is None:
         return  # the pure path: no op to refuse
-    out, lse2, _ = forward(q4, k, v, Hkv=2, S=40, scale2=0.3)
+    real, below = _native.ops(), []
+
+    class Spy:  # the op as kernel.forward calls it, and whether autograd's keys were off then
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def decode_forward(self, *args):
+            below.append(torch._C._dispatch_tls_local_exclude_set().has(torch._C.DispatchKey.AutogradOther))
+            return real.decode_forward(*args)
+
+    spy = Spy()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_native, "ops", lambda: spy)
+        forward(q4.detach(), k, v, Hkv=2, S=40, scale2=0.3)  # no input wants a gradient
+        with torch.no_grad():
+            forward(q4, k, v, Hkv=2, S=40, scale2=0.3)  # none is asked for
+        out, lse2, _ = forward(q4, k, v, Hkv=2, S=40, scale2=0.3)  # q4 wants one: through autograd
+    assert below == [True, True, False]
     assert out.grad_fn is not None
     with pytest.raises(RuntimeError, match="decode_forward has no backward"):
         out.sum().backward()
