@@ -297,11 +297,11 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
     *off = src.locate(task.nb, j0 + j + m, &run);
     return static_cast<int>(std::min<int64_t>(run, m));
   };
+  const bool v_early = q_lanes != nullptr && !int8;  // bf16's lane steps ask for the value rows into L2
   for (int j = 0, m; j < nk; j += m) {  // S_j = scale2 * Q K_j^T, tile by tile in stored order
     int64_t off, noff = 0, voff = 0;
     m = tile(ks, j, &off);
     const int ahead = next(ks, j, m, &noff);
-    const bool v_early = q_lanes != nullptr && !int8;  // bf16's lane steps ask for the value rows into L2
     if (v_early) tile(vs, j, &voff);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t nb = task.nb + g;
