@@ -136,19 +136,29 @@ constexpr bool kLaneInt8 = isa::kF16 && isa::kI32;
 // pages at every row count.)
 constexpr int SPAN_MIN_ROWS = 16;
 
+// A contiguous cache's key rows as one stream across a task's blocks: rows [nk, readable) follow
+// the call's rows at its stride and are the caller's next block's (asked for as this call's last
+// steps run, so that the next block does not start on rows nobody asked for), and asked: this
+// call's first rows were asked for by the previous call.
+struct Stream {
+  int readable = 0;
+  bool asked = false;
+};
+
 template <class T>
 inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int64_t k_ld, const float* k_scale,
                           int nk, int ld, float scale2, float* s, const T* v = nullptr, int64_t v_ld = 0, int64_t Ev = 0,
                           const int16_t* qi = nullptr, const float* qs = nullptr, bool own_prefetch = true,
                           const c10::BFloat16* qb = nullptr, const void* lanes = nullptr,
-                          const SpreadLines* ahead = nullptr) {
+                          const SpreadLines* ahead = nullptr, const Stream& stream = {}) {
   constexpr bool lane_bf16 = kLaneBf16 && std::is_same_v<T, c10::BFloat16>;
   constexpr bool lane_int8 = kLaneInt8 && std::is_same_v<T, int8_t>;
   // ahead: key lines of the caller's next tile (stored_block), spread over the lane kernel's steps
   // or, on the other loops, asked for now
   if (ahead != nullptr && !((lane_bf16 || lane_int8) && lanes != nullptr)) ahead->rest(0);
   // rows asked for here; the loops ask for the rest (none when the caller asks for them: own_prefetch false)
-  const int first = !own_prefetch || nk <= PREFETCH_RUN_ROWS ? nk : PREFETCH_ROWS;
+  const int first = !own_prefetch || nk <= PREFETCH_RUN_ROWS ? nk : stream.asked ? 0 : PREFETCH_ROWS;
+  const int readable = std::max(nk, stream.readable);  // the rows the loops may ask for
   if (own_prefetch)
     for (int j = 0; j < first; ++j) prefetch_row(k + j * k_ld, E);
   int j = 0;
@@ -156,7 +166,7 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
   // plan asks): eight keys a step, the key rows asked for LANE_AHEAD rows ahead
   if constexpr (lane_bf16 || lane_int8) {
     if (lanes) {
-      if (own_prefetch)
+      if (own_prefetch && !stream.asked)
         for (int i = first; i < std::min(LANE_AHEAD, nk); ++i) prefetch_row(k + i * k_ld, E);
       for (; j < nk; j += 8) {
         const int m = std::min(8, nk - j);
@@ -164,7 +174,7 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
         // them at once (spread, its step took 23.2-23.7 -> 24.0-24.7 ms at S = 32768, one thread, Zen 4)
         SpreadLines lines;
         for (int i = LANE_AHEAD; i < LANE_AHEAD + 8; ++i)
-          if (j + i >= first && j + i < nk) lines.add_k(k + (j + i) * k_ld, E);
+          if (j + i >= first && j + i < readable) lines.add_k(k + (j + i) * k_ld, E);
         if (v)
           for (int i = 0; i < m; ++i) lines.add_v(v + (j + i) * v_ld, Ev);
         if (ahead) {  // this step's share of the next tile's lines
@@ -194,7 +204,7 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
     for (; j + 4 <= nk; j += 4) {
       SpreadLines lines;  // asked for as the dot products run (decode_dots.h)
       for (int i = PREFETCH_ROWS; i < PREFETCH_ROWS + 4; ++i)
-        if (j + i >= first && j + i < nk) lines.add_k(k + (j + i) * k_ld, E);
+        if (j + i >= first && j + i < readable) lines.add_k(k + (j + i) * k_ld, E);
       if (v)
         for (int i = 0; i < 4; ++i) lines.add_v(v + (j + i) * v_ld, Ev);
       float f[4];
@@ -202,12 +212,12 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
       dots4<T>(q, n, E, k + j * k_ld, k_ld, f, s, ld, j, lines);
     }
   for (; j < nk; j += 2) {
-    if (j + PREFETCH_ROWS >= first && j + PREFETCH_ROWS < nk) prefetch_row(k + (j + PREFETCH_ROWS) * k_ld, E);
+    if (j + PREFETCH_ROWS >= first && j + PREFETCH_ROWS < readable) prefetch_row(k + (j + PREFETCH_ROWS) * k_ld, E);
     if (v) {
       prefetch_row<T, 2>(v + j * v_ld, Ev);
       if (j + 1 < nk) prefetch_row<T, 2>(v + (j + 1) * v_ld, Ev);
     }
-    if (j + 1 + PREFETCH_ROWS >= first && j + 1 + PREFETCH_ROWS < nk)
+    if (j + 1 + PREFETCH_ROWS >= first && j + 1 + PREFETCH_ROWS < readable)
       prefetch_row(k + (j + 1 + PREFETCH_ROWS) * k_ld, E);
     const bool two = j + 1 < nk;
     const float f0 = k_scale ? scale2 * k_scale[j] : scale2;
@@ -573,6 +583,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
           float* l_i = m_i + n;
           const float* qn = q + nb * n * E;
           if (mode == 1) {  // streaming: each row read once, as stored
+            const bool dense = ks.table == nullptr;  // head-major rows: one stride through the task
             auto run_block = [&](auto tag) {
               using T = decltype(tag);
               const T* kb = reinterpret_cast<const T*>(ks.base);
@@ -588,7 +599,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
                 stream_scores<T>(qn, n, E, kb + off, ks.s_row, int8 ? kscale + j : nullptr, m, nk, scale2, s + j,
                                  vrows, vs.s_row, Ev, int16_dots ? q_int16.data() + nb * n * E : nullptr,
                                  int16_dots ? q_scale.data() + nb * n : nullptr, /*own_prefetch=*/true,
-                                 bf16_dots ? q_bf16.data() + nb * n * E : nullptr, lanes_of(nb));
+                                 bf16_dots ? q_bf16.data() + nb * n * E : nullptr, lanes_of(nb), nullptr,
+                                 dense ? Stream{static_cast<int>(task.j_end - j0 - j), j0 > task.j_begin} : Stream{});
               }
               // a NaN or inf score (from Q or K) would be swallowed by the row pass (its max and 2^x drop
               // NaN): flag it, so the caller redoes the call on the pure path; V's show in the output.
