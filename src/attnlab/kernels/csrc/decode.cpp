@@ -168,8 +168,22 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
     if (lanes) {
       if (own_prefetch && !stream.asked)
         for (int i = first; i < std::min(LANE_AHEAD, nk); ++i) prefetch_row(k + i * k_ld, E);
+      // rows one after another (a head-major cache's, none of a next tile to add): bf16's lines as
+      // two runs (RunLines), not lists
+      const bool runs = lane_bf16 && ahead == nullptr && k_ld == E && (v == nullptr || v_ld == Ev);
       for (; j < nk; j += 8) {
         const int m = std::min(8, nk - j);
+        if constexpr (lane_bf16) {
+          if (runs) {
+            const int r0 = std::max(j + LANE_AHEAD, first), r1 = std::min(j + LANE_AHEAD + 8, readable);
+            RunLines lines;
+            if (r1 > r0) lines.k = line_run(k + r0 * k_ld, (r1 - r0) * E, &lines.nk);
+            if (v) lines.v = line_run(v + j * v_ld, m * Ev, &lines.nv);
+            lane_bdots8<isa::B32, isa::F16>(static_cast<const uint32_t*>(lanes), E, k + j * k_ld, k_ld, m, scale2, n, s,
+                                            ld, j, lines);
+            continue;
+          }
+        }
         // bf16: the lines asked for as the step's dot products run (decode_dots.h); int8 asks for
         // them at once (spread, its step took 23.2-23.7 -> 24.0-24.7 ms at S = 32768, one thread, Zen 4)
         SpreadLines lines;

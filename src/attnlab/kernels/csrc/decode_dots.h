@@ -76,6 +76,31 @@ struct SpreadLines {
   }
 };
 
+// SpreadLines' asks for two runs of lines without its lists: key lines [0, nk) at k + 64 t, value
+// lines [0, nv) at v + 64 t (a head-major cache's rows, one after another). Filling the lists took
+// 64 stores a step of 8 bf16 keys and a load and compare each for every ask.
+struct RunLines {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int nk = 0, nv = 0;
+  void operator()(int64_t t) const {
+    if (t < nk) __builtin_prefetch(k + 64 * t, 0, 3);
+    if (t < nv) __builtin_prefetch(v + 64 * t, 0, 2);
+  }
+  void rest(int64_t from) const {
+    for (int64_t t = from; t < nk; ++t) __builtin_prefetch(k + 64 * t, 0, 3);
+    for (int64_t t = from; t < nv; ++t) __builtin_prefetch(v + 64 * t, 0, 2);
+  }
+};
+
+// The first of the cache lines that count elements from p touch; *lines = how many
+template <class T>
+inline const char* line_run(const T* p, int64_t count, int* lines) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p), b = a + count * sizeof(T);
+  *lines = count > 0 ? static_cast<int>(((b - 1) >> 6) - (a >> 6) + 1) : 0;
+  return reinterpret_cast<const char*>(a & ~uintptr_t{63});
+}
+
 // X::W stored elements as float32 (int8 without its scale), on the seam's vector X (F8 or F16)
 template <class X, class T>
 inline typename X::V widen_load(const T* p) {

@@ -73,9 +73,9 @@ inline void lanes_to_rows(typename X::V a0, typename X::V a1, typename X::V a2, 
 // i < 8: D::dot on every pair, even and odd pairs in two accumulators each (sixteen chains: the
 // instruction's latency hidden). E % 4 == 0. D: Bf16Pairs (vdpbf16ps) or IntPairs (vpdpwssd).
 // Each iteration also asks for line c / 4 of the step's SpreadLines (decode_dots.h), the rest after.
-template <class D, class P>
+template <class D, class P, class Lines>
 inline void pair_dots8(const uint32_t* __restrict__ qp, int64_t E, const P* const* r, typename D::Acc* out,
-                       const SpreadLines& lines) {
+                       const Lines& lines) {
   using A = typename D::Acc;
   A a0 = D::zero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   A b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
@@ -123,9 +123,9 @@ struct IntPairs {
 // s[a * ld + j0 + j] = f * qb[a] . k_j for m <= 8 bf16 key rows (k_ld apart) on vdpbf16ps against
 // the query's bf16 pairs across lanes (qp): one instruction a key and pair of elements, the pair
 // broadcast. Keys past m repeat key m - 1 (computed, not stored). E % 4 == 0. B, X: isa::B32, isa::F16.
-template <class B, class X>
+template <class B, class X, class Lines>
 inline void lane_bdots8(const uint32_t* __restrict__ qp, int64_t E, const c10::BFloat16* __restrict__ k_, int64_t k_ld,
-                        int m, float f, int64_t n, float* __restrict__ s, int ld, int j0, const SpreadLines& lines) {
+                        int m, float f, int64_t n, float* __restrict__ s, int ld, int j0, const Lines& lines) {
   const uint16_t* k = reinterpret_cast<const uint16_t*>(k_);
   const uint16_t* r[8];
   for (int i = 0; i < 8; ++i) r[i] = k + std::min(i, m - 1) * k_ld;
@@ -139,9 +139,9 @@ inline void lane_bdots8(const uint32_t* __restrict__ qp, int64_t E, const c10::B
 // int16 pairs (qp, lay_int16_pairs_in_lanes) against each key row sign-extended to int16 once into
 // the thread's buffer (E <= 512, E % 32 == 0), the int32 sums exact as idots2's; s = f[j] *
 // (float(sum) * qs[a]), idots2's operations in its order, so the same bits. I, X: isa::I32, isa::F16.
-template <class I, class X>
+template <class I, class X, class Lines>
 inline void lane_idots8(const uint32_t* __restrict__ qp, int64_t E, const int8_t* __restrict__ k, int64_t k_ld, int m,
-                        const float* f, int64_t n, float* __restrict__ s, int ld, int j0, const SpreadLines& lines) {
+                        const float* f, int64_t n, float* __restrict__ s, int ld, int j0, const Lines& lines) {
   alignas(64) int16_t wide[8][512];
   for (int i = 0; i < m; ++i)
     for (int64_t c = 0; c < E; c += 32) I::widen_i8x32(k + i * k_ld + c, wide[i] + c);
