@@ -150,7 +150,8 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
                           int nk, int ld, float scale2, float* s, const T* v = nullptr, int64_t v_ld = 0, int64_t Ev = 0,
                           const int16_t* qi = nullptr, const float* qs = nullptr, bool own_prefetch = true,
                           const c10::BFloat16* qb = nullptr, const void* lanes = nullptr,
-                          const SpreadLines* ahead = nullptr, const Stream& stream = {}) {
+                          const SpreadLines* ahead = nullptr, const Stream& stream = {},
+                          const RunLines* given = nullptr) {
   constexpr bool lane_bf16 = kLaneBf16 && std::is_same_v<T, c10::BFloat16>;
   constexpr bool lane_int8 = kLaneInt8 && std::is_same_v<T, int8_t>;
   // ahead: key lines of the caller's next tile (stored_block), spread over the lane kernel's steps
@@ -174,6 +175,15 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
       for (; j < nk; j += 8) {
         const int m = std::min(8, nk - j);
         if constexpr (lane_bf16) {
+          if (given) {  // the caller's lines (stored_block's runs), this step's share of each
+            const int steps = (nk + 7) / 8, st = j / 8;
+            const int k0 = st * given->nk / steps, v0 = st * given->nv / steps;
+            const RunLines lines{given->k + 64 * k0, given->v + 64 * v0, (st + 1) * given->nk / steps - k0,
+                                 (st + 1) * given->nv / steps - v0};
+            lane_bdots8<isa::B32, isa::F16>(static_cast<const uint32_t*>(lanes), E, k + j * k_ld, k_ld, m, scale2, n, s,
+                                            ld, j, lines);
+            continue;
+          }
           if (runs) {
             const int r0 = std::max(j + LANE_AHEAD, first), r1 = std::min(j + LANE_AHEAD + 8, readable);
             RunLines lines;
@@ -322,6 +332,10 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
     return static_cast<int>(std::min<int64_t>(run, m));
   };
   const bool v_early = q_lanes != nullptr && !int8;  // bf16's lane steps ask for the value rows into L2
+  // a tile's rows of the G heads one after another (pages (page, Hkv, E) read for all their heads):
+  // bf16's lane steps then ask for the next tile's K and this tile's V as runs of lines, head g
+  // for its share of each (RunLines), not head g's rows by lists
+  const bool runs = v_early && ks.s_head == E && ks.s_row == G * E && vs.s_head == Ev && vs.s_row == G * Ev;
   for (int j = 0, m; j < nk; j += m) {  // S_j = scale2 * Q K_j^T, tile by tile in stored order
     int64_t off, noff = 0, voff = 0;
     m = tile(ks, j, &off);
@@ -338,6 +352,19 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
       // ms, seven rounds; int8's 25.7-25.9 -> 26.2-27.2, not taken); the other loops at once, before
       // it (spread through stream_scores, float32 measured 37-39 -> 40-48 ms; value rows during the
       // scores were no better there, 2026-12-03)
+      if (runs) {
+        RunLines all, share;  // the G heads' lines; head g's share of them
+        if (ahead > 0) all.k = line_run(kb + noff, ahead * G * E, &all.nk);
+        all.v = line_run(vb + voff, m * G * Ev, &all.nv);
+        const int k0 = static_cast<int>(g * all.nk / G), v0 = static_cast<int>(g * all.nv / G);
+        share = RunLines{all.k + 64 * k0, all.v + 64 * v0, static_cast<int>((g + 1) * all.nk / G) - k0,
+                         static_cast<int>((g + 1) * all.nv / G) - v0};
+        stream_scores<T>(q + nb * n * E, n, E, kb + off + g * ks.s_head, ks.s_row, nullptr, m, nk, scale2,
+                         s + g * n * bk + j, nullptr, 0, Ev, nullptr, nullptr, /*own_prefetch=*/false,
+                         q_bf16 ? q_bf16 + nb * n * E : nullptr,
+                         static_cast<const uint32_t*>(q_lanes) + nb * lane_block(E), nullptr, Stream{}, &share);
+        continue;
+      }
       SpreadLines next_rows;
       if (q_lanes == nullptr) {
         for (int i = 0; i < ahead; ++i) prefetch_row(kb + noff + g * ks.s_head + i * ks.s_row, E);
