@@ -49,6 +49,7 @@ from attnlab._validation import compute_dtype, default_scale, validate, validate
 from attnlab.kernels import LOG2E, Layout
 from attnlab.kernels import decode as kernel
 from attnlab.kernels import sinks as _sinks
+from attnlab.kernels.memory import cache_zeros
 
 __all__ = ["decode_attention", "paged_decode_attention", "PagedKVCache", "quantize", "dequantize",
            "channel_smoothing", "SMOOTHING_MIN_TOKENS"]
@@ -295,8 +296,9 @@ class PagedKVCache:
         self.max_pages = num_pages
         self.dtype = dtype
         pool = num_pages if num_pages is not None else batch
-        self.k_pages = torch.zeros(pool, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v_pages = torch.zeros_like(self.k_pages)
+        # on huge pages where Linux offers them (attnlab.kernels.memory: a decode step's page walks)
+        self.k_pages = cache_zeros((pool, page_size, num_kv_heads, head_dim), dtype, device)
+        self.v_pages = cache_zeros(self.k_pages.shape, dtype, self.k_pages.device)
         self.device = self.k_pages.device
         self.quantized = dtype == torch.int8
         # int8: one float32 scale per token and head, beside its row (None otherwise)
@@ -352,8 +354,7 @@ class PagedKVCache:
                                  f"make a larger pool")
             grown = max(self.pages_used + new, 2 * self.k_pages.shape[0])
             extra = grown - self.k_pages.shape[0]
-            self.k_pages = torch.cat([self.k_pages, self.k_pages.new_zeros(extra, *self.k_pages.shape[1:])])
-            self.v_pages = torch.cat([self.v_pages, self.v_pages.new_zeros(extra, *self.v_pages.shape[1:])])
+            self.k_pages, self.v_pages = (_grown_pool(t, grown) for t in (self.k_pages, self.v_pages))
             if self.quantized:
                 self.k_scales = torch.cat([self.k_scales, self.k_scales.new_ones(extra, *self.k_scales.shape[1:])])
                 self.v_scales = torch.cat([self.v_scales, self.v_scales.new_ones(extra, *self.v_scales.shape[1:])])
@@ -383,6 +384,13 @@ class PagedKVCache:
 
 
 # --------------------------------------------------------------------------- #
+
+
+def _grown_pool(pages: Tensor, pool: int) -> Tensor:
+    """``pages`` (P, page, Hkv, E) copied into a new zeroed pool of ``pool`` pages (cache_zeros)."""
+    grown = cache_zeros((pool, *pages.shape[1:]), pages.dtype, pages.device)
+    grown[: pages.shape[0]] = pages
+    return grown
 
 
 def _check_int8(fn: str, key: Tensor, value: Tensor, k_scale, v_scale) -> None:

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from attnlab import decoding, dispatch, masks
 from attnlab import functional as F_
 from attnlab._validation import validate
+from attnlab.kernels.memory import cache_zeros
 from attnlab.trace import AttentionTrace
 
 __all__ = ["SelfAttention", "MultiHeadAttention", "KVCache"]
@@ -204,8 +205,9 @@ class KVCache:
                  smooth_keys: bool = True) -> None:
         self.batch, self.num_kv_heads, self.head_dim, self.max_len = batch, num_kv_heads, head_dim, max_len
         capacity = max_len if max_len is not None else 0
-        self._k = torch.zeros(batch, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self._v = torch.zeros_like(self._k)
+        # on huge pages where Linux offers them (attnlab.kernels.memory: a decode step's page walks)
+        self._k = cache_zeros((batch, num_kv_heads, capacity, head_dim), dtype, device)
+        self._v = cache_zeros(self._k.shape, dtype, self._k.device)
         self.quantized = dtype == torch.int8
         self._ks = self._k.new_ones(batch, num_kv_heads, capacity, dtype=torch.float32) if self.quantized else None
         self._vs = torch.ones_like(self._ks) if self.quantized else None
@@ -256,8 +258,8 @@ class KVCache:
     def _grow(self, needed: int) -> None:
         """Capacity ``max(needed, 2 x capacity, 16)``: ``log2(T)`` copies for ``T`` tokens."""
         capacity = max(needed, 2 * self._k.shape[2], self.MIN_CAPACITY)
-        k = self._k.new_zeros(self.batch, self.num_kv_heads, capacity, self.head_dim)
-        v = torch.zeros_like(k)
+        k = cache_zeros((self.batch, self.num_kv_heads, capacity, self.head_dim), self._k.dtype, self._k.device)
+        v = cache_zeros(k.shape, k.dtype, k.device)
         k[:, :, : self.length] = self._k[:, :, : self.length]
         v[:, :, : self.length] = self._v[:, :, : self.length]
         self._k, self._v = k, v

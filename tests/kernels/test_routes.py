@@ -39,7 +39,7 @@ def test_forced_changes_a_block_and_restores_what_was_before():
     with pytest.raises(ValueError, match="ATTNLAB_DECODE must be one of auto, stream, gemm, got 'fast'"):
         with routes.forced(decode="fast"):
             pass
-    with pytest.raises(ValueError, match="the switches are native, isa, bf16, sgemm, decode, int8_dot, got speed"):
+    with pytest.raises(ValueError, match="the switches are native, isa, bf16, sgemm, decode, int8_dot, huge_pages, got speed"):
         with routes.forced(speed="max"):
             pass
     assert routes.settings() is before

@@ -174,6 +174,28 @@ def test_decode_benchmark_times_each_implementation_against_torch(capsys):
     assert "machine:" in out and "| 128 | float32 | torch SDPA |" in out and "GB/s" in out
 
 
+def test_decode_benchmark_adds_a_huge_pages_row_where_the_kernel_offers_them(force_routes, monkeypatch):
+    """--decode also times the decode kernel on a copy of the cache on huge pages (attnlab's own
+    caches' storage) where Linux offers them and a cache fills one (2 MiB), after the stream
+    row; not below that, nor with ATTNLAB_HUGE_PAGES=off. The kernel's mode is faked here: the
+    question is the bench's."""
+    from attnlab.kernels import memory
+
+    name = "attnlab decode: cache on huge pages"
+    monkeypatch.setattr(memory, "huge_pages_offered", lambda: "madvise")
+    advised = []
+    monkeypatch.setattr(memory, "_advise", lambda address, length: advised.append(length) or True)
+    small = bench.decode_benchmark([64], dtypes=("float32",), H=4, Hkv=2, E=8, repeats=1)
+    assert name not in {r["impl"] for r in small} and advised == []
+    rows = bench.decode_benchmark([4096], dtypes=("float32",), H=4, Hkv=2, E=64, repeats=1)  # 2 MiB each
+    impls = [r["impl"] for r in rows]
+    # the paged cache's pools (attnlab's own: on huge pages too) and the row's copies of k and v
+    assert impls.index(name) == impls.index("attnlab decode: stream") + 1 and advised == [2 << 20] * 4
+    force_routes(huge_pages="off")
+    off = bench.decode_benchmark([4096], dtypes=("float32",), H=4, Hkv=2, E=64, repeats=1)
+    assert name not in {r["impl"] for r in off} and len(advised) == 4
+
+
 def test_decode_benchmark_adds_a_float32_dots_row_where_bf16_caches_take_vdpbf16ps(force_routes, monkeypatch):
     """On a CPU whose bf16 route takes vdpbf16ps for a bf16 cache's scores (faked here, for the
     bench's question only: no CPU of ours need have it, and the kernel refuses a plan its build

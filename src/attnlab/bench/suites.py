@@ -210,7 +210,9 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
     with each inner loop forced (``ATTNLAB_DECODE=stream`` / ``gemm``), a
     :class:`~attnlab.decoding.PagedKVCache` of ``page_size``-token pages, the int8 caches (dense
     and paged; dense also with the key dot products widened to float32, ``ATTNLAB_INT8_DOT``,
-    against the default integer ones), on a CPU whose bf16 route takes ``vdpbf16ps`` for a bf16
+    against the default integer ones), the decode kernel on a copy of the cache on huge pages where
+    Linux offers them and the cache fills one (:mod:`attnlab.kernels.memory`: where attnlab's own
+    caches are), on a CPU whose bf16 route takes ``vdpbf16ps`` for a bf16
     cache's dot products (:func:`attnlab.kernels.decode.bf16_dot`) the streaming loop with them
     widened to float32 as well (``ATTNLAB_BF16=fp32``), its tiled path, and torch's SDPA, as called
     and with the GQA group folded into the query rows (``(B, Hkv, r * L, E)``: one K/V read per
@@ -220,6 +222,8 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
     import torch.nn.functional as F
 
     from attnlab import decoding, dispatch, masks
+    from attnlab.kernels import memory as cache_memory
+    from attnlab.kernels import routes
 
     rows, done, total = [], 0, len(seq_lens) * len(dtypes)
     peak = read_bandwidth()
@@ -238,6 +242,11 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
             paged8 = decoding.PagedKVCache(B, Hkv, E, page_size=page_size, dtype=torch.int8)
             paged8.append(k, v)
             (k8, ks), (v8, vs) = decoding.quantize(k), decoding.quantize(v)
+            # the same cache where attnlab's own caches put it: on huge pages (attnlab.kernels.memory),
+            # where the kernel offers them and the cache fills one
+            huge = (cache_memory.huge_pages_offered() is not None and routes.settings().huge_pages != "off"
+                    and k.nbytes >= cache_memory.HUGE_PAGE)
+            kh, vh = (cache_memory.cache_empty(t.shape, t.dtype).copy_(t) for t in (k, v)) if huge else (k, v)
             step = {"is_causal": L > 1, "causal_align": "bottom_right"}
 
             def decode(k_=k, v_=v, **kw):
@@ -249,6 +258,7 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
                    **({"attnlab decode: stream, float32 dots": _forced(
                        decode, bf16="fp32", decode="stream")}
                       if dtype == torch.bfloat16 and _bf16_scores_on_vdpbf16ps(E) else {}),
+                   **({"attnlab decode: cache on huge pages": lambda: decode(kh, vh)} if huge else {}),
                    "attnlab decode: gemm": _forced(decode, decode="gemm"),
                    f"attnlab paged ({page_size})": lambda: decoding.paged_decode_attention(q, paged, **step),
                    "attnlab int8": lambda: decode(k8, v8, k_scale=ks, v_scale=vs),

@@ -22,6 +22,7 @@ from typing import Any, Optional
 from torch import Tensor
 
 from attnlab.integrations.transformers import check_version
+from attnlab.kernels.memory import cache_empty
 
 check_version()  # names the supported range before transformers' own imports fail less helpfully
 from transformers.cache_utils import DynamicCache, DynamicLayer  # noqa: E402
@@ -78,8 +79,9 @@ class InPlaceLayer(DynamicLayer):
                 and have[0].dtype == key_states.dtype:
             return
         cap = max(rows, self.capacity, MIN_CAPACITY, 2 * (have[0].shape[2] if have is not None else 0))
-        k = key_states.new_empty(B, H, cap, E)
-        v = value_states.new_empty(B, H, cap, Ev)
+        # on huge pages where Linux offers them (attnlab.kernels.memory: a decode step's page walks)
+        k = cache_empty((B, H, cap, E), key_states.dtype, key_states.device)
+        v = cache_empty((B, H, cap, Ev), value_states.dtype, value_states.device)
         if self._views is not None:  # what is cached moves once; a doubling keeps that O(1) a row
             filled = self._views[0].shape[-2]
             k[:, :, :filled] = self._views[0]

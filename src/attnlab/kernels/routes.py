@@ -10,6 +10,7 @@ one) into one frozen :class:`Settings`:
 ``ATTNLAB_SGEMM``           ``auto``, ``avx512``, ``avx2``, ``avx512-emulated``, ``blas``
 ``ATTNLAB_DECODE``          ``auto``, ``stream``, ``gemm``: decoding's inner loop
 ``ATTNLAB_INT8_DOT``        ``auto``, ``int16``, ``float32``: an int8 cache's dot products
+``ATTNLAB_HUGE_PAGES``      ``auto`` or ``off``: attnlab's caches on huge pages (memory.py)
 ==========================  ==========================================================
 
 Code that wants another route for a while (tests, ``attnlab bench``'s forced rows) uses
@@ -37,9 +38,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "sgemm": ("auto", "avx512", "avx2", "avx512-emulated", "blas"),
     "decode": ("auto", "stream", "gemm"),
     "int8_dot": ("auto", "int16", "float32"),
+    "huge_pages": ("auto", "off"),
 }
 ENV = {"native": "ATTNLAB_NATIVE", "isa": "ATTNLAB_NATIVE_ISA", "bf16": "ATTNLAB_BF16", "sgemm": "ATTNLAB_SGEMM",
-       "decode": "ATTNLAB_DECODE", "int8_dot": "ATTNLAB_INT8_DOT"}
+       "decode": "ATTNLAB_DECODE", "int8_dot": "ATTNLAB_INT8_DOT", "huge_pages": "ATTNLAB_HUGE_PAGES"}
 _OFF = ("0", "false", "no", "off")
 
 
@@ -53,6 +55,7 @@ class Settings:
     sgemm: str = "auto"
     decode: str = "auto"
     int8_dot: str = "auto"
+    huge_pages: str = "auto"
 
     def source(self, name: str) -> str:
         """How a forced value reads in a route's reason: ``ATTNLAB_BF16=fp32``."""
@@ -63,6 +66,8 @@ def _checked(name: str, value: str) -> str:
     value = value.strip().lower() or CHOICES[name][0]
     if name == "native":
         value = "0" if value in _OFF else "1"
+    if name == "huge_pages" and value in _OFF:
+        value = "off"
     if value not in CHOICES[name]:
         raise ValueError(f"{ENV[name]} must be one of {', '.join(CHOICES[name])}, got {value!r}")
     return value
