@@ -81,3 +81,14 @@ def test_attnlab_s_caches_ask_for_huge_pages(monkeypatch):
     paged.append(k[:, :, :8000], k[:, :, :8000])
     dense = decoding.decode_attention(q, k[:, :, :8000], k[:, :, :8000], enable_gqa=True)
     assert_close(decoding.paged_decode_attention(q, paged), dense)  # the pool's pages hold the cache
+
+
+def test_the_bench_s_machine_line_says_whether_caches_are_on_huge_pages(force_routes, monkeypatch):
+    from attnlab.bench.machine import machine_line
+
+    monkeypatch.setattr(memory, "huge_pages_offered", lambda: "madvise")
+    assert "attnlab's caches on huge pages: on (transparent huge pages: madvise)" in machine_line()
+    monkeypatch.setattr(memory, "huge_pages_offered", lambda: None)
+    assert "attnlab's caches on huge pages: no (the kernel offers no transparent huge pages)" in machine_line()
+    force_routes(huge_pages="off")
+    assert "attnlab's caches on huge pages: off (ATTNLAB_HUGE_PAGES=off)" in machine_line()

@@ -86,5 +86,12 @@ def machine_line() -> str:
     flags = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in _native.cpu_features()]
     emulated = ("; NOTE: ATTNLAB_NATIVE_ISA=avx512-emulated, attnlab's times below are of a test build, not this CPU's "
                 "speed" if _native.build_isa() == "avx512-emulated" else "")
+    from attnlab.kernels import memory, routes
+
+    # whether attnlab's own caches sit on huge pages here (a decode step's page walks: kernels/memory.py)
+    mode = memory.huge_pages_offered()
+    huge = ("off (ATTNLAB_HUGE_PAGES=off)" if routes.settings().huge_pages == "off"
+            else f"on (transparent huge pages: {mode})" if mode else "no (the kernel offers no transparent huge pages)")
     return (f"{cpu} ({' '.join(flags) or 'no AVX2'}), {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, "
-            f"torch {torch.__version__}, Python {sys.version.split()[0]}; {_native.status()}{emulated}")
+            f"torch {torch.__version__}, Python {sys.version.split()[0]}; {_native.status()}; "
+            f"attnlab's caches on huge pages: {huge}{emulated}")
