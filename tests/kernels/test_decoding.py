@@ -19,7 +19,7 @@ from attnlab.kernels import routes
 from attnlab.decoding import PagedKVCache, decode_attention, paged_decode_attention
 from attnlab.kernels import decode as kernel
 from attnlab.testing import assert_close, assert_close_to_sdpa
-from helpers.semantics import SPECIAL, close_with_nans, randn, torch_math
+from helpers.semantics import INF, NAN, SPECIAL, close_with_nans, randn, torch_math
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -78,6 +78,24 @@ def test_nan_and_inf_propagate_as_in_torch(route, dtype, case):
     q, k, v = SPECIAL[case](randn(2, 3, 5, 8), randn(2, 3, 300, 8, seed=1), randn(2, 3, 300, 6, seed=2))
     q, k, v = (t.to(dtype) for t in (q, k, v))
     close_with_nans(decode_attention(q, k, v), torch_math(q, k, v), dtype, "output")
+
+
+@pytest.mark.parametrize("case", ["nan_key", "inf_key", "nan_query", "nan_value", "inf_value"])
+def test_nan_and_inf_in_a_bf16_step_on_the_lane_kernel_propagate_as_in_torch(route, case):
+    """A bf16 step with 16 rows a key/value head (4 query heads x 4 tokens) and a bf16 query takes the
+    lane kernel where the build has it, its scores kept in lanes through the softmax (lane_softmax):
+    a NaN or inf there must still reach the output as torch's does (the kernel flags the call)."""
+    q = randn(1, 8, 4, 32).to(torch.bfloat16)
+    k, v = randn(1, 2, 300, 32, seed=1).to(torch.bfloat16), randn(1, 2, 300, 32, seed=2).to(torch.bfloat16)
+    where = {"nan_key": (k, (0, 1, 100, 3), NAN), "inf_key": (k, (0, 0, 70, 5), INF),
+             "nan_query": (q, (0, 5, 2, 7), NAN), "nan_value": (v, (0, 1, 150, 2), NAN),
+             "inf_value": (v, (0, 0, 20, 9), INF)}
+    t, at, x = where[case]
+    t[at] = x
+    want = torch_math(q, k, v, attn_mask=bottom_right(4, 300), enable_gqa=True)
+    assert bool(want.isnan().any()) or bool(want.isinf().any())
+    out = decode_attention(q, k, v, is_causal=True, causal_align="bottom_right", enable_gqa=True)
+    close_with_nans(out, want, torch.bfloat16, "output")
 
 
 def test_an_inf_value_the_causal_rows_never_read_still_gives_torchs_nan(route):
@@ -203,6 +221,24 @@ def test_pages_and_heads_of_any_count_are_located(route, dtype, Hkv, page_size, 
     out = paged_decode_attention(q if dtype == torch.int8 else q.to(dtype), cache, is_causal=True,
                                  causal_align="bottom_right")
     exact = torch_math(q.double(), k.double(), v.double(), attn_mask=bottom_right(L, 31), enable_gqa=True)
+    assert_close(out, exact.to(out.dtype), dtype=out.dtype)
+
+
+@pytest.mark.parametrize("page_size", [5, 8, 16])
+def test_a_paged_bf16_step_on_the_lane_kernel_keeps_its_scores_in_lanes_on_any_page(force_routes, page_size):
+    """16 rows a key/value head (4 query heads x 4 tokens), a bf16 cache and query: where the build
+    has the lane kernel, a block every row sees whole keeps its scores in lanes through the softmax
+    and the value pass reads P~'s pairs of keys from there (lane_softmax, PLanes); pages of an odd
+    size cut tiles at odd keys, where the pairs would straddle them, and take the rows' layout.
+    Against float64 attention over the cache's own contents, the last block's causal cut included."""
+    force_routes(decode="stream")
+    cache = PagedKVCache(1, 2, 32, page_size=page_size, dtype=torch.bfloat16)
+    for i, T in enumerate((180, 23)):
+        cache.append(_activations(1, 2, T, 32, seed=20 + i), _activations(1, 2, T, 32, seed=60 + i))
+    k, v = cache.dense()
+    q = randn(1, 8, 4, 32).to(torch.bfloat16)
+    out = paged_decode_attention(q, cache, is_causal=True, causal_align="bottom_right")
+    exact = torch_math(q.double(), k.double(), v.double(), attn_mask=bottom_right(4, 203), enable_gqa=True)
     assert_close(out, exact.to(out.dtype), dtype=out.dtype)
 
 

@@ -151,7 +151,7 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
                           const int16_t* qi = nullptr, const float* qs = nullptr, bool own_prefetch = true,
                           const c10::BFloat16* qb = nullptr, const void* lanes = nullptr,
                           const SpreadLines* ahead = nullptr, const Stream& stream = {},
-                          const RunLines* given = nullptr) {
+                          const RunLines* given = nullptr, float* kept = nullptr) {
   constexpr bool lane_bf16 = kLaneBf16 && std::is_same_v<T, c10::BFloat16>;
   constexpr bool lane_int8 = kLaneInt8 && std::is_same_v<T, int8_t>;
   // ahead: key lines of the caller's next tile (stored_block), spread over the lane kernel's steps
@@ -181,7 +181,7 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
             const RunLines lines{given->k + 64 * k0, given->v + 64 * v0, (st + 1) * given->nk / steps - k0,
                                  (st + 1) * given->nv / steps - v0};
             lane_bdots8<isa::B32, isa::F16>(static_cast<const uint32_t*>(lanes), E, k + j * k_ld, k_ld, m, scale2, n, s,
-                                            ld, j, lines);
+                                            ld, j, lines, kept);
             continue;
           }
           if (runs) {
@@ -190,7 +190,7 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
             if (r1 > r0) lines.k = line_run(k + r0 * k_ld, (r1 - r0) * E, &lines.nk);
             if (v) lines.v = line_run(v + j * v_ld, m * Ev, &lines.nv);
             lane_bdots8<isa::B32, isa::F16>(static_cast<const uint32_t*>(lanes), E, k + j * k_ld, k_ld, m, scale2, n, s,
-                                            ld, j, lines);
+                                            ld, j, lines, kept);
             continue;
           }
         }
@@ -208,7 +208,7 @@ inline void stream_scores(const float* q, int64_t n, int64_t E, const T* k, int6
         if constexpr (!lane_bf16) lines.at_once();
         if constexpr (lane_bf16) {
           lane_bdots8<isa::B32, isa::F16>(static_cast<const uint32_t*>(lanes), E, k + j * k_ld, k_ld, m, scale2, n, s,
-                                          ld, j, lines);
+                                          ld, j, lines, kept);
         } else {
           float f[8];
           for (int i = 0; i < 8; ++i) f[i] = scale2 * k_scale[j + std::min(i, m - 1)];
@@ -336,6 +336,12 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
   // bf16's lane steps then ask for the next tile's K and this tile's V as runs of lines, head g
   // for its share of each (RunLines), not head g's rows by lists
   const bool runs = v_early && ks.s_head == E && ks.s_row == G * E && vs.s_head == Ev && vs.s_row == G * Ev;
+  // and, for a bf16 output and a block every row sees whole, the scores kept in lanes (lane_softmax;
+  // its pairs of keys need every tile to start on an even key)
+  bool whole = runs && bf16_values && tile_keys % 2 == 0 && (ks.table == nullptr || ks.by_page.d % 2 == 0);
+  for (int64_t a = 0; whole && a < n; ++a) whole = visible(a, nullptr) == nk;
+  uint16_t *pl = nullptr, *pp = nullptr;
+  float* kept = whole ? lane_scratch(G, nk, &pl, &pp) : nullptr;
   for (int j = 0, m; j < nk; j += m) {  // S_j = scale2 * Q K_j^T, tile by tile in stored order
     int64_t off, noff = 0, voff = 0;
     m = tile(ks, j, &off);
@@ -362,7 +368,8 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
         stream_scores<T>(q + nb * n * E, n, E, kb + off + g * ks.s_head, ks.s_row, nullptr, m, nk, scale2,
                          s + g * n * bk + j, nullptr, 0, Ev, nullptr, nullptr, /*own_prefetch=*/false,
                          q_bf16 ? q_bf16 + nb * n * E : nullptr,
-                         static_cast<const uint32_t*>(q_lanes) + nb * lane_block(E), nullptr, Stream{}, &share);
+                         static_cast<const uint32_t*>(q_lanes) + nb * lane_block(E), nullptr, Stream{}, &share,
+                         kept ? kept + LANE_ROWS * (nk * g + j) : nullptr);
         continue;
       }
       SpreadLines next_rows;
@@ -382,11 +389,20 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
   for (int64_t g = 0; g < G; ++g) {  // each head's online-softmax step over the block
     float* acc = states + g * state;
     float* sg = s + g * n * bk;
+    if constexpr (std::is_same_v<T, c10::BFloat16> && kLaneBf16) {
+      if (kept) {  // in lanes, head g's pairs of P~ at pp + 16 (nk + 1) g
+        if (!all_finite(kept + LANE_ROWS * nk * g, LANE_ROWS * nk)) saw_nonfinite.store(true, std::memory_order_relaxed);
+        lane_softmax<isa::F16, isa::B16>(kept + LANE_ROWS * nk * g, nk, n, acc + n * Ev, acc + n * Ev + n, acc, Ev, pl,
+                                         pp + LANE_ROWS * (nk + 1) * g);
+        continue;
+      }
+    }
     // a NaN or inf score would be swallowed by the row pass: flagged, as in the head-by-head loop
     if (!all_finite(sg, n * nk)) saw_nonfinite.store(true, std::memory_order_relaxed);
     online_update(sg, n, nk, visible, acc + n * Ev, acc + n * Ev + n, acc, Ev);
   }
-  uint16_t* pb = bf16_values ? p_as_bf16(s, G * n * bk) : nullptr;  // each head's P~ (n, nk) as bf16, n * bk apart
+  // each head's P~ (n, nk) as bf16, n * bk apart (in lanes: already, pp)
+  uint16_t* pb = bf16_values && !kept ? p_as_bf16(s, G * n * bk) : nullptr;
   for (int j = 0, m; j < nk; j += m) {  // acc += P~ V_j, tile by tile in stored order
     int64_t off, noff = 0;
     m = tile(vs, j, &off);
@@ -401,6 +417,11 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
       }
       for (int i = 0; i < ahead; ++i) prefetch_row(vb + noff + g * vs.s_head + i * vs.s_row, Ev);
       if constexpr (std::is_same_v<T, c10::BFloat16> && isa::kBf16x8) {
+        if (kept) {
+          bvalues<PLanes>(pp + LANE_ROWS * ((nk + 1) * g + j), 0, n, Ev, vb + off + g * vs.s_head, vs.s_row, m,
+                          states + g * state);
+          continue;
+        }
         if (pb) {
           bvalues(pb + g * n * bk + j, nk, n, Ev, vb + off + g * vs.s_head, vs.s_row, m, states + g * state);
           continue;
@@ -625,10 +646,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
           const float* qn = q + nb * n * E;
           if (mode == 1) {  // streaming: each row read once, as stored
             const bool dense = ks.table == nullptr;  // head-major rows: one stride through the task
+            // every row sees every key of the block (visible's least, row a % L = 0, is nk)
+            auto sees_all = [&](int nk_) { return !causal || shift + 1 - j0 >= nk_; };
             auto run_block = [&](auto tag) {
               using T = decltype(tag);
               const T* kb = reinterpret_cast<const T*>(ks.base);
               const T* vb = reinterpret_cast<const T*>(vs.base);
+              if constexpr (std::is_same_v<T, c10::BFloat16> && kLaneBf16) {
+                // a contiguous bf16 block on the lane kernel that every row sees whole: its scores
+                // stay in lanes through the online softmax into the value pass (lane_softmax)
+                if (lanes && bf16_values && dense && sees_all(nk)) {
+                  uint16_t *pl, *pp;
+                  float* kept = lane_scratch(1, nk, &pl, &pp);
+                  int64_t run, vrun;
+                  const int64_t off = ks.locate(nb, j0, &run), voff = vs.locate(nb, j0, &vrun);
+                  stream_scores<T>(qn, n, E, kb + off, ks.s_row, nullptr, nk, nk, scale2, s, vb + voff, vs.s_row, Ev,
+                                   nullptr, nullptr, /*own_prefetch=*/true, q_bf16.data() + nb * n * E, lanes_of(nb),
+                                   nullptr, Stream{static_cast<int>(task.j_end - j0), j0 > task.j_begin}, nullptr,
+                                   kept);
+                  if (!all_finite(kept, LANE_ROWS * nk)) saw_nonfinite.store(true, std::memory_order_relaxed);
+                  lane_softmax<isa::F16, isa::B16>(kept, nk, n, m_i, l_i, acc, Ev, pl, pp);
+                  bvalues<PLanes>(pp, 0, n, Ev, vb + voff, vs.s_row, nk, acc);
+                  return;
+                }
+              }
               // the block's runs of rows with one stride (one run, or a page each when it spans pages)
               for (int j = 0, m; j < nk; j += m) {
                 int64_t run;

@@ -99,6 +99,23 @@ inline void bdots2(const c10::BFloat16* qb, int64_t n, int64_t E, const c10::BFl
   bdots2_on<isa::B16, isa::F8>(qb, n, E, k0, k1, f0, f1, s, nk, j0);
 }
 
+// Where bvalue_tile finds P~'s bf16 pair (j, j + 1) of row a (j even), as uint16 offsets from pb:
+// PRows, P~ (n, ld) row-major (a ld + j: the pair's two halves adjacent); PLanes, lane_softmax's
+// pairs in lanes (16 j + 2 swap23(a): pair j / 2 of the 16 rows as B16::interleave leaves them).
+struct PRows {
+  const uint16_t* pb;
+  int ld;
+  static constexpr int kStep = 1;
+  int64_t row(int64_t a) const { return a * ld; }
+};
+struct PLanes {
+  const uint16_t* pb;
+  static constexpr int kStep = 16;
+  // B16::interleave puts lane L's pair at (L & 3) + 8 ((L >> 2) & 1) + 4 ((L >> 3) & 1): bits 2 and 3 swapped
+  static int64_t swap23(int64_t a) { return (a & ~int64_t{12}) | ((a & 4) << 1) | ((a & 8) >> 1); }
+  int64_t row(int64_t a) const { return 2 * swap23(a); }
+};
+
 // acc (n, Ev) += P~ V for nk value rows (v_ld apart) of a bf16 cache, P~ as bf16 (pb: n rows, ld
 // apart): vdpbf16ps takes two keys at once, each output lane summing P~_j V_j + P~_j+1 V_j+1 (one
 // rounding each step, float32 accumulators). A pair of value rows is interleaved once (B::interleave:
@@ -107,12 +124,16 @@ inline void bdots2(const c10::BFloat16* qb, int64_t n, int64_t E, const c10::BFl
 // instructions a row for 4 X::W columns (32 on 256 bits, 64 on 512); the float32 value pass runs 8
 // FMAs a row for 32. R rows: 4 R accumulators, 4 value vectors and a weight, 29 of AVX-512's 32
 // registers at R = 6. Needs Ev % (4 X::W) == 0 (bvalues). An odd nk's last key pairs with zeros.
-template <int R, class B, class X>
-inline void bvalue_tile(const uint16_t* __restrict__ pb, int ld, int nk, const c10::BFloat16* __restrict__ v_,
-                        int64_t v_ld, int64_t c, float* __restrict__ acc, int64_t Ev) {
+// P: PRows or PLanes, rows a0 .. a0 + R - 1 of it.
+template <int R, class B, class X, class P>
+inline void bvalue_tile(const P& p, int64_t a0, int nk, const c10::BFloat16* __restrict__ v_, int64_t v_ld, int64_t c,
+                        float* __restrict__ acc, int64_t Ev) {
   using V = typename X::V;
   constexpr int W = X::W;
   const uint16_t* v = reinterpret_cast<const uint16_t*>(v_);
+  const uint16_t* pr[R];  // row i's P~: pair j at pr[i] + j P::kStep
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) pr[i] = p.pb + p.row(a0 + i);
   V r[R][4];  // in registers: every loop over R unrolled (the pragmas; see bf16_gemm.h's micro_bf16)
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {  // acc holds its columns in the interleaved order (bvalues_finish undoes it)
@@ -126,8 +147,8 @@ inline void bvalue_tile(const uint16_t* __restrict__ pb, int ld, int nk, const c
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {  // (P~_j, P~_j+1) of row i in every lane
       uint32_t w;
-      if (pair) std::memcpy(&w, pb + i * ld + j, 4);
-      else w = pb[i * ld + j];
+      if (pair) std::memcpy(&w, pr[i] + j * P::kStep, 4);
+      else w = pr[i][j * P::kStep];
       const typename B::V wv = B::pair(w);
       r[i][0] = isa::dpbf16(r[i][0], wv, x0), r[i][1] = isa::dpbf16(r[i][1], wv, x1);
       r[i][2] = isa::dpbf16(r[i][2], wv, x2), r[i][3] = isa::dpbf16(r[i][3], wv, x3);
@@ -163,20 +184,18 @@ inline void undeal_rows(float* acc, int64_t n, int64_t Ev) {
 }
 
 // acc (n, Ev) += P~ V: the n rows in tiles of six (then the rest), over Ev in tiles of 4 X::W columns
-template <class B, class X>
-inline void bvalues_on(const uint16_t* pb, int ld, int64_t n, int64_t Ev, const c10::BFloat16* v, int64_t v_ld, int nk,
-                       float* acc) {
+template <class B, class X, class P>
+inline void bvalues_on(const P& p, int64_t n, int64_t Ev, const c10::BFloat16* v, int64_t v_ld, int nk, float* acc) {
   for (int64_t c = 0; c < Ev; c += 4 * X::W) {
     int64_t a = 0;
-    for (; a + 6 <= n; a += 6) bvalue_tile<6, B, X>(pb + a * ld, ld, nk, v, v_ld, c, acc + a * Ev, Ev);
-    const uint16_t* p = pb + a * ld;
+    for (; a + 6 <= n; a += 6) bvalue_tile<6, B, X>(p, a, nk, v, v_ld, c, acc + a * Ev, Ev);
     float* d = acc + a * Ev;
     switch (n - a) {
-      case 5: bvalue_tile<5, B, X>(p, ld, nk, v, v_ld, c, d, Ev); break;
-      case 4: bvalue_tile<4, B, X>(p, ld, nk, v, v_ld, c, d, Ev); break;
-      case 3: bvalue_tile<3, B, X>(p, ld, nk, v, v_ld, c, d, Ev); break;
-      case 2: bvalue_tile<2, B, X>(p, ld, nk, v, v_ld, c, d, Ev); break;
-      case 1: bvalue_tile<1, B, X>(p, ld, nk, v, v_ld, c, d, Ev); break;
+      case 5: bvalue_tile<5, B, X>(p, a, nk, v, v_ld, c, d, Ev); break;
+      case 4: bvalue_tile<4, B, X>(p, a, nk, v, v_ld, c, d, Ev); break;
+      case 3: bvalue_tile<3, B, X>(p, a, nk, v, v_ld, c, d, Ev); break;
+      case 2: bvalue_tile<2, B, X>(p, a, nk, v, v_ld, c, d, Ev); break;
+      case 1: bvalue_tile<1, B, X>(p, a, nk, v, v_ld, c, d, Ev); break;
       default: break;
     }
   }
@@ -194,12 +213,16 @@ inline void bvalues_finish(float* acc, int64_t n, int64_t Ev) {
 // bvalues_on at the widest width Ev allows: 512 bits (isa::B32, 64 columns a tile) for Ev % 64 == 0
 // where the build has it, else 256 (isa::B16, 32 columns; Ev % 32 == 0: decode_forward checks).
 // Called only where isa::kBf16x8 (a template: the 512-bit branch is not instantiated without it).
-template <int = 0>
+// pb: P~ (n, ld) as bf16, row-major (PRows), or lane_softmax's pairs in lanes (PLanes: ld unused)
+template <class P = PRows>
 inline void bvalues(const uint16_t* pb, int ld, int64_t n, int64_t Ev, const c10::BFloat16* v, int64_t v_ld, int nk,
                     float* acc) {
+  P p;
+  p.pb = pb;
+  if constexpr (std::is_same_v<P, PRows>) p.ld = ld;
   if constexpr (isa::kBf16 && isa::kF16)
-    if (Ev % 64 == 0) return bvalues_on<isa::B32, isa::F16>(pb, ld, n, Ev, v, v_ld, nk, acc);
-  bvalues_on<isa::B16, isa::F8>(pb, ld, n, Ev, v, v_ld, nk, acc);
+    if (Ev % 64 == 0) return bvalues_on<isa::B32, isa::F16>(p, n, Ev, v, v_ld, nk, acc);
+  bvalues_on<isa::B16, isa::F8>(p, n, Ev, v, v_ld, nk, acc);
 }
 
 // qb (m, E) = q (m, E) as bf16, when the route gives the float32 route's answers: every element

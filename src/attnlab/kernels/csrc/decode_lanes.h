@@ -14,6 +14,12 @@
 // 1.24-1.41 -> 1.04-1.11 ms at 4096. The same for float32 (an FMA a key and element, the element
 // broadcast) was slower than dots4 there (18.9-19.4 -> 21.0-23.0 ms): 128 broadcasts a key against
 // bf16's 64; not kept.
+// Where every row sees a whole block and the output is bf16, the scores stay in lanes through the
+// online softmax (lane_softmax: the rows' maxima, 2^x and sums lane by lane, no transpose) and P~
+// goes to the value pass as bf16 pairs of keys in lanes (decode_bf16.h's PLanes). q (1, 32, 4, 128)
+// against 8 heads of 32768 bf16 keys, 2 threads, 2-core EPYC Zen 4, 2026-12-05, alternated with the
+// transposing build, three rounds each: median 9.37-9.83 -> 8.55-8.89 ms (4 KiB pages), 8.65-8.75 ->
+// 7.63-7.99 ms (the cache on huge pages); S = 4096 and 1024 within the noise; paged within the noise.
 // Included by decode.cpp only.
 #pragma once
 
@@ -21,10 +27,13 @@
 #include <c10/util/BFloat16.h>
 
 #include "kernels.h"
+#include "bf16_gemm.h"  // round_to_bf16
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 namespace {
 
@@ -123,16 +132,85 @@ struct IntPairs {
 // s[a * ld + j0 + j] = f * qb[a] . k_j for m <= 8 bf16 key rows (k_ld apart) on vdpbf16ps against
 // the query's bf16 pairs across lanes (qp): one instruction a key and pair of elements, the pair
 // broadcast. Keys past m repeat key m - 1 (computed, not stored). E % 4 == 0. B, X: isa::B32, isa::F16.
+// kept: the scores stay in lanes instead, key j0 + i's 16 at kept + 16 (j0 + i) (lane_softmax's).
 template <class B, class X, class Lines>
 inline void lane_bdots8(const uint32_t* __restrict__ qp, int64_t E, const c10::BFloat16* __restrict__ k_, int64_t k_ld,
-                        int m, float f, int64_t n, float* __restrict__ s, int ld, int j0, const Lines& lines) {
+                        int m, float f, int64_t n, float* __restrict__ s, int ld, int j0, const Lines& lines,
+                        float* __restrict__ kept = nullptr) {
   const uint16_t* k = reinterpret_cast<const uint16_t*>(k_);
   const uint16_t* r[8];
   for (int i = 0; i < 8; ++i) r[i] = k + std::min(i, m - 1) * k_ld;
   typename X::V a[8];
   pair_dots8<Bf16Pairs<B, X>>(qp, E, r, a, lines);
+  if (kept) {
+    for (int i = 0; i < m; ++i) X::store(kept + LANE_ROWS * (j0 + i), X::mul(a[i], X::set1(f)));
+    return;
+  }
   const float fs[8] = {f, f, f, f, f, f, f, f};
   lanes_to_rows<X>(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], fs, m, n, s, ld, j0);
+}
+
+// The online-softmax step (kernels.h's online_update) over nk keys' scores kept in lanes (s_l: key
+// j's 16 rows at s_l + 16 j, rows a < n real, the other lanes zeros), for a block every row sees
+// whole: the rows' maxima, 2^x and sums run across the keys' vectors, lane by lane, with no
+// reduction across lanes and no transpose. Then P~ as bf16 pairs of keys in lanes (pp: pair j / 2
+// at pp + 16 j, row a's at 2 PLanes::swap23(a), B16::interleave's order; an odd nk's last key
+// pairs with 0), bvalues' PLanes. pl: a (16 nk) scratch. X: isa::F16; B: isa::B16.
+template <class X, class B>
+inline void lane_softmax(float* __restrict__ s_l, int nk, int64_t n, float* m_i, float* l_i, float* acc, int64_t Ev,
+                         uint16_t* __restrict__ pl, uint16_t* __restrict__ pp) {
+  using V = typename X::V;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  V top = X::set1(neg_inf);
+  for (int j = 0; j < nk; ++j) top = X::max(top, X::load(s_l + LANE_ROWS * j));
+  const V m_old = X::load_partial(m_i, static_cast<int>(n), neg_inf);
+  const V m_new = X::max(m_old, top);  // finite in rows a < n: each sees a key, the scores finite (checked)
+  V sum0 = X::zero(), sum1 = X::zero();
+  int j = 0;
+  for (; j + 2 <= nk; j += 2) {
+    const V p0 = X::exp2_nonpos(X::sub(X::load(s_l + LANE_ROWS * j), m_new));
+    const V p1 = X::exp2_nonpos(X::sub(X::load(s_l + LANE_ROWS * (j + 1)), m_new));
+    X::store(s_l + LANE_ROWS * j, p0), X::store(s_l + LANE_ROWS * (j + 1), p1);
+    sum0 = X::add(sum0, p0), sum1 = X::add(sum1, p1);
+  }
+  if (j < nk) {
+    const V p0 = X::exp2_nonpos(X::sub(X::load(s_l + LANE_ROWS * j), m_new));
+    X::store(s_l + LANE_ROWS * j, p0);
+    sum0 = X::add(sum0, p0);
+  }
+  // alpha = 2^(m_old - m_new) rescales the old state (m_old = -inf at a task's first block: l_i and
+  // acc are 0 then, so alpha's value does not matter)
+  alignas(64) float alpha[LANE_ROWS];
+  X::store(alpha, X::exp2_nonpos(X::sub(X::max(m_old, X::set1(-1e30f)), m_new)));
+  const V l_old = X::load_partial(l_i, static_cast<int>(n), 0.0f);
+  X::store_partial(l_i, static_cast<int>(n), X::add(X::mul(X::load(alpha), l_old), X::add(sum0, sum1)));
+  X::store_partial(m_i, static_cast<int>(n), m_new);
+  for (int64_t a = 0; a < n; ++a)
+    if (alpha[a] != 1.0f) {
+      float* acc_row = acc + a * Ev;
+#pragma omp simd
+      for (int64_t c = 0; c < Ev; ++c) acc_row[c] *= alpha[a];
+    }
+  round_to_bf16(s_l, LANE_ROWS * static_cast<int64_t>(nk), pl);
+  for (j = 0; j < nk; j += 2) {
+    typename B::V lo, hi;
+    B::interleave(pl + LANE_ROWS * j, j + 1 < nk ? pl + LANE_ROWS * (j + 1) : nullptr, &lo, &hi);
+    std::memcpy(pp + LANE_ROWS * j, &lo, sizeof lo);
+    std::memcpy(pp + LANE_ROWS * j + LANE_ROWS, &hi, sizeof hi);
+  }
+}
+
+// The thread's scratch for lane_softmax over nk keys of G heads: head g's scores kept in lanes at
+// the return + 16 nk g, P~ as bf16 in lanes (*pl, 16 nk, one head's at a time) and head g's pairs
+// at *pp + 16 (nk + 1) g
+inline float* lane_scratch(int64_t G, int nk, uint16_t** pl, uint16_t** pp) {
+  thread_local std::vector<float> kept;
+  thread_local std::vector<uint16_t> halves;
+  kept.resize(static_cast<size_t>(LANE_ROWS * nk * G));
+  halves.resize(static_cast<size_t>(LANE_ROWS * (nk + (nk + 1) * G)));
+  *pl = halves.data();
+  *pp = halves.data() + static_cast<size_t>(LANE_ROWS) * nk;
+  return kept.data();
 }
 
 // The same for int8 key rows on integers (the int16 route's idots2, rows across lanes): the query's
