@@ -48,6 +48,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (_CSRC / "flash.cpp", _CSRC / "block_sparse.cpp", _CSRC / "decode.cpp")
 _HEADERS = (_CSRC / "kernels.h", _CSRC / "bf16_gemm.h", _CSRC / "sgemm.h", _CSRC / "decode_sources.h",
             _CSRC / "decode_dots.h", _CSRC / "decode_bf16.h", _CSRC / "decode_lanes.h", _CSRC / "decode_values.h",
+            _CSRC / "decode_stream.h",
             *sorted((_CSRC / "isa").glob("*.h")))
 _NAME = "attnlab_native"
 # -march=native: the build runs on the machine that uses it; -fopenmp: at::parallel_for's
