@@ -131,9 +131,16 @@ inline void bvalue_tile(const P& p, int64_t a0, int nk, const c10::BFloat16* __r
   using V = typename X::V;
   constexpr int W = X::W;
   const uint16_t* v = reinterpret_cast<const uint16_t*>(v_);
-  const uint16_t* pr[R];  // row i's P~: pair j at pr[i] + j P::kStep
+  // row i's pair j: PRows as row a0's base plus i ld + j, the addressing the tile had before PLanes;
+  // PLanes through each row's offset (swap23 is not linear in i)
+  const uint16_t* p0 = p.pb + p.row(a0);
+  int64_t lane_row[R];
 #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) pr[i] = p.pb + p.row(a0 + i);
+  for (int i = 0; i < R; ++i) lane_row[i] = p.row(a0 + i) - p.row(a0);
+  auto at = [&](int i, int j) -> const uint16_t* {
+    if constexpr (std::is_same_v<P, PRows>) return p0 + i * static_cast<int64_t>(p.ld) + j;
+    else return p0 + lane_row[i] + j * P::kStep;
+  };
   V r[R][4];  // in registers: every loop over R unrolled (the pragmas; see bf16_gemm.h's micro_bf16)
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {  // acc holds its columns in the interleaved order (bvalues_finish undoes it)
@@ -147,8 +154,8 @@ inline void bvalue_tile(const P& p, int64_t a0, int nk, const c10::BFloat16* __r
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {  // (P~_j, P~_j+1) of row i in every lane
       uint32_t w;
-      if (pair) std::memcpy(&w, pr[i] + j * P::kStep, 4);
-      else w = pr[i][j * P::kStep];
+      if (pair) std::memcpy(&w, at(i, j), 4);
+      else w = *at(i, j);
       const typename B::V wv = B::pair(w);
       r[i][0] = isa::dpbf16(r[i][0], wv, x0), r[i][1] = isa::dpbf16(r[i][1], wv, x1);
       r[i][2] = isa::dpbf16(r[i][2], wv, x2), r[i][3] = isa::dpbf16(r[i][3], wv, x3);
