@@ -38,6 +38,13 @@ def test_cache_zeros_are_torch_s_zeros_contiguous(shape, dtype):
     assert e.shape == shape and e.dtype == dtype and e.is_contiguous()
 
 
+def test_no_device_is_torch_s_default_device_as_for_torch_empty():
+    with torch.device("meta"):  # torch.set_default_device's scope
+        t = memory.cache_zeros((1, 8, 4100, 128), torch.bfloat16)
+    assert t.device.type == "meta" and t.shape == (1, 8, 4100, 128)
+    assert memory.cache_zeros((2, 3), torch.float32).device.type == "cpu"
+
+
 def test_the_mode_is_the_kernel_s():
     assert memory.huge_pages_offered() == _thp_mode_from_sys()
 

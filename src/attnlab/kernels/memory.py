@@ -74,7 +74,8 @@ def cache_empty(shape: Sequence[int], dtype: torch.dtype, device: Optional[torch
     :data:`HUGE_PAGE` bytes on, its pages advised as huge before anything touches them (the module's
     docstring says why and when); else ``torch.empty``."""
     shape = tuple(int(s) for s in shape)
-    device = torch.device(device if device is not None else "cpu")
+    # None: torch's default device (torch.set_default_device), as torch.empty takes it
+    device = torch.device(device) if device is not None else torch.get_default_device()
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if (device.type != "cpu" or nbytes < HUGE_PAGE or _routes.settings().huge_pages == "off"
             or huge_pages_offered() is None):
