@@ -40,8 +40,8 @@ def test_cache_zeros_are_torch_s_zeros_contiguous(shape, dtype):
 
 def test_no_device_is_torch_s_default_device_as_for_torch_empty():
     with torch.device("meta"):  # torch.set_default_device's scope
-        t = memory.cache_zeros((1, 8, 4100, 128), torch.bfloat16)
-    assert t.device.type == "meta" and t.shape == (1, 8, 4100, 128)
+        small, large = memory.cache_zeros((2, 3), torch.float32), memory.cache_zeros((1, 8, 4100, 128), torch.bfloat16)
+    assert small.device.type == large.device.type == "meta" and large.shape == (1, 8, 4100, 128)
     assert memory.cache_zeros((2, 3), torch.float32).device.type == "cpu"
 
 

@@ -80,7 +80,7 @@ def cache_empty(shape: Sequence[int], dtype: torch.dtype, device: Optional[torch
     if (device.type != "cpu" or nbytes < HUGE_PAGE or _routes.settings().huge_pages == "off"
             or huge_pages_offered() is None):
         return torch.empty(shape, dtype=dtype, device=device)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8, device=device)
     start = -raw.data_ptr() % HUGE_PAGE  # bytes to the buffer's first 2 MiB boundary
     # whole huge pages only: madvise rounds nothing, and a partial one at the end stays 4 KiB pages
     _advise(raw.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE)
