@@ -131,8 +131,7 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
                   const Span& task, int64_t j0, int nk, int64_t G, int64_t n, int64_t E, int64_t Ev, float scale2,
                   const float* q, const int16_t* q_int16, const float* q_scale, const c10::BFloat16* q_bf16,
                   const void* q_lanes, bool bf16_values, float* s, int bk, float* kscale, float* vscale, float* states,
-                  int64_t state,
-                  const Visible& visible, std::atomic<bool>& saw_nonfinite) {
+                  int64_t state, const Visible& visible, bool sees_all, std::atomic<bool>& saw_nonfinite) {
   const T* kb = reinterpret_cast<const T*>(ks.base);
   const T* vb = reinterpret_cast<const T*>(vs.base);
   // a tile: m <= tile_keys keys from key j (one stride: inside a page); head g's rows at + g * s_head
@@ -153,10 +152,10 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
   // bf16's lane steps then ask for the next tile's K and this tile's V as runs of lines, head g
   // for its share of each (RunLines), not head g's rows by lists
   const bool runs = v_early && ks.s_head == E && ks.s_row == G * E && vs.s_head == Ev && vs.s_row == G * Ev;
-  // and, for a bf16 output and a block every row sees whole, the scores kept in lanes (lane_softmax;
-  // its pairs of keys need every tile to start on an even key)
-  bool whole = runs && bf16_values && tile_keys % 2 == 0 && (ks.table == nullptr || ks.by_page.d % 2 == 0);
-  for (int64_t a = 0; whole && a < n; ++a) whole = visible(a, nullptr) == nk;
+  // and, for a bf16 output and a block every row sees whole (sees_all), the scores kept in lanes
+  // (lane_softmax; its pairs of keys need every tile to start on an even key)
+  const bool whole = sees_all && runs && bf16_values && tile_keys % 2 == 0 &&
+                     (ks.table == nullptr || ks.by_page.d % 2 == 0);
   uint16_t *pl = nullptr, *pp = nullptr;
   float* kept = whole ? lane_scratch(G, nk, &pl, &pp) : nullptr;
   for (int j = 0, m; j < nk; j += m) {  // S_j = scale2 * Q K_j^T, tile by tile in stored order
@@ -445,12 +444,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
           const int64_t seen = causal ? shift + a % L + 1 - j0 : nk;
           return static_cast<int>(std::clamp<int64_t>(seen, 0, nk));
         };
+        // every row sees every key of the block (visible's least, at a % L = 0, is nk): where the
+        // bf16 lane steps may keep the scores in lanes (lane_softmax)
+        const bool sees_all = !causal || shift + 1 - j0 >= nk;
         if (stored_order) {  // rows interleaved by head: the block read in stored order (stored_block)
           with_row_type(ks.dtype, [&](auto tag) {
             stored_block<decltype(tag)>(ks, vs, kss, vss, int8, task, j0, nk, G, n, E, Ev, scale2, q,
                                         int16_dots ? q_int16.data() : nullptr, int16_dots ? q_scale.data() : nullptr,
                                         bf16_dots ? q_bf16.data() : nullptr, lanes_of(0), bf16_values, s, bk, kscale,
-                                        vscale, states, state, visible, saw_nonfinite);
+                                        vscale, states, state, visible, sees_all, saw_nonfinite);
           });
           j0 += nk;
           continue;
@@ -463,16 +465,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_forward(const at::Tensor& 
           const float* qn = q + nb * n * E;
           if (mode == 1) {  // streaming: each row read once, as stored
             const bool dense = ks.table == nullptr;  // head-major rows: one stride through the task
-            // every row sees every key of the block (visible's least, row a % L = 0, is nk)
-            auto sees_all = [&](int nk_) { return !causal || shift + 1 - j0 >= nk_; };
             auto run_block = [&](auto tag) {
               using T = decltype(tag);
               const T* kb = reinterpret_cast<const T*>(ks.base);
               const T* vb = reinterpret_cast<const T*>(vs.base);
               if constexpr (std::is_same_v<T, c10::BFloat16> && kLaneBf16) {
                 // a contiguous bf16 block on the lane kernel that every row sees whole: its scores
-                // stay in lanes through the online softmax into the value pass (lane_softmax)
-                if (lanes && bf16_values && dense && sees_all(nk)) {
+                // stay in lanes through the online softmax into the value pass (lane_softmax). A call
+                // of its own: folded into the loop below, GCC stopped inlining lane_bdots8 there
+                // (S = 32768, 2 threads, 8.62-8.79 -> 9.26-9.64 ms)
+                if (lanes && bf16_values && dense && sees_all) {
                   uint16_t *pl, *pp;
                   float* kept = lane_scratch(1, nk, &pl, &pp);
                   int64_t run, vrun;
