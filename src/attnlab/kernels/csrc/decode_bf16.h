@@ -116,8 +116,8 @@ struct PLanes {
   int64_t row(int64_t a) const { return 2 * swap23(a); }
 };
 
-// acc (n, Ev) += P~ V for nk value rows (v_ld apart) of a bf16 cache, P~ as bf16 (pb: n rows, ld
-// apart): vdpbf16ps takes two keys at once, each output lane summing P~_j V_j + P~_j+1 V_j+1 (one
+// acc (n, Ev) += P~ V for nk value rows (v: VStrided, v_ld apart, or VListed, a pointer each) of a
+// bf16 cache, P~ as bf16 (pb: n rows, ld apart): vdpbf16ps takes two keys at once, each output lane summing P~_j V_j + P~_j+1 V_j+1 (one
 // rounding each step, float32 accumulators). A pair of value rows is interleaved once (B::interleave:
 // the columns come out in 128-bit lanes' order, which acc keeps: bvalues_finish) and feeds
 // every row's instructions: per pair of keys, 4 loads and 4 unpacks, then one broadcast and 4
@@ -125,12 +125,10 @@ struct PLanes {
 // FMAs a row for 32. R rows: 4 R accumulators, 4 value vectors and a weight, 29 of AVX-512's 32
 // registers at R = 6. Needs Ev % (4 X::W) == 0 (bvalues). An odd nk's last key pairs with zeros.
 // P: PRows or PLanes, rows a0 .. a0 + R - 1 of it.
-template <int R, class B, class X, class P>
-inline void bvalue_tile(const P& p, int64_t a0, int nk, const c10::BFloat16* __restrict__ v_, int64_t v_ld, int64_t c,
-                        float* __restrict__ acc, int64_t Ev) {
+template <int R, class B, class X, class P, class Rows>
+inline void bvalue_tile(const P& p, int64_t a0, int nk, const Rows& v, int64_t c, float* __restrict__ acc, int64_t Ev) {
   using V = typename X::V;
   constexpr int W = X::W;
-  const uint16_t* v = reinterpret_cast<const uint16_t*>(v_);
   // row i's pair j: PRows as row a0's base plus i ld + j, the addressing the tile had before PLanes;
   // PLanes through each row's offset (swap23 is not linear in i)
   const uint16_t* p0 = p.pb + p.row(a0);
@@ -162,8 +160,17 @@ inline void bvalue_tile(const P& p, int64_t a0, int nk, const c10::BFloat16* __r
     }
   };
   int j = 0;
-  for (; j + 2 <= nk; j += 2) step(j, v + j * v_ld + c, v + (j + 1) * v_ld + c, true);
-  if (j < nk) step(j, v + j * v_ld + c, nullptr, false);
+  for (; j + 2 <= nk; j += 2) {
+    if constexpr (Rows::kAsks) {
+      if (a0 == 0 && c == 0)  // the rows' first reader
+        for (int t = j + Rows::kAhead; t < j + Rows::kAhead + 2; ++t) {
+          const char* r = v.ahead(t, j);
+          for (int64_t b = 0; b < v.bytes; b += 64) __builtin_prefetch(r + b, 0, 3);
+        }
+    }
+    step(j, v.row(j) + c, v.row(j + 1) + c, true);
+  }
+  if (j < nk) step(j, v.row(j) + c, nullptr, false);
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
     float* d = acc + i * Ev + c;
@@ -191,18 +198,18 @@ inline void undeal_rows(float* acc, int64_t n, int64_t Ev) {
 }
 
 // acc (n, Ev) += P~ V: the n rows in tiles of six (then the rest), over Ev in tiles of 4 X::W columns
-template <class B, class X, class P>
-inline void bvalues_on(const P& p, int64_t n, int64_t Ev, const c10::BFloat16* v, int64_t v_ld, int nk, float* acc) {
+template <class B, class X, class P, class Rows>
+inline void bvalues_on(const P& p, int64_t n, int64_t Ev, const Rows& v, int nk, float* acc) {
   for (int64_t c = 0; c < Ev; c += 4 * X::W) {
     int64_t a = 0;
-    for (; a + 6 <= n; a += 6) bvalue_tile<6, B, X>(p, a, nk, v, v_ld, c, acc + a * Ev, Ev);
+    for (; a + 6 <= n; a += 6) bvalue_tile<6, B, X>(p, a, nk, v, c, acc + a * Ev, Ev);
     float* d = acc + a * Ev;
     switch (n - a) {
-      case 5: bvalue_tile<5, B, X>(p, a, nk, v, v_ld, c, d, Ev); break;
-      case 4: bvalue_tile<4, B, X>(p, a, nk, v, v_ld, c, d, Ev); break;
-      case 3: bvalue_tile<3, B, X>(p, a, nk, v, v_ld, c, d, Ev); break;
-      case 2: bvalue_tile<2, B, X>(p, a, nk, v, v_ld, c, d, Ev); break;
-      case 1: bvalue_tile<1, B, X>(p, a, nk, v, v_ld, c, d, Ev); break;
+      case 5: bvalue_tile<5, B, X>(p, a, nk, v, c, d, Ev); break;
+      case 4: bvalue_tile<4, B, X>(p, a, nk, v, c, d, Ev); break;
+      case 3: bvalue_tile<3, B, X>(p, a, nk, v, c, d, Ev); break;
+      case 2: bvalue_tile<2, B, X>(p, a, nk, v, c, d, Ev); break;
+      case 1: bvalue_tile<1, B, X>(p, a, nk, v, c, d, Ev); break;
       default: break;
     }
   }
@@ -217,19 +224,50 @@ inline void bvalues_finish(float* acc, int64_t n, int64_t Ev) {
   undeal_rows<isa::F8>(acc, n, Ev);
 }
 
+// Where bvalue_tile finds value row j: VStrided, rows v_ld apart (a contiguous cache, or one page's
+// run); VListed, a pointer per row (a block of a paged cache whose rows span its pages).
+struct VStrided {
+  static constexpr bool kAsks = false;
+  const uint16_t* v;
+  int64_t ld;
+  const uint16_t* row(int j) const { return v + j * ld; }
+};
+struct VListed {
+  static constexpr bool kAsks = true;  // bvalue_tile asks for row j + kAhead (and one more) into L1
+  static constexpr int kAhead = 32;
+  const c10::BFloat16* const* rows;  // head 0's rows
+  int64_t off, next;                 // this head's offset from them (elements); the next head's, or -1
+  int nk;
+  int64_t bytes;  // a row's
+  const uint16_t* row(int j) const { return reinterpret_cast<const uint16_t*>(rows[j] + off); }
+  // the row to ask for at t = j + kAhead..: past the block the next head's first rows (past the last
+  // head, row j again: the ask is unconditional). The prefetches are bvalue_tile's own statements:
+  // inside a member function GCC 12 deleted them, whole (objdump: no prefetcht0 in the tile).
+  const char* ahead(int t, int j) const {
+    return reinterpret_cast<const char*>(t < nk ? rows[t] + off : next >= 0 ? rows[t - nk] + next : rows[j] + off);
+  }
+};
+
 // bvalues_on at the widest width Ev allows: 512 bits (isa::B32, 64 columns a tile) for Ev % 64 == 0
 // where the build has it, else 256 (isa::B16, 32 columns; Ev % 32 == 0: decode_forward checks).
 // Called only where isa::kBf16x8 (a template: the 512-bit branch is not instantiated without it).
-// pb: P~ (n, ld) as bf16, row-major (PRows), or lane_softmax's pairs in lanes (PLanes: ld unused)
-template <class P = PRows>
-inline void bvalues(const uint16_t* pb, int ld, int64_t n, int64_t Ev, const c10::BFloat16* v, int64_t v_ld, int nk,
-                    float* acc) {
+// pb: P~ (n, ld) as bf16, row-major (PRows), or lane_softmax's pairs in lanes (PLanes: ld unused);
+// v: the value rows (VStrided or VListed)
+template <class P = PRows, class Rows>
+inline void bvalues_from(const uint16_t* pb, int ld, int64_t n, int64_t Ev, const Rows& v, int nk, float* acc) {
   P p;
   p.pb = pb;
   if constexpr (std::is_same_v<P, PRows>) p.ld = ld;
   if constexpr (isa::kBf16 && isa::kF16)
-    if (Ev % 64 == 0) return bvalues_on<isa::B32, isa::F16>(p, n, Ev, v, v_ld, nk, acc);
-  bvalues_on<isa::B16, isa::F8>(p, n, Ev, v, v_ld, nk, acc);
+    if (Ev % 64 == 0) return bvalues_on<isa::B32, isa::F16>(p, n, Ev, v, nk, acc);
+  bvalues_on<isa::B16, isa::F8>(p, n, Ev, v, nk, acc);
+}
+
+// bvalues_from over rows v_ld apart (VStrided)
+template <class P = PRows>
+inline void bvalues(const uint16_t* pb, int ld, int64_t n, int64_t Ev, const c10::BFloat16* v, int64_t v_ld, int nk,
+                    float* acc) {
+  bvalues_from<P>(pb, ld, n, Ev, VStrided{reinterpret_cast<const uint16_t*>(v), v_ld}, nk, acc);
 }
 
 // qb (m, E) = q (m, E) as bf16, when the route gives the float32 route's answers: every element
