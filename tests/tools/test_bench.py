@@ -303,3 +303,24 @@ def test_a_compiled_models_step_is_timed_against_eager_with_its_compilation_apar
     assert "| 64 |" in table and "compilation s" in table
     assert main(["bench", "--help"]) == 0
     assert "--compile" in capsys.readouterr().out
+
+
+def test_interleaved_medians_call_each_function_once_a_round_in_orders_that_vary():
+    """Every round calls each function once (after one warm-up call each), and the rounds' orders
+    differ: no function always runs right after the same one (the decode bench's first row always
+    followed the reference's gigabyte of temporaries, and measured slower than the same kernel)."""
+    calls: list[str] = []
+    names = ["reference", "auto", "stream", "paged", "torch"]
+    fns = {name: (lambda name=name: calls.append(name)) for name in names}
+    medians = timing.interleaved_medians(fns, repeats=8)
+    assert set(medians) == set(names) and all(m >= 0 for m in medians.values())
+    assert calls[:5] == names  # the warm-up, in the given order
+    rounds = [calls[5 + 5 * i:10 + 5 * i] for i in range(8)]
+    assert all(sorted(r) == sorted(names) for r in rounds)
+    after_reference = {r[r.index("reference") + 1] for r in rounds if r[-1] != "reference"}
+    assert len(after_reference) >= 2, rounds
+    assert len({tuple(r) for r in rounds}) >= 4, rounds
+    # seeded: the same orders again
+    calls.clear()
+    timing.interleaved_medians(fns, repeats=8)
+    assert [calls[5 + 5 * i:10 + 5 * i] for i in range(8)] == rounds

@@ -202,7 +202,8 @@ def _bf16_scores_on_vdpbf16ps(E: int) -> bool:
 def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: int = 1, H: int = 32, Hkv: int = 8,
                      E: int = 128, L: int = 1, repeats: int = 10, page_size: int = 16,
                      progress: Optional[Callable[[int, int, str], None]] = None) -> list[dict]:
-    """Median time of one decode step per implementation, interleaved run by run, with the
+    """Median time of one decode step per implementation, interleaved run by run
+    (:func:`~attnlab.bench.timing.interleaved_medians`), with the
     achieved bandwidth in unique K/V bytes (scales included for int8) and its share of this
     machine's read bandwidth (:func:`read_bandwidth`, measured in the same run).
 
@@ -273,20 +274,13 @@ def decode_benchmark(seq_lens: list[int], *, dtypes=("float32", "bfloat16"), B: 
             if S <= 32768:  # the reference materialises repeated K and V: minutes past that
                 fns["attnlab reference"] = lambda: dispatch.attention(q, k, v, mask, enable_gqa=True,
                                                                       impl="reference")
-            times: dict[str, list[float]] = {name: [] for name in fns}
             with torch.no_grad():
-                for fn in fns.values():
-                    fn()  # warm-up: the native kernels, torch's thread pool
-                for _ in range(repeats):
-                    for name, fn in fns.items():
-                        t0 = time.perf_counter()
-                        fn()
-                        times[name].append(time.perf_counter() - t0)
+                medians = interleaved_medians(fns, repeats)
             kv_bytes = 2 * B * Hkv * S * E * torch.finfo(dtype).bits // 8
             int8_bytes = 2 * B * Hkv * S * (E + 4)  # int8 rows and a float32 scale per row
-            torch_ms = statistics.median(times["torch SDPA"]) * 1e3
-            for name, ts in times.items():
-                ms = statistics.median(ts) * 1e3
+            torch_ms = medians["torch SDPA"] * 1e3
+            for name, seconds in medians.items():
+                ms = seconds * 1e3
                 gb_s = (int8_bytes if "int8" in name else kv_bytes) / (ms / 1e3) / 1e9
                 rows.append({"S": S, "dtype": dtype_name, "impl": name, "ms": ms, "ratio": ms / torch_ms,
                              "gb_s": gb_s, "peak_share": gb_s / peak, "peak_gb_s": peak})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -91,14 +92,18 @@ class Result:
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
     """Median seconds of each of ``fns``: one warm-up call each, then ``repeats`` rounds that call
-    them in turn, so that a noisy neighbour slows all of them alike (the suites' one timing loop)."""
+    them in turn, so that a noisy neighbour slows all of them alike (the suites' one timing loop).
+    Each round takes its own order (shuffled, seeded by the round): in one fixed order a function
+    always ran after the same one, and the decode bench's first row, always after the reference's
+    gigabyte of temporaries (the cache's page tables cold), measured 5-15% slower than another row
+    running the same kernel (Zen 4, 2026-12-05)."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    for round_ in range(repeats):
+        for name in random.Random(round_).sample(list(fns), len(fns)):
             t0 = time.perf_counter()
-            fn()
+            fns[name]()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
