@@ -148,6 +148,7 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
     return static_cast<int>(std::min<int64_t>(run, m));
   };
   const bool v_early = q_lanes != nullptr && !int8;  // bf16's lane steps ask for the value rows into L2
+  const bool v_l2 = !v_early && bf16_values;  // and so do its other steps, at once (below)
   // a tile's rows of the G heads one after another (pages (page, Hkv, E) read for all their heads):
   // bf16's lane steps then ask for the next tile's K and this tile's V as runs of lines, head g
   // for its share of each (RunLines), not head g's rows by lists
@@ -162,7 +163,7 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
     int64_t off, noff = 0, voff = 0;
     m = tile(ks, j, &off);
     const int ahead = next(ks, j, m, &noff);
-    if (v_early) tile(vs, j, &voff);
+    if (v_early || v_l2) tile(vs, j, &voff);
     for (int64_t g = 0; g < G; ++g) {
       const int64_t nb = task.nb + g;
       float* kscale_g = kscale + g * bk;
@@ -173,7 +174,15 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
       // tile's value rows into L2 (perf had the value pass waiting on them: 23.4-24.6 -> 19.5-21.2
       // ms, seven rounds; int8's 25.7-25.9 -> 26.2-27.2, not taken); the other loops at once, before
       // it (spread through stream_scores, float32 measured 37-39 -> 40-48 ms; value rows during the
-      // scores were no better there, 2026-12-03)
+      // scores were no better there, 2026-12-03). On those loops the next tile's key rows, and a bf16
+      // cache's value rows of this tile, go into L2 (prefetcht1), not L1: a burst of 64 prefetcht0
+      // per head filled L1's miss buffers and the score loop stalled on its key loads (perf: 60% of
+      // its samples on them, against the contiguous loop's 31%). Paged / contiguous, both on huge
+      // pages, q (1, 32, Lq, 128) against 8 heads of 32768 keys in pages of 16, 2 threads, Zen 4,
+      // 2026-12-05, alternated with the build before, three rounds: bf16 Lq = 1 1.42-1.47x ->
+      // 0.93-1.00x (without the value rows 1.24-1.29x), float32 Lq = 1 1.06-1.12x -> 0.90-1.00x,
+      // Lq = 4 1.13-1.20x -> 1.07-1.09x, int8 Lq = 1 1.35-1.48x -> 1.01-1.18x; spreading the L1
+      // asks over the bf16 two-key steps instead was slower (1.63-1.68x)
       if (runs) {
         RunLines all, share;  // the G heads' lines; head g's share of them
         if (ahead > 0) all.k = line_run(kb + noff, ahead * G * E, &all.nk);
@@ -190,7 +199,9 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
       }
       SpreadLines next_rows;
       if (q_lanes == nullptr) {
-        for (int i = 0; i < ahead; ++i) prefetch_row(kb + noff + g * ks.s_head + i * ks.s_row, E);
+        for (int i = 0; i < ahead; ++i) prefetch_row<T, 2>(kb + noff + g * ks.s_head + i * ks.s_row, E);
+        if (v_l2)
+          for (int i = 0; i < m; ++i) prefetch_row<T, 2>(vb + voff + g * vs.s_head + i * vs.s_row, Ev);
       } else {
         for (int i = 0; i < ahead; ++i) next_rows.add_k(kb + noff + g * ks.s_head + i * ks.s_row, E);
       }
