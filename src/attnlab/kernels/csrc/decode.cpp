@@ -181,8 +181,10 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
       // pages, q (1, 32, Lq, 128) against 8 heads of 32768 keys in pages of 16, 2 threads, Zen 4,
       // 2026-12-05, alternated with the build before, three rounds: bf16 Lq = 1 1.42-1.47x ->
       // 0.93-1.00x (without the value rows 1.24-1.29x), float32 Lq = 1 1.06-1.12x -> 0.90-1.00x,
-      // Lq = 4 1.13-1.20x -> 1.07-1.09x, int8 Lq = 1 1.35-1.48x -> 1.01-1.18x; spreading the L1
-      // asks over the bf16 two-key steps instead was slower (1.63-1.68x)
+      // Lq = 4 1.13-1.20x -> 1.07-1.09x; spreading the L1 asks over the bf16 two-key steps instead
+      // was slower (1.63-1.68x). int8's key rows stay on L1: into L2 its Lq = 1 step in that loop
+      // went 1.32-1.39x -> 1.07-1.08x, but a step right after other work (the reference attention's
+      // freed temporaries) took 1.34-1.40 -> 2.2-2.3 ms at S = 4096, 7.3-7.4 -> 8.2-8.4 ms at 32768
       if (runs) {
         RunLines all, share;  // the G heads' lines; head g's share of them
         if (ahead > 0) all.k = line_run(kb + noff, ahead * G * E, &all.nk);
@@ -199,7 +201,10 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
       }
       SpreadLines next_rows;
       if (q_lanes == nullptr) {
-        for (int i = 0; i < ahead; ++i) prefetch_row<T, 2>(kb + noff + g * ks.s_head + i * ks.s_row, E);
+        if (int8)
+          for (int i = 0; i < ahead; ++i) prefetch_row(kb + noff + g * ks.s_head + i * ks.s_row, E);
+        else
+          for (int i = 0; i < ahead; ++i) prefetch_row<T, 2>(kb + noff + g * ks.s_head + i * ks.s_row, E);
         if (v_l2)
           for (int i = 0; i < m; ++i) prefetch_row<T, 2>(vb + voff + g * vs.s_head + i * vs.s_row, Ev);
       } else {
