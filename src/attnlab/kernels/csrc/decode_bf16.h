@@ -117,14 +117,15 @@ struct PLanes {
 };
 
 // acc (n, Ev) += P~ V for nk value rows (v: VStrided, v_ld apart, or VListed, a pointer each) of a
-// bf16 cache, P~ as bf16 (pb: n rows, ld apart): vdpbf16ps takes two keys at once, each output lane summing P~_j V_j + P~_j+1 V_j+1 (one
-// rounding each step, float32 accumulators). A pair of value rows is interleaved once (B::interleave:
-// the columns come out in 128-bit lanes' order, which acc keeps: bvalues_finish) and feeds
-// every row's instructions: per pair of keys, 4 loads and 4 unpacks, then one broadcast and 4
-// instructions a row for 4 X::W columns (32 on 256 bits, 64 on 512); the float32 value pass runs 8
-// FMAs a row for 32. R rows: 4 R accumulators, 4 value vectors and a weight, 29 of AVX-512's 32
-// registers at R = 6. Needs Ev % (4 X::W) == 0 (bvalues). An odd nk's last key pairs with zeros.
-// P: PRows or PLanes, rows a0 .. a0 + R - 1 of it.
+// bf16 cache, P~ as bf16 (pb: n rows, ld apart): vdpbf16ps takes two keys at once, each output lane
+// summing P~_j V_j + P~_j+1 V_j+1 (one rounding each step, float32 accumulators). A pair of value
+// rows is interleaved once (B::interleave: the columns come out in 128-bit lanes' order, which acc
+// keeps: bvalues_finish) and feeds every row's instructions: per pair of keys, 4 loads and 4
+// unpacks, then one broadcast and 4 instructions a row for 4 X::W columns (32 on 256 bits, 64 on
+// 512); the float32 value pass runs 8 FMAs a row for 32. R rows: 4 R accumulators, 4 value vectors
+// and a weight, 29 of AVX-512's 32 registers at R = 6. Needs Ev % (4 X::W) == 0 (bvalues). An odd
+// nk's last key pairs with zeros. P: PRows or PLanes, rows a0 .. a0 + R - 1 of it. VListed rows are
+// asked for into L1 by the first row tile of the first columns (a0 = 0, c = 0), kAhead keys ahead.
 template <int R, class B, class X, class P, class Rows>
 inline void bvalue_tile(const P& p, int64_t a0, int nk, const Rows& v, int64_t c, float* __restrict__ acc, int64_t Ev) {
   using V = typename X::V;
