@@ -324,3 +324,76 @@ def test_interleaved_medians_call_each_function_once_a_round_in_orders_that_vary
     calls.clear()
     timing.interleaved_medians(fns, repeats=8)
     assert [calls[5 + 5 * i:10 + 5 * i] for i in range(8)] == rounds
+
+
+def test_the_bf16_bench_rates_each_row_against_the_bf16_peak_of_the_run(capsys):
+    """--bf16: each row's GFLOP/s from its GEMMs' flops (3.5x the forward's with the backward, half
+    under causality) and its share of the bf16 peak measured in the run (vdpbf16ps where the CPU
+    has avx512_bf16, else the FMA peak) on the run's threads."""
+    from attnlab.kernels import native as _native
+
+    rows = bench.bf16_benchmark(shapes=((1, 2, 2, 64, 16),), repeats=1, causals=(True, False))
+    assert len(rows) == 12
+    for r in rows:
+        B, H, _, L, E = r["shape"]
+        flops = 4 * B * H * L * L * E * (0.5 if r["causal"] else 1) * (3.5 if r["mode"] == "fwd+bwd" else 1)
+        assert r["gflops"] == pytest.approx(flops / (r["ms"] / 1e3) / 1e9)
+        assert r["threads"] == torch.get_num_threads()
+        if r["peak"] is not None:
+            assert r["peak_share"] == pytest.approx(r["gflops"] / (r["peak"] * r["threads"]))
+    flags = _native.cpu_features()
+    if "avx512_bf16" in flags:
+        assert rows[0]["peak_name"] == "vdpbf16ps peak" and rows[0]["peak"] > 1.0
+    elif {"avx2", "fma"} <= flags:
+        assert rows[0]["peak_name"] == "FMA peak" and rows[0]["peak"] > 1.0
+    table = bench.bf16_table(rows)
+    assert "| GFLOP/s | share of peak |" in table and "measured in this run" in table
+    assert f"{100 * rows[0]['peak_share']:.0f}% |" in table.splitlines()[4]
+
+
+def test_compute_peak_names_the_peak_each_dtype_is_bounded_by(monkeypatch):
+    """bf16 on vdpbf16ps where it measures, else the FMA peak (bf16 computed in float32); float64
+    half the FMA peak (half the lanes); float32 and float16 the FMA peak."""
+    from attnlab.bench import machine
+
+    monkeypatch.setattr(machine, "fma_peak", lambda: 100.0)
+    monkeypatch.setattr(machine, "bf16_peak", lambda: 200.0)
+    assert machine.compute_peak(torch.bfloat16) == ("vdpbf16ps peak", 200.0)
+    assert machine.compute_peak(torch.float32) == ("FMA peak", 100.0)
+    assert machine.compute_peak(torch.float16) == ("FMA peak", 100.0)
+    assert machine.compute_peak(torch.float64) == ("float64 FMA peak", 50.0)
+    assert machine.peaks_for(["float32", "bfloat16", "float32"]) == {"float32": ("FMA peak", 100.0),
+                                                                     "bfloat16": ("vdpbf16ps peak", 200.0)}
+    monkeypatch.setattr(machine, "bf16_peak", lambda: None)  # no avx512_bf16
+    assert machine.compute_peak(torch.bfloat16) == ("FMA peak", 100.0)
+    monkeypatch.setattr(machine, "fma_peak", lambda: None)  # no compiler
+    assert machine.compute_peak(torch.float64) == ("float64 FMA peak", None)
+
+
+def test_bf16_peak_is_measured_where_the_cpu_has_the_instruction():
+    """The vdpbf16ps loop builds and runs where the CPU has avx512_bf16, and says None elsewhere."""
+    from attnlab.bench import machine
+    from attnlab.kernels import native as _native
+
+    peak = machine.bf16_peak(seconds=0.02, repeats=1)
+    if "avx512_bf16" in _native.cpu_features():
+        assert peak is not None and peak > 1.0
+    else:
+        assert peak is None
+
+
+def test_the_main_bench_table_gives_each_row_its_share_of_its_dtype_peak():
+    """Each row's GFLOP/s over its dtype's peak times the threads; '-' where no peak was measured."""
+    from attnlab.bench.timing import Config, Result
+
+    c32 = Config(impl="tiled", L=64, mode="fwd", causal=False, dtype="float32", B=1, H=1, E=16)
+    c16 = Config(impl="tiled", L=64, mode="fwd", causal=False, dtype="bfloat16", B=1, H=1, E=16)
+    rows = [Result(c32, times_s=[c32.flops() / 50e9]), Result(c16, times_s=[c16.flops() / 50e9])]
+    table = bench.markdown_table(rows, {"float32": ("FMA peak", 100.0), "bfloat16": ("vdpbf16ps peak", None)},
+                                 threads=2)
+    lines = table.splitlines()
+    assert lines[0] == "peaks measured in this run: FMA peak 100.0 GFLOP/s a thread (float32); shares on 2 thread(s)"
+    assert "| 50.00 | 25% |" in lines[4] and "| float32 |" in lines[4]
+    assert "| 50.00 | - |" in lines[5] and "| bfloat16 |" in lines[5]
+    bare = bench.markdown_table(rows).splitlines()  # no peaks given: no line, no shares
+    assert bare[0].startswith("| impl |") and "| 50.00 | - |" in bare[2] and "| 50.00 | - |" in bare[3]

@@ -49,6 +49,9 @@ from attnlab.bench.machine import (  # noqa: F401
     read_bandwidth,
     machine_line,
     fma_peak,
+    bf16_peak,
+    compute_peak,
+    peaks_for,
 )
 from attnlab.bench.tables import (  # noqa: F401
     ring_table,

@@ -1,5 +1,6 @@
 """The machine's own facts and limits, measured in the same run as the kernels: its CPU line,
-its read bandwidth and its float32 FMA peak."""
+its read bandwidth, its float32 FMA peak and (where the CPU has AVX512_BF16) its bf16 dot-product
+peak."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
-__all__ = ["read_bandwidth", "machine_line", "fma_peak"]
+__all__ = ["read_bandwidth", "machine_line", "fma_peak", "bf16_peak", "compute_peak", "peaks_for"]
 
 _FMA_SOURCE = Path(__file__).parent / "csrc" / "fma_peak.c"
 
@@ -39,8 +40,9 @@ def _fma_library() -> Optional[ctypes.CDLL]:
         if built.returncode != 0:
             return None
     lib = ctypes.CDLL(str(library))
-    lib.fma_gflops.restype = ctypes.c_double
-    lib.fma_gflops.argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_float)]
+    for fn in (lib.fma_gflops, lib.bf16_gflops):
+        fn.restype = ctypes.c_double
+        fn.argtypes = [ctypes.c_long, ctypes.POINTER(ctypes.c_float)]
     return lib
 
 
@@ -58,6 +60,43 @@ def fma_peak(seconds: float = 0.3, repeats: int = 3) -> Optional[float]:
         return None
     iters = max(1_000_000, int(seconds * probe * 1e9 / (12 * 2 * 16)))  # ~`seconds` at the probe's rate
     return max(lib.fma_gflops(iters, ctypes.byref(sink)) for _ in range(repeats))
+
+
+def bf16_peak(seconds: float = 0.3, repeats: int = 3) -> Optional[float]:
+    """GFLOP/s of one thread running independent 512-bit ``vdpbf16ps`` chains (64 flops an
+    instruction; the best of ``repeats`` runs of about ``seconds``): the ceiling of a bf16 GEMM
+    on one core. None where the CPU or the build lacks AVX512_BF16, or nothing builds. 234.4 on
+    the 2-core Zen 4 of 2026-12-05 (one instruction a cycle at ~3.67 GHz: twice its FMA peak)."""
+    lib = _fma_library()
+    if lib is None:
+        return None
+    sink = ctypes.c_float()
+    probe = lib.bf16_gflops(1_000_000, ctypes.byref(sink))
+    if probe <= 0:
+        return None
+    iters = max(1_000_000, int(seconds * probe * 1e9 / (16 * 64)))  # ~`seconds` at the probe's rate
+    return max(lib.bf16_gflops(iters, ctypes.byref(sink)) for _ in range(repeats))
+
+
+def compute_peak(dtype: torch.dtype) -> tuple[str, Optional[float]]:
+    """``(name, GFLOP/s a thread)``: the arithmetic peak that bounds attention in ``dtype`` here:
+    bf16 on ``vdpbf16ps`` where the CPU has it (:func:`bf16_peak`), float64 half the FMA peak
+    (half the lanes), everything else the float32 FMA peak (:func:`fma_peak`; float16 and bf16
+    without the instruction are computed in float32). The value is None where it cannot be measured."""
+    if dtype == torch.bfloat16:
+        peak = bf16_peak()
+        if peak is not None:
+            return "vdpbf16ps peak", peak
+    fma = fma_peak()
+    if dtype == torch.float64:
+        return "float64 FMA peak", fma / 2 if fma is not None else None
+    return "FMA peak", fma
+
+
+def peaks_for(dtypes: Iterable[str]) -> dict[str, tuple[str, Optional[float]]]:
+    """:func:`compute_peak` for each dtype named (``"float32"``, ``"bfloat16"``, ...), each peak
+    measured once."""
+    return {name: compute_peak(getattr(torch, name)) for name in dict.fromkeys(dtypes)}
 
 
 def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:

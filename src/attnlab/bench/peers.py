@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from attnlab.bench.machine import fma_peak
 from attnlab.bench.timing import interleaved_medians
 
 if TYPE_CHECKING:
@@ -151,4 +152,4 @@ def peers_benchmark(seq_lens: list[int], *, B: int = 1, H: int = 8, E: int = 64,
             done += 1
             if progress:
                 progress(done, total, f"L={L} {'causal' if causal else 'full'}")
-    return {"rows": rows, "missing": missing}
+    return {"rows": rows, "missing": missing, "peak": fma_peak(), "threads": threads}

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from attnlab.bench.machine import fma_peak, read_bandwidth
+from attnlab.bench.machine import compute_peak, fma_peak, read_bandwidth
 from attnlab.bench.memory import peak_rss_growth
 from attnlab.bench.tables import MASK_BUILDERS, MASK_KINDS
 from attnlab.bench.timing import Config, impl_function, interleaved_medians, make_inputs, measure_peak_memory, run_step
@@ -297,7 +297,9 @@ BF16_SHAPES = ((1, 8, 8, 4096, 64), (2, 16, 16, 2048, 128), (1, 32, 8, 4096, 128
 def bf16_benchmark(shapes=BF16_SHAPES, *, modes=("fwd", "fwd+bwd"), repeats: int = 3, causals=(True,),
                    progress: Optional[Callable[[int, int, str], None]] = None) -> list[dict]:
     """Median time per (shape, causal, mode) of ``attnlab.flash_attention`` on bfloat16 inputs with
-    ``ATTNLAB_BF16=bf16`` and ``=fp32``, and of torch's SDPA, interleaved run by run."""
+    ``ATTNLAB_BF16=bf16`` and ``=fp32``, and of torch's SDPA, interleaved run by run, each with its
+    GFLOP/s (the GEMMs' flops) and their share of this machine's bf16 peak on torch's threads
+    (:func:`~attnlab.bench.machine.compute_peak`, measured in the same run)."""
     import torch.nn.functional as F
 
     from attnlab import tiled
@@ -306,6 +308,8 @@ def bf16_benchmark(shapes=BF16_SHAPES, *, modes=("fwd", "fwd+bwd"), repeats: int
         return _forced(fn, bf16=route)
 
     rows, done, total = [], 0, len(shapes) * len(modes) * len(causals)
+    peak_name, peak = compute_peak(torch.bfloat16)  # one thread's, measured in this run
+    threads = torch.get_num_threads()
     for (B, H, Hkv, L, E), causal in itertools.product(shapes, causals):
         g = torch.Generator().manual_seed(L)
         q = torch.randn(B, H, L, E, generator=g).to(torch.bfloat16)
@@ -326,10 +330,15 @@ def bf16_benchmark(shapes=BF16_SHAPES, *, modes=("fwd", "fwd+bwd"), repeats: int
             with torch.set_grad_enabled(backward):
                 medians = interleaved_medians(fns, repeats)
             torch_ms = medians["torch SDPA"] * 1e3
+            # the GEMMs' flops: S = Q K^T and P V forward; the backward recomputes S and adds dV, dP,
+            # dQ and dK (7 GEMMs in all, 3.5x the forward's); causal half of each
+            flops = 4 * B * H * L * L * E * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
             for name, sec in medians.items():
                 ms = sec * 1e3
+                gflops = flops / sec / 1e9
                 rows.append({"shape": (B, H, Hkv, L, E), "causal": causal, "mode": mode, "impl": name, "ms": ms,
-                             "ratio": ms / torch_ms})
+                             "ratio": ms / torch_ms, "gflops": gflops, "peak_name": peak_name, "peak": peak,
+                             "threads": threads, "peak_share": gflops / (peak * threads) if peak else None})
             done += 1
             if progress:
                 progress(done, total, f"{(B, H, Hkv, L, E)} {'causal' if causal else 'full'} {mode}")

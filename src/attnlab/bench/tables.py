@@ -4,6 +4,7 @@ say what each table measured."""
 from __future__ import annotations
 
 import csv
+from typing import Optional
 
 import torch
 
@@ -69,16 +70,28 @@ def write_csv(results: list[Result], path: str) -> None:
         writer.writerows(rows)
 
 
-def markdown_table(results: list[Result]) -> str:
-    head = "| impl | L | mode | causal | dtype | median ms | GFLOP/s | x torch best | peak +MiB | note |"
-    lines = [head, "|" + "---|" * 10]
+def markdown_table(results: list[Result], peaks: Optional[dict[str, tuple[str, Optional[float]]]] = None,
+                   threads: int = 1) -> str:
+    """The main bench's rows; with ``peaks`` (dtype name -> ``(name, GFLOP/s a thread)``, e.g.
+    :func:`~attnlab.bench.machine.peaks_for`) each row's share of its dtype's peak on ``threads``
+    threads, after a line naming the peaks."""
+    peaks = peaks or {}
+    lines = []
+    measured = [f"{name} {value:.1f} GFLOP/s a thread ({dtype})" for dtype, (name, value) in peaks.items() if value]
+    if measured:
+        lines += [f"peaks measured in this run: {'; '.join(measured)}; shares on {threads} thread(s)", ""]
+    head = ("| impl | L | mode | causal | dtype | median ms | GFLOP/s | share of peak | x torch best | peak +MiB "
+            "| note |")
+    lines += [head, "|" + "---|" * 11]
     for r in results:
         c, row = r.config, r.row()
         note = ("" if r.status == "ok" else r.status) or (f"{c.mask} mask" if c.mask != "none" else "")
         if r.compile_s is not None:
             note = f"{note}; compile {r.compile_s:.1f} s (not in the median)".lstrip("; ")
+        peak = peaks.get(c.dtype, ("", None))[1]
+        share = f"{100 * r.gflops / (peak * threads):.0f}%" if peak and r.gflops else "-"
         lines.append(f"| {c.impl} | {c.L} | {c.mode} | {'yes' if c.causal else 'no'} | {c.dtype} | {row['median_ms']} "
-                     f"| {row['gflops']} | {row['ratio_vs_torch_best']} | {row['peak_mem_mib']} | {note} |")
+                     f"| {row['gflops']} | {share} | {row['ratio_vs_torch_best']} | {row['peak_mem_mib']} | {note} |")
     return "\n".join(lines)
 
 
@@ -163,11 +176,15 @@ PEERS_HEADER = ("Peers: float32 forward of torch's SDPA, attnlab's tiled path, O
 
 
 def peers_table(result: dict) -> str:
-    lines = ["| (B, H, L, E) | mask | implementation | ms | x torch | GFLOP/s | max err |",
-             "|---|---|---|---|---|---|---|"]
+    peak, threads = result.get("peak"), result.get("threads", 1)
+    lines = ([f"FMA peak, measured in this run: {peak:.1f} GFLOP/s a thread; shares on {threads} thread(s)", ""]
+             if peak else [])
+    lines += ["| (B, H, L, E) | mask | implementation | ms | x torch | GFLOP/s | share of FMA peak | max err |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
+        share = f"{100 * r['gflops'] / (peak * threads):.0f}%" if peak else "-"
         lines.append(f"| {r['shape']} | {'causal' if r['causal'] else 'none'} | {r['impl']} | {r['ms']:.1f} | "
-                     f"{r['ratio']:.2f}x | {r['gflops']:.0f} | {r['max_err']:.1e} |")
+                     f"{r['ratio']:.2f}x | {r['gflops']:.0f} | {share} | {r['max_err']:.1e} |")
     for name, how in result["missing"].items():
         lines.append(f"\nnot installed, so not timed: {name} ({how})")
     return "\n".join(lines)
@@ -178,10 +195,18 @@ BF16_HEADER = ("bfloat16: attnlab's tiled path on its bf16 route (bf16 GEMMs, cs
 
 
 def bf16_table(rows: list[dict]) -> str:
-    lines = ["| (B, H, Hkv, L, E) | causal | mode | implementation | ms | x torch bf16 |", "|---|---|---|---|---|---|"]
+    lines = []
+    if rows and rows[0].get("peak_share") is not None:
+        r = rows[0]
+        lines += [f"{r['peak_name']}, measured in this run: {r['peak']:.1f} GFLOP/s a thread; shares on "
+                  f"{r['threads']} thread(s)", ""]
+    lines += ["| (B, H, Hkv, L, E) | causal | mode | implementation | ms | x torch bf16 | GFLOP/s | share of peak |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         causal = "yes" if r.get("causal", True) else "no"
-        lines.append(f"| {r['shape']} | {causal} | {r['mode']} | {r['impl']} | {r['ms']:.1f} | {r['ratio']:.2f}x |")
+        share = f"{100 * r['peak_share']:.0f}%" if r.get("peak_share") is not None else "-"
+        lines.append(f"| {r['shape']} | {causal} | {r['mode']} | {r['impl']} | {r['ms']:.1f} | {r['ratio']:.2f}x | "
+                     f"{r['gflops']:.0f} | {share} |")
     return "\n".join(lines)
 
 

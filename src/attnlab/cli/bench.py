@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
                                    progress=_progress(), **options)
     _end_progress()
     print(f"machine: {bench.machine_line()}\n")
-    print(bench.markdown_table(results))
+    print(bench.markdown_table(results, bench.peaks_for(args.dtypes), threads=torch.get_num_threads()))
     if args.csv:
         bench.write_csv(results, args.csv)
         print(f"\nCSV written to {args.csv}")

@@ -60,3 +60,30 @@ int fma_lanes(void) {
   return 0;
 #endif
 }
+
+/* The bf16 dot-product peak where the CPU has AVX512_BF16 (`attnlab bench --bf16`): independent
+ * chains of 512-bit vdpbf16ps, each 32 products and 32 sums a lane pair (64 flops an instruction).
+ * 16 chains: more than its latency (6 cycles on Zen 4) times its issue rate (one 512-bit
+ * instruction a cycle on Zen 4, two on Zen 5). 0 where the build lacks AVX512_BF16. */
+double bf16_gflops(long iters, float* sink) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_set1_ps(0.001f * i);
+  const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80); /* 1.0 in bf16 */
+  const __m512bh y = (__m512bh)_mm512_set1_epi16(0x3a83); /* 0.001 in bf16 */
+  const double t0 = now();
+  for (long it = 0; it < iters; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) a[i] = _mm512_dpbf16_ps(a[i], x, y);
+  }
+  const double t1 = now();
+  __m512 s = a[0];
+  for (int i = 1; i < 16; ++i) s = _mm512_add_ps(s, a[i]);
+  *sink = _mm512_cvtss_f32(s);
+  return (double)iters * 16 * 16 * 4 / (t1 - t0) / 1e9;
+#else
+  (void)iters;
+  *sink = 0;
+  return 0.0;
+#endif
+}
