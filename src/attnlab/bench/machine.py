@@ -46,20 +46,27 @@ def _fma_library() -> Optional[ctypes.CDLL]:
     return lib
 
 
+def _loop_peak(name: str, flops_per_iter: int, seconds: float, repeats: int) -> Optional[float]:
+    """The best of ``repeats`` runs of ``fma_peak.c``'s loop ``name`` (GFLOP/s of one thread), each
+    sized from a short probe to take about ``seconds``; None where the loop does not build or
+    reports nothing (the CPU or the build lacks its instructions)."""
+    lib = _fma_library()
+    if lib is None:
+        return None
+    loop, sink = getattr(lib, name), ctypes.c_float()
+    probe = loop(1_000_000, ctypes.byref(sink))
+    if probe <= 0:
+        return None
+    iters = max(1_000_000, int(seconds * probe * 1e9 / flops_per_iter))  # ~`seconds` at the probe's rate
+    return max(loop(iters, ctypes.byref(sink)) for _ in range(repeats))
+
+
 def fma_peak(seconds: float = 0.3, repeats: int = 3) -> Optional[float]:
     """GFLOP/s of one thread running independent vector FMA chains (the best of ``repeats`` runs
     of about ``seconds`` each): the ceiling of any float32 GEMM on one core. None where it cannot
     be built (no C compiler, no AVX2 + FMA). 102.7 on the 2-core AVX2 EPYC of 2026-12-03
     (2 ymm FMAs per cycle at ~3.2 GHz)."""
-    lib = _fma_library()
-    if lib is None:
-        return None
-    sink = ctypes.c_float()
-    probe = lib.fma_gflops(1_000_000, ctypes.byref(sink))
-    if probe <= 0:
-        return None
-    iters = max(1_000_000, int(seconds * probe * 1e9 / (12 * 2 * 16)))  # ~`seconds` at the probe's rate
-    return max(lib.fma_gflops(iters, ctypes.byref(sink)) for _ in range(repeats))
+    return _loop_peak("fma_gflops", 12 * 2 * 16, seconds, repeats)
 
 
 def bf16_peak(seconds: float = 0.3, repeats: int = 3) -> Optional[float]:
@@ -67,15 +74,7 @@ def bf16_peak(seconds: float = 0.3, repeats: int = 3) -> Optional[float]:
     instruction; the best of ``repeats`` runs of about ``seconds``): the ceiling of a bf16 GEMM
     on one core. None where the CPU or the build lacks AVX512_BF16, or nothing builds. 234.4 on
     the 2-core Zen 4 of 2026-12-05 (one instruction a cycle at ~3.67 GHz: twice its FMA peak)."""
-    lib = _fma_library()
-    if lib is None:
-        return None
-    sink = ctypes.c_float()
-    probe = lib.bf16_gflops(1_000_000, ctypes.byref(sink))
-    if probe <= 0:
-        return None
-    iters = max(1_000_000, int(seconds * probe * 1e9 / (16 * 64)))  # ~`seconds` at the probe's rate
-    return max(lib.bf16_gflops(iters, ctypes.byref(sink)) for _ in range(repeats))
+    return _loop_peak("bf16_gflops", 16 * 64, seconds, repeats)
 
 
 def compute_peak(dtype: torch.dtype) -> tuple[str, Optional[float]]:
