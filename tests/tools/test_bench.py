@@ -326,7 +326,7 @@ def test_interleaved_medians_call_each_function_once_a_round_in_orders_that_vary
     assert [calls[5 + 5 * i:10 + 5 * i] for i in range(8)] == rounds
 
 
-def test_the_bf16_bench_rates_each_row_against_the_bf16_peak_of_the_run(capsys):
+def test_the_bf16_bench_rates_each_row_against_the_bf16_peak_of_the_run():
     """--bf16: each row's GFLOP/s from its GEMMs' flops (3.5x the forward's with the backward, half
     under causality) and its share of the bf16 peak measured in the run (vdpbf16ps where the CPU
     has avx512_bf16, else the FMA peak) on the run's threads."""
@@ -347,8 +347,9 @@ def test_the_bf16_bench_rates_each_row_against_the_bf16_peak_of_the_run(capsys):
     elif {"avx2", "fma"} <= flags:
         assert rows[0]["peak_name"] == "FMA peak" and rows[0]["peak"] > 1.0
     table = bench.bf16_table(rows)
-    assert "| GFLOP/s | share of peak |" in table and "measured in this run" in table
-    assert f"{100 * rows[0]['peak_share']:.0f}% |" in table.splitlines()[4]
+    assert "| GFLOP/s | share of peak |" in table
+    if rows[0]["peak"] is not None:  # measured wherever the loop builds (every CPU with AVX2 + FMA)
+        assert "measured in this run" in table and f"{100 * rows[0]['peak_share']:.0f}% |" in table.splitlines()[4]
 
 
 def test_compute_peak_names_the_peak_each_dtype_is_bounded_by(monkeypatch):
