@@ -201,10 +201,8 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
       }
       SpreadLines next_rows;
       if (q_lanes == nullptr) {
-        if (int8)
-          for (int i = 0; i < ahead; ++i) prefetch_row(kb + noff + g * ks.s_head + i * ks.s_row, E);
-        else
-          for (int i = 0; i < ahead; ++i) prefetch_row<T, 2>(kb + noff + g * ks.s_head + i * ks.s_row, E);
+        constexpr int key_level = std::is_same_v<T, int8_t> ? 3 : 2;  // int8's into L1 (above), others' L2
+        for (int i = 0; i < ahead; ++i) prefetch_row<T, key_level>(kb + noff + g * ks.s_head + i * ks.s_row, E);
         if (v_l2)
           for (int i = 0; i < m; ++i) prefetch_row<T, 2>(vb + voff + g * vs.s_head + i * vs.s_row, Ev);
       } else {
@@ -256,8 +254,8 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
       return;
     }
   }
-  // each head's P~ (n, nk) as bf16, n * bk apart (in lanes: already, pp)
-  uint16_t* pb = bf16_values && !kept ? p_as_bf16(s, G * n * bk) : nullptr;
+  // each head's P~ (n, nk) as bf16, n * bk apart (scores kept in lanes took the whole-block pass above)
+  uint16_t* pb = bf16_values ? p_as_bf16(s, G * n * bk) : nullptr;
   for (int j = 0, m; j < nk; j += m) {  // acc += P~ V_j, tile by tile in stored order
     int64_t off, noff = 0;
     m = tile(vs, j, &off);
@@ -272,11 +270,6 @@ void stored_block(const RowSource& ks, const RowSource& vs, const ScaleSource& k
       }
       for (int i = 0; i < ahead; ++i) prefetch_row(vb + noff + g * vs.s_head + i * vs.s_row, Ev);
       if constexpr (std::is_same_v<T, c10::BFloat16> && isa::kBf16x8) {
-        if (kept) {
-          bvalues<PLanes>(pp + LANE_ROWS * ((nk + 1) * g + j), 0, n, Ev, vb + off + g * vs.s_head, vs.s_row, m,
-                          states + g * state);
-          continue;
-        }
         if (pb) {
           bvalues(pb + g * n * bk + j, nk, n, Ev, vb + off + g * vs.s_head, vs.s_row, m, states + g * state);
           continue;
