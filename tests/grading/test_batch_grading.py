@@ -148,7 +148,7 @@ def test_same_seed_same_grades_from_a_bwrap_per_submission_too(graded, tmp_path,
     root, cls, before, result, seen = graded
     small = tmp_path / "again"
     small.mkdir()
-    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / batch.PRIVATE_DIR).mkdir(parents=True)
     shutil.copy2(root / "out" / batch.CLASS_KEY_FILE, tmp_path / "out" / batch.CLASS_KEY_FILE)
     for name in ("dave.py", "erin.py"):
         (small / name).write_text((cls / name).read_text())
@@ -169,7 +169,7 @@ def test_same_seed_same_grades_from_a_bwrap_per_submission_too(graded, tmp_path,
 def test_resume_grades_only_the_unfinished(graded):
     root, cls, before, result, seen = graded
     out = root / "out"
-    (out / "dave" / "row.json").unlink()  # as if the run had stopped while grading dave
+    (out / batch.ROWS_DIR / "dave.json").unlink()  # as if the run had stopped while grading dave
     stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/results.json")}
     calls = []
     again = batch.grade_class(cls, out, jobs=2, seed=7, limits=LIMITS, total_timeout_s=TOTAL_S, resume=True,

@@ -473,16 +473,16 @@ def test_a_lab_02_traceback_names_masks_py(tmp_path):
 
 
 def test_resume_trusts_only_rows_the_grader_signed(tmp_path):
-    """A row.json planted in OUT (the stub recorded as 100, a =HYPERLINK cell), or the row of
+    """A row planted in OUT (the stub recorded as 100, a =HYPERLINK cell), or the row of
     an earlier version of the submission, is graded anew; a signed row of the same file is kept."""
     needs_sandbox()
     cls = _make(tmp_path / "class", {"ann.py": STUB_02, "bob.py": SOLUTION_02})
     out = tmp_path / "out"
     first = batch.grade_class(cls, out, seed=4, jobs=2)
     assert {r.learner: r.total for r in first.rows} == {"ann": 0, "bob": 100}
-    row = json.loads((out / "ann" / "row.json").read_text())
+    row = json.loads((out / batch.ROWS_DIR / "ann.json").read_text())
     forged = {**row, "total": 100.0, "learner": "ann", "mistakes": ["=HYPERLINK(\"http://x\")"]}
-    (out / "ann" / "row.json").write_text(json.dumps(forged))  # the old signature does not cover this
+    (out / batch.ROWS_DIR / "ann.json").write_text(json.dumps(forged))  # the old signature does not cover this
     seen = []
     again = batch.grade_class(cls, out, seed=4, jobs=2, resume=True,
                               progress=lambda done, total, text: seen.append(text))

@@ -58,6 +58,8 @@ def add(sub) -> argparse.ArgumentParser:
                    help="someone else's file: only inside the OS sandbox")
     p.add_argument("--no-sandbox", action="store_true",
                    help="process limits only (trusted code, or no bwrap)")
+    p.add_argument("--seccomp-optional", action="store_true",
+                   help="grade without seccomp where it fails (said in reports)")
     p.add_argument("--self-test", action="store_true",
                    help="check that the OS sandbox works here, or say why")
     p.add_argument("--gradescope", metavar="ROOT", default=None,
@@ -141,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     progress = None
     if not to_stdout and sys.stderr.isatty():
         progress = lambda text: print(f"\rgrading {text:<40}", end="", file=sys.stderr, flush=True)  # noqa: E731
-    limits = Limits(timeout_s=args.timeout, memory_mb=args.memory_mb, submission_memory_mb=args.memory_mb * 2)
+    limits = Limits(timeout_s=args.timeout, memory_mb=args.memory_mb, submission_memory_mb=args.memory_mb * 2,
+                    seccomp_optional=args.seccomp_optional)
     results = ResultsFile(None if to_stdout or not args.json else args.json)
     if results.path is not None:  # a valid results.json exists from the start, even if this process is killed
         results.start(path, lab, args.seed)
@@ -209,7 +212,8 @@ def _run_class(args: argparse.Namespace, mode: str, lab, folder: Path) -> int:
         plan = batch.plan_class(folder, args.out, lab=lab)
     except batch.ClassRefused as exc:
         raise UsageError(str(exc)) from None
-    limits = Limits(timeout_s=args.timeout, memory_mb=args.memory_mb, submission_memory_mb=args.memory_mb * 2)
+    limits = Limits(timeout_s=args.timeout, memory_mb=args.memory_mb, submission_memory_mb=args.memory_mb * 2,
+                    seccomp_optional=args.seccomp_optional)
     started = time.perf_counter()
     tty = sys.stderr.isatty()
     print(f"grading {plural(len(plan.submissions), 'learner')} of lab {plan.lab.name} from {printable(folder)}"

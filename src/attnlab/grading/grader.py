@@ -27,6 +27,7 @@ import torch
 
 from attnlab.grading import errors, intake
 from attnlab.grading.exercise import Exercise, Verdict, judge_outcome
+from attnlab.grading.inputs import inputs_generator, seed_key
 from attnlab import labs, mistakes
 from attnlab.grading.sandbox import pool
 from attnlab.grading.output import write_atomically, write_json
@@ -97,6 +98,9 @@ class GradeReport:
     source_sha256: str = ""  # SHA-256 of the bytes that were checked and run (the one read)
     notes: list[str] = field(default_factory=list)  # how the submission was taken (a notebook, a zip, a name)
     shape_sha256: str = ""  # its syntax tree's shape: names, strings and comments aside (static.shape_digest)
+    # how the file is named in what the learner reads: relative to the class folder or Gradescope's
+    # submission/ (no absolute path of the grading machine reaches a learner); '' shows ``path``
+    shown_as: str = ""
 
     @property
     def score(self) -> float:
@@ -123,7 +127,7 @@ class GradeReport:
     def to_text(self, colour: bool = False) -> str:
         green, red, yellow, dim, bold, reset = (("\033[32m", "\033[31m", "\033[33m", "\033[2m", "\033[1m", "\033[0m")
                                                 if colour else ("",) * 6)
-        shown = printable(self.path)  # a learner names the file: no escape sequence reaches the terminal
+        shown = printable(self.shown_as or self.path)  # a learner names the file: no escape sequence reaches a terminal
         lines = [f"{bold}attnlab grade{reset} (lab {self.lab}): {shown}", ""]
         lines += [f"{dim}note: {n}{reset}" for n in self.notes] + ([""] if self.notes else [])
         if self.problem:
@@ -219,7 +223,7 @@ class GradeReport:
             "visibility": "visible",
             "tests": tests,
             "extra_data": {
-                "file": printable(self.path),
+                "file": printable(self.shown_as or self.path),
                 "lab": self.lab,
                 "run": self.run_id,  # the seed is the instructor's: a learner who knows it knows the inputs
                 "sha256": self.source_sha256,
@@ -237,7 +241,7 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
           images_dir: Optional[os.PathLike] = None, sandbox: str = "auto", untrusted: bool = False,
           checkpoint: Optional[Callable[["GradeReport"], None]] = None, lab: "labs.Lab | str | None" = None,
           within: Optional[os.PathLike] = None, source: Optional[SubmissionBytes] = None,
-          note: str = "") -> GradeReport:
+          note: str = "", inputs_key: Optional[bytes] = None) -> GradeReport:
     """Grade a learner's file. Never raises because of the learner's code.
 
     Args:
@@ -267,6 +271,9 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
             :class:`.submission.SubmissionBytes`); the path is then not opened at all.
         note: how the caller chose this file in the learner's folder (another case, an LMS
             re-download, the only .py file: :func:`.intake.choose`), said in the report.
+        inputs_key: the secret every exercise's inputs derive from, with the exercise's id and
+            the submission's SHA-256 (:mod:`.inputs`); default: from ``seed``, every bit of it.
+            A class passes an HMAC of its secret class key (:func:`.classroom.batch.learner_key`).
 
     Raises:
         SandboxUnavailable: ``sandbox='bwrap'``, or ``untrusted`` with ``sandbox='auto'``,
@@ -280,6 +287,8 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
             "or pass --no-sandbox (sandbox='none') to run it with process limits only")
     if seed is None:
         seed = secrets.randbits(62)
+    if inputs_key is None:
+        inputs_key = seed_key(seed)
     path = Path(path) if path is not None else default_lab_path()
     # One read (:mod:`.submission`): these bytes, and only these, are checked, run, hashed and signed.
     try:
@@ -298,10 +307,11 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
     the_lab = _lab(lab, path, prepared.source if prepared else b"")
     EXERCISES = the_lab.exercises()  # noqa: N806  (the lab's exercise list, in order)
     report = GradeReport(path=path, seed=seed, sandboxed=pool.resolve_mode(sandbox) is not None,
-                         lab=the_lab.name)
+                         lab=the_lab.name, shown_as=_relative(path, within))
     if read is None or prepared is None:
-        report.problem = (f"no file at {printable(path)}" if not os.path.lexists(path) and source is None
-                          else f"could not read {printable(path)}: {clean_text(problem, 600)}")
+        named = printable(report.shown_as or path)
+        report.problem = (f"no file at {named}" if not os.path.lexists(path) and source is None
+                          else f"could not read {named}: {clean_text(problem, 600)}")
         _fail_all(report, EXERCISES, Verdict(False, report.problem))
         report.elapsed_s = time.perf_counter() - t0
         return report
@@ -316,31 +326,46 @@ def grade(path: Optional[os.PathLike] = None, *, limits: Limits = Limits(), tota
         report.elapsed_s = time.perf_counter() - t0
         return report
     report = _graded(report, path, source_bytes, prepared, the_lab, EXERCISES, limits, total_timeout_s, progress,
-                     seed, images_dir, sandbox, checkpoint, t0)
+                     inputs_key, images_dir, sandbox, checkpoint, t0)
     if prepared.lines is not None:  # a notebook: every 'line N' of its Python said as 'cell C, line M'
         _map_lines(report, prepared.lines, the_lab.file)
     return report
 
 
+def _relative(path: Path, within: Optional[os.PathLike]) -> str:
+    """``path`` as a learner may read it when it lies in a folder of the grader's (a class, Gradescope's
+    submission/): relative to that folder; '' (the path itself) for a file the learner graded."""
+    if within is None:
+        return ""
+    try:
+        return str(Path(os.path.abspath(path)).relative_to(os.path.abspath(within)))
+    except ValueError:
+        return path.name
+
+
 def _require_kernels(ex: Exercise, verdicts: dict, outcome: Outcome) -> None:
     """Grade what the rule names: a check of an exercise with :attr:`Exercise.kernels` passes only
-    when each of those learner kernels was launched for it (the child's count, evidence that the
-    static rule keeps honest: no file can reach the counter); otherwise it is 0 as
-    'kernel_not_launched', whatever the values."""
-    missing = [k for k in ex.kernels if not outcome.launches.get(k)]
-    if not missing:
+    when each of those learner kernels was launched for it and every element of every tensor it
+    returned was stored, last and with the bytes it holds, by the learner's kernels in that call
+    (the child's record of each store, :func:`.sandbox.interpreter.unwritten`); otherwise it is 0
+    as 'kernel_not_launched', whatever the values."""
+    if not ex.kernels:
         return
-    message = (f"{ex.function}() answered without launching {', '.join(missing)}: this exercise's points are for "
-               f"the kernel{'s' if len(missing) > 1 else ''}, so an answer computed any other way scores 0")
+    missing = [k for k in ex.kernels if not outcome.launches.get(k)]
+    unwritten = sum(r.get("unwritten", 0) for r in outcome.results if "value" in r)
+    if missing:
+        message = (f"{ex.function}() answered without launching {', '.join(missing)}: this exercise's points are "
+                   f"for the kernel{'s' if len(missing) > 1 else ''}, so an answer computed any other way scores 0")
+    elif unwritten:
+        message = (f"{unwritten} element{'s' if unwritten > 1 else ''} of what {ex.function}() returned "
+                   f"{'were' if unwritten > 1 else 'was'} not stored by your kernels in that call (or changed "
+                   "after they stored it): this exercise's points are for what the kernels compute, so every "
+                   "element of the answer must be one of their tl.store-s")
+    else:
+        return
     for check, v in verdicts.items():
         if v.passed:
             verdicts[check] = Verdict(False, message, [{"code": "kernel_not_launched", "message": message}])
-
-
-def exercise_seed(seed: int, index: int) -> int:
-    """The generator seed of exercise ``index``'s inputs: distinct per exercise, below 2**63
-    (torch's limit) for a run seed of any size (a class's seeds are 62-bit HMACs)."""
-    return (seed * 1000 + index) % (1 << 63)
 
 
 def _map_lines(report: GradeReport, lines: "intake.LineMap", file_name: str) -> None:
@@ -356,7 +381,7 @@ def _map_lines(report: GradeReport, lines: "intake.LineMap", file_name: str) -> 
 
 
 def _graded(report: GradeReport, path: Path, source_bytes: bytes, prepared: "intake.Prepared", the_lab: "labs.Lab",
-            EXERCISES: list, limits: Limits, total_timeout_s: float, progress, seed: int, images_dir,  # noqa: N803
+            EXERCISES: list, limits: Limits, total_timeout_s: float, progress, inputs_key: bytes, images_dir,  # noqa: N803
             sandbox: str, checkpoint, t0: float) -> GradeReport:
     """The static check, then every exercise in the sandbox (what :func:`grade` does once the
     submission is read and prepared)."""
@@ -401,7 +426,12 @@ def _graded(report: GradeReport, path: Path, source_bytes: bytes, prepared: "int
                                         f"the grader's OS sandbox could not start on this machine "
                                         f"({first.environment}), so your file was not graded. For the instructor: "
                                         f"'attnlab grade --self-test' says why; fix the grader's machine or "
-                                        f"container, then grade again.")
+                                        f"container, then grade again"
+                                        + (" (or, knowingly, pass --seccomp-optional to grade without the filter)."
+                                           if "seccomp" in first.environment else "."))
+        if first.unfiltered:  # the instructor allowed it: every report says so
+            report.notes.append(f"graded WITHOUT the seccomp filter: {first.unfiltered}; the instructor allowed "
+                                "it (--seccomp-optional)")
         if first.status != "ok" or first.violations:
             report.problem = _whole_file_problem(first)
             _fail_all(report, EXERCISES, Verdict(False, report.problem))
@@ -427,8 +457,10 @@ def _graded(report: GradeReport, path: Path, source_bytes: bytes, prepared: "int
                 continue
             if progress:
                 progress(f"{ex.id} {ex.function}")
-            calls, ctx = ex.prepare(torch.Generator().manual_seed(exercise_seed(seed, i)))
-            task = box.start(calls, policy=ex.policy,
+            # the generator's whole state from the run's key, the exercise and these bytes (.inputs)
+            calls, ctx = ex.prepare(inputs_generator(inputs_key, ex.id, report.source_sha256))
+            # the recorder judges every exercise; compare_with_sdpa's allowance holds on its own call path only
+            task = box.start(calls, policy=True, exempt=() if ex.policy else (ex.function,),
                              limits=dataclasses.replace(limits, **ex.limits) if ex.limits else None)
             judge.done(waiting)  # the exercise before, while this one runs
             outcome = box.finish(task)
@@ -611,7 +643,8 @@ def not_graded(path: os.PathLike, why: str, *, lab: "labs.Lab | str | None" = No
     learner's mistake. Runs none of the file's code."""
     path = Path(path)
     the_lab = _lab(lab, path)
-    report = GradeReport(path=path, seed=secrets.randbelow(2**31) if seed is None else seed, lab=the_lab.name)
+    report = GradeReport(path=path, seed=secrets.randbelow(2**31) if seed is None else seed, lab=the_lab.name,
+                         shown_as=Path(path).name)  # Gradescope's: its folders are the grading machine's
     return _environment_problem(report, the_lab.exercises(), time.perf_counter(), why)
 
 

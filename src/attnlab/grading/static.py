@@ -18,7 +18,15 @@ with the line:
 * torch's attention under any alias (:data:`BANNED_FRAGMENTS` in any attribute or
   imported name: ``softmax``, ``scaled_dot_product_attention``, ``MultiheadAttention``...),
   except where an exercise allows it (``compare_with_sdpa``);
-* string constants naming attnlab or the solutions.
+* string constants naming attnlab or the solutions;
+* a store or delete on an attribute of anything the file did not make (:meth:`_Visitor._store`):
+  of an imported module or class and every name bound to one (``torch.Tensor.detach = f``,
+  ``T = torch.Tensor; T.clone = f``, ``setattr(torch.Tensor, "clone", f)``), of a computed object
+  (``type(x).clone = f``) or of a module-level name; stores on the file's own classes and on
+  local objects (``ctx.causal = is_causal``, ``self.scale = s``) stay allowed. The child answers in
+  bytes copied by functions it captured before the file ran, so a rebound method cannot change an
+  answer (:func:`.sandbox.protocol.freeze`), and the recorder reports what was rebound; this
+  rule keeps the file from trying.
 
 **The rule covers everything that runs.** What runs at import (the module body, class
 bodies, decorators, default values, annotations, bases) costs the whole file, and it may not
@@ -231,8 +239,9 @@ class _Visitor:
     def __init__(self, top_functions: set[str], allowed_attributes: frozenset = COMMON_ATTRIBUTES,
                  bound: frozenset = frozenset(), defined: frozenset = frozenset(),
                  modules: Optional[dict[str, frozenset]] = None, aliases: Optional[dict[str, str]] = None,
-                 decorators: frozenset = frozenset()) -> None:
+                 decorators: frozenset = frozenset(), foreign: frozenset = frozenset()) -> None:
         self.top = top_functions
+        self.foreign = foreign  # names that may hold what the file did not make (_foreign_names)
         self.allowed = allowed_attributes
         self.bound = bound  # every name the file binds (assignments, parameters, imports, defs, loop targets)
         self.defined = defined  # names of the file's own code (defs, classes, lambdas): not for import-time use
@@ -420,6 +429,8 @@ class _Visitor:
             self.calls.setdefault(ctx.unit, set()).add(node.id)
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
+        if isinstance(node.ctx, (ast.Store, ast.Del)):
+            self._store(node.value, node, "delete" if isinstance(node.ctx, ast.Del) else "store", node.attr)
         base = self._qualified(node.value)
         if base in self.modules:  # tl.dot, triton.jit: only the names the lab lists for that module
             self._own_name(node, base, node.attr)
@@ -474,7 +485,24 @@ class _Visitor:
         if frag:
             self.add(node, "attention", f".{attr} is torch's {frag}: build it from scratch")
 
+    def _store(self, base: ast.AST, node: ast.AST, what: str, attr: str) -> None:
+        """A store or delete on ``base.attr``: allowed only on what the file made itself."""
+        root = base
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if not isinstance(root, ast.Name):
+            self.add(node, "unsafe", f"a {what} on the attribute .{attr} of a computed object "
+                                     f"({ast.unparse(base)[:40]}): a submission changes only objects it made")
+        elif root.id in self.foreign:
+            self.add(node, "unsafe", f"a {what} on {ast.unparse(base)[:40]}.{attr}: {root.id} is not the file's "
+                                     "own (torch's, an import's or a module-level name): a submission changes only "
+                                     "objects it made")
+
     def visit_Call(self, node: ast.Call) -> None:
+        if isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") and node.args:
+            self._store(node.args[0], node, "store" if node.func.id == "setattr" else "delete",
+                        node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                        else "?")
         if isinstance(node.func, ast.Name) and node.func.id in ATTRIBUTE_FUNCTIONS:
             if len(node.args) < 2 or not isinstance(node.args[1], ast.Constant) or not isinstance(
                     node.args[1].value, str):
@@ -551,6 +579,53 @@ def _module_aliases(tree: ast.AST, modules: dict) -> dict[str, str]:
     return {name: m for name, m in found.items() if counts.get(name) == 1}
 
 
+def _foreign_names(tree: ast.Module) -> frozenset:
+    """Names that may hold an object the file did not make: every name an import binds, every
+    module-level name that is not a def or class of the file's, and, to a fixed point, every name
+    assigned (anywhere) from one of those or an attribute of one without a call in between
+    (``T = torch.Tensor``, ``F = torch.nn.functional``, ``m = getattr(torch, "Tensor")``)."""
+    foreign: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.Import, ast.ImportFrom)):
+            foreign.update((a.asname or a.name).split(".")[0] for a in n.names)
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.With)):
+            foreign.update(t.id for t in ast.walk(stmt) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store))
+
+    def reaches(value: Optional[ast.AST]) -> bool:
+        while isinstance(value, (ast.Attribute, ast.Subscript, ast.Starred)) or (
+                isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                and value.func.id in ATTRIBUTE_FUNCTIONS and value.args):
+            value = value.args[0] if isinstance(value, ast.Call) else value.value
+        if isinstance(value, (ast.Tuple, ast.List)):
+            return any(reaches(e) for e in value.elts)
+        if isinstance(value, (ast.IfExp, ast.BoolOp)):
+            return any(reaches(e) for e in ([value.body, value.orelse] if isinstance(value, ast.IfExp)
+                                            else value.values))
+        return isinstance(value, ast.Name) and value.id in foreign
+
+    pairs = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign):
+            pairs += [(t, n.value) for t in n.targets]
+        elif isinstance(n, (ast.AnnAssign, ast.NamedExpr)) and n.value is not None:
+            pairs.append((n.target, n.value))
+        elif isinstance(n, (ast.For, ast.comprehension)):
+            pairs.append((n.target, n.iter))
+        elif isinstance(n, ast.withitem) and n.optional_vars is not None:
+            pairs.append((n.optional_vars, n.context_expr))
+    grew = True
+    while grew:
+        grew = False
+        for target, value in pairs:
+            if reaches(value):
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Name) and t.id not in foreign:
+                        foreign.add(t.id)
+                        grew = True
+    return frozenset(foreign)
+
+
 def _defined_names(tree: ast.Module) -> frozenset:
     """The file's own code, by the names it is bound to at module level or in a top-level class:
     defs, classes and lambdas. Import-time code may not use them (:class:`_Visitor`)."""
@@ -597,7 +672,8 @@ def check_source(source: str | bytes, filename: str = "attention.py",
     try:
         own = {m: frozenset(names) for m, names in modules}
         visitor = _Visitor(top, COMMON_ATTRIBUTES | frozenset(allowed_attributes), _bound_names(tree),
-                           _defined_names(tree), own, _module_aliases(tree, own), frozenset(decorators))
+                           _defined_names(tree), own, _module_aliases(tree, own), frozenset(decorators),
+                           _foreign_names(tree))
         visitor.run(tree)
     except (RecursionError, MemoryError) as exc:  # never for a real lab file; a refusal, not a traceback
         return StaticReport([], {}, f"the file is too deeply nested or too large to check ({type(exc).__name__})")

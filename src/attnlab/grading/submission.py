@@ -9,9 +9,12 @@ kept root-only in a Gradescope bundle). So the grader never looks twice and neve
   ``O_NOFOLLOW | O_DIRECTORY`` from the one before, so no symbolic link anywhere below
   ``within`` is followed, and a root grader opens only a real file inside the folder it was
   given;
-* ``fstat`` on that descriptor must show a regular file with one link (a hard link to a file
-  elsewhere is refused too) and at most :data:`MAX_SOURCE_BYTES`, before anything is read;
-  then at most one byte more than the cap is read, so a file that grows is refused as well;
+* ``fstat`` on that descriptor must show a regular file of at most :data:`MAX_SOURCE_BYTES`,
+  before anything is read; then at most one byte more than the cap is read, so a file that grows
+  is refused as well. A file with several hard links is read like any other (issue 61: an
+  instructor's ``cp -al`` backup beside the class folder gave every honest file 2 links, and each
+  was refused): this one read is the copy that is checked and run, and a learner cannot make a
+  link on the grading machine to a file they could not read;
 * the bytes come back with their SHA-256 (:class:`SubmissionBytes`): the static check, the
   sandbox's copy, the class gradebook's hash and the signed resume row all use these bytes
   and this digest, and nothing reads the path again.
@@ -82,8 +85,8 @@ def read_submission(path: os.PathLike, within: Optional[os.PathLike] = None,
         max_bytes: the size cap, checked on the descriptor before reading.
 
     Raises:
-        Unreadable: a link, a FIFO, a device, a folder, a file with other hard links, a file
-            over the cap, or one that cannot be opened; the message says which.
+        Unreadable: a symbolic link, a FIFO, a device, a folder, a file over the cap, or one that
+            cannot be opened; the message says which.
     """
     path = Path(path)
     try:
@@ -102,9 +105,6 @@ def read_submission(path: os.PathLike, within: Optional[os.PathLike] = None,
                     else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
                     else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
             raise Unreadable(f"{path.name} is {kind}, not a regular file")
-        if st.st_nlink != 1:
-            raise Unreadable(f"{path.name} has {st.st_nlink} hard links (another name for a file elsewhere): "
-                             "submit a copy of the file itself")
         if st.st_size > max_bytes:
             raise Unreadable(f"{path.name} is {st.st_size:,} bytes; a lab file is at most {max_bytes:,}")
         os.set_blocking(fd, True)

@@ -11,7 +11,10 @@ What comes out, in ``OUTDIR``:
 
 * ``grades.csv``: one row per learner, sorted: learner, total, max, points per exercise,
   named mistakes, seed, seconds, status (``graded`` / ``timed out`` / ``could not be read``), run;
-* ``<learner>/results.json``: Gradescope's schema, as ``attnlab grade FILE --json`` writes it;
+* ``<learner>/results.json``: Gradescope's schema, as ``attnlab grade FILE --json`` writes it, and
+  ``<learner>/feedback.html``: all a learner's folder holds (what they may read);
+* ``.attnlab/`` (0700): the instructor's state, never in a learner's folder: the class key, the
+  rows' signing key and each learner's signed row (``rows/<learner>.json``, with their seed);
 * ``report.html``: one self-contained page (:mod:`attnlab.grading.classroom.report`);
 * ``skipped.txt``: what in ``DIR`` was not a submission, and why.
 
@@ -22,15 +25,17 @@ says which was taken), and ``DIR/<learner>.py`` (``.ipynb``, ``.zip``). Hidden e
 links, other files, empty folders, another lab's submissions (in a mixed class: the lab most
 learners hold is graded) and a learner present twice are skipped with a reason.
 
-Inputs no learner can know in advance: each learner's seed is an HMAC-SHA256 of the class's
-secret key (``OUT/.attnlab-class-key``, 0600, made on the first run into ``OUT`` and kept with
-the gradebook like the resume key) over the class seed and the learner's name
-(:func:`learner_seed`). Without ``seed`` a class seed is drawn for each run; with it, a rerun
-into the same ``OUT`` (the same key) gives the same inputs and grades, and into another ``OUT``
-other ones. The seeds are in grades.csv, for the instructor; a learner's results.json and
+Inputs no learner can know in advance: each learner's inputs derive from an HMAC-SHA256 of the
+class's secret key (``OUT/.attnlab/class-key``, 0600, made on the first run into ``OUT`` and kept
+with the gradebook like the resume key) over the class seed and the learner's name
+(:func:`learner_key`), with each exercise's id and the SHA-256 of the bytes graded
+(:mod:`attnlab.grading.inputs`): a regrade of changed bytes draws new inputs. Without ``seed`` a
+class seed is drawn for each run; with it, a rerun of the same bytes into the same ``OUT`` (the
+same key) gives the same inputs and grades, and into another ``OUT`` other ones. A short seed per
+learner (:func:`learner_seed`) is in grades.csv, for the instructor; a learner's results.json and
 feedback page show a run id, never a seed.
-``resume``: learners whose ``row.json`` an earlier run into the same ``out`` wrote are not graded
-again; each row is signed (HMAC-SHA256 with a key kept in ``out``, over the row and the
+``resume``: learners whose row an earlier run into the same ``out`` wrote are not graded again;
+each row is signed (HMAC-SHA256 with a key kept in ``out/.attnlab``, over the row and the
 submission's content), so a planted or stale row is graded anew, and ``out`` must lie outside
 the class folder.
 """
@@ -55,13 +60,14 @@ from typing import Callable, Optional
 
 from attnlab import labs
 from attnlab.grading import intake
+from attnlab.grading.classroom import names
 from attnlab.grading.grader import GradeReport, grade
 from attnlab.grading.output import sanitise, write_atomically, write_json, write_text
 from attnlab.grading.sandbox import Limits, pool, printable
 from attnlab.grading.submission import read_submission
 
 __all__ = ["Submission", "Skipped", "Row", "ClassResult", "ClassPlan", "ClassRefused", "find_submissions",
-           "grade_class", "plan_class", "infer_lab", "learner_seed", "name_problem", "folder_name", "identity", "class_key", "CLASS_KEY_FILE", "SUBMISSION_FILE",
+           "grade_class", "plan_class", "infer_lab", "learner_seed", "learner_key", "private_dir", "PRIVATE_DIR", "ROWS_DIR", "name_problem", "folder_name", "identity", "class_key", "CLASS_KEY_FILE", "SUBMISSION_FILE",
            "STATUSES"]
 
 SUBMISSION_FILE = "attention.py"
@@ -168,9 +174,10 @@ SUFFIXES = (".py", ".ipynb", ".zip")  # what a DIR/<learner>.<suffix> submission
 
 
 def identity(learner: str) -> str:
-    """Who a name stands for: Unicode-normalised (NFKC), case-folded, an LMS copy's `` (N)``
-    dropped. Two entries of one class with the same identity are one learner twice."""
-    return re.sub(r"\s*\(\d{1,3}\)$", "", unicodedata.normalize("NFKC", learner).casefold()).strip()
+    """Who a name stands for, to the eye (:func:`.names.identity`: NFKC, case-folded, invisible code
+    points removed, look-alikes folded by Unicode's skeleton, an LMS copy's `` (N)`` dropped). Two
+    entries of one class with the same identity are one learner twice."""
+    return names.identity(learner)
 
 
 def find_submissions(folder: os.PathLike, file: str = SUBMISSION_FILE,
@@ -349,6 +356,13 @@ def plan_class(folder: os.PathLike, out: Optional[os.PathLike] = None, *,
     return ClassPlan(the_lab, submissions, skipped)
 
 
+def learner_key(key: bytes, seed: int, learner: str) -> bytes:
+    """The secret one learner's inputs derive from (:mod:`attnlab.grading.inputs`, with each
+    exercise and the submission's digest): HMAC-SHA256 of the class's secret ``key`` over the class
+    ``seed`` and the learner's name, all 256 bits of it."""
+    return hmac.new(key, f"inputs:{seed}:{learner}".encode("utf-8", "surrogateescape"), hashlib.sha256).digest()
+
+
 def learner_seed(key: bytes, seed: int, learner: str) -> int:
     """The inputs' seed of one learner: HMAC-SHA256 of the class's secret ``key`` over the class
     ``seed`` and the learner's name, as a 62-bit integer. The same for the same key and seed,
@@ -429,13 +443,28 @@ def flag_similar(rows: list[Row], stub_shape: str = "") -> None:
                 r.similar = sorted(o.learner for o in group if o is not r)
 
 
-KEY_FILE = ".attnlab-resume-key"  # in OUT: the HMAC key of this gradebook's rows (never in a learner's reach)
-CLASS_KEY_FILE = ".attnlab-class-key"  # in OUT: the key learners' inputs are derived from (learner_seed)
+PRIVATE_DIR = ".attnlab"  # in OUT (0700): the instructor's state; a learner is handed only their own folder
+KEY_FILE = f"{PRIVATE_DIR}/resume-key"  # the HMAC key of this gradebook's rows
+CLASS_KEY_FILE = f"{PRIVATE_DIR}/class-key"  # the key learners' inputs are derived from (learner_key)
+ROWS_DIR = f"{PRIVATE_DIR}/rows"  # each learner's signed row, with their seed: never in their folder
+_OLD_NAMES = {KEY_FILE: ".attnlab-resume-key", CLASS_KEY_FILE: ".attnlab-class-key"}  # before issue 61
+
+
+def private_dir(out: Path) -> Path:
+    """OUT's private part (:data:`PRIVATE_DIR`, 0700), made when missing."""
+    path = Path(out) / PRIVATE_DIR
+    path.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
 
 
 def _resume_key(out: Path, name: str = KEY_FILE) -> bytes:
     """The key ``name`` of this OUT (the rows' signing key, the class key), made on the first run (0600)."""
+    private_dir(out)
     path = out / name
+    old = out / _OLD_NAMES.get(name, name)
+    if not path.exists() and old.is_file() and not old.is_symlink():  # a gradebook made before: its key moves in
+        os.replace(old, path)
     try:
         key = path.read_bytes()
         if len(key) == 32:
@@ -472,10 +501,10 @@ def _source_digest(path: Path, within: Optional[Path] = None) -> str:
 
 
 def _done_row(out: Path, sub: Submission, key: bytes, within: Optional[Path] = None) -> Optional[Row]:
-    """A learner finished by an earlier run (``row.json`` is written last, after results.json),
+    """A learner finished by an earlier run (their row is written last, after results.json),
     trusted only when its signature verifies with this OUT's key for this submission's content."""
     try:
-        data = json.loads((out / sub.folder / "row.json").read_text(encoding="utf-8"))
+        data = json.loads(_row_path(out, sub).read_text(encoding="utf-8"))
         signature = data.pop("hmac")
         current = _source_digest(sub.path, within)
         if not current or not hmac.compare_digest(str(signature), _signature(key, data, current)):
@@ -484,6 +513,11 @@ def _done_row(out: Path, sub: Submission, key: bytes, within: Optional[Path] = N
         return row if row.learner == sub.learner else None
     except (OSError, ValueError, TypeError):
         return None
+
+
+def _row_path(out: Path, sub: Submission) -> Path:
+    """Where the learner's signed row lives: OUT's private part, never their own folder."""
+    return Path(out) / ROWS_DIR / f"{sub.folder}.json"
 
 
 def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: Optional[int] = None,
@@ -509,6 +543,7 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
     base = seed if seed is not None else secrets.randbelow(2**31)
     key = _resume_key(out)
     secret = class_key(out)
+    (private_dir(out) / "rows").mkdir(mode=0o700, exist_ok=True)
     rows: dict[str, Row] = {}
     todo = []
     for sub in submissions:
@@ -535,21 +570,23 @@ def grade_class(folder: os.PathLike, out: os.PathLike, *, jobs: int = 2, seed: O
     def graded(sub: Submission) -> None:
         folder_out = out / sub.folder
         folder_out.mkdir(exist_ok=True)
-        (folder_out / "row.json").unlink(missing_ok=True)
+        _row_path(out, sub).unlink(missing_ok=True)
+        (folder_out / "row.json").unlink(missing_ok=True)  # where an earlier attnlab kept it, seed and all
         results = folder_out / "results.json"
 
         def checkpoint(report: GradeReport) -> None:
             write_json(results, report.to_gradescope())
 
         report = grade(sub.path, limits=limits, total_timeout_s=total_timeout_s, seed=learner_seed(secret, base, sub.learner),
-                       sandbox=sandbox, untrusted=sandbox != "none", checkpoint=checkpoint, lab=the_lab,
-                       within=folder, note=f"graded {sub.how}" if sub.how else "")
+                       inputs_key=learner_key(secret, base, sub.learner), sandbox=sandbox, untrusted=sandbox != "none",
+                       checkpoint=checkpoint, lab=the_lab, within=folder,
+                       note=f"graded {sub.how}" if sub.how else "")
         checkpoint(report)
         write_feedback(folder_out / "feedback.html", sub.learner, report)
         row = _row(sub.learner, report, the_lab, sub.folder)
         # signed over the digest of the bytes that were graded, never over a second read
         signed = {**asdict(row), "hmac": _signature(key, asdict(row), report.source_sha256)}
-        write_atomically(folder_out / "row.json", json.dumps(signed, ensure_ascii=False) + "\n")
+        write_atomically(_row_path(out, sub), json.dumps(signed, ensure_ascii=False) + "\n")
         with lock:
             rows[sub.learner] = row
             finished[0] += 1

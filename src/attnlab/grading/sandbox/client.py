@@ -64,6 +64,9 @@ class Limits:
     submission_memory_mb: int = 2048  # all processes of the submission together (cgroup, where available)
     max_procs: int = 64  # processes of the submission together (cgroup or RLIMIT_NPROC)
     file_mb: int = 16  # largest file a child may write (in its private /tmp)
+    # where the seccomp filter cannot be installed, learner code does not run (fail closed) unless the
+    # instructor allows it here (attnlab grade --seccomp-optional); every report then says so
+    seccomp_optional: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class Outcome:
     cpu_s: float = 0.0  # CPU time of the task's process (what the time budget counts)
     environment: str = ""  # set when the sandbox itself could not start here: the grader's problem, not the learner's
     launches: dict[str, int] = field(default_factory=dict)  # kernel name -> launches of the learner's kernels (lab 05)
+    unfiltered: str = ""  # why the child ran without its seccomp filter (Limits.seccomp_optional allowed it)
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
@@ -126,7 +130,7 @@ def clean_text(text: Any, limit: int = MAX_TEXT) -> str:
 
 _DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool, torch.uint8, torch.int8,
            torch.int16, torch.int32, torch.int64}
-_STATUSES = {"ok", "import_error", "exit", "protocol"}
+_STATUSES = {"ok", "import_error", "exit", "protocol", "no_filter"}
 
 
 class BadMessage(ValueError):
@@ -186,7 +190,7 @@ def validate_message(msg: Any, n_calls: int) -> None:
     """Raise :class:`BadMessage` unless ``msg`` is exactly what the runner's child
     (:mod:`.server`) sends for ``n_calls`` calls."""
     if not isinstance(msg, dict) or not set(msg) <= {"status", "results", "violations", "message", "traceback",
-                                                     "launches"}:
+                                                     "launches", "unfiltered"}:
         raise BadMessage("the message is not a dict of the known fields")
     launches = msg.get("launches", {})
     if not isinstance(launches, dict) or len(launches) > 64 or not all(
@@ -194,7 +198,7 @@ def validate_message(msg: Any, n_calls: int) -> None:
         raise BadMessage("launches is not a short map of kernel names to counts")
     if msg.get("status") not in _STATUSES:
         raise BadMessage(f"unknown status {str(msg.get('status'))[:40]!r}")
-    for key in ("message", "traceback"):
+    for key in ("message", "traceback", "unfiltered"):
         if key in msg:
             _check_str(msg[key], key)
     violations = msg.get("violations", [])
@@ -209,8 +213,10 @@ def validate_message(msg: Any, n_calls: int) -> None:
     for r in results:
         if not isinstance(r, dict):
             raise BadMessage("a result that is not a dict")
-        if "value" in r and set(r) <= {"value", "mutated"}:
+        if "value" in r and set(r) <= {"value", "mutated", "unwritten"}:
             _check_value(r["value"], budget)
+            if type(r.get("unwritten", 0)) is not int or not 0 <= r.get("unwritten", 0) < 2**40:
+                raise BadMessage("unwritten is not a count")
             mutated = r.get("mutated", [])
             if not isinstance(mutated, list) or len(mutated) > 8:
                 raise BadMessage("a list of changed inputs that is not a short list")
@@ -339,13 +345,16 @@ class Sandbox:
         return server
 
     def run(self, calls: list[Call], *, policy: bool = True, timeout_s: Optional[float] = None,
-            limits: Optional[Limits] = None) -> Outcome:
+            limits: Optional[Limits] = None, exempt: tuple[str, ...] = ()) -> Outcome:
         """Run ``calls`` on the learner's module in a fresh child; never raises for the learner's sake.
-        ``limits``: this task's own (an exercise with a tighter memory cap); default the sandbox's."""
-        return self.finish(self.start(calls, policy=policy, timeout_s=timeout_s, limits=limits))
+        ``limits``: this task's own (an exercise with a tighter memory cap); default the sandbox's.
+        The call recorder is on in every child; ``policy=False`` judges nothing it records (the
+        sandbox's own tests), ``exempt``: the learner functions in whose call path (every learner
+        frame) torch's attention is allowed (:class:`.recorder.Policy`)."""
+        return self.finish(self.start(calls, policy=policy, timeout_s=timeout_s, limits=limits, exempt=exempt))
 
     def start(self, calls: list[Call], *, policy: bool = True, timeout_s: Optional[float] = None,
-              limits: Optional[Limits] = None) -> "Task":
+              limits: Optional[Limits] = None, exempt: tuple[str, ...] = ()) -> "Task":
         """Send ``calls`` to a fresh child and return at once; :meth:`finish` waits for its outcome.
         The grader's own work (judging the task before, preparing the next) runs meanwhile on the
         other core. One task at a time: finish it before the next start. Never raises for the
@@ -366,7 +375,8 @@ class Sandbox:
             task_limits = {**dataclasses.asdict(limits), "timeout_s": float(timeout)}
             wire = [{"function": c.function, "args": tuple(c.args), "kwargs": dict(c.kwargs)} for c in task.calls]
             self._cpu0 = self._cgroup_cpu(server)  # before the task starts
-            write_frame(server.request_fd, encode_request("run", calls=wire, policy=policy, limits=task_limits,
+            write_frame(server.request_fd, encode_request("run", calls=wire, policy=policy, exempt=list(exempt),
+                                                          limits=task_limits,
                                                           seccomp=seccomp.route()))  # its environment is cleared
         except (EOFError, OSError, ValueError) as exc:
             self.close()
@@ -480,12 +490,17 @@ class Sandbox:
         except Exception as exc:
             return Outcome("protocol", message=f"the child's answer was refused: {clean_text(exc, 300)}",
                            output=output, elapsed_s=elapsed)
+        if msg["status"] == "no_filter":  # nothing of the learner's ran: the grading machine's problem
+            why = clean_text(msg.get("message", ""), 300)
+            return Outcome("protocol", message=why, output=output, elapsed_s=elapsed, environment=why)
         results = []
         for r in msg.get("results", []):
             if "value" in r:
                 results.append({"value": _restore(r["value"])})
                 if r.get("mutated"):  # the learner's function changed these inputs in place
                     results[-1]["mutated"] = [clean_text(name, 40) for name in r["mutated"]]
+                if "unwritten" in r:  # lab 05: elements of the answer its kernels did not store
+                    results[-1]["unwritten"] = r["unwritten"]
             else:
                 results.append({"error": clean_text(r["error"]), "traceback": clean_text(r.get("traceback", "")),
                                 "memory": r.get("memory", False)})
@@ -493,7 +508,8 @@ class Sandbox:
                        traceback=clean_text(msg.get("traceback", "")),
                        violations=[clean_text(v, 200) for v in msg.get("violations", [])],
                        output=output, elapsed_s=elapsed,
-                       launches={clean_text(k, 100): n for k, n in msg.get("launches", {}).items()})
+                       launches={clean_text(k, 100): n for k, n in msg.get("launches", {}).items()},
+                       unfiltered=clean_text(msg.get("unfiltered", ""), 300))
 
     def _failure(self, exitcode: int, output: str, elapsed: float, timeout: float = 0.0) -> Outcome:
         if exitcode < 0:

@@ -29,14 +29,107 @@ def count_launches(path: str) -> dict:
 
     def counted(self, *args, **kwargs):
         code = getattr(getattr(self, "fn", None), "__code__", None)
-        if code is not None and code.co_filename == path and not kwargs.get("warmup"):
+        learner = code is not None and code.co_filename == path and not kwargs.get("warmup")
+        if learner:
             name = str(self.fn.__name__)[:100]
             if name in counts or len(counts) < MAX_KERNELS:
                 counts[name] = counts.get(name, 0) + 1
-        return run(self, *args, **kwargs)
+        outer = _LEARNER[0]
+        _LEARNER[0] = outer or learner  # a launch inside a learner's launch is theirs too
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            _LEARNER[0] = outer
 
     interpreter.InterpretedFunction.run = counted
+    _record_stores()
     return counts
+
+
+# ------------------------------------------------------------------ causal evidence (issue 61)
+# A launch counted is not an answer made: a kernel launched once on a one-element tensor, beside
+# torch's answer, was counted. So every store of a learner's kernel in the running call is recorded
+# (the addresses of its active lanes and the bytes written there), and an answer counts only where
+# each of its elements is at an address one of those stores wrote last with the bytes it holds now
+# (:func:`unwritten`): a dummy launch, a partial write, and torch writing after the kernel all leave
+# elements that fail.
+_LEARNER = [False]  # a learner's kernel is running
+_STORES: list = []  # (addresses uint64 (n,), bytes uint8 (n, itemsize)) of each learner store of this call
+
+
+def _record_stores() -> bool:
+    """Wrap the interpreter's masked store (outermost, after :func:`guard_pointers`) to record what
+    a learner's kernel writes. True when installed."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    builder = type(interpreter.interpreter_builder)
+    store = getattr(builder, "create_masked_store", None)
+    if store is None:
+        return False
+    if getattr(store, "attnlab_record", False):
+        return True
+
+    def create_masked_store(self, ptrs, value, mask, cache_policy):
+        out = store(self, ptrs, value, mask, cache_policy)  # raises first for a store out of bounds
+        if _LEARNER[0]:
+            itemsize = np.dtype(_np_dtype(ptrs.get_element_ty())).itemsize
+            addrs = np.asarray(ptrs.data).reshape(-1).astype(np.uint64)
+            data = np.ascontiguousarray(np.broadcast_to(np.asarray(value.data), np.asarray(ptrs.data).shape))
+            rows = data.reshape(-1).view(np.uint8).reshape(-1, data.dtype.itemsize)
+            active = (np.ones(addrs.shape, dtype=bool) if mask is None
+                      else np.broadcast_to(np.asarray(mask.data), np.asarray(ptrs.data).shape).reshape(-1))
+            if rows.shape[1] == itemsize:
+                _STORES.append((addrs[active], rows[active]))
+        return out
+
+    create_masked_store.attnlab_record = True
+    builder.create_masked_store = create_masked_store
+    return True
+
+
+def recording() -> bool:
+    """Whether this child records its learner kernels' stores (Triton's interpreter is in use)."""
+    interpreter = sys.modules.get("triton.runtime.interpreter")  # never imported here: labs 01-04 pay nothing
+    builder = getattr(interpreter, "interpreter_builder", None)
+    return builder is not None and getattr(getattr(type(builder), "create_masked_store", None), "attnlab_record",
+                                           False)
+
+
+def forget_stores() -> None:
+    """A new call starts: what earlier calls' kernels wrote is not its answer."""
+    _STORES.clear()
+
+
+def unwritten(address: int, shape: list, stride: list, itemsize: int, data: bytes) -> int:
+    """How many elements of a returned tensor (its first element's ``address``, ``shape``,
+    ``stride`` in elements, ``itemsize``, and its elements' bytes now in row-major order, ``data``)
+    were not written last, with exactly these bytes, by a store of the learner's kernels in this call."""
+    import numpy as np
+
+    n = len(data) // itemsize if itemsize else 0
+    if n == 0:
+        return 0
+    stores = [(a, v) for a, v in _STORES if v.shape[1] == itemsize and len(a)]
+    if not stores:
+        return n
+    offsets = np.zeros(1, dtype=np.int64)
+    for size, step in zip(shape, stride):
+        offsets = (offsets[:, None] + np.arange(size, dtype=np.int64)[None, :] * step).reshape(-1)
+    addrs = (np.int64(address) + offsets * itemsize).astype(np.uint64)
+    written = np.concatenate([a for a, _ in stores])
+    values = np.concatenate([v for _, v in stores])
+    # the last store to each address: unique over the reversed order keeps each address's last write
+    rev = written[::-1]
+    unique, first_in_rev = np.unique(rev, return_index=True)
+    last = len(written) - 1 - first_in_rev
+    pos = np.minimum(np.searchsorted(unique, addrs), len(unique) - 1)
+    found = unique[pos] == addrs
+    now = np.frombuffer(data, dtype=np.uint8).reshape(n, itemsize)
+    same = np.all(values[last[pos]] == now, axis=1)
+    return int((~(found & same)).sum())
 
 
 def warm_triton_interpreter() -> bool:

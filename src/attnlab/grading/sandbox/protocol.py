@@ -32,12 +32,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["BadPayload", "encode_message", "decode_message", "bounded_json", "encode_request", "decode_request",
-           "MAX_HEADER_BYTES", "MAX_ELEMENTS", "MAX_DEPTH", "MAX_NODES", "MAX_REQUEST_BYTES"]
+__all__ = ["BadPayload", "Frozen", "freeze", "encode_message", "decode_message", "bounded_json", "encode_request",
+           "decode_request", "MAX_HEADER_BYTES", "MAX_ELEMENTS", "MAX_DEPTH", "MAX_NODES", "MAX_REQUEST_BYTES"]
 
 MAX_HEADER_BYTES = 1 << 20  # the JSON header, the message included (a result's text is capped at 4000 chars)
 MAX_ELEMENTS = 1 << 23  # tensor elements in one message, all tensors together (64 MB of float64)
-MAX_DEPTH = 12  # JSON nesting: the message's own is at most 9 (results > value > seq > dict > ...)
+# JSON nesting: a message is at most 16 deep (3 down to a value, 2 for each of _portable's 6 container
+# levels, 1 for a leaf); 12 refused a learner's answer of lists 5 deep whole (issue 61's fuzz tier)
+MAX_DEPTH = 20
 MAX_NODES = 100_000  # JSON values in one message
 MAX_REQUEST_BYTES = 1 << 26  # one request from the grader: a 1 MB source, or a task's inputs
 
@@ -46,6 +48,68 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 _NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+# --------------------------------------------------------------------------- #
+# The trust boundary in the child (issue 61): what a learner's process can rebind is never called
+# --------------------------------------------------------------------------- #
+# Captured when this module is imported, in the zygote, before any learner code has run. A learner
+# who rebinds torch.Tensor.detach, .clone, .numpy or .device (a store the static rule refuses, but a
+# rule checked on the text is not a fence) changes torch.Tensor's own dict; these are the methods
+# of torch._C.TensorBase, an immutable C type, and numpy's, another ("cannot set 'detach' attribute
+# of immutable type"). They are called on an object whose type is exactly torch.Tensor, with
+# __torch_function__ switched off: a mode on the stack (the grader's own recorder too) is handed the
+# method as torch.Tensor's attribute *of that name*, the rebound one. The dispatch-level recorder
+# stays on and sees the ATen kernels, which no Python name reaches.
+_TENSOR = torch.Tensor
+_BASE = torch._C.TensorBase
+_DETACH, _CLONE, _CPU, _RESHAPE, _VIEW, _NUMPY = (_BASE.detach, _BASE.clone, _BASE.cpu, _BASE.reshape, _BASE.view,
+                                                  _BASE.numpy)
+_DTYPE, _SHAPE, _STRIDE, _NUMEL = (_BASE.__dict__["dtype"].__get__, _BASE.__dict__["shape"].__get__, _BASE.stride,
+                                   _BASE.numel)
+_DATA_PTR, _ELEMENT_SIZE = _BASE.data_ptr, _BASE.element_size
+_TOBYTES = __import__("numpy").ndarray.tobytes
+_UINT8, _CONTIGUOUS = torch.uint8, torch.contiguous_format
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+_type, _list, _int, _len = type, list, int, len
+
+
+class Frozen:
+    """A tensor's answer as bytes: its dtype's safetensors name, its shape, its strides and its
+    elements in row-major order, copied by the captured functions above (:func:`freeze`), with
+    where the learner's tensor keeps its first element (``address``, ``itemsize``: lab 05 asks
+    whether its kernels stored there). What leaves the child is this, never the learner's object."""
+
+    __slots__ = ("dtype", "shape", "stride", "data", "address", "itemsize")
+
+    def __init__(self, dtype: str, shape: list, stride: list, data: bytes, address: int = 0,
+                 itemsize: int = 0) -> None:
+        self.dtype, self.shape, self.stride, self.data = dtype, shape, stride, data
+        self.address, self.itemsize = address, itemsize
+
+    def __eq__(self, other: Any) -> bool:  # the same bytes: what _changed asks of an input
+        return (_type(other) is Frozen and self.dtype == other.dtype and self.shape == other.shape
+                and self.stride == other.stride and self.data == other.data)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def freeze(value: Any) -> "Frozen | str":
+    """``value``'s bytes as a :class:`Frozen` when its type is exactly ``torch.Tensor`` (on the CPU,
+    of a dtype a message carries), else why not (a string). Calls nothing the learner can rebind."""
+    if _type(value) is not _TENSOR:
+        return f"a {_type(value).__name__[:60]}, not a plain torch.Tensor"
+    dtype = _DTYPE(value)
+    if dtype not in _NAMES:
+        return f"a tensor of dtype {str(dtype)[:30]}"
+    try:
+        with _NO_TORCH_FUNCTION():
+            flat = _CLONE(_CPU(_DETACH(value)), memory_format=_CONTIGUOUS)  # ours: the learner holds no alias
+            data = _TOBYTES(_NUMPY(_VIEW(_RESHAPE(flat, (-1,)), _UINT8))) if _NUMEL(flat) else b""
+            return Frozen(_NAMES[dtype], [_int(d) for d in _SHAPE(value)], _list(_STRIDE(value)), data,
+                          _DATA_PTR(value), _ELEMENT_SIZE(value))
+    except Exception as exc:  # sparse, quantised, meta, a storage freed: a tensor whose bytes cannot be read
+        return f"a tensor whose elements cannot be read ({_type(exc).__name__[:40]})"
 
 
 class BadPayload(ValueError):
@@ -103,11 +167,16 @@ def encode_message(message: Any) -> bytes:
     """The child's message as one safetensors file: every tensor (dense, contiguous, CPU)
     stored once, the rest as JSON in ``__metadata__["message"]``. Raises ``TypeError`` for a
     value JSON cannot hold."""
-    tensors: list[torch.Tensor] = []
+    tensors: list[Frozen] = []
 
     def walk(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            tensors.append(v.detach().cpu().contiguous())
+        if isinstance(v, torch.Tensor):  # the grader's own tensors (a request); a child sends Frozen only
+            frozen = freeze(v if type(v) is torch.Tensor else v.detach().as_subclass(torch.Tensor))
+            if not isinstance(frozen, Frozen):
+                raise TypeError(f"cannot send {frozen}")
+            v = frozen
+        if isinstance(v, Frozen):
+            tensors.append(v)
             return {"__tensor__": f"t{len(tensors) - 1}"}
         if isinstance(v, dict):
             return {str(k): walk(x) for k, x in v.items()}
@@ -124,10 +193,8 @@ def encode_message(message: Any) -> bytes:
     offset = 0
     blobs = []
     for i, t in enumerate(tensors):
-        if t.dtype not in _NAMES:
-            raise TypeError(f"cannot send a tensor of dtype {t.dtype}")
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[f"t{i}"] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        raw = t.data
+        header[f"t{i}"] = {"dtype": t.dtype, "shape": t.shape, "data_offsets": [offset, offset + len(raw)]}
         blobs.append(raw)
         offset += len(raw)
     head = json.dumps(header).encode()

@@ -1,5 +1,14 @@
 """The from-scratch policy: record every torch call and flag the forbidden ones.
 
+The recorders are on in every child that runs learner code, from before the file's module body
+until the answers are bytes (:func:`.protocol.freeze`). Where an exercise allows torch's
+attention (``compare_with_sdpa``), the allowance belongs to a call path, not to a function: a
+forbidden call counts only when some learner frame on the stack is outside the exempt functions
+(:meth:`Policy.exempt_here`), so ``self_attention`` reaching SDPA *through* ``compare_with_sdpa``
+is a violation even while ``compare_with_sdpa`` is the exercise being graded. And what the file
+rebinds on torch (``torch.Tensor.detach = f``) is reported as a violation of its own
+(:meth:`Policy.patched`): evidence, like every record made in the learner's process.
+
 Two recorders run together. :class:`FunctionRecorder` (a ``TorchFunctionMode``)
 sees Python-level torch functions and ``Tensor`` methods under any alias
 (``torch.softmax``, ``F.softmax``, ``x.softmax``, ``torch.special.softmax``,
@@ -11,8 +20,11 @@ too.
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, Optional
 
+import torch
+import torch.nn.functional
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -36,12 +48,15 @@ def _name(func: Any) -> str:
 class FunctionRecorder(TorchFunctionMode):
     """Records the name of every torch function and Tensor method called inside it."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: Optional["Policy"] = None) -> None:
         super().__init__()
         self.names: list[str] = []
+        self.policy = policy
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.names.append(_name(func))
+        name = _name(func)
+        if self.policy is None or not self.policy.exempt_here(name):
+            self.names.append(name)
         return func(*args, **(kwargs or {}))
 
 
@@ -54,21 +69,70 @@ class KernelRecorder(TorchDispatchMode):
         # imports torch._dynamo on first use (~1 s). Nothing here is compiled.
         return False
 
-    def __init__(self) -> None:
+    def __init__(self, policy: Optional["Policy"] = None) -> None:
         super().__init__()
         self.names: list[str] = []
+        self.policy = policy
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
+        name = str(func)
+        if self.policy is None or not self.policy.exempt_here(name):
+            self.names.append(name)
         return func(*args, **(kwargs or {}))
 
 
-class Policy:
-    """Both recorders at once: ``with Policy() as p: ...; p.violations()``."""
+# What a file may not rebind: torch's namespaces whose functions and methods the grader's child and
+# torch itself call. For the modules, an entry replaced or deleted (a lazily imported submodule adds
+# one, harmlessly); for torch.Tensor, any change at all.
+_WATCHED = (("torch", torch, False), ("torch.nn.functional", torch.nn.functional, False),
+            ("torch.Tensor", torch.Tensor, True))
+_getframe = sys._getframe
 
-    def __init__(self) -> None:
-        self.functions = FunctionRecorder()
-        self.kernels = KernelRecorder()
+
+def _snapshot() -> list[dict]:
+    return [dict(vars(obj)) for _, obj, _ in _WATCHED]
+
+
+class Policy:
+    """Both recorders at once: ``with Policy() as p: ...; p.violations()``.
+
+    ``path``: the learner's file (its frames are the learner's); ``exempt``: the functions in
+    whose call path torch's attention is allowed (every learner frame on the stack must be one of
+    them, or a function nested in one); ``judged=False``: nothing is a violation (the sandbox's
+    own tests), though everything is still recorded."""
+
+    def __init__(self, path: str = "", exempt: tuple = (), judged: bool = True) -> None:
+        self.path, self.exempt, self.judged = path, frozenset(exempt), judged
+        self.functions = FunctionRecorder(self if self.exempt else None)
+        self.kernels = KernelRecorder(self if self.exempt else None)
+        self.before = _snapshot()
+
+    def exempt_here(self, name: str) -> bool:
+        """Whether a call of ``name`` (a forbidden one) is allowed where it is made now: every
+        learner frame on the stack belongs to an exempt function, and there is at least one."""
+        if not banned([name]):
+            return False
+        frame, seen = _getframe(1), False
+        while frame is not None:
+            code = frame.f_code
+            if code.co_filename == self.path:
+                seen = True
+                if getattr(code, "co_qualname", code.co_name).split(".")[0] not in self.exempt:
+                    return False
+            frame = frame.f_back
+        return seen
+
+    def patched(self) -> list[str]:
+        """What the file rebound on torch since this policy was made (evidence, never a fence)."""
+        out = []
+        for (label, obj, strict), before in zip(_WATCHED, self.before):
+            now = vars(obj)
+            for key, value in before.items():
+                if now.get(key, _MISSING) is not value:
+                    out.append(f"{label}.{key} (rebound by the file)")
+            if strict:
+                out += [f"{label}.{key} (added by the file)" for key in now if key not in before]
+        return sorted(out)[:16]
 
     def __enter__(self) -> "Policy":
         self.kernels.__enter__()
@@ -80,4 +144,9 @@ class Policy:
         self.kernels.__exit__(*exc)
 
     def violations(self) -> list[str]:
-        return banned(self.functions.names + self.kernels.names)
+        if not self.judged:
+            return []
+        return banned(self.functions.names + self.kernels.names) + self.patched()
+
+
+_MISSING = object()

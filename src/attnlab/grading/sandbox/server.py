@@ -91,23 +91,43 @@ def _cap(text: str) -> str:
     return text if len(text) <= MAX_TEXT else text[: MAX_TEXT // 2] + " [...] " + text[-MAX_TEXT // 2:]
 
 
+_type, _repr = type, repr
+_TYPE_NAME = type.__dict__["__name__"].__get__  # the class's own name, whatever its metaclass says
+_MRO = type.__dict__["__mro__"].__get__
+
+
 def _portable(value: Any, depth: int = 0) -> Any:
-    """Learner return values -> what :func:`protocol.encode_message` sends (JSON and dense tensors)."""
+    """Learner return values -> what :func:`protocol.encode_message` sends: exact JSON types built
+    here and :class:`protocol.Frozen` bytes for tensors. Only the value's exact type is looked at
+    (``type(v) is list``, never ``isinstance``, which asks the object's ``__class__``), and nothing
+    of the value's own is called: a subclass (of str, dict, torch.Tensor...) is unsupported, so no
+    method the learner wrote or rebound runs once their function has returned (issue 61)."""
     import torch
 
+    kind = _type(value)
     if depth > 5:
         return {"__unsupported__": "nested too deeply"}
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().clone().contiguous()
-    if isinstance(value, (bool, int, float)) or value is None:
+    if kind is torch.Tensor:
+        frozen = protocol.freeze(value)
+        return frozen if _type(frozen) is protocol.Frozen else {"__unsupported__": frozen[:100]}
+    if value is None or kind is bool or kind is int or kind is float:
         return value
-    if isinstance(value, str):
+    if kind is str:
         return value[:MAX_TEXT]
-    if isinstance(value, (tuple, list)):
-        return {"__seq__": [_portable(v, depth + 1) for v in value[:64]], "__tuple__": isinstance(value, tuple)}
-    if isinstance(value, dict):
-        return {"__dict__": {str(k)[:200]: _portable(v, depth + 1) for k, v in list(value.items())[:64]}}
-    return {"__unsupported__": type(value).__name__[:100]}
+    if kind is tuple or kind is list:
+        return {"__seq__": [_portable(v, depth + 1) for v in value[:64]], "__tuple__": kind is tuple}
+    if kind is dict:
+        items = []
+        for k, v in dict.items(value):
+            if len(items) == 64:
+                break
+            key = (k[:200] if _type(k) is str else _repr(k)[:200] if _type(k) in (int, bool, float)
+                   else f"<{_TYPE_NAME(_type(k))[:60]}>")  # a key of the learner's own type: named, never called
+            items.append((key, _portable(v, depth + 1)))
+        return {"__dict__": dict(items)}
+    if torch.Tensor in _MRO(kind):
+        return {"__unsupported__": f"{_TYPE_NAME(kind)[:60]} (a subclass of torch.Tensor: return a plain tensor)"}
+    return {"__unsupported__": _TYPE_NAME(kind)[:100]}
 
 
 def _vm_kb(status_fd: Optional[int] = None) -> int:
@@ -228,8 +248,10 @@ class _Done(Exception):
 
 
 def _inputs(fn: Any, call: dict) -> list:
-    """(name, tensor, a copy) of each tensor argument of ``call``, to see afterwards whether the
-    learner's function changed it in place (``scores.masked_fill_(...)`` on the caller's scores)."""
+    """(name, tensor, its bytes) of each tensor argument of ``call``, to see afterwards whether the
+    learner's function changed it in place (``scores.masked_fill_(...)`` on the caller's scores):
+    the bytes of :func:`protocol.freeze`, compared as bytes, so no method the learner may have
+    rebound is called to decide it."""
     import inspect
 
     import torch
@@ -241,27 +263,28 @@ def _inputs(fn: Any, call: dict) -> list:
     given = list(call["args"]) + list(call["kwargs"].values())
     out = []
     for i, arg in enumerate(given):
-        if isinstance(arg, torch.Tensor):
-            name = names[i] if i < len(names) else f"argument {i + 1}"
-            out.append((str(name)[:40], arg, (arg.detach().clone(), arg.shape, arg.stride())))
+        if _type(arg) is torch.Tensor:  # the grader's own arguments
+            name = names[i] if i < len(names) and _type(names[i]) is str else f"argument {i + 1}"
+            out.append((name[:40], arg, protocol.freeze(arg)))
     return out
 
 
-def _changed(tensor: Any, copy: tuple) -> bool:
-    import torch
-
-    data, shape, stride = copy
-    if tensor.shape != shape or tensor.stride() != stride:
-        return True
-    if tensor.is_floating_point():  # NaN and infinities are values a caller may pass (masked scores)
-        same = (torch.equal(tensor.isnan(), data.isnan()) and torch.equal(tensor.isposinf(), data.isposinf())
-                and torch.equal(tensor.isneginf(), data.isneginf())
-                and torch.equal(tensor.nan_to_num(0.0, 0.0, 0.0), data.nan_to_num(0.0, 0.0, 0.0)))
-        return not same
-    return not torch.equal(tensor, data)
+def _changed(tensor: Any, before: "protocol.Frozen") -> bool:
+    return not before == protocol.freeze(tensor)
 
 
-def _call_one(module: Any, call: dict, path: str, message: dict) -> None:
+def _frozen_in(value: Any) -> list:
+    """The :class:`protocol.Frozen` tensors of a :func:`_portable` value (our own structure)."""
+    if _type(value) is protocol.Frozen:
+        return [value]
+    if _type(value) is dict:
+        inner = value.get("__seq__", value.get("__dict__"))
+        items = inner if _type(inner) is list else list(inner.values()) if _type(inner) is dict else []
+        return [f for item in items for f in _frozen_in(item)]
+    return []
+
+
+def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = False) -> None:
     """One call's result (a value or an error) appended to ``message``; raises _Done on sys.exit."""
     fn = getattr(module, call["function"], None)
     if fn is None:
@@ -273,9 +296,15 @@ def _call_one(module: Any, call: dict, path: str, message: dict) -> None:
         return
     try:
         before = _inputs(fn, call)
+        if stores:
+            _interpreter().forget_stores()
         value = fn(*call["args"], **call["kwargs"])
         result = {"value": _portable(value)}
-        changed = [name for name, tensor, copy in before if _changed(tensor, copy)]
+        if stores:  # lab 05: how many elements of the answer its kernels did not store (interpreter.unwritten)
+            unwritten = _interpreter().unwritten
+            result["unwritten"] = sum(unwritten(f.address, f.shape, f.stride, f.itemsize, f.data)
+                                      for f in _frozen_in(result["value"]))
+        changed = [name for name, tensor, frozen in before if _changed(tensor, frozen)]
         if changed:  # evidence for the mistake 'mutates_input', like the recorders: never a fence
             result["mutated"] = changed[:8]
         message["results"].append(result)
@@ -368,29 +397,32 @@ def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir:
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
     _set_limits(task["limits"], sandboxed, vm_kb)
     signal.signal(signal.SIGPROF, lambda signum, frame: _stuck(frame, path))
+    unfiltered = ""
     try:  # before any learner code: no ptrace, pidfd_getfd, process_vm_*, namespaces or mounts
         if task["programs"] is not None:  # compiled by the zygote (seccomp.compiled)
             seccomp.install_compiled(task["programs"])
         else:
             seccomp.install(task["seccomp"])
             seccomp.install_learner_layer()  # pipes and epoll are counted per host uid: none for the learner
-    except OSError:  # a kernel without seccomp: the OS sandbox and the limits still hold
-        pass
+    except OSError as exc:  # fail closed: no learner code runs without the filter unless the instructor said so
+        unfiltered = f"the sandbox's seccomp filter could not be installed here ({exc.strerror or exc})"[:300]
+        if not getattr(task["limits"], "seccomp_optional", False):
+            _send(result_fd, {"status": "no_filter", "message": unfiltered, "results": [], "violations": []})
     if not sandboxed:
         sys.meta_path.insert(0, _RefuseAttnlab)
-    recorder = None
-    if task["policy"]:
-        try:
-            from . import recorder as _recorder
-        except ImportError:
-            import recorder as _recorder  # type: ignore[no-redef]
-        recorder = _recorder.Policy()
+    try:
+        from . import recorder as _recorder
+    except ImportError:
+        import recorder as _recorder  # type: ignore[no-redef]
+    # on in every child that runs learner code; the answers are bytes before it is switched off
+    recorder = _recorder.Policy(path, exempt=task["exempt"], judged=task["policy"])
 
     message: dict = {"status": "ok", "results": [], "violations": []}
+    if unfiltered:  # allowed by the instructor (Limits.seccomp_optional): said in every report
+        message["unfiltered"] = unfiltered
     launches = _interpreter().count_launches(path)
     try:
-        if recorder is not None:
-            recorder.__enter__()  # before the import: module-level code is watched too
+        recorder.__enter__()  # before the import: module-level code is watched too
         code, error = _LOADED
         module = types.ModuleType("learner_submission")  # fresh for every child
         module.__file__ = path
@@ -403,19 +435,24 @@ def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir:
                 traceback.format_exception_only(type(exc), exc)).strip()),
                 "traceback": _cap(_trim_traceback(exc, path)), "results": [], "violations": []}
             raise _Done() from None
+        stores = _interpreter().recording()
         for call in task["calls"]:
-            _call_one(module, call, path, message)
+            _call_one(module, call, path, message, stores)
     except _Done:
         pass
     finally:
-        if recorder is not None:
-            try:
-                recorder.__exit__(None, None, None)
-                message["violations"] = recorder.violations()
-            except Exception:  # the learner popped the recorders off the stack
-                message["violations"] = ["the grader's call recorder (it was removed or tampered with)"]
+        try:
+            recorder.__exit__(None, None, None)
+            message["violations"] = recorder.violations()
+        except Exception:  # the learner popped the recorders off the stack
+            message["violations"] = ["the grader's call recorder (it was removed or tampered with)"]
         if launches:
             message["launches"] = dict(launches)
+    _send(result_fd, message)
+
+
+def _send(result_fd: int, message: dict) -> None:
+    """Write the child's one message and end the child (no atexit handler the learner registered runs)."""
     try:
         payload = protocol.encode_message(message)  # safetensors + JSON: the grader parses nothing else
     except Exception as exc:
@@ -427,7 +464,7 @@ def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir:
     while data:
         data = data[os.write(result_fd, data):]
     os.close(result_fd)
-    os._exit(0)  # skip atexit handlers the learner may have registered
+    os._exit(0)
 
 
 # --------------------------------------------------------------------------- #
@@ -594,9 +631,10 @@ def _task(request: dict) -> dict:
     route = str(request.get("seccomp", ""))
     try:
         programs = seccomp.compiled(route) if route in seccomp.ROUTES or not route else None
-    except OSError:  # the child tries again itself, and goes on without a filter where that fails too
+    except OSError:  # the child tries again itself, and runs no learner code where that fails too
         programs = None
-    return {"calls": calls, "policy": bool(request["policy"]), "limits": SimpleNamespace(**request["limits"]),
+    return {"calls": calls, "policy": bool(request["policy"]), "exempt": tuple(request.get("exempt", ())),
+            "limits": SimpleNamespace(**request["limits"]),
             "seccomp": route, "programs": programs}
 
 
@@ -616,6 +654,7 @@ def prepare(interpreter: bool = True) -> None:
         from . import recorder  # noqa: F401
     except ImportError:
         import recorder  # type: ignore[no-redef] # noqa: F401
+    _interpreter()  # every child asks it whether kernels are counted (it imports only os and sys)
     _timer_calls()
     torch.set_num_threads(1)
     # the lazy parts of torch's CPU start (the GEMM dispatch, the first kernels), once, not in each child

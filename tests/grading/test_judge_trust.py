@@ -1,0 +1,408 @@
+"""The judge trusts nothing the learner's process can touch (issue 61).
+
+Each attack of the issue is a test here that failed on the code before it (the score or the
+value it names, measured on that code, is in its docstring), with the honest files beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.grading import Limits, grade
+from attnlab.grading.static import check_source
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB01 = ROOT / "labs/track1/01-attention"
+SOLUTION = (LAB01 / "solutions/attention.py").read_text()
+FAST = Limits(timeout_s=2.0)
+
+
+def _replace_function(source: str, name: str, new: str) -> str:
+    start = source.index(f"def {name}(")
+    end = source.index("\n\n\n", start)
+    return source[:start] + new.strip() + source[end:]
+
+
+def _grade(source: str, file: str = "attention.py", lab: str = "01", seed: int = 1):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / file
+        path.write_text(source)
+        return grade(path, lab=lab, sandbox="none", seed=seed)
+
+
+def _compare_with_softmax_door(source: str, body: str) -> str:
+    """compare_with_sdpa, the one function where torch's attention is written, with a side door."""
+    head = source.index('"""ex9')
+    head = source.index("\n", head) + 1
+    return source[:head] + body + source[head:]
+
+
+# the rebinding attack: clone arms a rebound detach, which the child's own serialisation then called
+# after the recorder was off; detach computed the softmax through compare_with_sdpa's allowance
+REBINDING = _compare_with_softmax_door(_replace_function(SOLUTION, "stable_softmax", '''
+def _fix(self):
+    return compare_with_sdpa(self, None, None, None)
+
+
+def _arm(self):
+    torch.Tensor.detach = _fix
+    return self * 1
+
+
+def stable_softmax(scores, dim=-1):
+    torch.Tensor.clone = _arm
+    return scores
+'''), "    if W_Q is None:\n        return torch.softmax(X, dim=-1)\n")
+
+# SDPA measured against itself: self_attention answers with compare_with_sdpa's SDPA
+THROUGH_THE_EXEMPT_FUNCTION = _replace_function(
+    _compare_with_softmax_door(SOLUTION, "    if W_Q is None:\n        return torch.nn.functional."
+                                         "scaled_dot_product_attention(X, W_K, W_V, attn_mask=mask)\n"),
+    "self_attention", '''
+def self_attention(X, W_Q, W_K, W_V, mask=None):
+    Q, K, V = project_qkv(X, W_Q, W_K, W_V)
+    return compare_with_sdpa(Q, None, K, V, mask), None
+''')
+
+
+def test_a_file_that_rebinds_torchs_methods_is_refused_whole():
+    """On the code before: 55/100 (ex12's row of weights computed by torch.softmax inside the
+    child's serialisation, after the recorder was off). Now the stores are refused by the rule."""
+    report = _grade(REBINDING)
+    assert report.score == 0, report.to_text()
+    assert "a store on torch.Tensor.detach" in report.problem and "a store on torch.Tensor.clone" in report.problem
+
+
+@pytest.mark.parametrize("source, refused", [
+    ("import torch\n\ndef f(x):\n    torch.Tensor.detach = f\n", "torch.Tensor.detach"),
+    ("import torch\n\ndef f(x):\n    setattr(torch.Tensor, 'clone', f)\n", "torch.Tensor.clone"),
+    ("import torch\n\ndef f(x):\n    delattr(torch.Tensor, 'clone')\n", "torch.Tensor.clone"),
+    ("import torch\n\ndef f(x):\n    del torch.Tensor.clone\n", "torch.Tensor.clone"),
+    ("import torch\n\ndef f(x):\n    T = torch.Tensor\n    T.clone = f\n", "T.clone"),
+    ("import torch\n\ndef f(x):\n    T = getattr(torch, 'Tensor')\n    T.clone = f\n", "T.clone"),
+    ("import torch\n\ndef f(x):\n    for T in (torch.Tensor,):\n        T.clone = f\n", "T.clone"),
+    ("from torch import Tensor\n\ndef f(x):\n    Tensor.clone = f\n", "Tensor.clone"),
+    ("import torch\n\ndef f(x):\n    x.exp().abs = f\n", "computed object"),
+    ("import torch\n\ndef f(x):\n    [x][0].clone = f\n", "computed object"),
+    ("import torch\n\ndef f(x):\n    x.__class__ = int\n", "__class__"),
+    ("import math\n\ndef f(x):\n    math.sqrt = abs\n", "math.sqrt"),
+])
+def test_a_store_on_what_the_file_did_not_make_is_refused_by_any_spelling(source, refused):
+    messages = [v.message for v in check_source(source).violations]
+    assert any(refused in m for m in messages), messages
+
+
+@pytest.mark.parametrize("source", [
+    "import torch\n\nclass F(torch.autograd.Function):\n    @staticmethod\n    def forward(ctx, q, causal):\n"
+    "        ctx.causal = causal\n        ctx.save_for_backward(q)\n        return q\n",
+    "import torch\n\nclass Box:\n    def __init__(self, s):\n        self.scale = s\n        self.scale += 1\n",
+    "import torch\n\nclass Box:\n    count = 0\n\ndef f(x):\n    Box.count = Box.count + 1\n    b = Box()\n"
+    "    b.seen = x\n    return x\n",
+])
+def test_stores_on_what_the_file_made_stay_allowed(source):
+    stores = [v for v in check_source(source).violations if "a store on" in v.message or "a delete on" in v.message]
+    assert stores == []
+
+
+@pytest.mark.subprocess
+def test_rebound_methods_never_shape_what_leaves_the_child(tmp_path):
+    """Whatever the file rebinds (here past the static rule, run straight in the sandbox), the answer
+    is its tensor's own bytes, copied by functions the child captured before the file ran, and the
+    rebinding is reported. On the code before: the value was the rebound detach's zeros."""
+    from attnlab.grading.sandbox import Call, Sandbox
+
+    path = tmp_path / "attention.py"
+    path.write_text("import torch\n\n\ndef zeros(self, *a, **k):\n    return torch.zeros(3)\n\n\n"
+                    "def answer():\n    for name in ('detach', 'clone', 'cpu', 'contiguous', 'numpy', 'reshape', 'view'):\n"
+                    "        setattr(torch.Tensor, name, zeros)\n    return torch.ones(3)\n")
+    with Sandbox(path, FAST, mode="none") as box:
+        outcome = box.run([Call("answer")])
+    assert outcome.status == "ok", outcome
+    assert torch.equal(outcome.results[0]["value"], torch.ones(3))
+    assert "torch.Tensor.detach (rebound by the file)" in outcome.violations, outcome.violations
+
+
+@pytest.mark.subprocess
+def test_a_tensor_subclass_or_a_lying_object_is_unsupported_and_runs_nothing(tmp_path):
+    """A returned subclass with its own __torch_function__, or an object whose __class__ says
+    Tensor, is an unsupported answer: none of its code runs in the child's serialisation."""
+    from attnlab.grading.sandbox import Call, Sandbox, Unsupported
+
+    path = tmp_path / "attention.py"
+    path.write_text("import torch\n\n\nclass Sneaky(torch.Tensor):\n    @classmethod\n"
+                    "    def __torch_function__(cls, func, types, args=(), kwargs=None):\n"
+                    "        return torch.softmax(torch.ones(3), 0)\n\n\n"
+                    "class Liar:\n    __class__ = torch.Tensor\n\n\n"
+                    "def answer():\n    return torch.ones(3).as_subclass(Sneaky)\n\n\n"
+                    "def lie():\n    return [Liar(), {'k': Liar()}]\n")
+    with Sandbox(path, FAST, mode="none") as box:
+        sub = box.run([Call("answer")])
+        lie = box.run([Call("lie")])
+    assert sub.status == "ok" and isinstance(sub.results[0]["value"], Unsupported), sub
+    assert "subclass of torch.Tensor" in sub.results[0]["value"].type_name
+    assert not sub.violations, sub.violations  # the subclass's softmax never ran
+    first, mapping = lie.results[0]["value"]
+    assert isinstance(first, Unsupported) and first.type_name == "Liar" and mapping["k"].type_name == "Liar"
+
+
+def test_sdpa_reached_through_the_exempt_function_is_a_violation():
+    """On the code before: 72/100, ex9 5/5 with SDPA measured against itself (ex9's child ran with
+    no recorder). The allowance now belongs to the call path: every learner frame on it must be
+    compare_with_sdpa's."""
+    report = _grade(THROUGH_THE_EXEMPT_FUNCTION)
+    scores = report.exercise_scores()
+    assert scores["ex9"][0] == 0 and scores["ex8"][0] == 0, report.to_text()
+    codes = {f["code"] for r in report.results if r.exercise.id == "ex9" for f in r.verdict.findings}
+    assert "policy" in codes
+
+
+def test_the_solution_still_scores_100_with_the_recorder_on_in_ex9():
+    report = _grade(SOLUTION)
+    assert report.score == 100, report.to_text()
+
+
+# ------------------------------------------------------------------ lab 05: answers traced to the kernels' stores
+LAB05 = (ROOT / "labs/track1/05-triton-flash/solutions/flash_triton.py").read_text()
+TORCH_ANSWER = '''
+def _torch_answer(q, k, v, is_causal):
+    r = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    s = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if is_causal:
+        keep = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool).tril(s.shape[-1] - s.shape[-2])
+        s = s.masked_fill(~keep, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp(s - m)
+    l = p.sum(dim=-1, keepdim=True)
+    return (p / l @ v.float()).to(q.dtype), (m + torch.log(l)).squeeze(-1)
+'''
+FORWARD_HEAD = '''
+def flash_forward(q, k, v, is_causal=False):
+    B, H, L, E = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty_like(q)
+    lse = torch.empty(B, H, L, dtype=torch.float32)
+'''
+FORGERIES = {
+    # each required kernel launched once, on one row of one head; the answer is torch's
+    "dummy_launch": FORWARD_HEAD + '''
+    attn_fwd_kernel[(1, 1)](q, k, v, torch.empty_like(q), torch.empty_like(lse), H, Hkv, 1, S,
+                            1.0 / math.sqrt(E), E=E, BQ=BLOCK_Q, BK=BLOCK_K, CAUSAL=is_causal)
+    return _torch_answer(q, k, v, is_causal)
+''',
+    # the kernel writes the first row tile of each head; torch fills in the rest
+    "partial_write": FORWARD_HEAD + '''
+    attn_fwd_kernel[(1, B * H)](q, k, v, o, lse, H, Hkv, L, S, 1.0 / math.sqrt(E), E=E, BQ=BLOCK_Q, BK=BLOCK_K,
+                                CAUSAL=is_causal)
+    want_o, want_lse = _torch_answer(q, k, v, is_causal)
+    o[:, :, BLOCK_Q:] = want_o[:, :, BLOCK_Q:]
+    lse[:, :, BLOCK_Q:] = want_lse[:, :, BLOCK_Q:]
+    return o, lse
+''',
+    # the kernel runs whole, then torch writes its own answer over the kernel's
+    "torch_after": FORWARD_HEAD + '''
+    attn_fwd_kernel[(triton.cdiv(L, BLOCK_Q), B * H)](q, k, v, o, lse, H, Hkv, L, S, 1.0 / math.sqrt(E), E=E,
+                                                      BQ=BLOCK_Q, BK=BLOCK_K, CAUSAL=is_causal)
+    want_o, want_lse = _torch_answer(q, k, v, is_causal)
+    o.copy_(want_o)
+    lse.copy_(want_lse)
+    return o, lse
+''',
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("forgery", sorted(FORGERIES))
+def test_a_lab05_answer_not_stored_by_the_learners_kernels_scores_zero(forgery):
+    """On the code before, each of these scored 14/14 in ex1 (a launch was counted; that the answer
+    came from it was never checked). Now every element of the answer must be the last store of the
+    learner's kernels in that call, with the bytes it holds."""
+    source = _replace_function(LAB05, "flash_forward", TORCH_ANSWER + "\n\n" + FORGERIES[forgery])
+    report = _grade(source, "flash_triton.py", "05")
+    scores = report.exercise_scores()
+    assert not report.problem, report.to_text()
+    for ex in ("ex1", "ex2", "ex3"):
+        assert scores[ex][0] == 0, (forgery, report.to_text())
+    findings = [f for r in report.results if r.exercise.id == "ex1" for f in r.verdict.findings]
+    assert {f["code"] for f in findings} == {"kernel_not_launched"}, report.to_text()
+    assert "not stored by your kernels" in findings[0]["message"]
+    assert scores["ex4"] == (8, 8)  # its own kernel's answer still counts
+
+
+@pytest.mark.slow
+def test_the_lab05_solution_scores_100_with_every_answer_traced_to_its_stores():
+    report = _grade(LAB05, "flash_triton.py", "05")
+    assert report.score == 100, report.to_text()
+
+
+# ------------------------------------------------------------------ inputs nobody can rebuild
+def _draw(g: torch.Generator) -> torch.Tensor:
+    return torch.randn(8, generator=g)
+
+
+def test_the_seed_stream_has_the_keys_full_width():
+    """On the code before, the inputs' generator was torch's manual_seed(seed * 1000 + i), which keeps
+    32 bits: seeds 7 and 7 + 2**29 drew identical inputs. Now its whole MT19937 state is a KDF."""
+    from attnlab.grading.inputs import inputs_generator, seed_key
+
+    base = _draw(inputs_generator(seed_key(7), "ex1", "d" * 64))
+    assert torch.equal(base, _draw(inputs_generator(seed_key(7), "ex1", "d" * 64)))  # reproducible
+    for other in (7 + 2**29, 7 + 2**32, 7 + 2**40, 7 + 2**61):
+        assert not torch.equal(base, _draw(inputs_generator(seed_key(other), "ex1", "d" * 64))), other
+    assert not torch.equal(base, _draw(inputs_generator(seed_key(7), "ex2", "d" * 64)))
+    assert not torch.equal(base, _draw(inputs_generator(seed_key(7), "ex1", "e" + "d" * 63)))
+    key = bytes(32)
+    assert not torch.equal(_draw(inputs_generator(key, "ex1", "")), _draw(inputs_generator(key[:31] + b"\1", "ex1", "")))
+
+
+def test_two_gradings_of_different_bytes_draw_different_inputs(monkeypatch):
+    """A regrade with the same seed of a file with a table of answers added draws other inputs."""
+    from attnlab.grading import grader
+
+    drawn: dict[str, list] = {}
+    real = grader.inputs_generator
+
+    def spy(key, exercise, digest):
+        drawn.setdefault(digest, []).append(_draw(real(key, exercise, digest)))
+        return real(key, exercise, digest)
+
+    monkeypatch.setattr(grader, "inputs_generator", spy)
+    _grade(SOLUTION, seed=5)
+    _grade(SOLUTION + "\n\nTABLE = {'ex1': [0.25, 0.5]}\n", seed=5)
+    _grade(SOLUTION, seed=5)
+    first, second = list(drawn)
+    assert len(drawn[first]) == 24 and len(drawn[second]) == 12  # the first file graded twice: the same inputs
+    assert all(torch.equal(a, b) for a, b in zip(drawn[first][:12], drawn[first][12:]))
+    assert not any(torch.equal(a, b) for a, b in zip(drawn[first], drawn[second]))
+
+
+# ------------------------------------------------------------------ what lands in a learner's folder
+def _class_folder(tmp_path: Path, entries: dict[str, str]) -> Path:
+    folder = tmp_path / "class"
+    for rel, text in entries.items():
+        path = folder / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return folder
+
+
+@pytest.mark.subprocess
+def test_a_learners_folder_holds_nothing_their_inputs_could_be_derived_from(tmp_path):
+    """On the code before, OUT/<learner>/row.json held the learner's seed, and a regrade into the same
+    OUT with the same --seed drew the same inputs: a table of precomputed answers scored 100."""
+    from attnlab.grading.classroom import batch
+
+    folder = _class_folder(tmp_path, {"ann/attention.py": SOLUTION, "bob.py": SOLUTION})
+    out = tmp_path / "out"
+    result = batch.grade_class(folder, out, seed=3, sandbox="none", limits=FAST, total_timeout_s=20)
+    assert {r.learner: r.total for r in result.rows} == {"ann": 100, "bob": 100}
+    for row in result.rows:
+        mine = out / row.folder
+        assert sorted(p.name for p in mine.iterdir()) == ["feedback.html", "results.json"]
+        for path in mine.iterdir():
+            text = path.read_text(encoding="utf-8")
+            assert str(row.seed) not in text and str(tmp_path) not in text, path  # no seed, no machine path
+        assert (out / batch.ROWS_DIR / f"{row.folder}.json").is_file()
+    assert (out / batch.PRIVATE_DIR).stat().st_mode & 0o777 == 0o700
+    assert (out / batch.CLASS_KEY_FILE).stat().st_mode & 0o777 == 0o600
+    data = json.loads((out / "ann" / "results.json").read_text())
+    assert data["extra_data"]["file"] == "ann/attention.py"
+
+
+@pytest.mark.subprocess
+def test_an_instructors_hard_linked_backup_costs_no_learner_a_point(tmp_path):
+    """On the code before, every file of a class kept beside a `cp -al` backup had 2 links and was
+    refused ('submit a copy'): honest learners got 0."""
+    from attnlab.grading.classroom import batch
+
+    folder = _class_folder(tmp_path, {"ann/attention.py": SOLUTION, "bob.py": SOLUTION})
+    backup = tmp_path / "backup"
+    for path in folder.rglob("*.py"):
+        target = backup / path.relative_to(folder)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.link(path, target)
+    assert (folder / "bob.py").stat().st_nlink == 2
+    result = batch.grade_class(folder, tmp_path / "out", seed=3, sandbox="none", limits=FAST, total_timeout_s=20)
+    assert {r.learner: (r.total, r.status) for r in result.rows} == {"ann": (100, "graded"), "bob": (100, "graded")}
+
+
+@pytest.mark.parametrize("invisible", ["\u034f", "\u3164", "\u200b", "\u2060", "\ufe0f", "\u115f", "\u00ad"])
+def test_two_names_that_look_the_same_are_one_learner_twice(tmp_path, invisible):
+    """On the code before, 'bob' and 'bob' + U+034F (or + U+3164) were two rows that both read 'bob'."""
+    from attnlab.grading.classroom import batch
+
+    folder = _class_folder(tmp_path, {"bob/attention.py": SOLUTION, f"bob{invisible}/attention.py": SOLUTION,
+                                      "carl.py": SOLUTION})
+    subs, skipped = batch.find_submissions(folder)
+    graded = [s.learner for s in subs]
+    assert "carl" in graded and len([n for n in graded if n.startswith("bob")]) <= 1, graded
+    if batch.name_problem(f"bob{invisible}") is None:  # past the name rule: both entries go, one learner twice
+        assert graded == ["carl"] and all("one learner" in s.reason for s in skipped) and len(skipped) == 2
+
+
+def test_look_alike_letters_fold_to_one_identity_and_different_names_stay_apart():
+    from attnlab.grading.classroom.names import identity
+
+    assert identity("bob") == identity("b\u043eb") == identity("BOB") == identity("bob (1)") == identity("bob\u3164")
+    assert identity("José") == identity("Jose\u0301") != identity("Jose")
+    assert len({identity(n) for n in ("ann", "anna", "bob", "li wei", "liwei", "José", "Jose", "Zoë")}) == 8
+
+
+# ------------------------------------------------------------------ fail closed
+def _run_child(monkeypatch, tmp_path, limits: dict, broken: bool):
+    """One task through the sandbox server's own fork-and-run, in this process, with the seccomp
+    install made to fail (fault injection here, in the test): what the child sent back."""
+    import dataclasses
+
+    from attnlab.grading.sandbox import protocol, seccomp, server
+
+    if broken:
+        def refuse(*args, **kwargs):
+            raise OSError(38, "Function not implemented")
+
+        monkeypatch.setattr(seccomp, "install_compiled", refuse)
+        monkeypatch.setattr(seccomp, "install", refuse)
+    marker = tmp_path / "ran"
+    path = tmp_path / "attention.py"
+    source = f"def f():\n    open({str(marker)!r}, 'w').close()\n    return 1\n".encode()
+    server.prepare(interpreter=False)  # what the zygote imports before any child
+    server._load(source, str(path))
+    request = {"calls": [{"function": "f", "args": (), "kwargs": {}}], "policy": True, "seccomp": "",
+               "limits": {**dataclasses.asdict(FAST), **limits}}
+    header, payload, _ = server._run_task(server._task(request), str(path), (), False, str(tmp_path))
+    return protocol.decode_message(payload), marker.exists()
+
+
+@pytest.mark.subprocess
+def test_no_learner_code_runs_where_the_seccomp_filter_cannot_be_installed(monkeypatch, tmp_path):
+    """On the code before, the child swallowed the OSError and ran the learner without the filter."""
+    message, ran = _run_child(monkeypatch, tmp_path, {}, broken=True)
+    assert message["status"] == "no_filter" and "seccomp filter could not be installed" in message["message"]
+    assert not ran and message["results"] == []
+
+
+@pytest.mark.subprocess
+def test_the_instructors_flag_runs_it_unfiltered_and_says_so(monkeypatch, tmp_path):
+    message, ran = _run_child(monkeypatch, tmp_path, {"seccomp_optional": True}, broken=True)
+    assert message["status"] == "ok" and ran and "seccomp filter" in message["unfiltered"]
+    monkeypatch.undo()
+    healthy, ran = _run_child(monkeypatch, tmp_path, {}, broken=False)
+    assert healthy["status"] == "ok" and ran and "unfiltered" not in healthy
+
+
+def test_a_child_without_its_filter_is_the_grading_machines_problem_in_every_report():
+    from attnlab.grading.sandbox.client import Sandbox
+    from attnlab.grading.sandbox.protocol import encode_message
+
+    payload = encode_message({"status": "no_filter", "message": "the sandbox's seccomp filter could not be "
+                                                                "installed here (ENOSYS)", "results": [],
+                              "violations": []})
+    outcome = Sandbox._decode(None, payload, "", 0.1, 1)  # noqa: the decoder uses nothing of the sandbox
+    assert outcome.environment and "seccomp" in outcome.environment and not outcome.results
