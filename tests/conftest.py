@@ -43,6 +43,19 @@ def gen():
     return torch.Generator().manual_seed(1234)
 
 
+def pytest_configure(config):
+    """One fuzz seed for the whole run, set before pytest-xdist starts its workers (they inherit it)."""
+    from helpers.ci import fuzz_seed
+
+    fuzz_seed()
+
+
+def pytest_report_header(config):
+    from helpers.ci import FUZZ_SEED_VARIABLE, fuzz_seed
+
+    return f"fuzz seed: {fuzz_seed()} (replay: {FUZZ_SEED_VARIABLE}={fuzz_seed()})"
+
+
 def pytest_terminal_summary(terminalreporter):
     from helpers import parity_stats
 

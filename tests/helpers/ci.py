@@ -9,7 +9,22 @@ from typing import NoReturn
 
 import pytest
 
-__all__ = ["cannot_run", "chromium"]
+__all__ = ["cannot_run", "chromium", "fuzz_seed", "FUZZ_SEED_VARIABLE"]
+
+FUZZ_SEED_VARIABLE = "ATTNLAB_FUZZ_SEED"
+
+
+def fuzz_seed() -> int:
+    """The seed of the fuzz tiers that draw new examples each run (tests/grading/test_fuzz_judge.py):
+    ``ATTNLAB_FUZZ_SEED`` when set (a replay), else drawn once per run by the controller
+    (tests/conftest.py sets the variable before the workers start, and prints it in the header)."""
+    value = os.environ.get(FUZZ_SEED_VARIABLE)
+    if value is None:
+        import secrets
+
+        value = str(secrets.randbelow(2**32))
+        os.environ[FUZZ_SEED_VARIABLE] = value
+    return int(value)
 
 
 def cannot_run(reason: str, *, module: bool = False) -> NoReturn:
