@@ -111,6 +111,15 @@ CASES: list[Case] = [
          "plain autograd: the log-sum-exp detached like the max (x.data.max()), dropping D from the gradient"),
     _bug("softmax_no_p", "softmax_backward", FSA_109,
          "the pointwise dS = p * (dp - d) changed: dS = dP - D, not multiplied by P"),
+    # issue 62's doctor misses: variants of the reports named, each once missed by the models
+    _bug("softmax_saved_p_unmasked", "softmax_backward", FSA_109,
+         "the same dS = dP - D with P saved from the forward: masked keys (P = 0) get dP - D too"),
+    _bug("scale_recomputed", "backward_scale", FASTVIDEO_1730,
+         "the backward recomputes softmax_scale = 1/sqrt(E) where the forward honoured the caller's scale="),
+    _bug("gqa_fold_repeat", "gqa_group_mapping", NSA_27,
+         "dK/dV folded over the group with repeat's layout (h -> h % Hkv); the forward used repeat_interleave"),
+    _bug("sink_full_lse_p_keys", "sink_grad", FA_2102,
+         "P recomputed with the keys' lse (the sink left out) while the sink's gradient uses the full lse"),
     # backward_mask (4)
     _bug("mask_causal_dropped", "backward_mask", TRITON_7216,
          "the backward rebuilds P = exp(S - lse) without ever applying the causal mask"),

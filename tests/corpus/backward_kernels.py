@@ -401,6 +401,53 @@ def _bw_softmax_no_p(sv, do):
     return dq.reshape(sv.q.shape), dk, dv, _sink_grad(sv, delta.reshape(sv.lse.shape))
 
 
+def _bw_softmax_saved_p_unmasked(sv, do):
+    k, v = _kv(sv)
+    p = torch.exp(_scores(sv, k) - sv.lse[..., None])  # saved P: masked keys are exactly 0 here
+    dv = p.transpose(-1, -2) @ do
+    d = (do * sv.o).sum(-1)
+    ds = do @ v.transpose(-1, -2) - d[..., None]  # MISTAKE: dS = dP - D, not P * (dP - D); masked keys get it too
+    dq, dk = sv.scale * ds @ k, sv.scale * ds.transpose(-1, -2) @ sv.q
+    return dq, _group_sum(dk, sv.g), _group_sum(dv, sv.g), _sink_grad(sv, d)
+
+
+def _bw_scale_recomputed(sv, do):
+    k, v = _kv(sv)
+    scale = 1.0 / math.sqrt(sv.q.shape[-1])  # MISTAKE: the forward honoured scale=, the backward recomputes it
+    p = torch.exp(_masked(scale * sv.q @ k.transpose(-1, -2), sv.keep) - sv.lse[..., None])
+    dv = p.transpose(-1, -2) @ do
+    d = (do * sv.o).sum(-1)
+    ds = p * (do @ v.transpose(-1, -2) - d[..., None])
+    dq, dk = scale * ds @ k, scale * ds.transpose(-1, -2) @ sv.q
+    return dq, _group_sum(dk, sv.g), _group_sum(dv, sv.g), _sink_grad(sv, d)
+
+
+def _bw_gqa_fold_repeat(sv, do):
+    k, v = _kv(sv)  # the forward's repeat_interleave: query head h reads key/value head h // g
+    p = torch.exp(_scores(sv, k) - sv.lse[..., None])
+    d = (do * sv.o).sum(-1)
+    ds = p * (do @ v.transpose(-1, -2) - d[..., None])
+    dq = sv.scale * ds @ k
+    B, H, S, E = sv.k.shape[0], sv.q.shape[1], sv.k.shape[2], sv.k.shape[3]
+    Hkv = sv.k.shape[1]
+
+    def fold(x):  # MISTAKE: folded as repeat's layout (head h -> h % Hkv), not repeat_interleave's
+        return x.reshape(B, H // Hkv, Hkv, S, x.shape[-1]).sum(1)
+
+    return dq, fold(sv.scale * ds.transpose(-1, -2) @ sv.q), fold(p.transpose(-1, -2) @ do), _sink_grad(sv, d)
+
+
+def _bw_sink_full_lse_p_keys(sv, do):
+    k, v = _kv(sv)
+    s = _scores(sv, k)
+    lse_keys = torch.logsumexp(s, -1)  # MISTAKE: P normalised over the keys alone...
+    p = torch.exp(s - lse_keys[..., None])
+    d = (do * sv.o).sum(-1)
+    ds = p * (do @ v.transpose(-1, -2) - d[..., None])
+    dq, dk = sv.scale * ds @ k, sv.scale * ds.transpose(-1, -2) @ sv.q
+    return dq, _group_sum(dk, sv.g), _group_sum(p.transpose(-1, -2) @ do, sv.g), _sink_grad(sv, d)  # ...sink: full
+
+
 # --------------------------------------------------------------------------- backward_mask
 
 
@@ -719,6 +766,10 @@ BUGGY = {
     "d_rowsum_do": _kernel("d_rowsum_do", _bw_d_rowsum_do),
     "d_detached_lse": d_detached_lse,
     "softmax_no_p": _kernel("softmax_no_p", _bw_softmax_no_p, _fwd_online),
+    "softmax_saved_p_unmasked": _kernel("softmax_saved_p_unmasked", _bw_softmax_saved_p_unmasked),
+    "scale_recomputed": _kernel("scale_recomputed", _bw_scale_recomputed, _fwd_online),
+    "gqa_fold_repeat": _kernel("gqa_fold_repeat", _bw_gqa_fold_repeat),
+    "sink_full_lse_p_keys": _kernel("sink_full_lse_p_keys", _bw_sink_full_lse_p_keys, _fwd_online),
     "mask_causal_dropped": _kernel("mask_causal_dropped", _bw_mask_causal_dropped, _fwd_online),
     "mask_bool_dropped": _kernel("mask_bool_dropped", _bw_with_keep(_keep_causal_only)),
     "mask_bottom_right": _kernel("mask_bottom_right", _bw_with_keep(_keep_bottom_right), _fwd_online),

@@ -208,12 +208,13 @@ def _explains(m: BackwardModel, cases: list[_Case]) -> bool:
 
 
 def _relevant(field: str, caps: frozenset[str]) -> bool:
-    return {"gqa": "gqa" in caps, "sink": "sinks" in caps, "p_bool": "mask" in caps}.get(field, True)
+    return {"gqa": "gqa" in caps, "sink": "sinks" in caps, "p_bool": "mask" in caps,
+            "scale_arg": "scale" in caps}.get(field, True)
 
 
 def _fit(cases: list[_Case], caps: frozenset[str]) -> list[BackwardModel]:
     singles = [(f, v) for f, values in CHOICES.items() if _relevant(f, caps) for v in values
-               if not (f == "lse" and v == "keys" and "sinks" not in caps)]
+               if not (f == "lse" and v in ("keys", "keys_p") and "sinks" not in caps)]
     found = [replace(BackwardModel(), **{f: v}) for f, v in singles if _explains(replace(BackwardModel(), **{f: v}),
                                                                                   cases)]
     if found:

@@ -34,29 +34,37 @@ class BackwardModel:
     """The backward with each choice explicit; the defaults are the right backward."""
 
     p_scale: str = "yes"  # yes | no: P recomputed from Q K^T without the scale
+    scale_arg: str = "honoured"  # honoured | default: the backward uses 1/sqrt(E) where the forward took scale=
     p_bool: str = "yes"  # yes | no: P recomputed without the bool attn_mask
     p_causal: str = "top_left"  # top_left | none: without the causal mask | bottom_right | always: also when not asked
-    lse: str = "natural"  # natural | log2: the saved lse in base 2 | max: only the row max | keys: without the sink
+    # natural | log2: the saved lse in base 2 | max: only the row max | keys: without the sink | keys_p: P from
+    # the keys' lse, the sink's gradient from the full one
+    lse: str = "natural"
     d_term: str = "do_o"  # do_o | none: dS = P * dP | do: D = rowsum(dO)
-    ds_p: str = "yes"  # yes | no: dS = dP - D
+    ds_p: str = "yes"  # yes | no: dS = dP - D (masked keys zeroed) | raw: dS = dP - D, masked keys too
     dq_scale: str = "once"  # once | none | twice
     dk_scale: str = "once"  # once | none | twice
     dv_scale: str = "none"  # none | once: a scale on dV
-    gqa: str = "sum"  # sum | first | mean | tile: query head h -> key/value head h % Hkv in the backward
+    # sum | first | mean | tile: query head h -> key/value head h % Hkv in the backward | fold_tile: P read
+    # the right heads, but dK and dV are folded as if head h were h % Hkv's (``repeat``'s layout)
+    gqa: str = "sum"
     sink: str = "right"  # right | zero | sign | no_p: -sum D | mean: over rows
     precision: str = "exact"  # exact | tf32 | bf16: the backward's products on rounded operands
 
 
 # the choices the doctor tries, field by field (the first value of each is the right one)
 CHOICES: dict[str, list[str]] = {
-    "p_scale": ["no"], "p_bool": ["no"], "p_causal": ["none", "bottom_right", "always"], "lse": ["log2", "max", "keys"],
-    "d_term": ["none", "do"], "ds_p": ["no"], "dq_scale": ["none", "twice"], "dk_scale": ["none", "twice"],
-    "dv_scale": ["once"], "gqa": ["first", "mean", "tile"], "sink": ["zero", "sign", "no_p", "mean"],
+    "p_scale": ["no"], "scale_arg": ["default"], "p_bool": ["no"], "p_causal": ["none", "bottom_right", "always"],
+    "lse": ["log2", "max", "keys", "keys_p"], "d_term": ["none", "do"], "ds_p": ["no", "raw"],
+    "dq_scale": ["none", "twice"], "dk_scale": ["none", "twice"], "dv_scale": ["once"],
+    "gqa": ["first", "mean", "tile", "fold_tile"], "sink": ["zero", "sign", "no_p", "mean"],
 }
 
 # (field, value) -> (code, message)
 MODEL_FINDINGS: dict[tuple[str, Any], tuple[str, str]] = {
     ("p_scale", "no"): ("backward_scale", "the backward recomputes P from Q K^T without the scale"),
+    ("scale_arg", "default"): ("backward_scale", "the backward recomputes 1/sqrt(E) where the forward took the "
+                                                 "caller's scale="),
     ("p_bool", "no"): ("backward_mask", "the backward recomputes P without the bool attn_mask (the forward applied "
                                         "it)"),
     ("p_causal", "none"): ("backward_mask", "the backward recomputes P without the causal mask (the forward "
@@ -67,9 +75,13 @@ MODEL_FINDINGS: dict[tuple[str, Any], tuple[str, str]] = {
     ("lse", "log2"): ("lse_saved", "the backward takes a base-2 log-sum-exp as the natural one: P = exp(S - lse2)"),
     ("lse", "max"): ("lse_saved", "the backward rebuilds P from the row max alone (lse = m, without log l)"),
     ("lse", "keys"): ("sink_grad", "the backward's lse leaves the sink out (the forward's includes it)"),
+    ("lse", "keys_p"): ("sink_grad", "the backward's P comes from an lse over the keys alone (the sink left out), "
+                                     "while the sinks' gradient uses the full one"),
     ("d_term", "none"): ("backward_d_term", "dS = P * dP: the D term is missing"),
     ("d_term", "do"): ("backward_d_term", "D = rowsum(dO), without O (D = rowsum(dO * O))"),
     ("ds_p", "no"): ("softmax_backward", "dS = dP - D, not multiplied by P"),
+    ("ds_p", "raw"): ("softmax_backward", "dS = dP - D, not multiplied by the saved P, so masked keys get a "
+                                          "gradient too"),
     ("dq_scale", "none"): ("backward_scale", "dQ lacks the scale (dQ = dS K)"),
     ("dq_scale", "twice"): ("backward_scale", "dQ has the scale twice"),
     ("dk_scale", "none"): ("backward_scale", "dK lacks the scale (dK = dS^T Q)"),
@@ -80,6 +92,9 @@ MODEL_FINDINGS: dict[tuple[str, Any], tuple[str, str]] = {
     ("gqa", "mean"): ("gqa_grad_sum", "dK and dV are averaged over the group's query heads, not summed"),
     ("gqa", "tile"): ("gqa_group_mapping", "the backward maps query head h to key/value head h % Hkv (the "
                                            "forward's h // (H / Hkv))"),
+    ("gqa", "fold_tile"): ("gqa_group_mapping", "dK and dV are folded over the group with repeat's layout (query "
+                                                "head h -> h % Hkv) where the forward used repeat_interleave's "
+                                                "(h // (H / Hkv))"),
     ("sink", "zero"): ("sink_grad", "no gradient reaches the sinks"),
     ("sink", "sign"): ("sink_grad", "the sinks' gradient has the wrong sign (+sum p_sink * D)"),
     ("sink", "no_p"): ("sink_grad", "the sinks' gradient lacks p_sink (-sum D)"),
@@ -191,31 +206,34 @@ def model_gradients(m: BackwardModel, p: BackwardProbe) -> dict[str, Tensor]:
     do = p.grad_out.double()  # (B, H, L, Ev)
     H, Hkv = p.query.shape[1], p.key.shape[1]
     mapping = "tile" if m.gqa == "tile" else "interleave"
-    s, k, v = _scores(p, p.scale if m.p_scale == "yes" else 1.0, mapping)
+    fold = "tile" if m.gqa in ("tile", "fold_tile") else m.gqa
+    scale = p.scale if m.scale_arg == "honoured" else 1 / math.sqrt(p.query.shape[-1])
+    s, k, v = _scores(p, scale if m.p_scale == "yes" else 1.0, mapping)
     keep = _backward_keep(m, p)
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
     if m.lse == "max":  # the running max alone, which starts at the sink's logit where there is one
         used = s.amax(-1) if p.sinks is None else torch.maximum(s.amax(-1), p.sinks.double()[None, :, None])
     else:
-        used = {"natural": lse, "log2": lse / math.log(2.0), "keys": _lse(s, None) if m.lse == "keys" else lse}[m.lse]
+        used = {"natural": lse, "log2": lse / math.log(2.0)}[m.lse] if m.lse in ("natural", "log2") \
+            else _lse(s, None)  # keys, keys_p: the log-sum-exp over the keys alone
     P = torch.exp(s - used[..., None])  # (B, H, L, S)
-    dv = _mm(P.transpose(-2, -1), do, m.precision) * (p.scale if m.dv_scale == "once" else 1.0)
+    dv = _mm(P.transpose(-2, -1), do, m.precision) * (scale if m.dv_scale == "once" else 1.0)
     dP = _mm(do, v.transpose(-2, -1), m.precision)
     D = {"do_o": (do * out).sum(-1), "none": torch.zeros_like(lse), "do": do.sum(-1)}[m.d_term]  # (B, H, L)
     dS = dP - D[..., None]
     if m.ds_p == "yes":
         dS = P * dS
-    elif keep is not None:
+    elif keep is not None and m.ds_p == "no":
         dS = dS.masked_fill(~keep, 0.0)
-    times = {"once": p.scale, "none": 1.0, "twice": p.scale * p.scale}
+    times = {"once": scale, "none": 1.0, "twice": scale * scale}
     dq = _mm(dS, k, m.precision) * times[m.dq_scale]
     dk = _mm(dS.transpose(-2, -1), p.query.double(), m.precision) * times[m.dk_scale]
-    grads = {"query": dq, "key": _group(dk, Hkv, m.gqa), "value": _group(dv, Hkv, m.gqa)}
+    grads = {"query": dq, "key": _group(dk, Hkv, fold), "value": _group(dv, Hkv, fold)}
     if p.sinks is not None:  # from the backward's own D and lse, as a kernel computes it
         if m.d_term == "none":  # dS lacks D, the sink's gradient still needs it (a zero one is a second bug)
             D = (do * out).sum(-1)
-        p_sink = torch.exp(p.sinks.double()[None, :, None] - used)  # (B, H, L)
+        p_sink = torch.exp(p.sinks.double()[None, :, None] - (lse if m.lse == "keys_p" else used))  # (B, H, L)
         per_row = {"right": -p_sink * D, "zero": torch.zeros_like(lse), "sign": p_sink * D,
                    "no_p": -D, "mean": -p_sink * D / lse.shape[-1]}[m.sink]
         grads["sinks"] = per_row.sum(dim=(0, 2))  # (H,)
