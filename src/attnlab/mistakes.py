@@ -133,6 +133,9 @@ CODES: dict[str, str] = {
     "shape_error": "the function fails or returns the wrong shape on valid inputs: check broadcasting "
                    "over leading dims, L != S, and Ev != E",
     "not_implemented": "the exercise still raises NotImplementedError: replace the raise line with your code",
+    "memory_limit": "the exercise allocated past its memory limit: something far larger than the answer is built "
+                    "(an [L, S] or [B, H, L, S] intermediate where a tile will do, a broadcast that grew a dim by "
+                    "accident, a list that keeps every step)",
     "policy": "the lab's rule refused a construct in your file, named above with its line: torch's softmax or "
               "SDPA, an import outside the lab's list (os, sys, numpy...), eval, exec or open, a private or dunder "
               "attribute, or a decorator or hook the lab does not allow; the file is not run until it is gone "

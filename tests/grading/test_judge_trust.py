@@ -92,6 +92,13 @@ def test_a_file_that_rebinds_torchs_methods_is_refused_whole():
     ("import torch\n\ndef f(x):\n    [x][0].clone = f\n", "computed object"),
     ("import torch\n\ndef f(x):\n    x.__class__ = int\n", "__class__"),
     ("import math\n\ndef f(x):\n    math.sqrt = abs\n", "math.sqrt"),
+    # an independent attacker's roads (issue 61): a class attribute, a chain, a parameter
+    ("import torch\n\nclass Box:\n    T = torch.Tensor\n\ndef f(x):\n    T = Box.T\n    T.clone = f\n", "T.clone"),
+    ("import torch\n\nclass Box:\n    T = torch.Tensor\n\ndef f(x):\n    Box.T.clone = f\n", "attribute of an attribute"),
+    ("import torch\n\ndef poke(kls, g):\n    kls.clone = g\n\ndef f(x):\n    poke(torch.Tensor, x)\n", "kls.clone"),
+    ("import torch\n\ndef poke(kls=None):\n    del kls.clone\n\ndef f(x):\n    poke(kls=torch.Tensor)\n", "kls.clone"),
+    ("import torch\n\nclass B:\n    def poke(self, kls):\n        kls.clone = 1\n\ndef f(x):\n"
+     "    B().poke(torch.Tensor)\n", "kls.clone"),
 ])
 def test_a_store_on_what_the_file_did_not_make_is_refused_by_any_spelling(source, refused):
     messages = [v.message for v in check_source(source).violations]
@@ -104,6 +111,7 @@ def test_a_store_on_what_the_file_did_not_make_is_refused_by_any_spelling(source
     "import torch\n\nclass Box:\n    def __init__(self, s):\n        self.scale = s\n        self.scale += 1\n",
     "import torch\n\nclass Box:\n    count = 0\n\ndef f(x):\n    Box.count = Box.count + 1\n    b = Box()\n"
     "    b.seen = x\n    return x\n",
+    "import torch\n\ndef keep(ctx, dtype):\n    ctx.dtype = dtype\n\ndef f(ctx):\n    keep(ctx, torch.float32)\n",
 ])
 def test_stores_on_what_the_file_made_stay_allowed(source):
     stores = [v for v in check_source(source).violations if "a store on" in v.message or "a delete on" in v.message]
@@ -149,6 +157,16 @@ def test_a_tensor_subclass_or_a_lying_object_is_unsupported_and_runs_nothing(tmp
     assert not sub.violations, sub.violations  # the subclass's softmax never ran
     first, mapping = lie.results[0]["value"]
     assert isinstance(first, Unsupported) and first.type_name == "Liar" and mapping["k"].type_name == "Liar"
+
+
+def test_the_exempt_function_may_not_be_named_in_the_file():
+    """An alias carries the allowance: ``self_attention = compare_with_sdpa`` answered ex9 with SDPA."""
+    for source in ("def compare_with_sdpa(x):\n    return 1\n\n\nself_attention = compare_with_sdpa\n",
+                   "def compare_with_sdpa(x):\n    return 1\n\n\ndef f(x):\n    return compare_with_sdpa(x)\n"):
+        assert any("named in the file" in v.message for v in check_source(source, exempt={"compare_with_sdpa"})
+                   .violations), source
+    assert not any("named in the file" in v.message for v in check_source(SOLUTION, exempt={"compare_with_sdpa"})
+                   .violations)
 
 
 def test_sdpa_reached_through_the_exempt_function_is_a_violation():
@@ -215,6 +233,15 @@ FORGERIES = {
     lse.copy_(want_lse)
     return o, lse
 ''',
+    # no arithmetic of torch's at all: the kernel's own answer, copied by torch into the tensors returned
+    "torch_copies_the_kernels_answer": FORWARD_HEAD + '''
+    tmp_o, tmp_lse = torch.empty_like(q), torch.empty_like(lse)
+    attn_fwd_kernel[(triton.cdiv(L, BLOCK_Q), B * H)](q, k, v, tmp_o, tmp_lse, H, Hkv, L, S, 1.0 / math.sqrt(E), E=E,
+                                                      BQ=BLOCK_Q, BK=BLOCK_K, CAUSAL=is_causal)
+    o.copy_(tmp_o)
+    lse.copy_(tmp_lse)
+    return o, lse
+''',
 }
 
 
@@ -223,7 +250,8 @@ FORGERIES = {
 def test_a_lab05_answer_not_stored_by_the_learners_kernels_scores_zero(forgery):
     """On the code before, each of these scored 14/14 in ex1 (a launch was counted; that the answer
     came from it was never checked). Now every element of the answer must be the last store of the
-    learner's kernels in that call, with the bytes it holds."""
+    learner's kernels in that call, with the bytes it holds, and the call may run none of torch's
+    arithmetic outside them."""
     source = _replace_function(LAB05, "flash_forward", TORCH_ANSWER + "\n\n" + FORGERIES[forgery])
     report = _grade(source, "flash_triton.py", "05")
     scores = report.exercise_scores()
@@ -232,7 +260,11 @@ def test_a_lab05_answer_not_stored_by_the_learners_kernels_scores_zero(forgery):
         assert scores[ex][0] == 0, (forgery, report.to_text())
     findings = [f for r in report.results if r.exercise.id == "ex1" for f in r.verdict.findings]
     assert {f["code"] for f in findings} == {"kernel_not_launched"}, report.to_text()
-    assert "not stored by your kernels" in findings[0]["message"]
+    why = findings[0]["message"]
+    if forgery == "torch_copies_the_kernels_answer":  # the stores' record alone catches it (read as NaN)
+        assert "not stored by your kernels" in why, why
+    else:  # torch's arithmetic outside the kernels is named first
+        assert "computed with torch outside your kernels" in why, why
     assert scores["ex4"] == (8, 8)  # its own kernel's answer still counts
 
 
@@ -406,3 +438,24 @@ def test_a_child_without_its_filter_is_the_grading_machines_problem_in_every_rep
                               "violations": []})
     outcome = Sandbox._decode(None, payload, "", 0.1, 1)  # noqa: the decoder uses nothing of the sandbox
     assert outcome.environment and "seccomp" in outcome.environment and not outcome.results
+
+
+# ------------------------------------------------------------------ an independent attacker's files
+ATTACKS = Path(__file__).resolve().parents[1] / "hostile" / "issue61"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, lab, file", [
+    # self_attention = compare_with_sdpa, a global counter telling the two calls apart: ex9's 5 points with
+    # SDPA measured against itself on the code before (52 against the honest parts' 47)
+    ("ex9_alias_of_the_exempt_function", "01", "attention.py"),
+    # Box.T.clone = ... (class Box: T = torch.Tensor) and poke(torch.Tensor, f): stores the rule missed
+    ("store_through_a_class_attribute_or_a_parameter", "01", "attention.py"),
+    # every answer computed with torch (bmm, exp, amax), each required kernel only copying it: 100/100
+    ("lab05_kernels_that_copy_torchs_answer", "05", "flash_triton.py"),
+])
+def test_an_independent_attackers_files_score_nothing(name, lab, file):
+    """Written by an attacker of the grader (a helper given the grader and its claims, after the
+    defences above): each got through the code before this test."""
+    report = _grade((ATTACKS / f"{name}.py").read_text(), file, lab)
+    assert report.score == 0, report.to_text()

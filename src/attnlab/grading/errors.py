@@ -69,6 +69,40 @@ def _reductions_without_keepdim(func: ast.FunctionDef) -> list[ast.Call]:
     return found
 
 
+def _feeding(func: ast.FunctionDef, line: int, calls: list[ast.Call]) -> list[ast.Call]:
+    """Those of ``calls`` that feed the failing ``line``: on it, or assigned to a name that line reads
+    (directly or through other assignments in the function): a reduction elsewhere that lost its dim
+    is not why this line fails (issue 62: ``D = rowsum(dO * O)``, right as it is, was blamed)."""
+    reads = {n.id for n in ast.walk(func) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+             and getattr(n, "lineno", None) == line}
+    sources: dict[str, set[str]] = {}  # name -> the names its assignments read
+    produced: dict[int, set[str]] = {}  # id(call) -> the names it is assigned to
+    for node in ast.walk(func):
+        pair = None  # (targets, the value they are bound from): assignments, loop and comprehension targets
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
+            pair = (node.targets if isinstance(node, ast.Assign) else [node.target], node.value)
+        elif isinstance(node, (ast.For, ast.comprehension)):
+            pair = ([node.target], node.iter)
+        elif isinstance(node, ast.NamedExpr):
+            pair = ([node.target], node.value)
+        if pair is not None:
+            targets, value = pair
+            names = {t.id for tg in targets for t in ast.walk(tg) if isinstance(t, ast.Name)}
+            used = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+            for name in names:
+                sources.setdefault(name, set()).update(used)
+            for c in ast.walk(value):
+                if isinstance(c, ast.Call):
+                    produced.setdefault(id(c), set()).update(names)
+    reached, todo = set(), list(reads)
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo.extend(sources.get(name, ()))
+    return [c for c in calls if c.lineno == line or produced.get(id(c), set()) & reached]
+
+
 _GRADIENT_SHAPE = re.compile(r"returned an invalid gradient at index (\d+) - got (\[[\d, ]*\]) but expected shape "
                              r"compatible with (\[[\d, ]*\])")
 
@@ -107,7 +141,7 @@ def explain(text: str, tree: Optional[ast.Module], file_name: "str | tuple[str, 
                          "message": f"line {line} in {name}(): .T (or transpose(0, 1)) on a 3-D or 4-D tensor swaps "
                                     "the wrong dims; transpose the last two with .transpose(-2, -1)"}]
     if any(s in text for s in _BROADCAST):
-        calls = _reductions_without_keepdim(func)
+        calls = _feeding(func, line, _reductions_without_keepdim(func))
         if calls:
             shown = ", ".join(f"line {c.lineno}: .{c.func.attr}(...)" for c in calls[:2])
             return [{"code": "keepdim",

@@ -197,7 +197,7 @@ def judge_outcome(ex: Exercise, ctx: Any, outcome: Outcome, rule: str = "") -> d
         return all_checks(ex.checks, Verdict(False, detail))
     if outcome.violations:
         names = ", ".join(outcome.violations)
-        return all_checks(ex.checks, Verdict(False, f"policy violation in {ex.id} {ex.function}: it reached {names}. "
+        return all_checks(ex.checks, Verdict(False, f"[policy] policy violation in {ex.id} {ex.function}: it reached {names}. "
                                                     f"{rule}", [{"code": "policy", "message": f"called {names}"}]))
     stub = [r for r in outcome.results if r.get("error", "").startswith(NotImplementedError.__name__)]
     if stub:
@@ -210,6 +210,9 @@ def judge_outcome(ex: Exercise, ctx: Any, outcome: Outcome, rule: str = "") -> d
         r = exc.result
         memory = " (the memory limit was hit: is something huge allocated?)" if r.get("memory") else ""
         hints = ex.on_error(r.get("error", ""), r.get("traceback", "")) if ex.on_error else []
+        if r.get("memory"):  # its own code: not a shape error, whatever else the traceback suggests
+            hints = [{"code": "memory_limit", "message": f"{ex.function}() allocated past the exercise's memory "
+                                                         "limit"}]
         return all_checks(ex.checks, Verdict(False, f"raised {r.get('error')}{memory}\n{r.get('traceback', '')}".rstrip(),
                                        hints))
     except Exception as exc:  # a return value of a shape the judge did not foresee

@@ -345,26 +345,40 @@ def _relative(path: Path, within: Optional[os.PathLike]) -> str:
 
 def _require_kernels(ex: Exercise, verdicts: dict, outcome: Outcome) -> None:
     """Grade what the rule names: a check of an exercise with :attr:`Exercise.kernels` passes only
-    when each of those learner kernels was launched for it and every element of every tensor it
-    returned was stored, last and with the bytes it holds, by the learner's kernels in that call
-    (the child's record of each store, :func:`.sandbox.interpreter.unwritten`); otherwise it is 0
-    as 'kernel_not_launched', whatever the values."""
+    when each of those learner kernels was launched for it and the call ran no arithmetic of torch's
+    outside them (:data:`.sandbox.server.TORCH_COMPUTE`: a kernel that copies torch's answer is no
+    kernel's answer); otherwise it is 0 as 'kernel_not_launched', whatever the values. And only what
+    the learner's kernels stored is judged: an element of a returned tensor that none of their stores
+    wrote last in that call, with the bytes it holds, reads as NaN (the child's record of each store,
+    :func:`.sandbox.interpreter.unwritten`), so a check that reads it fails, and a failed check that
+    names nothing else, where a whole tensor of the answer was no kernel's, is 'kernel_not_launched'."""
     if not ex.kernels:
         return
     missing = [k for k in ex.kernels if not outcome.launches.get(k)]
     unwritten = sum(r.get("unwritten", 0) for r in outcome.results if "value" in r)
+    untouched = sum(r.get("untouched", 0) for r in outcome.results if "value" in r)
+    computed = sorted({n for r in outcome.results for n in r.get("torch_compute", ())})
     if missing:
         message = (f"{ex.function}() answered without launching {', '.join(missing)}: this exercise's points are "
                    f"for the kernel{'s' if len(missing) > 1 else ''}, so an answer computed any other way scores 0")
-    elif unwritten:
-        message = (f"{unwritten} element{'s' if unwritten > 1 else ''} of what {ex.function}() returned "
-                   f"{'were' if unwritten > 1 else 'was'} not stored by your kernels in that call (or changed "
-                   "after they stored it): this exercise's points are for what the kernels compute, so every "
-                   "element of the answer must be one of their tl.store-s")
+    elif computed:
+        message = (f"{ex.function}() computed with torch outside your kernels ({', '.join(computed[:4])}): this "
+                   "exercise's points are for what the kernels compute; the given launchers only allocate, convert "
+                   "and launch, so an answer torch computed and a kernel copied scores 0")
     else:
+        if unwritten:  # those elements read as NaN (interpreter.poison): a failed check says why, once
+            note = (f"{unwritten} element{'s' if unwritten > 1 else ''} of what {ex.function}() returned "
+                    f"{'were' if unwritten > 1 else 'was'} not stored by your kernels in that call, or changed after "
+                    "they stored it: the grader reads those as NaN")
+            failed = [v for v in {id(v): v for v in verdicts.values()}.values() if not v.passed]
+            for i, v in enumerate(failed):
+                if i == 0:
+                    v.message += f"\n({note})"
+                if untouched and not any(f["code"] not in _SYMPTOMS for f in v.findings):
+                    v.findings = [{"code": "kernel_not_launched", "message": note}]  # no kernel's answer at all
         return
-    for check, v in verdicts.items():
-        if v.passed:
+    for check, v in verdicts.items():  # a check failed only by the NaN of what no kernel stored says why, too
+        if v.passed or not any(f["code"] not in _SYMPTOMS for f in v.findings):
             verdicts[check] = Verdict(False, message, [{"code": "kernel_not_launched", "message": message}])
 
 
@@ -388,7 +402,7 @@ def _graded(report: GradeReport, path: Path, source_bytes: bytes, prepared: "int
 
     # The from-scratch rule on the text, before any of it runs.
     static = check_source(source_bytes, path.name if prepared.kind == "py" else the_lab.file, the_lab.allowed_names,
-                          the_lab.modules, the_lab.decorators)
+                          the_lab.modules, the_lab.decorators, {ex.function for ex in EXERCISES if not ex.policy})
     report.shape_sha256 = shape_digest(static.tree)
     missing = missing_modules(static.imports)
     if missing and not static.syntax_error:  # the grader's installation, not the learner's code
@@ -399,7 +413,7 @@ def _graded(report: GradeReport, path: Path, source_bytes: bytes, prepared: "int
     if static.syntax_error:
         report.problem = f"could not import the file:\n{static.syntax_error}"
     elif refused:  # complete mediation: a violation anywhere refuses the whole file
-        report.problem = ("the file breaks the rules of the lab, so none of it was run:\n"
+        report.problem = ("[policy] the file breaks the rules of the lab, so none of it was run:\n"
                           + describe(refused) + f"\n{the_lab.rule}")
     if report.problem:
         _fail_all(report, EXERCISES, Verdict(False, report.problem, _policy_findings(refused)))
@@ -434,7 +448,8 @@ def _graded(report: GradeReport, path: Path, source_bytes: bytes, prepared: "int
                                 "it (--seccomp-optional)")
         if first.status != "ok" or first.violations:
             report.problem = _whole_file_problem(first)
-            _fail_all(report, EXERCISES, Verdict(False, report.problem))
+            _fail_all(report, EXERCISES, Verdict(False, report.problem, [{"code": "policy", "message": v}
+                                                                         for v in first.violations[:6]]))
             report.elapsed_s = time.perf_counter() - t0
             return report
         report.pending = list(EXERCISES)
@@ -460,7 +475,7 @@ def _graded(report: GradeReport, path: Path, source_bytes: bytes, prepared: "int
             # the generator's whole state from the run's key, the exercise and these bytes (.inputs)
             calls, ctx = ex.prepare(inputs_generator(inputs_key, ex.id, report.source_sha256))
             # the recorder judges every exercise; compare_with_sdpa's allowance holds on its own call path only
-            task = box.start(calls, policy=True, exempt=() if ex.policy else (ex.function,),
+            task = box.start(calls, policy=True, exempt=() if ex.policy else (ex.function,), traced=bool(ex.kernels),
                              limits=dataclasses.replace(limits, **ex.limits) if ex.limits else None)
             judge.done(waiting)  # the exercise before, while this one runs
             outcome = box.finish(task)
@@ -518,7 +533,7 @@ class _Judge:
 _SYMPTOMS = ("unknown", "shape_error")
 # findings about an exercise's own code (what it keeps, what it calls), not about the values it
 # returns: an upstream mistake cannot cause them
-_STRUCTURAL = ("scores_materialized", "policy", "not_implemented")
+_STRUCTURAL = ("scores_materialized", "policy", "not_implemented", "memory_limit")
 
 
 def _share_within(verdicts: dict[str, Verdict]) -> None:
@@ -552,11 +567,14 @@ def _blame_upstream(report: GradeReport, ex: Exercise, verdicts: dict[str, Verdi
         return
     where = " and ".join(upstream)
     codes = ", ".join(sorted({f["code"] for v in upstream.values() for f in v}))
-    for v in verdicts.values():
+    noted = False
+    for v in {id(v): v for v in verdicts.values()}.values():  # one Verdict may stand for several checks
         if v.passed or any(f["code"] in _STRUCTURAL for f in v.findings):
             continue  # a check of the exercise's own structure (what it saves, how much memory) stands
-        v.message += (f"\n(this builds on your {where}, which failed with [{codes}]: fix that first, then grade "
-                      "again)")
+        if not noted:  # said once per exercise, under its first failed check
+            v.message += (f"\n(this builds on your {where}, which failed with [{codes}]: fix that first, then grade "
+                          "again)")
+            noted = True
         v.findings = [f for found in upstream.values() for f in found]
 
 
@@ -625,7 +643,7 @@ def _whole_file_problem(o: Outcome) -> str:
     if o.status == "import_error":
         return f"could not import the file:\n{o.traceback or o.message}"
     if o.violations:
-        return f"policy violation while importing the file: it reached {', '.join(o.violations)}"
+        return f"[policy] policy violation while importing the file: it reached {', '.join(o.violations)}"
     text = f"importing the file failed: {o.message}"
     return text + (f"\nit printed:\n{o.output}" if o.output else "")
 

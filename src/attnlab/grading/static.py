@@ -239,8 +239,10 @@ class _Visitor:
     def __init__(self, top_functions: set[str], allowed_attributes: frozenset = COMMON_ATTRIBUTES,
                  bound: frozenset = frozenset(), defined: frozenset = frozenset(),
                  modules: Optional[dict[str, frozenset]] = None, aliases: Optional[dict[str, str]] = None,
-                 decorators: frozenset = frozenset(), foreign: frozenset = frozenset()) -> None:
+                 decorators: frozenset = frozenset(), foreign: frozenset = frozenset(),
+                 exempt: frozenset = frozenset()) -> None:
         self.top = top_functions
+        self.exempt = exempt  # functions allowed torch's attention: the grader calls them, nothing else may
         self.foreign = foreign  # names that may hold what the file did not make (_foreign_names)
         self.allowed = allowed_attributes
         self.bound = bound  # every name the file binds (assignments, parameters, imports, defs, loop targets)
@@ -348,6 +350,8 @@ class _Visitor:
         ctx = self.ctx
         if (ctx.unit is None and ctx.import_time and isinstance(node.value, ast.Name)
                 and node.value.id in self.defined and all(isinstance(t, ast.Name) for t in node.targets)):
+            if node.value.id in self.exempt:  # visited no further: the alias itself is the violation
+                self.visit_Name(node.value)
             for t in node.targets:
                 self.calls.setdefault(t.id, set()).add(node.value.id)
             return [(t, ctx) for t in node.targets]
@@ -412,6 +416,10 @@ class _Visitor:
     # ----------------------------------------------------------- names and attributes
     def visit_Name(self, node: ast.Name) -> None:
         ctx = self.ctx
+        if node.id in self.exempt and isinstance(node.ctx, ast.Load):
+            self.add(node, "unsafe", f"{node.id} is named in the file: it is the one function allowed torch's "
+                                     "attention, so the grader calls it and nothing in the file may call, alias or "
+                                     "pass it (an alias would carry its allowance)")
         if isinstance(node.ctx, ast.Load) and node.id not in self.bound and node.id in _BUILTIN_NAMES \
                 and node.id not in ALLOWED_BUILTINS and node.id not in BANNED_BUILTINS:
             self.add(node, "unsafe", f"the builtin {node.id} is not among the builtins a lab submission may use "
@@ -493,6 +501,9 @@ class _Visitor:
         if not isinstance(root, ast.Name):
             self.add(node, "unsafe", f"a {what} on the attribute .{attr} of a computed object "
                                      f"({ast.unparse(base)[:40]}): a submission changes only objects it made")
+        elif root is not base:  # Box.T.clone = f: what an attribute holds may be anything (Box.T = torch.Tensor)
+            self.add(node, "unsafe", f"a {what} on {ast.unparse(base)[:40]}.{attr}: an attribute of an attribute; a "
+                                     "submission changes only objects it made, through the name it gave them")
         elif root.id in self.foreign:
             self.add(node, "unsafe", f"a {what} on {ast.unparse(base)[:40]}.{attr}: {root.id} is not the file's "
                                      "own (torch's, an import's or a module-level name): a submission changes only "
@@ -583,7 +594,9 @@ def _foreign_names(tree: ast.Module) -> frozenset:
     """Names that may hold an object the file did not make: every name an import binds, every
     module-level name that is not a def or class of the file's, and, to a fixed point, every name
     assigned (anywhere) from one of those or an attribute of one without a call in between
-    (``T = torch.Tensor``, ``F = torch.nn.functional``, ``m = getattr(torch, "Tensor")``)."""
+    (``T = torch.Tensor``, ``F = torch.nn.functional``, ``m = getattr(torch, "Tensor")``), every
+    class whose body binds one (``class Box: T = torch.Tensor``), and every parameter of the file's
+    functions that a call passes one (``poke(torch.Tensor, f)``: ``def poke(kls, f)``'s ``kls``)."""
     foreign: set[str] = set()
     for n in ast.walk(tree):
         if isinstance(n, (ast.Import, ast.ImportFrom)):
@@ -605,6 +618,32 @@ def _foreign_names(tree: ast.Module) -> frozenset:
         return isinstance(value, ast.Name) and value.id in foreign
 
     pairs = []
+    functions: dict[str, list] = {}  # a def's name -> its definitions (top-level, methods, nested)
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            functions.setdefault(getattr(n, "name", "<lambda>"), []).append(n)
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ClassDef):  # class Box: T = torch.Tensor makes Box a holder of torch's
+            for stmt in n.body:
+                if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
+                    pairs.append((ast.Name(id=n.name, ctx=ast.Store()), stmt.value))
+        if isinstance(n, ast.Call):  # poke(torch.Tensor): the parameter that receives it holds torch's
+            name = n.func.id if isinstance(n.func, ast.Name) else n.func.attr if isinstance(n.func, ast.Attribute) \
+                else None
+            for fn in functions.get(name, []):
+                params = [a.arg for a in [*fn.args.posonlyargs, *fn.args.args]]
+                if isinstance(n.func, ast.Attribute) and params and params[0] in ("self", "cls"):
+                    params = params[1:]  # a method called on an instance or a class: the first is bound
+                for i, arg in enumerate(n.args):
+                    value = arg.value if isinstance(arg, ast.Starred) else arg
+                    targets = params[i:i + 1] if i < len(params) and not isinstance(arg, ast.Starred) else params + [
+                        a.arg for a in (fn.args.vararg, fn.args.kwarg, *fn.args.kwonlyargs) if a is not None]
+                    pairs += [(ast.Name(id=t, ctx=ast.Store()), value) for t in targets]
+                for kw in n.keywords:
+                    names = [kw.arg] if kw.arg is not None else params + [a.arg for a in fn.args.kwonlyargs]
+                    if fn.args.kwarg is not None:
+                        names.append(fn.args.kwarg.arg)
+                    pairs += [(ast.Name(id=t, ctx=ast.Store()), kw.value) for t in names]
     for n in ast.walk(tree):
         if isinstance(n, ast.Assign):
             pairs += [(t, n.value) for t in n.targets]
@@ -614,14 +653,23 @@ def _foreign_names(tree: ast.Module) -> frozenset:
             pairs.append((n.target, n.iter))
         elif isinstance(n, ast.withitem) and n.optional_vars is not None:
             pairs.append((n.optional_vars, n.context_expr))
+    def bound(target: ast.AST) -> list[str]:  # the names a target binds (not x in x.attr = ..., x[i] = ...)
+        if isinstance(target, ast.Name):
+            return [target.id]
+        if isinstance(target, ast.Starred):
+            return bound(target.value)
+        if isinstance(target, (ast.Tuple, ast.List)):
+            return [name for e in target.elts for name in bound(e)]
+        return []
+
     grew = True
     while grew:
         grew = False
         for target, value in pairs:
             if reaches(value):
-                for t in ast.walk(target):
-                    if isinstance(t, ast.Name) and t.id not in foreign:
-                        foreign.add(t.id)
+                for name in bound(target):
+                    if name not in foreign:
+                        foreign.add(name)
                         grew = True
     return frozenset(foreign)
 
@@ -644,13 +692,14 @@ def _defined_names(tree: ast.Module) -> frozenset:
 
 def check_source(source: str | bytes, filename: str = "attention.py",
                  allowed_attributes: Iterable[str] = (), modules: Iterable[tuple[str, Iterable[str]]] = (),
-                 decorators: Iterable[str] = ()) -> StaticReport:
+                 decorators: Iterable[str] = (), exempt: Iterable[str] = ()) -> StaticReport:
     """Parse the submission and list what the from-scratch rule refuses (never raises
     for the learner's sake: a syntax error comes back in ``syntax_error``).
     ``allowed_attributes``: the lab's own names beyond :data:`COMMON_ATTRIBUTES`
     (:attr:`attnlab.labs.Lab.allowed_names`); ``modules``: modules the lab may import beyond
     :data:`ALLOWED_IMPORTS`, each with the only names it may use from them
-    (:attr:`attnlab.labs.Lab.modules`); ``decorators``: the lab's own (``triton.jit``)."""
+    (:attr:`attnlab.labs.Lab.modules`); ``decorators``: the lab's own (``triton.jit``); ``exempt``: the
+    functions allowed torch's attention (``compare_with_sdpa``), which nothing in the file may name."""
     try:
         tree = parse(source, filename)
     except (RecursionError, MemoryError) as exc:
@@ -673,7 +722,7 @@ def check_source(source: str | bytes, filename: str = "attention.py",
         own = {m: frozenset(names) for m, names in modules}
         visitor = _Visitor(top, COMMON_ATTRIBUTES | frozenset(allowed_attributes), _bound_names(tree),
                            _defined_names(tree), own, _module_aliases(tree, own), frozenset(decorators),
-                           _foreign_names(tree))
+                           _foreign_names(tree), frozenset(exempt))
         visitor.run(tree)
     except (RecursionError, MemoryError) as exc:  # never for a real lab file; a refusal, not a traceback
         return StaticReport([], {}, f"the file is too deeply nested or too large to check ({type(exc).__name__})")

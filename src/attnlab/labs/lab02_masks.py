@@ -220,6 +220,20 @@ def _judge_ex5(ctx, results, outcome):
                               [mistake(c, m, w[seen]) for c, m, w in _ex5_mistakes(s, mask) if w is not None])
         if rows.findings:
             values = rows
+    if not values.passed and not values.findings and isinstance(got, Tensor) and got.shape == mask.shape:
+        # each mistake on the rows both it and the reference compute as usual (finite, some key weighed): the
+        # empty rows of either (an inverted mask's rows of all True, the mask's rows of all False) are where
+        # a learner's empty-row handling, keyed on their own mask, may differ from ours
+        for c, m, w in _ex5_mistakes(s, mask):
+            if w is None:
+                continue
+            own = seen & w.isfinite().all(-1) & (w != 0).any(-1)
+            if own.any():
+                rows = tensor_verdict(got[own], expected[own], "masked_softmax (the rows the mistake computes)",
+                                      [mistake(c, m, w[own])])
+                if rows.findings:
+                    values = rows
+                    break
     ok = isinstance(got, Tensor) and got.shape == mask.shape
     empty_ok = ok and bool(torch.isfinite(got[1, 3]).all() and (got[1, 3] == 0).all())
     empty = Verdict(empty_ok, "masked_softmax: a row whose keys are all masked must give zeros, not NaN")
@@ -243,7 +257,9 @@ def _judge_ex5(ctx, results, outcome):
             got_big.shape == mask.shape and not torch.isfinite(got_big[mask.any(-1)]).all():
         message = "scores of size ~1000 overflow exp(): subtract each row's maximum before exp"
         large = Verdict(False, message, [{"code": "unstable_softmax", "message": message}])
-    return {"values": values, "fully_masked_rows": empty, "large_scores": large}
+    if not large.passed and values.findings:  # the mistake the ordinary scores name explains the large ones:
+        large.findings = values.findings  # (a mask applied after the softmax underflows there like a max taken
+    return {"values": values, "fully_masked_rows": empty, "large_scores": large}  # before the mask would)
 
 
 # --------------------------------------------------------------------------- ex6: MHA's polarity

@@ -251,10 +251,15 @@ def _prep_ex2(g):
     v_nan[:, :, nan_from:] = float("nan")
     calls.append(Call("flash_forward", (q, k, v_nan, True, bq, bk)))
     ctx.append((q, k, v))
+    # the same call with finite values: a NaN above is the skip's only where this one is finite (an inverted
+    # rescale or K read through the wrong strides makes NaN from finite inputs too)
+    calls.append(Call("flash_forward", (q, k, v, True, bq, bk)))
     return calls, ctx
 
 
-def _judge_skip(ctx, result) -> Verdict:
+def _judge_skip(ctx, result, finite: object = None) -> Verdict:
+    """``result``: the call whose values past ``nan_from`` are NaN; ``finite``: the same call on finite
+    values (what it returned), which decides whether a NaN is the skip's."""
     L, bq, bk, nan_from = EX2_SKIP
     q, k, v = (t.double() for t in ctx)
     o, _, bad = _pair(result, "flash_forward")
@@ -266,6 +271,10 @@ def _judge_skip(ctx, result) -> Verdict:
     got = o[:, :, :nan_from]
     what = (f"flash_forward with is_causal, the values of keys {nan_from}.. NaN, queries 0..{nan_from - 1} (which "
             "give those keys weight 0)")
+    finite_out = finite[0] if isinstance(finite, tuple) and len(finite) == 2 else None
+    if got.isnan().any() and not (isinstance(finite_out, Tensor) and bool(finite_out.isfinite().all())):
+        return Verdict(False, f"{what}: NaN, and NaN or inf also where every input is finite: look at the rescale "
+                              "and the loads first (the other checks name what they find)", [], (got, expected))
     if got.isnan().any():
         msg = (f"{what}: NaN. The tiles wholly after a query block are computed, not skipped: their weights are 0, "
                "but 0 x NaN = NaN in P @ V, and they cost time. Stop each query block's key loop at its last query "
@@ -353,7 +362,7 @@ def _judge_ex2(ctx, results, outcome):
             mistake("online_rescale", "l_i is not rescaled when the running max grows: l_i * exp(m_old - m_new)",
                     simulate_forward(q, k, v, True, bq, bk, "l")[0]),
         ])
-    out["skips_future_tiles"] = _judge_skip(ctx[3], value(results, 3))
+    out["skips_future_tiles"] = _judge_skip(ctx[3], value(results, 3), results[4].get("value"))
     return out
 
 

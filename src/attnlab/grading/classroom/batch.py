@@ -410,7 +410,8 @@ def _row(learner: str, report: GradeReport, lab: "labs.Lab", folder: str = "") -
     problem = report.problem
     if report.environment_problem:
         status = "grader environment"
-    elif problem.startswith(("no file", "could not read", "could not import", "the file breaks")):
+    elif problem.startswith(("no file", "could not read", "could not import", "the file breaks",
+                             "[policy] the file breaks")):
         status = "could not be read"
     elif any("total time limit" in r.verdict.message or "did not finish within" in r.verdict.message
              for r in report.results):  # the messages of grader.grade and the sandbox's time limits

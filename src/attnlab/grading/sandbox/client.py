@@ -213,10 +213,16 @@ def validate_message(msg: Any, n_calls: int) -> None:
     for r in results:
         if not isinstance(r, dict):
             raise BadMessage("a result that is not a dict")
-        if "value" in r and set(r) <= {"value", "mutated", "unwritten"}:
+        if "value" in r and set(r) <= {"value", "mutated", "unwritten", "untouched", "torch_compute"}:
             _check_value(r["value"], budget)
-            if type(r.get("unwritten", 0)) is not int or not 0 <= r.get("unwritten", 0) < 2**40:
-                raise BadMessage("unwritten is not a count")
+            for key in ("unwritten", "untouched"):
+                if type(r.get(key, 0)) is not int or not 0 <= r.get(key, 0) < 2**40:
+                    raise BadMessage(f"{key} is not a count")
+            computed = r.get("torch_compute", [])
+            if not isinstance(computed, list) or len(computed) > 8:
+                raise BadMessage("torch_compute is not a short list")
+            for name in computed:
+                _check_str(name, "a kernel's name")
             mutated = r.get("mutated", [])
             if not isinstance(mutated, list) or len(mutated) > 8:
                 raise BadMessage("a list of changed inputs that is not a short list")
@@ -345,16 +351,18 @@ class Sandbox:
         return server
 
     def run(self, calls: list[Call], *, policy: bool = True, timeout_s: Optional[float] = None,
-            limits: Optional[Limits] = None, exempt: tuple[str, ...] = ()) -> Outcome:
+            limits: Optional[Limits] = None, exempt: tuple[str, ...] = (), traced: bool = False) -> Outcome:
         """Run ``calls`` on the learner's module in a fresh child; never raises for the learner's sake.
         ``limits``: this task's own (an exercise with a tighter memory cap); default the sandbox's.
         The call recorder is on in every child; ``policy=False`` judges nothing it records (the
         sandbox's own tests), ``exempt``: the learner functions in whose call path (every learner
-        frame) torch's attention is allowed (:class:`.recorder.Policy`)."""
-        return self.finish(self.start(calls, policy=policy, timeout_s=timeout_s, limits=limits, exempt=exempt))
+        frame) torch's attention is allowed (:class:`.recorder.Policy`); ``traced``: the answers are
+        judged as what the learner's Triton kernels stored (lab 05: :func:`.interpreter.unwritten`)."""
+        return self.finish(self.start(calls, policy=policy, timeout_s=timeout_s, limits=limits, exempt=exempt,
+                                      traced=traced))
 
     def start(self, calls: list[Call], *, policy: bool = True, timeout_s: Optional[float] = None,
-              limits: Optional[Limits] = None, exempt: tuple[str, ...] = ()) -> "Task":
+              limits: Optional[Limits] = None, exempt: tuple[str, ...] = (), traced: bool = False) -> "Task":
         """Send ``calls`` to a fresh child and return at once; :meth:`finish` waits for its outcome.
         The grader's own work (judging the task before, preparing the next) runs meanwhile on the
         other core. One task at a time: finish it before the next start. Never raises for the
@@ -375,7 +383,7 @@ class Sandbox:
             task_limits = {**dataclasses.asdict(limits), "timeout_s": float(timeout)}
             wire = [{"function": c.function, "args": tuple(c.args), "kwargs": dict(c.kwargs)} for c in task.calls]
             self._cpu0 = self._cgroup_cpu(server)  # before the task starts
-            write_frame(server.request_fd, encode_request("run", calls=wire, policy=policy, exempt=list(exempt),
+            write_frame(server.request_fd, encode_request("run", calls=wire, policy=policy, exempt=list(exempt), traced=traced,
                                                           limits=task_limits,
                                                           seccomp=seccomp.route()))  # its environment is cleared
         except (EOFError, OSError, ValueError) as exc:
@@ -499,8 +507,11 @@ class Sandbox:
                 results.append({"value": _restore(r["value"])})
                 if r.get("mutated"):  # the learner's function changed these inputs in place
                     results[-1]["mutated"] = [clean_text(name, 40) for name in r["mutated"]]
-                if "unwritten" in r:  # lab 05: elements of the answer its kernels did not store
-                    results[-1]["unwritten"] = r["unwritten"]
+                for key in ("unwritten", "untouched"):  # lab 05: what of the answer its kernels did not store
+                    if key in r:
+                        results[-1][key] = r[key]
+                if r.get("torch_compute"):  # lab 05: torch's arithmetic the call ran outside the kernels
+                    results[-1]["torch_compute"] = [clean_text(n, 60) for n in r["torch_compute"]]
             else:
                 results.append({"error": clean_text(r["error"]), "traceback": clean_text(r.get("traceback", "")),
                                 "memory": r.get("memory", False)})

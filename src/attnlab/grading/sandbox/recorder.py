@@ -112,15 +112,16 @@ class Policy:
         learner frame on the stack belongs to an exempt function, and there is at least one."""
         if not banned([name]):
             return False
-        frame, seen = _getframe(1), False
+        frame, codes = _getframe(1), []
         while frame is not None:
             code = frame.f_code
             if code.co_filename == self.path:
-                seen = True
                 if getattr(code, "co_qualname", code.co_name).split(".")[0] not in self.exempt:
                     return False
+                codes.append(code)
             frame = frame.f_back
-        return seen
+        # an exempt function re-entered (through an alias of itself) answers for another exercise: not exempt
+        return bool(codes) and len(codes) == len(set(codes))
 
     def patched(self) -> list[str]:
         """What the file rebound on torch since this policy was made (evidence, never a fence)."""

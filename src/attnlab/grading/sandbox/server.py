@@ -284,7 +284,29 @@ def _frozen_in(value: Any) -> list:
     return []
 
 
-def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = False) -> None:
+# ATen kernels that compute attention's pieces: lab 05's given launchers only allocate, convert and launch
+# (and autograd's sum and mul in attention_and_grads), so one of these in a call is arithmetic done in torch
+# outside the learner's kernels, whose stores would then only copy it (issue 61's attacker: 100/100 so)
+TORCH_COMPUTE = frozenset({"mm", "bmm", "matmul", "addmm", "addbmm", "baddbmm", "dot", "vdot", "mv", "einsum",
+                           "exp", "exp_", "exp2", "expm1", "log", "log2", "log1p", "log10", "pow", "float_power",
+                           "_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax", "logsumexp",
+                           "logcumsumexp", "amax", "max", "maximum", "fmax", "sort", "topk", "cummax", "sigmoid",
+                           "tanh", "erf", "sqrt", "rsqrt", "reciprocal", "_scaled_dot_product_flash_attention",
+                           "cumsum", "cumprod", "nansum", "norm", "linalg_vector_norm", "var", "std"})
+# reductions along a dim (D = rowsum(dO * O)); the whole-tensor sum of attention_and_grads' loss stays allowed
+TORCH_REDUCE_DIM = frozenset({"sum.dim_IntList", "mean.dim", "prod.dim_int", "sum.IntList_out"})
+
+
+def _torch_compute(names: list) -> list:
+    """The ATen kernels of :data:`TORCH_COMPUTE` (any overload) and :data:`TORCH_REDUCE_DIM` among
+    ``names`` (``aten.mm.default``), distinct, sorted."""
+    found = {n for n in names if n.startswith("aten.") and (n.split(".")[1] in TORCH_COMPUTE
+                                                            or ".".join(n.split(".")[1:3]) in TORCH_REDUCE_DIM)}
+    return sorted(found)[:8]
+
+
+def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = False,
+              recorder: Any = None) -> None:
     """One call's result (a value or an error) appended to ``message``; raises _Done on sys.exit."""
     fn = getattr(module, call["function"], None)
     if fn is None:
@@ -298,12 +320,21 @@ def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = 
         before = _inputs(fn, call)
         if stores:
             _interpreter().forget_stores()
+        ran = len(recorder.kernels.names) if recorder is not None else 0
         value = fn(*call["args"], **call["kwargs"])
         result = {"value": _portable(value)}
-        if stores:  # lab 05: how many elements of the answer its kernels did not store (interpreter.unwritten)
-            unwritten = _interpreter().unwritten
-            result["unwritten"] = sum(unwritten(f.address, f.shape, f.stride, f.itemsize, f.data)
-                                      for f in _frozen_in(result["value"]))
+        if stores and recorder is not None:  # lab 05: torch's arithmetic in the call (evidence, like the rest)
+            computed = _torch_compute(recorder.kernels.names[ran:])
+            if computed:
+                result["torch_compute"] = computed
+        if stores:  # lab 05: the elements of the answer its kernels did not store read as NaN (interpreter.poison)
+            interp, missed, untouched = _interpreter(), 0, 0
+            for f in _frozen_in(result["value"]):
+                mask = interp.unwritten(f.address, f.shape, f.stride, f.itemsize, f.data)
+                missed += int(mask.sum())
+                untouched += bool(mask.size) and bool(mask.all())
+                f.data = interp.poison(f.dtype, f.data, f.itemsize, mask)
+            result["unwritten"], result["untouched"] = missed, untouched
         changed = [name for name, tensor, frozen in before if _changed(tensor, frozen)]
         if changed:  # evidence for the mistake 'mutates_input', like the recorders: never a fence
             result["mutated"] = changed[:8]
@@ -435,9 +466,9 @@ def _child_main(result_fd: int, path: str, task: dict, sandboxed: bool, workdir:
                 traceback.format_exception_only(type(exc), exc)).strip()),
                 "traceback": _cap(_trim_traceback(exc, path)), "results": [], "violations": []}
             raise _Done() from None
-        stores = _interpreter().recording()
+        stores = task.get("traced", False) and _interpreter().recording()  # lab 05's exercises with kernels
         for call in task["calls"]:
-            _call_one(module, call, path, message, stores)
+            _call_one(module, call, path, message, stores, recorder)
     except _Done:
         pass
     finally:
@@ -634,6 +665,7 @@ def _task(request: dict) -> dict:
     except OSError:  # the child tries again itself, and runs no learner code where that fails too
         programs = None
     return {"calls": calls, "policy": bool(request["policy"]), "exempt": tuple(request.get("exempt", ())),
+            "traced": bool(request.get("traced", False)),
             "limits": SimpleNamespace(**request["limits"]),
             "seccomp": route, "programs": programs}
 

@@ -1,0 +1,100 @@
+"""Names that point at the right line (issue 62, item 3): each case named the wrong mistake, or
+none, or said its note three times, on the code before it.
+"""
+
+from __future__ import annotations
+
+import ast
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.grading import grade
+from attnlab.grading.errors import explain
+
+ROOT = Path(__file__).resolve().parents[2]
+LAB01 = (ROOT / "labs/track1/01-attention/solutions/attention.py").read_text()
+LAB05 = (ROOT / "labs/track1/05-triton-flash/solutions/flash_triton.py").read_text()
+
+BROADCAST = ("raised RuntimeError: The size of tensor a (4) must match the size of tensor b (3) at non-singleton dimension 1\n"
+             'Traceback (most recent call last):\n  File "flash.py", line {line}, in backward_pass\n')
+
+
+def _grade(source: str, file: str, lab: str):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / file
+        path.write_text(source)
+        return grade(path, lab=lab, sandbox="none", seed=2)
+
+
+def test_keepdim_is_named_only_for_a_reduction_that_feeds_the_failing_line():
+    """On the code before, any reduction without keepdim anywhere in the function was blamed: the
+    right ``D = rowsum(dO * O)`` for a broadcast error of another line."""
+    source = ("def backward_pass(do, o, p, dp):\n"
+              "    D = (do * o).sum(dim=-1)\n"            # line 2: right, as the backward wants it
+              "    m = p.amax(dim=-1)\n"                  # line 3: lost its dim, and feeds line 5
+              "    ds = p * (dp - D[..., None])\n"        # line 4
+              "    shifted = p - m\n"                     # line 5: fails
+              "    for d_i in [D]:\n"
+              "        x = dp - d_i\n"                    # line 7: fails, fed through a loop target
+              "    return ds, shifted, x\n")
+    tree = ast.parse(source)
+    at_5 = explain(BROADCAST.format(line=5), tree, "flash.py")
+    assert [f["code"] for f in at_5] == ["keepdim"] and "line 3" in at_5[0]["message"] \
+        and "line 2" not in at_5[0]["message"], at_5
+    at_7 = explain(BROADCAST.format(line=7), tree, "flash.py")
+    assert [f["code"] for f in at_7] == ["keepdim"] and "line 2" in at_7[0]["message"], at_7
+    at_4 = explain(BROADCAST.format(line=4), tree.__class__(body=[ast.parse(
+        "def backward_pass(do, o, p, dp):\n    D = (do * o).sum(dim=-1, keepdim=True)\n    m = p.amax(dim=-1)\n"
+        "    ds = p * (dp - D)\n    return ds, m\n").body[0]], type_ignores=[]), "flash.py")
+    assert at_4 == [], at_4  # line 4 reads D (kept its dim); m lost one but feeds nothing there
+
+
+def test_a_policy_refusal_carries_its_code_where_the_learner_reads_it():
+    """On the code before, lab 05's refusal of tl.atomic_add printed no [policy]."""
+    source = LAB05.replace("    tl.store(DK + bhk * S * E + keys[:, None] * E + cols_e[None, :], dk, mask=keys[:, None] < S)",
+                           "    tl.atomic_add(DK + bhk * S * E + keys[:, None] * E + cols_e[None, :], dk, "
+                           "mask=keys[:, None] < S)")
+    assert source != LAB05
+    report = _grade(source, "flash_triton.py", "05")
+    text = report.to_text()
+    assert "[policy]" in text and "atomic_add" in text and report.score == 0, text
+
+
+def test_an_allocation_past_the_memory_limit_has_its_own_code():
+    """On the code before, it was a shape_error with a hint about broadcasting."""
+    source = LAB01.replace('    """ex1: project every position into a query, a key and a value."""\n',
+                           '    """ex1"""\n    torch.ones(1 << 34)  # 64 GiB\n')
+    assert source != LAB01
+    report = _grade(source, "attention.py", "01")
+    codes = {f["code"] for r in report.results if r.exercise.id == "ex1" for f in r.verdict.findings}
+    assert codes == {"memory_limit"}, report.to_text()
+
+
+def test_the_builds_on_note_is_said_once_per_exercise():
+    """On the code before, '(this builds on your ex2 ...)' came under every failed check of ex8 (3x)."""
+    source = LAB01.replace("return Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])", "return Q @ K.transpose(-2, -1)")
+    assert source != LAB01
+    report = _grade(source, "attention.py", "01")
+    ex8 = [r for r in report.results if r.exercise.id == "ex8" and not r.verdict.passed]
+    assert len(ex8) >= 2, report.to_text()
+    assert sum(r.verdict.message.count("this builds on your") for r in ex8) == 1, report.to_text()
+    assert all(f["code"] == "missing_scale" for r in ex8 for f in r.verdict.findings)
+
+
+@pytest.mark.parametrize("finite_too", [True, False])
+def test_causal_block_skip_is_named_only_when_finite_inputs_give_a_finite_output(finite_too):
+    """On the code before, any NaN in lab 04's skip case was 'causal_block_skip', though an inverted
+    rescale or K read through the wrong strides makes NaN from finite inputs too."""
+    from attnlab.labs import lab04_flash as lab
+
+    L, bq, bk, nan_from = lab.EX2_SKIP
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, L, 8, generator=g) for _ in range(3))
+    nan_out = torch.full((1, 2, L, 8), float("nan"))
+    finite = (torch.zeros(1, 2, L, 8) if finite_too else nan_out, torch.zeros(1, 2, L))
+    verdict = lab._judge_skip((q, k, v), (nan_out, torch.zeros(1, 2, L)), finite)
+    assert not verdict.passed
+    assert ({f["code"] for f in verdict.findings} == {"causal_block_skip"}) == finite_too, verdict
