@@ -171,7 +171,9 @@ def choose_impl(query: Tensor, key: Tensor, value: Tensor, attn_mask: Mask = Non
     chosen = impl if impl is not None else _default_impl()
     _check_impl(chosen)
     if chosen == "triton":
-        why = _SINKS_NOT_YET if sinks is not None else _triton_unsupported(query, key, value, attn_mask, dropout_p)
+        # a score_mod the kernels would not run is refused, never dropped (it ran without it: issue 63)
+        why = (_SINKS_NOT_YET if sinks is not None else "a score_mod (its kernels run none yet)"
+               if score_mod is not None else _triton_unsupported(query, key, value, attn_mask, dropout_p))
         if why:
             raise ValueError(f"attention: impl='triton' was requested but it cannot run {why}; use impl='auto'")
         return "triton"

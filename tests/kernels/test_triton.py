@@ -153,6 +153,11 @@ def test_front_door_takes_the_route_when_forced():
     assert_close(out, reference(q, k, v, attn_mask=masks.causal(20, 30, align="bottom_right"), enable_gqa=True))
     with pytest.raises(ValueError, match="impl='triton' was requested but it cannot run a tensor mask"):
         dispatch.attention(q, k, v, attn_mask=torch.ones(20, 30, dtype=torch.bool), enable_gqa=True, impl="triton")
+    # issue 63: a score_mod ran silently dropped (52% off softcap's answer); now it is refused by name
+    from attnlab import flex
+
+    with pytest.raises(ValueError, match="impl='triton' was requested but it cannot run a score_mod"):
+        dispatch.attention(q, k, v, score_mod=flex.softcap(5.0), enable_gqa=True, impl="triton")
 
 
 def test_bad_input_is_named():
