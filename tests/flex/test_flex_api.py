@@ -152,6 +152,25 @@ def test_from_kv_blocks_rebuilds_torchs_mask_and_runs():
         flex.BlockMask.from_kv_blocks(theirs.kv_num_blocks, theirs.kv_indices, dq_write_order=torch.zeros(1))
 
 
+def test_from_kv_blocks_without_full_blocks_has_none_as_torchs():
+    """issue 63: the full-block attributes were zeros where torch's are None; every block given is
+    partial, and the mask runs as torch's does."""
+    L = S = 128
+    theirs_full = tf.create_block_mask(flex.causal_mask, 1, 1, L, S, device="cpu", BLOCK_SIZE=32)
+    # the full blocks folded into the partial lists: what a caller without full blocks passes
+    dense = theirs_full.to_dense().bool()  # (1, 1, nq, nk): any block that attends
+    num = dense.sum(-1).to(torch.int32)
+    idx = torch.argsort((~dense).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    theirs = tf.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=32, mask_mod=flex.causal_mask, seq_lengths=(L, S))
+    ours = flex.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=32, mask_mod=flex.causal_mask, seq_lengths=(L, S))
+    for name in ("full_kv_num_blocks", "full_kv_indices", "full_q_num_blocks", "full_q_indices"):
+        assert getattr(theirs, name) is None and getattr(ours, name) is None, name
+    assert torch.equal(ours.kv_num_blocks, theirs.kv_num_blocks)
+    assert ours[:, :, :2].full_kv_num_blocks is None and ours._adjust(64, 64).full_kv_indices is None
+    q, k, v = randn(1, 1, L, 16), randn(1, 1, S, 16, seed=1), randn(1, 1, S, 16, seed=2)
+    assert_close(flex.flex_attention(q, k, v, block_mask=ours), tf.flex_attention(q, k, v, block_mask=theirs))
+
+
 def test_to_dense_is_the_block_map_and_create_mask_the_elements():
     ours, theirs = both(flex.causal_mask, 256, 256, 128, None, None)
     assert ours.to_dense().shape == (1, 1, 2, 2) and ours.to_dense().dtype == torch.int32

@@ -65,6 +65,8 @@ class BlockMask(MaskBlocks):
 
     mask_mod: Optional[MaskMod] = None
     _ordered: dict = field(default_factory=dict, repr=False, compare=False)
+    # built by from_kv_blocks without full blocks: torch's full_* attributes are then None (issue 63)
+    _no_full: bool = field(default=False, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -91,12 +93,17 @@ class BlockMask(MaskBlocks):
                              doc="``(Bm, Hm, nq)`` int32: partial blocks in each query block row")
     kv_indices = property(lambda self: self._blocks("kv")[1],
                           doc="``(Bm, Hm, nq, nk)`` int32: their key blocks first, then the others")
-    full_kv_num_blocks = property(lambda self: self._blocks("full_kv")[0], doc="``(Bm, Hm, nq)`` int32: full blocks")
-    full_kv_indices = property(lambda self: self._blocks("full_kv")[1], doc="``(Bm, Hm, nq, nk)`` int32")
+    full_kv_num_blocks = property(lambda self: None if self._no_full else self._blocks("full_kv")[0],
+                                  doc="``(Bm, Hm, nq)`` int32: full blocks (None, as torch's, where "
+                                      "``from_kv_blocks`` was given none)")
+    full_kv_indices = property(lambda self: None if self._no_full else self._blocks("full_kv")[1],
+                               doc="``(Bm, Hm, nq, nk)`` int32")
     q_num_blocks = property(lambda self: self._blocks("q_")[0], doc="``(Bm, Hm, nk)``: partial blocks per key block")
     q_indices = property(lambda self: self._blocks("q_")[1], doc="``(Bm, Hm, nk, nq)`` int32")
-    full_q_num_blocks = property(lambda self: self._blocks("full_q_")[0], doc="``(Bm, Hm, nk)`` int32")
-    full_q_indices = property(lambda self: self._blocks("full_q_")[1], doc="``(Bm, Hm, nk, nq)`` int32")
+    full_q_num_blocks = property(lambda self: None if self._no_full else self._blocks("full_q_")[0],
+                                 doc="``(Bm, Hm, nk)`` int32")
+    full_q_indices = property(lambda self: None if self._no_full else self._blocks("full_q_")[1],
+                              doc="``(Bm, Hm, nk, nq)`` int32")
     # torch's deterministic-backward metadata: attnlab's backward is deterministic without it
     dq_write_order = dq_write_order_full = dq_kv_order = dq_kv_order_spt = None
 
@@ -112,7 +119,7 @@ class BlockMask(MaskBlocks):
     def sparsity(self) -> float:
         """torch's: the percentage of the ``numel()`` elements whose blocks are skipped
         (computed blocks count whole, padding included)."""
-        blocks = int(self.kv_num_blocks.sum()) + int(self.full_kv_num_blocks.sum())  # torch counts these
+        blocks = int(self.kv_num_blocks.sum()) + int(self._blocks("full_kv")[0].sum())  # torch counts these
         computed = blocks * self.BLOCK_SIZE[0] * self.BLOCK_SIZE[1]
         return 100 * (1 - computed / self.numel()) if self.numel() else 0.0
 
@@ -167,7 +174,7 @@ class BlockMask(MaskBlocks):
         index = tuple((slice(i + n, i + n + 1) if -n <= i < 0 else slice(i, i + 1)) if isinstance(i, int) else i
                       for i, n in zip(padded, sizes))
         return BlockMask(self.kinds[index], self.partial_index[index], self.bits, self.Q_LEN, self.KV_LEN,
-                         self.BLOCK_SIZE, _sliced_mask_mod)
+                         self.BLOCK_SIZE, _sliced_mask_mod, _no_full=self._no_full)
 
     def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
         """torch's: the blocks cut to ``(new_q_len, new_kv_len)``, with torch's own recount of
@@ -196,7 +203,8 @@ class BlockMask(MaskBlocks):
             for n, (b, h, i, j) in enumerate(changed):
                 partial_index[b, h, i, j] = bits.shape[0] + n
             bits = torch.cat([bits, extra])
-        adjusted = BlockMask(kinds, partial_index, bits, new_q_len, new_kv_len, self.BLOCK_SIZE, self.mask_mod)
+        adjusted = BlockMask(kinds, partial_index, bits, new_q_len, new_kv_len, self.BLOCK_SIZE, self.mask_mod,
+                             _no_full=self._no_full)
         adjusted._ordered.update(ordered)
         return adjusted
 
@@ -245,7 +253,8 @@ class BlockMask(MaskBlocks):
             partial_index[b, h, i, j] = len(packed)
             packed.append(pack_bits(keep))
         bits = torch.stack(packed) if packed else torch.zeros(0, bq, -(-bk // 8), dtype=torch.uint8)
-        return cls(kinds, partial_index, bits, int(Q_LEN), int(KV_LEN), (bq, bk), mask_mod)
+        return cls(kinds, partial_index, bits, int(Q_LEN), int(KV_LEN), (bq, bk), mask_mod,
+                   _no_full=full_kv_num_blocks is None)
 
     def __str__(self) -> str:
         """A picture of the blocks of batch 0, head 0 (``#`` full, ``+`` partial, ``.`` empty)."""
