@@ -113,13 +113,28 @@ def _flex_unsupported(query: Tensor, attn_mask: Mask, dropout_p: float, is_causa
 
     if attn_mask is not None and not isinstance(attn_mask, flex.BlockMask):
         return "a tensor attn_mask (flex takes a BlockMask: attnlab.flex.create_block_mask)"
-    if is_causal:
-        return "is_causal=True (with flex, causality is a mask_mod: create_block_mask(flex.causal_mask, ...))"
+    if is_causal and attn_mask is not None:  # SDPA's rule: one or the other
+        return ("is_causal=True with a BlockMask: pass either, not both (fold causality into the mask_mod: "
+                "and_masks(flex.causal_mask, ...))")
     if dropout_p > 0:
         return f"dropout_p={dropout_p} (flex has no dropout)"
     if query.dim() != 4:
         return f"{query.dim()}-D inputs (flex takes (B, H, L, E))"
     return None
+
+
+def _causal_mod(L: int, S: int, align: str):
+    """is_causal as a mask_mod: query i sees keys j <= i (top-left, SDPA's), or j <= i + S - L (bottom-right)."""
+    from attnlab import flex
+
+    if align == "top_left":
+        return flex.causal_mask
+    offset = S - L
+
+    def bottom_right_causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
+
+    return bottom_right_causal
 
 
 def _decode_unsupported(query: Tensor, key: Tensor, value: Tensor, attn_mask: Mask, dropout_p: float) -> Optional[str]:
@@ -291,6 +306,9 @@ def attention(
     if which == "flex":
         from attnlab import flex
 
+        if is_causal:  # SDPA's is_causal on the flex route: its causal mask_mod, aligned as asked
+            attn_mask = flex.create_block_mask(_causal_mod(query.shape[-2], key.shape[-2], causal_align), None, None,
+                                               query.shape[-2], key.shape[-2])
         return flex.flex_attention(query, key, value, score_mod=score_mod, block_mask=attn_mask, scale=scale,
                                    enable_gqa=enable_gqa, sinks=sinks)
     return functional.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,

@@ -280,3 +280,22 @@ def test_the_front_door_runs_flex_for_a_block_mask_or_a_score_mod():
     with pytest.raises(ValueError, match="flex cannot run dropout_p=0.1"):
         dispatch.attention(q, k, v, bm, dropout_p=0.1)
     assert dispatch.choose_impl(q, k, v) == "reference"  # a small plain call: unchanged
+
+
+@pytest.mark.parametrize("L, S", [(40, 40), (24, 40), (40, 24)])
+def test_is_causal_runs_on_the_flex_route_as_its_mask_mod(L, S):
+    """issue 63: impl='flex' refused is_causal=True (SDPA's arguments should work on every route that
+    can run them); it runs the causal mask_mod, aligned as asked, and with a score_mod on 'auto'."""
+    from attnlab import dispatch, flex as fx, functional
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = torch.randn(1, 2, L, 8, generator=g), torch.randn(1, 2, S, 8, generator=g), torch.randn(1, 2, S, 8,
+                                                                                                     generator=g)
+    assert_close(dispatch.attention(q, k, v, is_causal=True, impl="flex"),
+                 functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert_close(dispatch.attention(q, k, v, is_causal=True, impl="flex", causal_align="bottom_right"),
+                 dispatch.attention(q, k, v, is_causal=True, impl="reference", causal_align="bottom_right"))
+    mod = fx.softcap(5.0)
+    bm = fx.create_block_mask(fx.causal_mask, None, None, L, S)
+    assert_close(dispatch.attention(q, k, v, is_causal=True, score_mod=mod),
+                 fx.flex_attention(q, k, v, score_mod=mod, block_mask=bm))
