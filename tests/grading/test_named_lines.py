@@ -98,3 +98,41 @@ def test_causal_block_skip_is_named_only_when_finite_inputs_give_a_finite_output
     verdict = lab._judge_skip((q, k, v), (nan_out, torch.zeros(1, 2, L)), finite)
     assert not verdict.passed
     assert ({f["code"] for f in verdict.findings} == {"causal_block_skip"}) == finite_too, verdict
+
+
+LAB04 = (ROOT / "labs/track1/04-flash-attention/solutions/flash.py").read_text()
+RIGHT = '''            if is_causal and ks > qe - 1:
+                continue  # no query of this block sees these keys
+            q_i, do_i = q[:, :, qs:qe], do[:, :, qs:qe]
+            s = (q_i @ k_j.transpose(-2, -1)) * scale  # [B, H, bq, bk]
+            if is_causal:
+                mask = causal_block_mask(qs, qe, ks, ke)'''
+BOTTOM_RIGHT = '''            if is_causal and ks > qe - 1 + S - L:
+                continue  # no query of this block sees these keys
+            q_i, do_i = q[:, :, qs:qe], do[:, :, qs:qe]
+            s = (q_i @ k_j.transpose(-2, -1)) * scale  # [B, H, bq, bk]
+            if is_causal:
+                mask = causal_block_mask(qs + S - L, qe + S - L, ks, ke)'''
+
+
+def test_a_backward_causal_mask_aligned_bottom_right_is_named_on_rectangular_cases():
+    """On the code before, lab 04's backward was tried on a square causal case only: this backward
+    scored 100 (issue 62)."""
+    assert LAB04.count(RIGHT) == 1
+    report = _grade(LAB04.replace(RIGHT, BOTTOM_RIGHT), "flash.py", "04")
+    scores = report.exercise_scores()
+    assert scores["ex4"][0] < scores["ex4"][1], report.to_text()
+    codes = {f["code"] for r in report.results if r.exercise.id == "ex4" for f in r.verdict.findings}
+    assert codes == {"causal_alignment"}, report.to_text()
+    assert _grade(LAB04, "flash.py", "04").score == 100
+
+
+@pytest.mark.slow
+def test_a_key_value_offset_counted_in_query_heads_loses_lab05s_grouped_heads_points():
+    """On the code before, lab 05 graded every case with batch 1, where b * H and b * Hkv are both 0:
+    this forward scored 100 (issue 62). ex7 now runs a batch of 2."""
+    right = "    bhk = b * Hkv + h // (H // Hkv)  # ex7"
+    assert LAB05.count(right) == 1
+    report = _grade(LAB05.replace(right, "    bhk = b * H + h // (H // Hkv)  # ex7"), "flash_triton.py", "05")
+    scores = report.exercise_scores()
+    assert scores["ex7"][0] < scores["ex7"][1] and report.score < 100, report.to_text()

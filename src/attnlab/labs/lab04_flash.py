@@ -2,7 +2,8 @@
 
 Same machinery as lab 01's (:mod:`attnlab.grading.exercise`): seeded, unequal inputs
 (L = 37 queries over S = 45 keys in tiles of 16, a causal 40 x 40 in query tiles of 16 and
-key tiles of 8, so no mistake hides behind square, aligned tiles), a float64 reference
+key tiles of 8, and for the backward causal 24 x 40 and 40 x 24 too, so no mistake hides behind
+square, aligned tiles), a float64 reference
 computed here, and what each common mistake returns, to name it (codes from
 :mod:`attnlab.mistakes`). The mistakes are simulated by :func:`simulate_forward`, the same loop as the
 lab's with one step broken, so what a named mistake returns is what the learner's code does.
@@ -397,7 +398,9 @@ def _judge_ex3(ctx, results, outcome):
 
 
 # --------------------------------------------------------------------------- ex4: the backward
-EX4_CASES = ((37, 45, False, 16, 16), (40, 40, True, 16, 8))
+# causal square, then rectangular both ways (issue 62: a backward whose causal mask was aligned bottom-right
+# scored 100 on the square case alone); the causal check is the first of them that fails
+EX4_CASES = ((37, 45, False, 16, 16), (40, 40, True, 16, 8), (24, 40, True, 8, 16), (40, 24, True, 16, 8))
 
 
 def _prep_ex4(g):
@@ -423,7 +426,8 @@ def _judge_ex4(ctx, results, outcome):
         got = _triple(value(results, i))
         if got is None:
             bad = Verdict(False, f"flash_backward must return (dq, dk, dv), got {type(value(results, i)).__name__}")
-            out.update({"dv": bad, "dq_dk": bad} if not causal else {"causal": bad})
+            out.update({"dv": bad, "dq_dk": bad} if not causal else {"causal": bad} if out.get(
+                "causal", Verdict(True)).passed else {})
             continue
         dq, dk, dv = simulate_grads(q, k, v, do, mask)
         no_d, d_tile, no_scale, no_scale_dq, no_scale_dk, p_unscaled, d_no_o, lse_units, dv_scaled = (
@@ -433,6 +437,9 @@ def _judge_ex4(ctx, results, outcome):
         # P rebuilt without the causal mask: in every tile (no skipping either), or in the tiles visited
         unmasked = [simulate_grads(q, k, v, do, mask, p_mask=m) for m in (torch.ones(L, S, dtype=torch.bool),
                                                                    tiles_kept(L, S, bq, bk))] if causal else []
+        # P rebuilt with the causal mask aligned bottom-right (j <= i + S - L): differs only where L != S
+        aligned = [simulate_grads(q, k, v, do, mask, p_mask=torch.ones(L, S, dtype=torch.bool).tril(S - L))] \
+            if causal and L != S else []
         both = (lambda t: torch.cat([t[0].flatten(), t[1].flatten()]))
         got_qk = both(got) if all(isinstance(t, Tensor) for t in got[:2]) else None
         qk_mistakes = [
@@ -453,11 +460,16 @@ def _judge_ex4(ctx, results, outcome):
                                       "scores, so P = exp(Q K^T * scale - lse)", both(p_unscaled)),
         ] + [mistake("causal_block_skip", "the backward rebuilds P without the causal mask: mask the tile's "
                                           "scores as the forward does before exp(scores - lse)", both(u))
-             for u in unmasked]
+             for u in unmasked] + [
+            mistake("causal_alignment", "the backward's causal mask is aligned bottom-right (key j <= i + S - L): "
+                                        "is_causal is top-left, as in the forward (key j <= query i)", both(a))
+            for a in aligned]
         where = f"(L = {L}, S = {S}{', is_causal' if causal else ''})"
         qk = tensor_verdict(got_qk, both((dq, dk)), f"dq and dk {where}", qk_mistakes)
         dv_v = tensor_verdict(got[2], dv, f"dv {where}", [
             mistake("causal_block_skip", "dV is built from P without the causal mask", u[2]) for u in unmasked] + [
+            mistake("causal_alignment", "dV is built from P with the causal mask aligned bottom-right (key j <= "
+                                        "i + S - L): is_causal is top-left", a[2]) for a in aligned] + [
             mistake("backward_scale", "P is rebuilt from unscaled scores: the forward's lse is of the scaled scores, "
                                       "so P = exp(Q K^T * scale - lse)", p_unscaled[2]),
             mistake("backward_scale", "dV is multiplied by the softmax scale: dV = P^T @ dO, the scale is already in "
@@ -466,7 +478,8 @@ def _judge_ex4(ctx, results, outcome):
                                  "scale), the natural lse needs * log2(e) too: P = exp2(s2 - lse * log2(e))",
                     lse_units[2])])
         if causal:
-            out["causal"] = dv_v if not dv_v.passed else qk
+            if out.get("causal", Verdict(True)).passed:  # the first causal case that fails stands for the check
+                out["causal"] = dv_v if not dv_v.passed else qk
         else:
             out["dv"], out["dq_dk"] = dv_v, qk
     return out

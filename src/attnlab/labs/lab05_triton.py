@@ -75,10 +75,10 @@ NEG_INF = float("-inf")
 
 
 def _inputs(g: torch.Generator, L: int, S: int, H: int = 2, Hkv: Optional[int] = None,
-            dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+            dtype: torch.dtype = torch.float32, B: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     Hkv = H if Hkv is None else Hkv
-    return (torch.randn(1, H, L, E, generator=g).to(dtype), torch.randn(1, Hkv, S, E, generator=g).to(dtype),
-            torch.randn(1, Hkv, S, E, generator=g).to(dtype))
+    return (torch.randn(B, H, L, E, generator=g).to(dtype), torch.randn(B, Hkv, S, E, generator=g).to(dtype),
+            torch.randn(B, Hkv, S, E, generator=g).to(dtype))
 
 
 def _pair(got, what: str) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Verdict]]:
@@ -398,8 +398,8 @@ EX5 = ((37, 45, False), (40, 40, True))  # L, S, causal
 EX5_HALF = (64, 16)  # the float16 case: L, S; dV of key 0 is about 64 x 1500 = 96000 > 65504
 
 
-def _backward_call(g, L, S, causal, H=2, Hkv=None):
-    q, k, v = _inputs(g, L, S, H=H, Hkv=Hkv)
+def _backward_call(g, L, S, causal, H=2, Hkv=None, B=1):
+    q, k, v = _inputs(g, L, S, H=H, Hkv=Hkv, B=B)
     do = torch.randn(q.shape, generator=g)
     r = H // (Hkv or H)
     o, lse = _forward(q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), causal)  # exact, as lab 04 gives
@@ -602,13 +602,16 @@ def _judge_ex6(ctx, results, outcome):
 
 
 # --------------------------------------------------------------------------- ex7: grouped heads
-EX7 = (33, 40, 4, 2)  # L, S, H, Hkv
+# L, S, H, Hkv, and a batch of 2: B * H and B * Hkv offsets differ only past batch 0, so a key/value offset
+# or a dK/dV grid counted in H instead of Hkv shows only there (issue 62: every case was batch 1)
+EX7 = (33, 40, 4, 2)
+EX7_B = 2
 
 
 def _prep_ex7(g):
     L, S, H, Hkv = EX7
-    q, k, v = _inputs(g, L, S, H=H, Hkv=Hkv)
-    back, bctx = _backward_call(g, L, S, True, H=H, Hkv=Hkv)
+    q, k, v = _inputs(g, L, S, H=H, Hkv=Hkv, B=EX7_B)
+    back, bctx = _backward_call(g, L, S, True, H=H, Hkv=Hkv, B=EX7_B)
     return [Call("flash_forward", (q, k, v, True)), back], ((q, k, v), bctx)
 
 
