@@ -400,16 +400,17 @@ def _graded(report: GradeReport, path: Path, source_bytes: bytes, prepared: "int
     """The static check, then every exercise in the sandbox (what :func:`grade` does once the
     submission is read and prepared)."""
 
-    # The from-scratch rule on the text, before any of it runs.
+    # The from-scratch rule on the text, before any of it runs; the functions allowed torch's attention
+    exempt = {ex.function for ex in EXERCISES if not ex.policy}
     static = check_source(source_bytes, path.name if prepared.kind == "py" else the_lab.file, the_lab.allowed_names,
-                          the_lab.modules, the_lab.decorators, {ex.function for ex in EXERCISES if not ex.policy})
+                          the_lab.modules, the_lab.decorators, exempt)
     report.shape_sha256 = shape_digest(static.tree)
     missing = missing_modules(static.imports)
     if missing and not static.syntax_error:  # the grader's installation, not the learner's code
         return _environment_problem(report, EXERCISES, t0,
                                     f"the file imports {', '.join(missing)}, which is not installed where the grader "
                                     f"runs. Install it with: {install_command(missing)}, then grade again.")
-    refused = static.refusals({ex.function for ex in EXERCISES if not ex.policy})
+    refused = static.refusals(exempt)
     if static.syntax_error:
         report.problem = f"could not import the file:\n{static.syntax_error}"
     elif refused:  # complete mediation: a violation anywhere refuses the whole file

@@ -71,7 +71,7 @@ _DATA_PTR, _ELEMENT_SIZE = _BASE.data_ptr, _BASE.element_size
 _TOBYTES = __import__("numpy").ndarray.tobytes
 _UINT8, _CONTIGUOUS = torch.uint8, torch.contiguous_format
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
-_type, _list, _int, _len = type, list, int, len
+_type, _list, _int = type, list, int
 
 
 class Frozen:
