@@ -453,6 +453,9 @@ ATTACKS = Path(__file__).resolve().parents[1] / "hostile" / "issue61"
     ("store_through_a_class_attribute_or_a_parameter", "01", "attention.py"),
     # every answer computed with torch (bmm, exp, amax), each required kernel only copying it: 100/100
     ("lab05_kernels_that_copy_torchs_answer", "05", "flash_triton.py"),
+    # compare_with_sdpa keeps SDPA's output in a module-level list, self_attention (called after it in
+    # ex9's child) returns it: ex9's 5 points for SDPA measured against itself; self_attention now runs first
+    ("ex9_sdpa_output_kept_for_self_attention", "01", "attention.py"),
 ])
 def test_an_independent_attackers_files_score_nothing(name, lab, file):
     """Written by an attacker of the grader (a helper given the grader and its claims, after the

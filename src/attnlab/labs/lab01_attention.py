@@ -491,13 +491,15 @@ def _judge_ex8(ctx, results, outcome):
 def _prep_ex9(g):
     inp = _layer_inputs(g)
     pad = (torch.arange(T) < torch.tensor([5, 2, 4])[:, None])[:, None, :]
-    calls = [Call("compare_with_sdpa", (*_args(inp), pad)), Call("self_attention", (*_args(inp), pad))]
+    # self_attention first: once compare_with_sdpa has run, the child holds SDPA's output, which a
+    # module-level list could hand the later call to measure SDPA against itself (issue 61's attacker)
+    calls = [Call("self_attention", (*_args(inp), pad)), Call("compare_with_sdpa", (*_args(inp), pad))]
     return calls, (inp, pad)
 
 
 def _judge_ex9(ctx, results, outcome):
     inp, pad = ctx
-    got = value(results, 0)
+    got = value(results, 1)
     if isinstance(got, Tensor) and got.numel() == 1:
         got = got.item()
     if isinstance(got, bool) or not isinstance(got, (int, float)):
@@ -506,7 +508,7 @@ def _judge_ex9(ctx, results, outcome):
     Q, K, V, _, _ = _reference_layer(inp)
     sdpa_out = scaled_dot_product_attention(Q, K, V, attn_mask=pad)
     try:
-        own = value(results, 1)[0]
+        own = value(results, 0)[0]
         expected = max_abs_diff(own, sdpa_out) if isinstance(own, Tensor) and own.shape == sdpa_out.shape else None
     except (CallFailed, TypeError, IndexError, KeyError):
         expected = None
