@@ -200,6 +200,14 @@ def _torch_answer(q, k, v, is_causal):
     l = p.sum(dim=-1, keepdim=True)
     return (p / l @ v.float()).to(q.dtype), (m + torch.log(l)).squeeze(-1)
 '''
+COPY_KERNEL = '''
+
+
+@triton.jit
+def _copy_kernel(SRC, DST, n, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(DST + offs, tl.load(SRC + offs, mask=offs < n, other=0.0), mask=offs < n)
+'''
 FORWARD_HEAD = '''
 def flash_forward(q, k, v, is_causal=False):
     B, H, L, E = q.shape
@@ -233,6 +241,26 @@ FORGERIES = {
     lse.copy_(want_lse)
     return o, lse
 ''',
+    # the arithmetic in Python on values read out with tolist() (no ATen kernel computes), copied by a kernel of its own
+    "python_math": FORWARD_HEAD + '''
+    attn_fwd_kernel[(1, 1)](q, k, v, torch.empty_like(q), torch.empty_like(lse), H, Hkv, 1, S,
+                            1.0 / math.sqrt(E), E=E, BQ=BLOCK_Q, BK=BLOCK_K, CAUSAL=is_causal)
+    qs, ks, vs, out, lses = q.tolist(), k.tolist(), v.tolist(), [], []
+    for b in range(B):
+        for h in range(H):
+            for i in range(L):
+                s = [sum(x * y for x, y in zip(qs[b][h][i], ks[b][h // (H // Hkv)][j])) / math.sqrt(E)
+                     for j in range(S if not is_causal else i + 1 + S - L)]
+                m = max(s)
+                w = [math.exp(x - m) for x in s]
+                out.append([sum(w[j] * vs[b][h // (H // Hkv)][j][e] for j in range(len(w))) / sum(w)
+                            for e in range(E)])
+                lses.append(m + math.log(sum(w)))
+    want_o, want_lse = torch.tensor(out).reshape(B, H, L, E), torch.tensor(lses).reshape(B, H, L)
+    _copy_kernel[(1,)](want_o, o, o.numel(), N=triton.next_power_of_2(o.numel()))
+    _copy_kernel[(1,)](want_lse, lse, lse.numel(), N=triton.next_power_of_2(lse.numel()))
+    return o, lse
+''',
     # no arithmetic of torch's at all: the kernel's own answer, copied by torch into the tensors returned
     "torch_copies_the_kernels_answer": FORWARD_HEAD + '''
     tmp_o, tmp_lse = torch.empty_like(q), torch.empty_like(lse)
@@ -252,7 +280,7 @@ def test_a_lab05_answer_not_stored_by_the_learners_kernels_scores_zero(forgery):
     came from it was never checked). Now every element of the answer must be the last store of the
     learner's kernels in that call, with the bytes it holds, and the call may run none of torch's
     arithmetic outside them."""
-    source = _replace_function(LAB05, "flash_forward", TORCH_ANSWER + "\n\n" + FORGERIES[forgery])
+    source = _replace_function(LAB05, "flash_forward", TORCH_ANSWER + COPY_KERNEL + "\n\n" + FORGERIES[forgery])
     report = _grade(source, "flash_triton.py", "05")
     scores = report.exercise_scores()
     assert not report.problem, report.to_text()
@@ -265,7 +293,39 @@ def test_a_lab05_answer_not_stored_by_the_learners_kernels_scores_zero(forgery):
         assert "not stored by your kernels" in why, why
     else:  # torch's arithmetic outside the kernels is named first
         assert "computed with torch outside your kernels" in why, why
+    if forgery == "python_math":  # values read into Python are named, as well as the constants made of them
+        assert "TensorBase.tolist" in why and "aten.lift_fresh.default" in why, why
     assert scores["ex4"] == (8, 8)  # its own kernel's answer still counts
+
+
+def test_a_launcher_may_only_allocate_view_copy_and_convert():
+    """The allow-list itself: what the four solutions' launchers and the interpreter dispatch passes,
+    arithmetic (any of it, not a list of attention's ops) and values read into Python do not."""
+    from attnlab.grading.sandbox.launchers import outside_kernels
+
+    honest = ["aten.empty.memory_format", "aten.empty_like.default", "aten.zeros.default", "aten.new_empty.default",
+              "aten.copy_.default", "aten.set_.source_Storage", "aten.detach.default", "aten.clone.default",
+              "aten._to_copy.default", "aten.expand.default", "aten.view.default", "aten.transpose.int"]
+    functions = ["TensorBase.contiguous", "TensorBase.data_ptr", "TensorBase.untyped_storage", "grad"]
+    assert outside_kernels(honest, functions) == []
+    for op in ("aten.mul.Tensor", "aten.add.Tensor", "aten.amin.default", "aten.where.self", "aten.div.Tensor",
+               "aten.lift_fresh.default", "aten.fill_.Scalar", "aten._local_scalar_dense.default", "aten.full.default"):
+        assert outside_kernels(honest + [op], functions) == [op]
+    for fn in ("TensorBase.tolist", "Tensor.__repr__", "Tensor.__format__"):
+        assert outside_kernels(honest, functions + [fn]) == [fn]
+
+
+@pytest.mark.slow
+def test_the_given_autograd_step_of_before_says_how_to_mend_it():
+    """attention_and_grads as the stub gave it before (loss (o * do).sum(): a mul and a sum of torch's)
+    scores 0 in ex6 now, with the line to copy; the stub's line of now runs no torch arithmetic."""
+    new = "torch.autograd.grad(o, (q, k, v), grad_outputs=do)"
+    assert new in LAB05
+    report = _grade(LAB05.replace(new, "torch.autograd.grad((o * do).sum(), (q, k, v))"), "flash_triton.py", "05")
+    scores = report.exercise_scores()
+    assert scores["ex6"][0] == 0 and scores["ex1"] == scores["ex1"][1:] * 2, report.to_text()
+    why = [f["message"] for r in report.results if r.exercise.id == "ex6" for f in r.verdict.findings]
+    assert why and "aten.mul.Tensor" in why[0] and "grad_outputs=do" in why[0], why
 
 
 @pytest.mark.slow
@@ -456,6 +516,9 @@ ATTACKS = Path(__file__).resolve().parents[1] / "hostile" / "issue61"
     # compare_with_sdpa keeps SDPA's output in a module-level list, self_attention (called after it in
     # ex9's child) returns it: ex9's 5 points for SDPA measured against itself; self_attention now runs first
     ("ex9_sdpa_output_kept_for_self_attention", "01", "attention.py"),
+    # a second attacker: every answer built from mul/add loops, an exp series, a Newton log and -amin(-x) (no op of
+    # the deny-list that stood then), each kernel only copying it: 100/100; the launchers' torch is an allow-list now
+    ("lab05_kernels_that_copy_a_torch_series_answer", "05", "flash_triton.py"),
 ])
 def test_an_independent_attackers_files_score_nothing(name, lab, file):
     """Written by an attacker of the grader (a helper given the grader and its claims, after the

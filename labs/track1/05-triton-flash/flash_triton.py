@@ -114,5 +114,5 @@ def attention_and_grads(q, k, v, do, is_causal=False):
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
     o = triton_attention(q, k, v, is_causal)
     saved = [list(t.shape) for t in o.grad_fn.saved_tensors]
-    dq, dk, dv = torch.autograd.grad((o * do).sum(), (q, k, v))
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), grad_outputs=do)
     return o.detach(), dq, dk, dv, saved

@@ -343,11 +343,16 @@ def _relative(path: Path, within: Optional[os.PathLike]) -> str:
         return path.name
 
 
+# what lab 05's given attention_and_grads dispatched before it passed do as grad_outputs: (o * do).sum()
+_OLD_GIVEN_GRADS = frozenset({"aten.mul.Tensor", "aten.sum.default", "aten.ones_like.default", "aten.expand.default"})
+
+
 def _require_kernels(ex: Exercise, verdicts: dict, outcome: Outcome) -> None:
     """Grade what the rule names: a check of an exercise with :attr:`Exercise.kernels` passes only
     when each of those learner kernels was launched for it and the call ran no arithmetic of torch's
-    outside them (:data:`.sandbox.server.TORCH_COMPUTE`: a kernel that copies torch's answer is no
-    kernel's answer); otherwise it is 0 as 'kernel_not_launched', whatever the values. And only what
+    outside them (only the allocation, views, copies and conversions of
+    :data:`.sandbox.launchers.LAUNCHER_ATEN`, and no value handed to Python: a kernel that copies
+    torch's answer is no kernel's answer); otherwise it is 0 as 'kernel_not_launched', whatever the values. And only what
     the learner's kernels stored is judged: an element of a returned tensor that none of their stores
     wrote last in that call, with the bytes it holds, reads as NaN (the child's record of each store,
     :func:`.sandbox.interpreter.unwritten`), so a check that reads it fails, and a failed check that
@@ -363,8 +368,12 @@ def _require_kernels(ex: Exercise, verdicts: dict, outcome: Outcome) -> None:
                    f"for the kernel{'s' if len(missing) > 1 else ''}, so an answer computed any other way scores 0")
     elif computed:
         message = (f"{ex.function}() computed with torch outside your kernels ({', '.join(computed[:4])}): this "
-                   "exercise's points are for what the kernels compute; the given launchers only allocate, convert "
-                   "and launch, so an answer torch computed and a kernel copied scores 0")
+                   "exercise's points are for what the kernels compute; a launcher may only allocate, view, copy, "
+                   "convert and launch (no arithmetic in torch, no value read into Python), so an answer torch "
+                   "computed and a kernel copied scores 0")
+        if set(computed) <= _OLD_GIVEN_GRADS:  # the given attention_and_grads of before 2026-12: its loss is torch's
+            message += ("; the given attention_and_grads now calls torch.autograd.grad(o, (q, k, v), "
+                        "grad_outputs=do): copy it from the lab's current flash_triton.py")
     else:
         if unwritten:  # those elements read as NaN (interpreter.poison): a failed check says why, once
             note = (f"{unwritten} element{'s' if unwritten > 1 else ''} of what {ex.function}() returned "

@@ -1,6 +1,6 @@
 """The only code that runs inside the sandbox: load the submission, call its functions, send the results.
 
-It is bound into the sandbox with its five siblings (:data:`.bwrap.RUNNER_FILES`) and nothing else
+It is bound into the sandbox with its siblings (:data:`.bwrap.RUNNER_FILES`) and nothing else
 of attnlab: no reference, no doctor, no solutions, no grader. It imports only the standard
 library, torch (and jaxtyping, which the labs' files import). Every reference value and
 every diagnosis is computed in the grader's process, from the raw values sent back.
@@ -50,10 +50,11 @@ from types import SimpleNamespace
 from typing import Any, Optional
 
 try:  # inside the sandbox these are plain modules beside this file; in the grader, a package
-    from . import frames, protocol, seccomp
+    from . import frames, launchers, protocol, seccomp
 except ImportError:  # python -I puts no script folder on sys.path: the runner's own folder, only
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import frames  # type: ignore[no-redef]
+    import launchers  # type: ignore[no-redef]
     import protocol  # type: ignore[no-redef]
     import seccomp  # type: ignore[no-redef]
 
@@ -284,27 +285,6 @@ def _frozen_in(value: Any) -> list:
     return []
 
 
-# ATen kernels that compute attention's pieces: lab 05's given launchers only allocate, convert and launch
-# (and autograd's sum and mul in attention_and_grads), so one of these in a call is arithmetic done in torch
-# outside the learner's kernels, whose stores would then only copy it (issue 61's attacker: 100/100 so)
-TORCH_COMPUTE = frozenset({"mm", "bmm", "matmul", "addmm", "addbmm", "baddbmm", "dot", "vdot", "mv", "einsum",
-                           "exp", "exp_", "exp2", "expm1", "log", "log2", "log1p", "log10", "pow", "float_power",
-                           "_softmax", "softmax", "_log_softmax", "log_softmax", "_safe_softmax", "logsumexp",
-                           "logcumsumexp", "amax", "max", "maximum", "fmax", "sort", "topk", "cummax", "sigmoid",
-                           "tanh", "erf", "sqrt", "rsqrt", "reciprocal", "_scaled_dot_product_flash_attention",
-                           "cumsum", "cumprod", "nansum", "norm", "linalg_vector_norm", "var", "std"})
-# reductions along a dim (D = rowsum(dO * O)); the whole-tensor sum of attention_and_grads' loss stays allowed
-TORCH_REDUCE_DIM = frozenset({"sum.dim_IntList", "mean.dim", "prod.dim_int", "sum.IntList_out"})
-
-
-def _torch_compute(names: list) -> list:
-    """The ATen kernels of :data:`TORCH_COMPUTE` (any overload) and :data:`TORCH_REDUCE_DIM` among
-    ``names`` (``aten.mm.default``), distinct, sorted."""
-    found = {n for n in names if n.startswith("aten.") and (n.split(".")[1] in TORCH_COMPUTE
-                                                            or ".".join(n.split(".")[1:3]) in TORCH_REDUCE_DIM)}
-    return sorted(found)[:8]
-
-
 def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = False,
               recorder: Any = None) -> None:
     """One call's result (a value or an error) appended to ``message``; raises _Done on sys.exit."""
@@ -320,13 +300,13 @@ def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = 
         before = _inputs(fn, call)
         if stores:
             _interpreter().forget_stores()
-        ran = len(recorder.kernels.names) if recorder is not None else 0
+        ran = (len(recorder.kernels.names), len(recorder.functions.names)) if recorder is not None else (0, 0)
         value = fn(*call["args"], **call["kwargs"])
+        if stores and recorder is not None:  # lab 05: what the call ran outside its kernels (evidence, like the rest)
+            computed = launchers.outside_kernels(recorder.kernels.names[ran[0]:], recorder.functions.names[ran[1]:])
         result = {"value": _portable(value)}
-        if stores and recorder is not None:  # lab 05: torch's arithmetic in the call (evidence, like the rest)
-            computed = _torch_compute(recorder.kernels.names[ran:])
-            if computed:
-                result["torch_compute"] = computed
+        if stores and recorder is not None and computed:
+            result["torch_compute"] = computed
         if stores:  # lab 05: the elements of the answer its kernels did not store read as NaN (interpreter.poison)
             interp, missed, untouched = _interpreter(), 0, 0
             for f in _frozen_in(result["value"]):
