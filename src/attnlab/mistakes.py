@@ -78,6 +78,11 @@ CODES: dict[str, str] = {
                        "gradients of Q and K are wrong (dV is not affected)",
     "softmax_backward": "the softmax's backward multiplies by P: dS = P * (dP - D), elementwise; dS = dP - D gives "
                         "every masked and unlikely key a gradient",
+    "backward_accumulate": "a gradient tile is assigned where it must be accumulated: dQ sums over the key tiles, "
+                           "dK and dV over the query tiles (and the group's heads), so write dq += ..., with the "
+                           "accumulator zeroed once per output tile",
+    "exp_base": "exp and exp2 are mixed: exp2(x) = exp(x * ln 2), so a base-2 kernel folds log2(e) into its scores "
+                "(and its lse) and uses exp2 throughout, a natural one uses exp throughout",
     "backward_mask": "the backward must apply the forward's mask where it recomputes P = exp(S - lse): the same "
                      "attn_mask and the same causal corner (top-left for is_causal), or masked keys get gradients",
     "gqa_grad_sum": "with grouped heads each key/value head serves H / Hkv query heads: its dK and dV are the sum "

@@ -105,12 +105,12 @@ MUTANTS = [
       "accumulate_dtype", (B_DV, "dv += tl.dot(tl.trans(p), do.to(tl.float32)).to(V.dtype.element_ty)"),
       (B_DK, "dk += (tl.dot(tl.trans(ds), q.to(tl.float32)) * scale).to(K.dtype.element_ty)")),
     M("a", "backward_without_causal_mask", B_CAUSAL_KV,
-      "            p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)  # P rebuilt", "ex5", "causal_block_skip",
+      "            p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)  # P rebuilt", "ex5", "backward_mask",
       (B_CAUSAL_Q, "        p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)\n        dp")),
     M("a", "function_backward_not_causal", "dq, dk, dv = flash_backward(q, k, v, o, lse, do, ctx.is_causal)",
       "dq, dk, dv = flash_backward(q, k, v, o, lse, do)", "ex6", "causal_block_skip"),
     M("a", "gqa_modulo_heads", F_GQA, "bhk = b * Hkv + h % Hkv  # ex7", "ex7", "gqa_group_mapping"),
-    M("a", "gqa_dkdv_first_head_only", B_GROUP, "for g in range(0, 1):", "ex7", "gqa_group_mapping"),
+    M("a", "gqa_dkdv_first_head_only", B_GROUP, "for g in range(0, 1):", "ex7", "gqa_grad_sum"),
     M("a", "gqa_dq_modulo_heads", B_DQ_HEAD, "bhk = b * Hkv + h % Hkv\n    rows", "ex7", "gqa_group_mapping"),
 ]
 
@@ -178,7 +178,7 @@ MUTANTS += [
       "dk_acc = tl.zeros([BK, E], dtype=K.dtype.element_ty)\n    dv_acc = tl.zeros([BK, E], dtype=V.dtype.element_ty)",
       "ex5", "accumulate_dtype", (BB_DV, "dv_acc += tl.dot(pt, do).to(V.dtype.element_ty)"),
       (BB_DK, "dk_acc += tl.dot(dst, tl.trans(qt)).to(K.dtype.element_ty)")),
-    M("b", "backward_without_causal_mask", BB_KV_CAUSAL, "", "ex5", "causal_block_skip", (BB_Q_CAUSAL, "")),
+    M("b", "backward_without_causal_mask", BB_KV_CAUSAL, "", "ex5", "backward_mask", (BB_Q_CAUSAL, "")),
     M("b", "dkdv_skips_the_diagonal_query_tile", BB_Q_LO, "q_lo = k_start - k_start % BQ + BQ", "ex5",
       "causal_block_skip"),
     M("b", "function_backward_not_causal", "grads = flash_backward(q, k, v, o, lse, grad_out, is_causal=ctx.is_causal)",
@@ -186,7 +186,7 @@ MUTANTS += [
     M("b", "gqa_modulo_heads", B_GQA_F, "kv_head = (head // H) * Hkv + (head % H) % Hkv  # ex7", "ex7",
       "gqa_group_mapping"),
     M("b", "gqa_dkdv_first_head_only", "for j in range(0, group):", "for j in range(0, 1):", "ex7",
-      "gqa_group_mapping"),
+      "gqa_grad_sum"),
     M("b", "gqa_dq_modulo_heads", B_GQA_DQ, "kv_head = (head // H) * Hkv + (head % H) % Hkv  # ex7", "ex7",
       "gqa_group_mapping"),
 ]
@@ -250,7 +250,7 @@ MUTANTS += [
     # ex7: GQA
     M("c", "gqa_fwd_modulo", "kv_flat = batch * Hkv + head // (H // Hkv)", "kv_flat = batch * Hkv + head % Hkv",
       "ex7", "gqa_group_mapping"),
-    M("c", "gqa_dkdv_one_head", "for g in range(0, group):", "for g in range(0, 1):", "ex7", "gqa_group_mapping"),
+    M("c", "gqa_dkdv_one_head", "for g in range(0, group):", "for g in range(0, 1):", "ex7", "gqa_grad_sum"),
     # the backward's dQ kernel alone, and dV
     M("c", "dq_no_d_term", "        dscores = probs * (dprobs - delta[:, None])\n        dq_acc",
       "        dscores = probs * dprobs\n        dq_acc", "ex5", "backward_d_term"),
@@ -329,7 +329,7 @@ MUTANTS += [
     M("d", "dv_f16_accumulator", "dv = tl.zeros([BK, E], tl.float32)", "dv = tl.zeros([BK, E], V.dtype.element_ty)",
       "ex5", "accumulate_dtype",
       ("dv += tl.dot(tl.trans(p), do)", "dv += tl.dot(tl.trans(p), do).to(V.dtype.element_ty)")),
-    M("d", "backward_without_causal_mask", D_CAUSAL_KV, "", "ex5", "causal_block_skip",
+    M("d", "backward_without_causal_mask", D_CAUSAL_KV, "", "ex5", "backward_mask",
       (D_CAUSAL_Q, "        p = tl.exp(s - lse[:, None])\n        dp")),
     M("d", "dq_diagonal_skipped", D_END_Q, D_END_Q.replace("(pid_q + 1) * BQ", "pid_q * BQ"), "ex5",
       "causal_block_skip"),

@@ -222,7 +222,8 @@ def triton_attention(q, k, v, is_causal=False):
 
 
 def attention_and_grads(q, k, v, do, is_causal=False):
-    """Given (the grader calls it): the output, dq, dk, dv and the shapes the Function saved."""
+    """Given (the walkthrough calls it): the output, dq, dk, dv and the shapes the Function saved.
+    The grader takes the same steps itself, through TritonAttention."""
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
     o = triton_attention(q, k, v, is_causal)
     saved = [list(t.shape) for t in o.grad_fn.saved_tensors]

@@ -316,16 +316,41 @@ def test_a_launcher_may_only_allocate_view_copy_and_convert():
 
 
 @pytest.mark.slow
-def test_the_given_autograd_step_of_before_says_how_to_mend_it():
-    """attention_and_grads as the stub gave it before (loss (o * do).sum(): a mul and a sum of torch's)
-    scores 0 in ex6 now, with the line to copy; the stub's line of now runs no torch arithmetic."""
+@pytest.mark.parametrize("lab, file, function", [("04", "flash.py", "TiledAttention"),
+                                                 ("05", "flash_triton.py", "TritonAttention")])
+def test_the_autograd_exercise_grades_the_function_itself(lab, file, function):
+    """A third attacker left the Function a stub and had the given attention_and_grads call the forward
+    and backward directly, with made-up saved shapes: 100/100 in both labs on the code before (the child
+    called that learner function). Now the child applies the Function itself, checks the output's node
+    is that Function's, and reads the shapes its node saved: that file loses the exercise, and a file
+    whose attention_and_grads is the old given one ((o * do).sum(): torch's arithmetic) still scores 100."""
+    solution = (ROOT / f"labs/track1/{'04-flash-attention' if lab == '04' else '05-triton-flash'}/solutions/{file}")
+    text = solution.read_text()
     new = "torch.autograd.grad(o, (q, k, v), grad_outputs=do)"
-    assert new in LAB05
-    report = _grade(LAB05.replace(new, "torch.autograd.grad((o * do).sum(), (q, k, v))"), "flash_triton.py", "05")
+    old = "torch.autograd.grad((o * do).sum(), (q, k, v))"
+    report = _grade(text.replace(new, old), file, lab)
+    assert report.score == 100, report.to_text()
+    attack = (ATTACKS / f"lab{lab}_no_autograd_function_fake_saved.py").read_text()
+    report = _grade(attack, file, lab)
+    ex = "ex5" if lab == "04" else "ex6"
     scores = report.exercise_scores()
-    assert scores["ex6"][0] == 0 and scores["ex1"] == scores["ex1"][1:] * 2, report.to_text()
-    why = [f["message"] for r in report.results if r.exercise.id == "ex6" for f in r.verdict.findings]
-    assert why and "aten.mul.Tensor" in why[0] and "grad_outputs=do" in why[0], why
+    assert scores[ex][0] == 0 and report.score == 100 - scores[ex][1], report.to_text()
+
+
+@pytest.mark.slow
+def test_a_kernel_passed_a_python_object_is_no_kernels_answer():
+    """The launcher's side of the third attacker's road: a list handed to a kernel (which the static rule
+    cannot see, being an argument) is reported by the child at the launch, and the exercise scores 0."""
+    source = LAB05.replace("BK: tl.constexpr,\n                    CAUSAL: tl.constexpr):\n    \"\"\"One program",
+                           "BK: tl.constexpr,\n                    CAUSAL: tl.constexpr, BOX=None):\n    \"\"\"One program")
+    source = source.replace("BK=BLOCK_K,\n                          CAUSAL=is_causal)\n    return o, lse",
+                            "BK=BLOCK_K,\n                          CAUSAL=is_causal, BOX=[])\n    return o, lse")
+    assert source.count("BOX") == 2
+    report = _grade(source, "flash_triton.py", "05")
+    scores = report.exercise_scores()
+    assert scores["ex1"][0] == 0 and scores["ex4"] == (8, 8), report.to_text()
+    why = [f["message"] for r in report.results if r.exercise.id == "ex1" for f in r.verdict.findings]
+    assert why and "attn_fwd_kernel's argument BOX: list" in why[0], why
 
 
 @pytest.mark.slow
@@ -519,9 +544,86 @@ ATTACKS = Path(__file__).resolve().parents[1] / "hostile" / "issue61"
     # a second attacker: every answer built from mul/add loops, an exp series, a Newton log and -amin(-x) (no op of
     # the deny-list that stood then), each kernel only copying it: 100/100; the launchers' torch is an allow-list now
     ("lab05_kernels_that_copy_a_torch_series_answer", "05", "flash_triton.py"),
+    # a third attacker: kernels that append each loaded value (as str(), or bisected by `if`) to a list the launcher
+    # passed, attention computed in Python on them, other kernels storing it: 100/100 and 82/100; now the static
+    # rule for kernel bodies (grading/kernel_rules.py) refuses the file
+    ("lab05_python_attention_via_interpreter_str", "05", "flash_triton.py"),
+    ("lab05_python_attention_via_interpreter_bool", "05", "flash_triton.py"),
 ])
 def test_an_independent_attackers_files_score_nothing(name, lab, file):
     """Written by an attacker of the grader (a helper given the grader and its claims, after the
     defences above): each got through the code before this test."""
     report = _grade((ATTACKS / f"{name}.py").read_text(), file, lab)
     assert report.score == 0, report.to_text()
+
+
+# ------------------------------------------------------------------ what a kernel may do (kernel_rules)
+KERNEL_HEAD = '''
+import math
+import torch
+import triton
+import triton.language as tl
+
+BOX = []
+SCALE = 0.5
+
+
+def helper(x):
+    return x
+
+
+@triton.jit
+def other(x):
+    return x * 2
+
+
+@triton.jit
+def kernel(X, Y, N: tl.constexpr, OBJ):
+    offs = tl.arange(0, N)
+    x = tl.load(X + offs)
+'''
+KERNEL_ROADS = {
+    "append": "    OBJ.append(x)\n",
+    "item_store": "    OBJ[0] = x\n",
+    "attribute_store": "    OBJ.value = x\n",
+    "module_list": "    BOX.append(x)\n",
+    "module_list_read": "    y = BOX\n",
+    "str": "    s = str(x)\n",
+    "python_helper": "    y = helper(x)\n",
+    "raise_value": "    raise ValueError(x)\n",
+    "assert_value": "    assert False, x\n",
+    "try": "    try:\n        y = x\n    except Exception:\n        y = x\n",
+    "lambda": "    f = lambda: x\n",
+    "comprehension": "    y = [x for _ in range(2)]\n",
+    "nested_def": "    def inner():\n        return x\n",
+    "math_call": "    y = math.exp(1.0)\n",
+    "method": "    y = x.tolist()\n",
+    "dict": "    y = {0: x}\n",
+}
+
+
+def _kernel_refusals(body: str) -> list:
+    from attnlab import labs
+    from attnlab.grading.static import check_source
+
+    lab = labs.find_lab("05")
+    source = KERNEL_HEAD + body + "    tl.store(Y + offs, other(x) * SCALE)\n"
+    report = check_source(source, "flash_triton.py", lab.allowed_names, lab.modules, lab.decorators)
+    return [v for v in report.violations if v.function == "kernel"]
+
+
+@pytest.mark.parametrize("road", sorted(KERNEL_ROADS))
+def test_a_kernel_cannot_carry_a_value_out_to_python(road):
+    """Each construct by which a kernel under the interpreter hands a value to Python (the third attacker
+    appended str() of each loaded value to a list its launcher passed) is refused on the source, with its
+    line; Triton's compiler refuses them all on a GPU."""
+    assert _kernel_refusals(KERNEL_ROADS[road]), road
+
+
+def test_a_kernel_of_loads_arithmetic_stores_and_jit_helpers_is_allowed():
+    """The control: the head and tail above alone (a numeric constant, another kernel, tl's functions,
+    .to(), range, the stub's raise) is no refusal, and neither are the four solutions (their grading
+    tests score them 100)."""
+    body = ("    for i in range(0, N, 1):\n        x = x + tl.exp(x.to(tl.float32)) * min(1.0, SCALE)\n"
+            "    if N > 1:\n        raise NotImplementedError(\"TODO(ex1)\")\n")
+    assert _kernel_refusals(body) == []

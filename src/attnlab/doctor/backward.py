@@ -4,7 +4,7 @@
 ``sinks`` where it takes them) on designed float32 inputs with a random cotangent, and compares
 the gradients of query, key, value (and sinks) with a float64 golden, bounded as
 :mod:`attnlab.testing` bounds them (a multiple of torch's own float32 error, plus a floor). When a
-gradient is off, the bug models of :mod:`attnlab.doctor.backward_models` (the right backward with
+gradient is off, the bug models of :mod:`attnlab.bugmodels.sdpa_backward` (the right backward with
 one or two choices changed) are tried: the one that reproduces every gradient on every probe
 names the mistake. A forward that is already wrong is named by the forward doctor first.
 
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from attnlab.doctor.analysis import DoctorReport, Finding
-from attnlab.doctor.backward_models import (CHOICES, MODEL_FINDINGS, BackwardModel, BackwardProbe, model_forward,
+from attnlab.bugmodels.sdpa_backward import (CHOICES, MODEL_FINDINGS, BackwardModel, BackwardProbe, model_forward,
                                             model_gradients)
 from attnlab.doctor.probes import short_error
 

@@ -23,6 +23,7 @@ from attnlab.grading.sandbox import Call, Outcome, Unsupported
 from attnlab.testing import max_abs_diff, tolerance
 
 __all__ = ["Verdict", "Exercise", "CallFailed", "mistake", "value", "describe", "close", "tensor_verdict",
+           "explain_backward", "model_mistakes",
            "all_checks", "judge_outcome", "probe_calls", "doctor_findings"]
 
 
@@ -152,6 +153,35 @@ def tensor_verdict(got: Any, expected: Tensor, what: str,
         return Verdict(False, f"{what}: contains NaN/inf where the reference is finite", arrays=(got, expected))
     return Verdict(False, f"{what}: values differ from the reference by up to {max_abs_diff(got, expected):.3g}",
                    arrays=(got, expected))
+
+
+def explain_backward(cases: list, gots: list) -> Optional[Any]:
+    """What the shared bug-model library (:func:`attnlab.bugmodels.explain`) says explains a learner's
+    backward on every case of an exercise: ``cases`` are :class:`attnlab.bugmodels.FlashCase`, ``gots``
+    the learner's ``(dq, dk, dv)`` per case (a non-tensor or a wrong shape is left out of the comparison);
+    an :class:`attnlab.bugmodels.Explanation` or None. The labs' judges ask this; no lab keeps a list."""
+    from attnlab import bugmodels
+
+    compared = []
+    for case, got in zip(cases, gots):
+        want = bugmodels.flash_gradients(case)
+        triple = tuple(got) if isinstance(got, (tuple, list)) and len(got) == 3 else (None, None, None)
+        compared.append({n: t if isinstance(t, Tensor) and t.shape == want[n].shape and t.is_floating_point() else None
+                         for n, t in zip(("dq", "dk", "dv"), triple)})
+    if not any(t is not None for c in compared for t in c.values()):
+        return None
+    return bugmodels.explain(cases, compared, match=_resembles)
+
+
+def model_mistakes(explanation: Optional[Any], case: Any) -> dict[str, list[tuple[str, str, Optional[Tensor]]]]:
+    """``explanation``'s gradients on ``case`` as :func:`tensor_verdict` mistakes, per name (``dq``,
+    ``dk``, ``dv``); empty lists where there is no explanation."""
+    if explanation is None:
+        return {"dq": [], "dk": [], "dv": []}
+    from attnlab import bugmodels
+
+    grads = bugmodels.flash_gradients(case, explanation.model)
+    return {n: [mistake(explanation.code, explanation.message, g)] for n, g in grads.items()}
 
 
 def probe_calls(function: str, capabilities: frozenset[str], positional: tuple[str, ...] = (),

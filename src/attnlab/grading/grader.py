@@ -343,10 +343,6 @@ def _relative(path: Path, within: Optional[os.PathLike]) -> str:
         return path.name
 
 
-# what lab 05's given attention_and_grads dispatched before it passed do as grad_outputs: (o * do).sum()
-_OLD_GIVEN_GRADS = frozenset({"aten.mul.Tensor", "aten.sum.default", "aten.ones_like.default", "aten.expand.default"})
-
-
 def _require_kernels(ex: Exercise, verdicts: dict, outcome: Outcome) -> None:
     """Grade what the rule names: a check of an exercise with :attr:`Exercise.kernels` passes only
     when each of those learner kernels was launched for it and the call ran no arithmetic of torch's
@@ -371,9 +367,6 @@ def _require_kernels(ex: Exercise, verdicts: dict, outcome: Outcome) -> None:
                    "exercise's points are for what the kernels compute; a launcher may only allocate, view, copy, "
                    "convert and launch (no arithmetic in torch, no value read into Python), so an answer torch "
                    "computed and a kernel copied scores 0")
-        if set(computed) <= _OLD_GIVEN_GRADS:  # the given attention_and_grads of before 2026-12: its loss is torch's
-            message += ("; the given attention_and_grads now calls torch.autograd.grad(o, (q, k, v), "
-                        "grad_outputs=do): copy it from the lab's current flash_triton.py")
     else:
         if unwritten:  # those elements read as NaN (interpreter.poison): a failed check says why, once
             note = (f"{unwritten} element{'s' if unwritten > 1 else ''} of what {ex.function}() returned "

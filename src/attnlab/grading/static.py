@@ -58,6 +58,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from attnlab.grading.kernel_rules import kernel_violations
 from attnlab.grading.sandbox.recorder import BANNED_FRAGMENTS
 
 __all__ = ["ALLOWED_IMPORTS", "BANNED_BUILTINS", "Violation", "StaticReport", "check_source", "parse", "shape_digest"]
@@ -724,6 +725,11 @@ def check_source(source: str | bytes, filename: str = "attention.py",
                            _defined_names(tree), own, _module_aliases(tree, own), frozenset(decorators),
                            _foreign_names(tree), frozenset(exempt))
         visitor.run(tree)
+        if decorators:  # a lab with kernels (lab 05): what a kernel may do, kernel_rules
+            jit = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)
+                   and any(visitor._qualified(d) in visitor.decorators for d in n.decorator_list)}
+            visitor.violations += [Violation(line, fn if fn in top else None, "unsafe", why) for line, fn, why
+                                   in kernel_violations(tree, jit, visitor.aliases)]
     except (RecursionError, MemoryError) as exc:  # never for a real lab file; a refusal, not a traceback
         return StaticReport([], {}, f"the file is too deeply nested or too large to check ({type(exc).__name__})")
     return StaticReport(visitor.violations, visitor.calls, imports=visitor.imports, tree=tree)

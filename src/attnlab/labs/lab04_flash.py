@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from attnlab.functional import scaled_dot_product_attention
-from attnlab.grading.exercise import Exercise, Verdict, mistake, tensor_verdict, value
+from attnlab.bugmodels import FlashCase, flash_gradients
+from attnlab.grading.exercise import Exercise, Verdict, explain_backward, mistake, model_mistakes, tensor_verdict, value
 from attnlab.grading.sandbox import Call
 from attnlab.labs import Lab
 
@@ -419,64 +420,34 @@ def _triple(got) -> Optional[tuple]:
 
 
 def _judge_ex4(ctx, results, outcome):
+    """Each case's gradients against the right backward; where one is off, the shared bug-model
+    library (:mod:`attnlab.bugmodels`) is asked which choices, one or two, explain every case."""
+    cases = [FlashCase(*ctx[i], causal, bq, bk) for i, (L, S, causal, bq, bk) in enumerate(EX4_CASES)]
+    raw = [value(results, i) for i in range(len(cases))]
+    out = _ex4_verdicts(cases, raw, None)
+    if all(v.passed for v in out.values()):
+        return out
+    explanation = explain_backward(cases, [_triple(r) for r in raw])
+    return _ex4_verdicts(cases, raw, explanation) if explanation is not None else out
+
+
+def _ex4_verdicts(cases, raw, explanation) -> dict[str, Verdict]:
     out = {}
-    for i, (L, S, causal, bq, bk) in enumerate(EX4_CASES):
-        q, k, v, do = (t.double() for t in ctx[i])
-        mask = causal_mask(L, S) if causal else None
-        got = _triple(value(results, i))
+    both = (lambda a, b: torch.cat([a.flatten(), b.flatten()]))  # noqa: E731
+    for case, r, (L, S, causal, bq, bk) in zip(cases, raw, EX4_CASES):
+        got = _triple(r)
         if got is None:
-            bad = Verdict(False, f"flash_backward must return (dq, dk, dv), got {type(value(results, i)).__name__}")
+            bad = Verdict(False, f"flash_backward must return (dq, dk, dv), got {type(r).__name__}")
             out.update({"dv": bad, "dq_dk": bad} if not causal else {"causal": bad} if out.get(
                 "causal", Verdict(True)).passed else {})
             continue
-        dq, dk, dv = simulate_grads(q, k, v, do, mask)
-        no_d, d_tile, no_scale, no_scale_dq, no_scale_dk, p_unscaled, d_no_o, lse_units, dv_scaled = (
-            simulate_grads(q, k, v, do, mask, bug, bk=bk) for bug in ("no_d", "d_tile", "no_scale", "no_scale_dq",
-                                                              "no_scale_dk", "p_unscaled", "d_no_o", "lse_units",
-                                                              "dv_scaled"))
-        # P rebuilt without the causal mask: in every tile (no skipping either), or in the tiles visited
-        unmasked = [simulate_grads(q, k, v, do, mask, p_mask=m) for m in (torch.ones(L, S, dtype=torch.bool),
-                                                                   tiles_kept(L, S, bq, bk))] if causal else []
-        # P rebuilt with the causal mask aligned bottom-right (j <= i + S - L): differs only where L != S
-        aligned = [simulate_grads(q, k, v, do, mask, p_mask=torch.ones(L, S, dtype=torch.bool).tril(S - L))] \
-            if causal and L != S else []
-        both = (lambda t: torch.cat([t[0].flatten(), t[1].flatten()]))
-        got_qk = both(got) if all(isinstance(t, Tensor) for t in got[:2]) else None
-        qk_mistakes = [
-            mistake("backward_d_term", "dS = P * dP is missing the D term: dS = P * (dP - D) with D = "
-                                       "rowsum(dO * O)", both(no_d)),
-            mistake("backward_d_term", "D is taken from each tile (rowsum(P * dP) over its keys): it is one number "
-                                       "per query row over all the keys, D = rowsum(dO * O), computed once before "
-                                       "the loops", both(d_tile)),
-            mistake("backward_scale", "dQ and dK miss the softmax scale: dQ = dS @ K * scale, dK = dS^T @ Q * scale",
-                    both(no_scale)),
-            mistake("backward_scale", "dQ misses the softmax scale: dQ = dS @ K * scale", both(no_scale_dq)),
-            mistake("backward_scale", "dK misses the softmax scale: dK = dS^T @ Q * scale", both(no_scale_dk)),
-            mistake("backward_d_term", "D is rowsum(dO), the O left out: D = rowsum(dO * O)", both(d_no_o)),
-            mistake("lse_saved", "P is rebuilt from lse in the wrong units: with base-2 scores (log2(e) in the "
-                                 "scale), the natural lse needs * log2(e) too: P = exp2(s2 - lse * log2(e))",
-                    both(lse_units)),
-            mistake("backward_scale", "P is rebuilt from unscaled scores: the forward's lse is of the scaled "
-                                      "scores, so P = exp(Q K^T * scale - lse)", both(p_unscaled)),
-        ] + [mistake("causal_block_skip", "the backward rebuilds P without the causal mask: mask the tile's "
-                                          "scores as the forward does before exp(scores - lse)", both(u))
-             for u in unmasked] + [
-            mistake("causal_alignment", "the backward's causal mask is aligned bottom-right (key j <= i + S - L): "
-                                        "is_causal is top-left, as in the forward (key j <= query i)", both(a))
-            for a in aligned]
+        want = flash_gradients(case)
+        named = model_mistakes(explanation, case)
+        got_qk = both(got[0], got[1]) if all(isinstance(t, Tensor) for t in got[:2]) else None
+        qk_named = [(code, message, both(named["dq"][0][2], named["dk"][0][2])) for code, message, _ in named["dq"]]
         where = f"(L = {L}, S = {S}{', is_causal' if causal else ''})"
-        qk = tensor_verdict(got_qk, both((dq, dk)), f"dq and dk {where}", qk_mistakes)
-        dv_v = tensor_verdict(got[2], dv, f"dv {where}", [
-            mistake("causal_block_skip", "dV is built from P without the causal mask", u[2]) for u in unmasked] + [
-            mistake("causal_alignment", "dV is built from P with the causal mask aligned bottom-right (key j <= "
-                                        "i + S - L): is_causal is top-left", a[2]) for a in aligned] + [
-            mistake("backward_scale", "P is rebuilt from unscaled scores: the forward's lse is of the scaled scores, "
-                                      "so P = exp(Q K^T * scale - lse)", p_unscaled[2]),
-            mistake("backward_scale", "dV is multiplied by the softmax scale: dV = P^T @ dO, the scale is already in "
-                                      "P", dv_scaled[2]),
-            mistake("lse_saved", "P is rebuilt from lse in the wrong units: with base-2 scores (log2(e) in the "
-                                 "scale), the natural lse needs * log2(e) too: P = exp2(s2 - lse * log2(e))",
-                    lse_units[2])])
+        qk = tensor_verdict(got_qk, both(want["dq"], want["dk"]), f"dq and dk {where}", qk_named)
+        dv_v = tensor_verdict(got[2], want["dv"], f"dv {where}", named["dv"])
         if causal:
             if out.get("causal", Verdict(True)).passed:  # the first causal case that fails stands for the check
                 out["causal"] = dv_v if not dv_v.passed else qk
@@ -494,17 +465,18 @@ def _prep_ex5(g):
     for L, S, causal in EX5_CASES:
         q, k, v = _inputs(g, L, S, E=16, Ev=8)
         do = torch.randn(q.shape[:-1] + (8,), generator=g)
-        calls.append(Call("attention_and_grads", (q, k, v, do, causal)))
+        calls.append(Call("TiledAttention", (q, k, v, do, causal), harness="autograd"))
         ctx.append((q, k, v, do))
     return calls, ctx
 
 
 def judge_autograd_function(ctx, results, cases, *, output_of: str, function: str, causal_fix: str,
                             recompute: str) -> dict[str, Verdict]:
-    """The checks of an exercise that calls ``attention_and_grads`` once per case of ``cases``
-    (``(L, S, causal)``, inputs ``ctx[i] = (q, k, v, do)``), shared by lab 04 and lab 05: the
-    output against SDPA, dq/dk/dv through ``function``'s backward (naming a backward that drops
-    the causal mask), and what the forward saved (no [L, S] weights).
+    """The checks of an exercise that runs the learner's Function ``function`` once per case of
+    ``cases`` (``(L, S, causal)``, inputs ``ctx[i] = (q, k, v, do)``) through the child's own
+    steps (``Call(..., harness="autograd")``: :func:`.grading.sandbox.harness.autograd`), shared by
+    lab 04 and lab 05: the output against SDPA, dq/dk/dv through its backward (naming a backward
+    that drops the causal mask), and what its node saved (no [L, S] weights).
 
     ``output_of``: how the output is named; ``causal_fix``: how to keep the causal mask in the
     backward; ``recompute``: where P is recomputed instead of saved."""
@@ -513,8 +485,7 @@ def judge_autograd_function(ctx, results, cases, *, output_of: str, function: st
         q, k, v, do = (t.double() for t in ctx[i])
         got = value(results, i)
         if not (isinstance(got, tuple) and len(got) == 5):
-            bad = Verdict(False, f"attention_and_grads must return 5 values (it is given: restore it), got "
-                                 f"{type(got).__name__}")
+            bad = Verdict(False, f"{function} gave no output and gradients (got {type(got).__name__})")
             return {"output": bad, "gradients": bad, "saves_lse_not_weights": bad}
         where = f"(L = {L}, S = {S}{', is_causal' if causal else ''})"
         mask = causal_mask(L, S) if causal else None
@@ -560,7 +531,7 @@ EXERCISES: list[Exercise] = [
              limits={"memory_mb": MEMORY_MB, "timeout_s": 20.0}),
     Exercise("ex4", "flash_backward", "the backward, tile by tile", {"dv": 6, "dq_dk": 10, "causal": 9},
              _prep_ex4, _judge_ex4),
-    Exercise("ex5", "attention_and_grads", "one autograd Function",
+    Exercise("ex5", "TiledAttention", "one autograd Function",
              {"output": 3, "gradients": 7, "saves_lse_not_weights": 3}, _prep_ex5, _judge_ex5),
 ]
 assert sum(ex.max_score for ex in EXERCISES) == 100

@@ -32,7 +32,9 @@ import torch
 from torch import Tensor
 
 from attnlab.functional import scaled_dot_product_attention
-from attnlab.grading.exercise import Exercise, Verdict, mistake, tensor_verdict, value
+from attnlab.bugmodels import FlashCase, flash_gradients
+from attnlab.grading.exercise import (Exercise, Verdict, explain_backward, mistake, model_mistakes, tensor_verdict,
+                                     value)
 from attnlab.grading.sandbox import Call
 from attnlab.labs import Lab
 from attnlab.labs.lab04_flash import (causal_mask, judge_autograd_function, simulate_forward, simulate_grads,
@@ -470,65 +472,22 @@ def _judge_skip(ctx, result) -> Verdict:
     return tensor_verdict(flat(got) if shaped else got[0], flat(want) if shaped else want[0], what)
 
 
-def _judge_grads(got, q, k, v, do, causal: bool, where: str) -> tuple[Verdict, Verdict]:
-    """(dv, dq and dk) against the formulas, naming lab 04's backward mistakes."""
-    L, S = q.shape[-2], k.shape[-2]
-    mask = causal_mask(L, S) if causal else None
-    dq, dk, dv = simulate_grads(q, k, v, do, mask)
-    bugs = {b: simulate_grads(q, k, v, do, mask, b, bk=BLOCK) for b in ("no_d", "no_d_dq", "no_scale", "no_scale_dq",
-                                                                        "no_scale_dk", "p_unscaled", "dv_scaled",
-                                                                        "dq_twice", "dk_twice")}
-    # P rebuilt without the causal mask: in the tiles the kernels visit (they skip the rest), or in all
-    unmasked = [simulate_grads(q, k, v, do, mask, p_mask=m) for m in (tiles_kept(L, S, BLOCK, BLOCK),
-                                                                       torch.ones(L, S, dtype=torch.bool))] \
-        if causal else []
-    # dK/dV's query loop starting one tile late: the diagonal tile's queries never reach their keys
-    # (dQ, from its own kernel, is right)
-    late = dq_short = None
-    if causal:
-        diagonal = (torch.arange(L)[:, None] // BLOCK) == (torch.arange(S)[None, :] // BLOCK)
-        skipped = simulate_grads(q, k, v, do, mask, p_mask=mask & ~diagonal)
-        late = (dq, skipped[1], skipped[2])
-        dq_short = (skipped[0], dk, dv)  # the dQ kernel's key loop stopping before its diagonal tile
-    both = (lambda t: torch.cat([t[0].flatten(), t[1].flatten()]))  # noqa: E731
-    got_qk = both(got) if all(isinstance(t, Tensor) and t.shape == e.shape for t, e in zip(got[:2], (dq, dk))) \
-        else None
-    loads = _naming_loads(got_qk, both((dq, dk)), f"dq and dk {where}") if got_qk is not None else None
-    qk = loads or tensor_verdict(got_qk if got_qk is not None else got[0], both((dq, dk)) if got_qk is not None
-                                 else dq, f"dq and dk {where}", [
-        mistake("backward_d_term", "dS = P * dP is missing the D term: ds = p * (dp - d[:, None])", both(bugs["no_d"])),
-        mistake("backward_d_term", "dQ's dS = P * dP is missing the D term (dK's has it): ds = p * (dp - d[:, None]) "
-                                   "in the dQ kernel too", both(bugs["no_d_dq"])),
-        mistake("backward_scale", "dQ and dK miss the softmax scale: dq += tl.dot(ds, k) * scale, dk += "
-                                  "tl.dot(tl.trans(ds), q) * scale", both(bugs["no_scale"])),
-        mistake("backward_scale", "dQ misses the softmax scale: dq += tl.dot(ds, k) * scale",
-                both(bugs["no_scale_dq"])),
-        mistake("backward_scale", "dK misses the softmax scale: dk += tl.dot(tl.trans(ds), q) * scale",
-                both(bugs["no_scale_dk"])),
-        mistake("backward_scale", "dK has the softmax scale twice: q loaded with the scale in it already carries "
-                                  "it, so dk += tl.dot(tl.trans(ds), q) alone", both(bugs["dk_twice"])),
-        mistake("backward_scale", "dQ has the softmax scale twice: dq += tl.dot(ds, k) * scale, once",
-                both(bugs["dq_twice"])),
-        mistake("backward_scale", "P is rebuilt from unscaled scores: p = tl.exp(tl.dot(q, tl.trans(k)) * scale - "
-                                  "lse[:, None])", both(bugs["p_unscaled"])),
-    ] + [mistake("causal_block_skip", "the backward rebuilds P without the causal mask: mask it as the forward "
-                                      "does (keys <= rows)", both(u)) for u in unmasked]
-        + ([mistake("causal_block_skip", LATE_START, both(late))] if late is not None else [])
-        + ([mistake("causal_block_skip", DQ_SHORT, both(dq_short))] if dq_short is not None else []))
-    dv_v = _naming_loads(got[2], dv, f"dv {where}") or tensor_verdict(got[2], dv, f"dv {where}", [
-        mistake("backward_scale", "P is rebuilt from unscaled scores: p = tl.exp(tl.dot(q, tl.trans(k)) * scale - "
-                                  "lse[:, None])", bugs["p_unscaled"][2]),
-        mistake("backward_scale", "dV is multiplied by the scale: dV = P^T dO, the scale belongs to dQ and dK "
-                                  "(through the scores)", bugs["dv_scaled"][2])]
-        + [mistake("causal_block_skip", "dV is built from P without the causal mask", u[2]) for u in unmasked]
-        + ([mistake("causal_block_skip", LATE_START, late[2])] if late is not None else []))
+def _judge_grads(got, case: FlashCase, where: str, explanation) -> tuple[Verdict, Verdict]:
+    """(dv, dq and dk) of one case against the right backward; ``explanation``: what the shared
+    bug-model library (:mod:`attnlab.bugmodels`) found to explain every case, or None."""
+    want = flash_gradients(case)
+    named = model_mistakes(explanation, case)
+    both = (lambda a, b: torch.cat([a.flatten(), b.flatten()]))  # noqa: E731
+    got_qk = both(got[0], got[1]) if all(isinstance(t, Tensor) and t.shape == want[n].shape
+                                         for t, n in zip(got[:2], ("dq", "dk"))) else None
+    loads = _naming_loads(got_qk, both(want["dq"], want["dk"]), f"dq and dk {where}") if got_qk is not None else None
+    qk_named = [(code, message, both(named["dq"][0][2], named["dk"][0][2])) for code, message, _ in named["dq"]]
+    qk = loads or tensor_verdict(got_qk if got_qk is not None else got[0],
+                                 both(want["dq"], want["dk"]) if got_qk is not None else want["dq"],
+                                 f"dq and dk {where}", qk_named if got_qk is not None else named["dq"])
+    dv_v = _naming_loads(got[2], want["dv"], f"dv {where}") or tensor_verdict(got[2], want["dv"], f"dv {where}",
+                                                                               named["dv"])
     return dv_v, qk
-
-
-DQ_SHORT = ("the dQ kernel stops before its diagonal tile: under CAUSAL its key loop runs up to and including the "
-            "query tile's own keys, range(0, tl.minimum(S, (pid_q + 1) * BQ), BK)")
-LATE_START = ("dK/dV skip the diagonal query tile: under CAUSAL a key tile's query loop starts at the query tile "
-              "that holds its first key, (pid_k * BK) // BQ * BQ, not after it")
 
 
 def _judge_half(ctx, result, dv_right: bool = True) -> Verdict:
@@ -563,21 +522,31 @@ def _judge_half(ctx, result, dv_right: bool = True) -> Verdict:
 
 
 def _judge_ex5(ctx, results, outcome):
+    cases = [FlashCase(*ctx[i], causal, BLOCK, BLOCK) for i, (L, S, causal) in enumerate(EX5)]
+    raw = [value(results, i) for i in range(len(EX5))]
+    out = _ex5_verdicts(cases, raw, None)
+    if not all(v.passed for v in out.values()):  # asked once, over both cases: which choices explain them
+        explanation = explain_backward(cases, [r if _triple(r, "")[1] is None else None for r in raw])
+        if explanation is not None:
+            out = _ex5_verdicts(cases, raw, explanation)
+    out["fp32_accumulators"] = _judge_half(ctx[2], value(results, 2), out.get("dv", Verdict(False)).passed)
+    out["skips_masked_tiles"] = _judge_skip(ctx[3], value(results, 3))
+    return out
+
+
+def _ex5_verdicts(cases, raw, explanation) -> dict[str, Verdict]:
     out = {}
-    for i, (L, S, causal) in enumerate(EX5):
-        q, k, v, do = (t.double() for t in ctx[i])
-        got, bad = _triple(value(results, i), "flash_backward")
+    for case, r, (L, S, causal) in zip(cases, raw, EX5):
+        got, bad = _triple(r, "flash_backward")
         where = f"(L = {L}, S = {S}{', is_causal' if causal else ''})"
         if bad:
             out.update({"causal": bad} if causal else {"dv": bad, "dq_dk": bad})
             continue
-        dv_v, qk = _judge_grads(got, q, k, v, do, causal, where)
+        dv_v, qk = _judge_grads(got, case, where, explanation)
         if causal:
             out["causal"] = dv_v if not dv_v.passed else qk
         else:
             out["dv"], out["dq_dk"] = dv_v, qk
-    out["fp32_accumulators"] = _judge_half(ctx[2], value(results, 2), out.get("dv", Verdict(False)).passed)
-    out["skips_masked_tiles"] = _judge_skip(ctx[3], value(results, 3))
     return out
 
 
@@ -590,7 +559,7 @@ def _prep_ex6(g):
     for L, S, causal in EX6:
         q, k, v = _inputs(g, L, S)
         do = torch.randn(q.shape, generator=g)
-        calls.append(Call("attention_and_grads", (q, k, v, do, causal)))
+        calls.append(Call("TritonAttention", (q, k, v, do, causal), harness="autograd"))
         ctx.append((q, k, v, do))
     return calls, ctx
 
@@ -620,39 +589,11 @@ def _heads(H: int, Hkv: int, how: str) -> list[int]:
     return [h % Hkv for h in range(H)] if how == "modulo" else [h // r for h in range(H)]
 
 
-def _grouped_grads(q, k, v, do, mask, idx: list[int], only_first: bool = False) -> tuple:
-    """dq, dk, dv of grouped heads read through ``idx`` (query head -> key/value head): the
-    expanded gradients summed back onto the heads they were read from (``only_first``: from the
-    first query head of each group alone: a dK/dV kernel that does not loop over the group)."""
-    dq, dk_e, dv_e = simulate_grads(q, k[:, idx], v[:, idx], do, mask)
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    keep = [h for h in range(len(idx)) if not only_first or idx.index(idx[h]) == h]
-    for h in keep:
-        dk[:, idx[h]] += dk_e[:, h]
-        dv[:, idx[h]] += dv_e[:, h]
-    return dq, dk, dv
-
-
-def _dq_reading(q, k, v, do, mask, idx: list[int], right: list[int]) -> Tensor:
-    """dQ of a dQ kernel that reads key/value heads ``idx`` while lse and D (from the given,
-    right forward) belong to heads ``right``."""
-    scale = 1 / math.sqrt(q.shape[-1])
-    s_right = (q @ k[:, right].transpose(-2, -1)) * scale
-    s_right = s_right.masked_fill(~mask, NEG_INF)
-    lse = s_right.logsumexp(-1, keepdim=True)
-    o = torch.exp(s_right - lse) @ v[:, right]
-    D = (do * o).sum(-1, keepdim=True)
-    s = ((q @ k[:, idx].transpose(-2, -1)) * scale).masked_fill(~mask, NEG_INF)
-    p = torch.exp(s - lse)
-    ds = p * (do @ v[:, idx].transpose(-2, -1) - D)
-    return ds @ k[:, idx] * scale
-
-
 def _judge_ex7(ctx, results, outcome):
     L, S, H, Hkv = EX7
     mask = causal_mask(L, S)
     q, k, v = (t.double() for t in ctx[0])
-    right, modulo = _heads(H, Hkv, "group"), _heads(H, Hkv, "modulo")
+    modulo = _heads(H, Hkv, "modulo")
     o, _, bad = _pair(value(results, 0), "flash_forward")
     if bad:
         out = {"forward": bad}
@@ -665,36 +606,37 @@ def _judge_ex7(ctx, results, outcome):
             mistake("gqa_group_mapping", "every query head reads key/value head h with Hkv < H: index K and V by "
                                          "b * Hkv + h // (H // Hkv)", None),
         ])}
-    q, k, v, do = (t.double() for t in ctx[1])
+    case = FlashCase(*ctx[1], True, BLOCK, BLOCK)
     got, bad = _triple(value(results, 1), "flash_backward")
     if bad:
         out["backward"] = bad
         return out
-    dq, dk, dv = _grouped_grads(q, k, v, do, mask, right)
-    wrong = _grouped_grads(q, k, v, do, mask, modulo)
-    first = _grouped_grads(q, k, v, do, mask, right, only_first=True)
-    both = (lambda t: torch.cat([t[1].flatten(), t[2].flatten()]))  # noqa: E731
-    shapes_ok = all(isinstance(t, Tensor) and t.shape == e.shape for t, e in zip(got, (dq, dk, dv)))
-    if not shapes_ok:
-        out["backward"] = Verdict(False, f"flash_backward with grouped heads must return dq {list(dq.shape)}, dk and "
-                                         f"dv {list(dk.shape)} (one per key/value head), got "
+    want = flash_gradients(case)
+    if not all(isinstance(t, Tensor) and t.shape == want[n].shape for t, n in zip(got, ("dq", "dk", "dv"))):
+        out["backward"] = Verdict(False, f"flash_backward with grouped heads must return dq {list(want['dq'].shape)}, "
+                                         f"dk and dv {list(want['dk'].shape)} (one per key/value head), got "
                                          + ", ".join(str(list(t.shape)) if isinstance(t, Tensor) else
                                                      type(t).__name__ for t in got))
         return out
-    where = f"with H = {H} over Hkv = {Hkv} (is_causal)"
-    verdict = tensor_verdict(got[0], dq, f"dq {where}", [
-        mistake("gqa_group_mapping", "dQ's kernel reads key/value head h % Hkv: it is h // (H // Hkv)",
-                _dq_reading(q, k, v, do, mask, modulo, right))])
-    if verdict.passed:
-        verdict = tensor_verdict(both(got), both((dq, dk, dv)), f"dk and dv {where}", [
-            mistake("gqa_group_mapping", "dK and dV come from the first query head of each group only: a key/value "
-                                         "head's gradient sums over all r = H // Hkv query heads that read it (loop "
-                                         "over them in the dK/dV kernel: no atomics needed)", both(first)),
-            mistake("gqa_group_mapping", "dK and dV gather the query heads h with h % Hkv == hk: the group of key/value "
-                                         "head hk is the query heads hk * r .. hk * r + r - 1", both(wrong)),
-        ])
+    verdict = _grouped_backward(got, case, None)
+    if not verdict.passed:  # the shared bug-model library: which choices (a head map, a fold) explain it
+        explanation = explain_backward([case], [got])
+        if explanation is not None:
+            verdict = _grouped_backward(got, case, explanation)
     out["backward"] = verdict
     return out
+
+
+def _grouped_backward(got, case: FlashCase, explanation) -> Verdict:
+    L, S, H, Hkv = EX7
+    want, named = flash_gradients(case), model_mistakes(explanation, case)
+    where = f"with H = {H} over Hkv = {Hkv} (is_causal)"
+    verdict = tensor_verdict(got[0], want["dq"], f"dq {where}", named["dq"])
+    if verdict.passed:
+        both = (lambda a, b: torch.cat([a.flatten(), b.flatten()]))  # noqa: E731
+        verdict = tensor_verdict(both(got[1], got[2]), both(want["dk"], want["dv"]), f"dk and dv {where}",
+                                 [(c, m, both(named["dk"][0][2], named["dv"][0][2])) for c, m, _ in named["dk"]])
+    return verdict
 
 
 def _limits() -> dict:
@@ -726,7 +668,7 @@ EXERCISES: list[Exercise] = [
     Exercise("ex5", "flash_backward", "dK/dV per key tile and dQ per query tile, no atomics",
              {"dv": 6, "dq_dk": 6, "causal": 6, "skips_masked_tiles": 2, "fp32_accumulators": 4}, _prep_ex5, _judge_ex5, limits=_limits(), on_error=_out_of_bounds,
              kernels=BACKWARD),
-    Exercise("ex6", "attention_and_grads", "one autograd Function",
+    Exercise("ex6", "TritonAttention", "one autograd Function",
              {"output": 3, "gradients": 6, "saves_lse_not_weights": 3}, _prep_ex6, _judge_ex6, limits=_limits(), on_error=_out_of_bounds,
              kernels=FORWARD + BACKWARD),
     Exercise("ex7", "flash_forward", "grouped heads by index arithmetic (GQA), forward and backward",

@@ -43,7 +43,9 @@ VARIANTS = {
            (SAVE, "        ctx.save_for_backward(q, k, v, o, lse, q @ k.transpose(-2, -1))"), UNPACK],
           [("ex2", "lse_saved"), ("ex4", "backward_scale"), ("ex5", "scores_materialized")]),
     "E": ([(FWD_SCORES + MASKING, FWD_SCORES), (BWD_SCORES + MASKING, BWD_SCORES)],
-          [("ex2", "causal_block_skip"), ("ex4", "causal_block_skip")]),
+          [("ex2", "causal_block_skip"), ("ex4", "backward_mask")]),
+    # the backward alone rebuilds P without the causal mask (the forward masks)
+    "E2": ([(BWD_SCORES + MASKING, BWD_SCORES)], [("ex4", "backward_mask")]),
     "F": ([(K_STOP, "        k_stop = min(S, qs) if is_causal else S"),
            (FWD_SCORES, "            s = (q * scale @ k.transpose(-2, -1))[:, :, qs:qe, ks:ke]  # [B, H, bq, bk]\n")],
           [("ex2", "causal_block_skip"), ("ex3", "scores_materialized")]),

@@ -8,7 +8,7 @@ from corpus.lab05 import (B_ACC, B_DK, B_DS, B_DV, B_GROUP, D_SUM, F_ACC, F_DIAG
 LAB = "05-triton-flash"
 SEED = 5
 NAMED = {"online_rescale", "lse_saved", "causal_block_skip", "load_mask", "backward_d_term", "accumulate_dtype",
-         "gqa_group_mapping"}
+         "gqa_group_mapping", "gqa_grad_sum"}
 # printed by the walkthrough run on the solution
 WALKTHROUGH = ("max |O - SDPA|", "is_causal=True", "max |dv - torch|", "GQA: max |O - SDPA|",
                # issue 48 item 7: the tile grid one program covers, and its m_i, l_i, acc tile by tile
@@ -19,6 +19,9 @@ NO_MASK = ", mask=keys[:, None] < S, other=0.0"
 FP16_ACC = [(B_ACC, "dk = tl.zeros([BK, E], K.dtype.element_ty)\n    dv = tl.zeros([BK, E], V.dtype.element_ty)"),
             (B_DV, "dv += tl.dot(tl.trans(p), do.to(tl.float32)).to(V.dtype.element_ty)"),
             (B_DK, "dk += (tl.dot(tl.trans(ds), q.to(tl.float32)) * scale).to(K.dtype.element_ty)")]
+
+GROUP_HEAD = "for g in range(0, r):\n        bh = b * H + hk * r + g"
+DQ_HEAD = "    bhk = b * Hkv + h // (H // Hkv)\n    rows"
 
 VARIANTS = {
     "A": ([(F_ACC, "acc = acc + tl.dot(p, v.to(tl.float32))"),
@@ -37,6 +40,13 @@ VARIANTS = {
           [("ex1", "lse_saved"), ("ex2", "causal_block_skip"), ("ex3", "load_mask"), ("ex5", "accumulate_dtype")]),
     # the forward's causal mistake breaks ex7's (causal) forward too; its backward is named on its own
     "E": ([(F_LSE, "lse = m_i"), (F_DIAG, ""), (B_GROUP, "for g in range(0, 1):")],
-          [("ex1", "lse_saved"), ("ex2", "causal_block_skip"), ("ex7", "gqa_group_mapping")]),
+          [("ex1", "lse_saved"), ("ex2", "causal_block_skip"), ("ex7", "gqa_grad_sum")]),
     "F": ([(F_V, F_V.replace(NO_MASK, ""))], [("ex3", "load_mask")]),
+    # dK/dV's accumulators zeroed again for each query head of the group: the last head's share stays
+    "G": ([(GROUP_HEAD, "for g in range(0, r):\n        dk = tl.zeros([BK, E], tl.float32)\n"
+                        "        dv = tl.zeros([BK, E], tl.float32)\n        bh = b * H + hk * r + g")],
+          [("ex7", "gqa_grad_sum")]),
+    # the dQ kernel reads key/value head h % Hkv (the forward's is right)
+    "H": ([(DQ_HEAD, "    bhk = b * Hkv + h % Hkv\n    rows")],
+          [("ex7", "gqa_group_mapping")]),
 }

@@ -156,8 +156,9 @@ def tiled_attention(q: Float[Tensor, "B H L E"], k: Float[Tensor, "B H S E"], v:
 
 
 def attention_and_grads(q, k, v, do, is_causal=False):
-    """Given (the grader calls it): run tiled_attention, backpropagate ``do``; returns the
-    output, dq, dk, dv and the shapes of the tensors the Function saved."""
+    """Given (the walkthrough calls it): run tiled_attention, backpropagate ``do``; returns the
+    output, dq, dk, dv and the shapes of the tensors the Function saved. The grader takes the
+    same steps itself, through TiledAttention."""
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
     o = tiled_attention(q, k, v, is_causal)
     saved = [list(t.shape) for t in o.grad_fn.saved_tensors]

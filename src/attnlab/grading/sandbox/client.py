@@ -78,6 +78,9 @@ class Call:
     function: str
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    # "autograd": the child runs the grader's own steps around the learner's Function named ``function``
+    # (sandbox/harness.py: apply, its node's saved shapes, autograd.grad), not a learner function reporting them
+    harness: str = ""
 
 
 @dataclass
@@ -381,7 +384,8 @@ class Sandbox:
             return task
         try:
             task_limits = {**dataclasses.asdict(limits), "timeout_s": float(timeout)}
-            wire = [{"function": c.function, "args": tuple(c.args), "kwargs": dict(c.kwargs)} for c in task.calls]
+            wire = [{"function": c.function, "args": tuple(c.args), "kwargs": dict(c.kwargs), "harness": c.harness}
+                    for c in task.calls]
             self._cpu0 = self._cgroup_cpu(server)  # before the task starts
             write_frame(server.request_fd, encode_request("run", calls=wire, policy=policy, exempt=list(exempt), traced=traced,
                                                           limits=task_limits,

@@ -34,6 +34,7 @@ def count_launches(path: str) -> dict:
             name = str(self.fn.__name__)[:100]
             if name in counts or len(counts) < MAX_KERNELS:
                 counts[name] = counts.get(name, 0) + 1
+            _foreign_arguments(name, args, kwargs)
         outer = _LEARNER[0]
         _LEARNER[0] = outer or learner  # a launch inside a learner's launch is theirs too
         try:
@@ -101,6 +102,31 @@ def recording() -> bool:
 def forget_stores() -> None:
     """A new call starts: what earlier calls' kernels wrote is not its answer."""
     _STORES.clear()
+    _FOREIGN.clear()
+
+
+# A kernel takes tensors, numbers and dtypes. Under the interpreter it takes anything, and a list or an
+# object passed in is a road from the kernel's values out to Python (issue 61's third attacker appended
+# each loaded value to a list, and its launcher computed attention on them); the static rule refuses
+# such a road inside the kernel (grading/kernel_rules.py), and this reports one at the launch: evidence.
+_FOREIGN: list = []  # "attn_fwd_kernel's argument 9: list" for this call
+
+
+def _foreign_arguments(kernel: str, args: tuple, kwargs: dict) -> None:
+    import torch
+    from triton.language import core
+
+    plain = (torch.Tensor, int, float, bool, type(None), core.dtype, core.constexpr)
+    for where, arg in [*enumerate(args), *kwargs.items()]:
+        if where in ("grid", "warmup", "num_warps", "num_stages", "num_ctas") or type(arg) in plain:
+            continue
+        if len(_FOREIGN) < 8:
+            _FOREIGN.append(f"{kernel}'s argument {where}: {type(arg).__name__[:40]}")
+
+
+def foreign_arguments() -> list:
+    """What this call's learner kernels were passed besides tensors, numbers and dtypes."""
+    return list(_FOREIGN)
 
 
 def unwritten(address: int, shape: list, stride: list, itemsize: int, data: bytes) -> "np.ndarray":

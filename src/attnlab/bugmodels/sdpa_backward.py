@@ -1,5 +1,5 @@
-"""The backward doctor's bug models: FlashAttention-2's backward with each choice made explicit
-(package-internal).
+"""SDPA's backward as a bug model, whole matrices: the one the backward doctor fits
+(:mod:`attnlab.doctor.backward`), with sinks, bool masks and precision.
 
 A :class:`BackwardModel` is the right backward with one or two choices changed (the scale left
 out of dS, the D term missing, the mask left out when P is recomputed, GQA gradients not summed

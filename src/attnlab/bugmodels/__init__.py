@@ -1,0 +1,20 @@
+"""One library of attention bug models, for the doctor and for every lab's judge (package-internal).
+
+A bug model is the right algorithm with named choices changed; each choice maps to one code of
+the shared vocabulary (:mod:`attnlab.mistakes`), so a lab and the doctor name the same mistake
+the same way. Two models live here:
+
+* :mod:`.sdpa_backward`: SDPA's backward on whole matrices (sinks, bool masks, GQA, precision),
+  fitted by ``attnlab doctor --backward`` to a function's gradients on designed probes.
+* :mod:`.flash_backward`: FlashAttention-2's tiled backward as two kernels (dQ over key tiles,
+  dK/dV over query tiles) with per-kernel choices (scale, exp base, mask, tiles visited, D, dS,
+  accumulation, dropped tiles, GQA maps), which labs 04 and 05 ask with :func:`explain`: which
+  choices, one or two at a time, reproduce the learner's gradients on every case of an exercise.
+"""
+
+from __future__ import annotations
+
+from attnlab.bugmodels.flash_backward import (FLASH_FINDINGS, FlashBackward, FlashCase, Explanation, explain,
+                                              flash_gradients, moves)
+
+__all__ = ["FLASH_FINDINGS", "FlashBackward", "FlashCase", "Explanation", "explain", "flash_gradients", "moves"]

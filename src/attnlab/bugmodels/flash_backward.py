@@ -1,0 +1,403 @@
+"""FlashAttention-2's backward, tile by tile, with every choice a learner makes explicit
+(package-internal: the labs' judges and the doctor ask it through :func:`explain`).
+
+Legend: B batch, H query heads, Hkv key/value heads (r = H // Hkv), L queries, S keys, E the
+query/key size, Ev the value size; ``bq`` and ``bk`` the query and key tile sizes. The backward
+is two kernels, as in FlashAttention-2 (lab 04 writes both in one PyTorch loop nest, lab 05 as
+two Triton kernels), with ``D = rowsum(dO * O)`` computed once before them::
+
+    dQ kernel, per query tile:     for each key tile it visits
+        P = exp(scale * Q K^T - lse)     dP = dO V^T     dS = P * (dP - D)     dQ += scale * dS K
+    dK/dV kernel, per key tile:    for each query head of the group, for each query tile it visits
+        dV += P^T dO                     dK += scale * dS^T Q
+
+Each field of :class:`FlashBackward` is one such choice; its default is the right one. The
+``dq_*`` and ``kv_*`` fields are the same choice made in each kernel (a mistake made in one
+kernel only, as in lab 05, or in both, as lab 04's single loop makes it). :func:`moves` lists the
+changes :func:`explain` tries, one at a time and then two, and :data:`FLASH_FINDINGS` names each
+in the shared vocabulary (:mod:`attnlab.mistakes`).
+
+Everything is float64 on whole (B, H, L, S) matrices: a tile-level choice (which tiles a loop
+visits, which one an overwrite keeps) is a mask over (L, S), so a model costs a few matmuls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["FlashCase", "FlashBackward", "FLASH_FINDINGS", "Explanation", "flash_gradients", "moves", "explain"]
+
+
+@dataclass(frozen=True)
+class FlashCase:
+    """One backward call of an exercise: the inputs the grader gave, as float64.
+
+    Shapes: q (B, H, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev), do (B, H, L, Ev). The forward's
+    ``o`` and ``lse`` the call was given are the right ones (exact), computed here from these."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    do: Tensor
+    causal: bool
+    bq: int
+    bk: int
+    scale: Optional[float] = None
+    _forward: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("q", "k", "v", "do"):
+            object.__setattr__(self, name, getattr(self, name).double())
+        if self.scale is None:
+            object.__setattr__(self, "scale", 1.0 / math.sqrt(self.q.shape[-1]))
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """(B, H, Hkv, L, S)."""
+        B, H, L, _ = self.q.shape
+        return B, H, self.k.shape[1], L, self.k.shape[2]
+
+    def heads(self, how: str) -> Tensor:
+        """(H,): the key/value head query head h reads: h // r ("group"), or h % Hkv ("modulo")."""
+        _, H, Hkv, _, _ = self.shape
+        h = torch.arange(H)
+        return h // (H // Hkv) if how == "group" else h % Hkv
+
+    def forward(self) -> tuple[Tensor, Tensor]:
+        """The right forward: ``o`` (B, H, L, Ev) and ``lse`` (B, H, L), natural units."""
+        if not self._forward:
+            idx = self.heads("group")
+            s = self.scale * self.q @ self.k[:, idx].transpose(-2, -1)  # (B, H, L, S)
+            if self.causal:
+                L, S = s.shape[-2:]
+                s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), float("-inf"))
+            lse = torch.logsumexp(s, dim=-1)
+            self._forward.update(o=torch.exp(s - lse[..., None]) @ self.v[:, idx], lse=lse)
+        return self._forward["o"], self._forward["lse"]
+
+
+@dataclass(frozen=True)
+class FlashBackward:
+    """The backward with each choice explicit; the defaults are the right backward."""
+
+    # the scores each kernel rebuilds: yes | no (Q K^T without the scale)
+    dq_p_scale: str = "yes"
+    kv_p_scale: str = "yes"
+    # P's exponential: exp | exp2 (exp2(S - lse), log2(e) not folded in) | lse2 (base-2 scores against the
+    # natural lse: exp2(S log2(e) - lse) = exp(S - lse ln 2))
+    dq_base: str = "exp"
+    kv_base: str = "exp"
+    # the causal mask: right | none (every tile, no mask) | tiles (the tiles visited, unmasked inside) |
+    # bottom_right (j <= i + S - L) | strict (j < i: the diagonal hidden) | skip_diag (the diagonal tile skipped)
+    dq_mask: str = "right"
+    kv_mask: str = "right"
+    # D: do_o | none (dS = P * dP) | do (rowsum(dO)) | tile (rowsum(P * dP) over each key tile) | swap_o_do?
+    dq_d: str = "do_o"
+    kv_d: str = "do_o"
+    # dS: p_times (P * (dP - D)) | minus_d (P * dP - D: the parentheses lost) | no_p (dP - D where kept)
+    dq_ds: str = "p_times"
+    kv_ds: str = "p_times"
+    # the partial last tile of the kernel's loop: all | drop (dQ's key loop, dK/dV's query loop stop short)
+    dq_tail: str = "all"
+    kv_tail: str = "all"
+    kv_grid: str = "all"  # all | drop: no dK/dV program for the partial last key tile (its rows stay 0)
+    # accumulation over the loop: sum | last (assigned, not added: the last tile visited stays)
+    dq_acc: str = "sum"
+    dk_acc: str = "sum"
+    dv_acc: str = "sum"
+    dq_scale: str = "once"  # once | none | twice
+    dk_scale: str = "once"  # once | none | twice
+    dv_scale: str = "none"  # none | once
+    dk_from: str = "ds"  # ds | dp: dK built from dP
+    # GQA: the key/value head each kernel reads for query head h: group (h // r) | modulo (h % Hkv);
+    # kv_fold: how the dK/dV kernel folds its group: sum | first | last (reset per head) | mean
+    dq_heads: str = "group"
+    kv_heads: str = "group"
+    kv_fold: str = "sum"
+    swap_o_do: str = "no"  # no | yes: O and dO swapped on their way into the backward
+
+
+KERNEL_CHOICES: dict[str, list[str]] = {  # per-kernel fields without their dq_/kv_ prefix
+    "p_scale": ["no"], "base": ["exp2", "lse2"], "mask": ["none", "tiles", "bottom_right", "strict", "skip_diag"],
+    "d": ["none", "do", "tile"], "ds": ["minus_d", "no_p"], "tail": ["drop"],
+}
+GLOBAL_CHOICES: dict[str, list[str]] = {
+    "dq_acc": ["last"], "dk_acc": ["last"], "dv_acc": ["last"], "kv_grid": ["drop"],
+    "dq_scale": ["none", "twice"], "dk_scale": ["none", "twice"], "dv_scale": ["once"], "dk_from": ["dp"],
+    "dq_heads": ["modulo"], "kv_heads": ["modulo"], "kv_fold": ["first", "last", "mean"], "swap_o_do": ["yes"],
+}
+# changes that one line of code makes together (lab 04's one loop for both kernels; scale on both)
+JOINT: list[dict[str, str]] = [
+    {"dq_scale": "none", "dk_scale": "none"}, {"dq_scale": "twice", "dk_scale": "twice"},
+    {"dk_acc": "last", "dv_acc": "last"}, {"dq_tail": "drop", "kv_grid": "drop"},
+    {"dq_heads": "modulo", "kv_heads": "modulo"},
+]
+
+_WHO = {"dq": "for dQ", "kv": "for dK and dV", "both": "in the backward"}
+_KERNEL_FINDINGS: dict[tuple[str, str], tuple[str, str]] = {
+    ("p_scale", "no"): ("backward_scale", "P is rebuilt {who} from unscaled scores: the forward's lse is of the "
+                                          "scaled scores, so P = exp(scale * Q K^T - lse)"),
+    ("base", "exp2"): ("exp_base", "P is rebuilt {who} with exp2 of natural-unit scores: exp2(x) = exp(x ln 2); use "
+                                   "exp (or fold log2(e) into both the scores and lse)"),
+    ("base", "lse2"): ("lse_saved", "P is rebuilt {who} from lse in the wrong units: base-2 scores (log2(e) in the "
+                                    "scale) need the natural lse times log2(e) too: P = exp2(s2 - lse * log2(e))"),
+    ("mask", "none"): ("backward_mask", "P is rebuilt {who} without the causal mask: mask the scores as the "
+                                        "forward does (key j <= query i) before exp(S - lse)"),
+    ("mask", "tiles"): ("backward_mask", "P is rebuilt {who} without the causal mask inside the tiles it visits: "
+                                         "the diagonal tile needs key j <= query i"),
+    ("mask", "bottom_right"): ("causal_alignment", "the causal mask {who} is aligned bottom-right (key j <= i + S - "
+                                                   "L): is_causal is top-left, as in the forward (key j <= query i)"),
+    ("mask", "strict"): ("off_by_one", "the causal mask {who} hides the diagonal (key j < query i): query i sees "
+                                       "key i too (j <= i)"),
+    ("mask", "skip_diag"): ("causal_block_skip", "the diagonal tile is skipped {who}: under is_causal a loop skips "
+                                                 "only the tiles wholly past the diagonal, and masks the diagonal "
+                                                 "tile inside"),
+    ("d", "none"): ("backward_d_term", "dS = P * dP {who}: the D term is missing, dS = P * (dP - D) with D = "
+                                       "rowsum(dO * O)"),
+    ("d", "do"): ("backward_d_term", "D is rowsum(dO) {who}, the O left out: D = rowsum(dO * O)"),
+    ("d", "tile"): ("backward_d_term", "D is taken from each key tile (rowsum(P * dP) over its keys) {who}: it is "
+                                       "one number per query row, D = rowsum(dO * O), computed once before the loops"),
+    ("ds", "minus_d"): ("softmax_backward", "dS = P * dP - D {who}: the parentheses are lost, dS = P * (dP - D)"),
+    ("ds", "no_p"): ("softmax_backward", "dS = dP - D {who}, not multiplied by P: dS = P * (dP - D)"),
+    ("tail", "drop"): ("dropped_tile", "the loop {who} drops the last, partial tile: range(0, N, B) runs over it, "
+                                       "and the mask takes care of the rows or keys past the end"),
+}
+_GLOBAL_FINDINGS: dict[tuple[str, str], tuple[str, str]] = {
+    ("dq_acc", "last"): ("backward_accumulate", "dQ is assigned in each key tile instead of accumulated: dq += ..., "
+                                                "so every key tile's share adds up"),
+    ("dk_acc", "last"): ("backward_accumulate", "dK is assigned in each query tile instead of accumulated: dk += ..."),
+    ("dv_acc", "last"): ("backward_accumulate", "dV is assigned in each query tile instead of accumulated: dv += ..."),
+    ("kv_grid", "drop"): ("dropped_tile", "dK and dV of the keys in the last, partial key tile are never computed: "
+                                          "the grid (or loop) needs cdiv(S, BK) key tiles"),
+    ("dq_scale", "none"): ("backward_scale", "dQ misses the softmax scale: dQ = scale * dS K"),
+    ("dq_scale", "twice"): ("backward_scale", "dQ has the softmax scale twice: dQ = scale * dS K, once"),
+    ("dk_scale", "none"): ("backward_scale", "dK misses the softmax scale: dK = scale * dS^T Q"),
+    ("dk_scale", "twice"): ("backward_scale", "dK has the softmax scale twice (a q that already carries the scale, "
+                                              "multiplied by it again): dK = scale * dS^T Q, once"),
+    ("dv_scale", "once"): ("backward_scale", "dV is multiplied by the scale: dV = P^T dO, the scale belongs to dQ and "
+                                             "dK (through the scores)"),
+    ("dk_from", "dp"): ("softmax_backward", "dK is built from dP, not dS: dK = scale * dS^T Q with dS = P * (dP - D)"),
+    ("dq_heads", "modulo"): ("gqa_group_mapping", "dQ's kernel reads key/value head h % Hkv for query head h: it is "
+                                                  "h // (H // Hkv), so a group's r = H // Hkv heads are neighbours"),
+    ("kv_heads", "modulo"): ("gqa_group_mapping", "dK and dV gather the query heads h with h % Hkv == hk: key/value "
+                                                  "head hk's group is the query heads hk * r .. hk * r + r - 1"),
+    ("kv_fold", "first"): ("gqa_grad_sum", "dK and dV come from the first query head of each group only: a key/value "
+                                           "head's gradient sums over all r = H // Hkv query heads that read it"),
+    ("kv_fold", "last"): ("gqa_grad_sum", "dK and dV are reset for each query head of the group, so only the last "
+                                          "head's share stays: zero the accumulators once per key tile, then sum "
+                                          "over the group's heads"),
+    ("kv_fold", "mean"): ("gqa_grad_sum", "dK and dV are averaged over the group's query heads: they are summed"),
+    ("swap_o_do", "yes"): ("order", "O and dO reach the backward swapped: pass them in the order its signature says"),
+}
+
+
+def _finding(field_name: str, value: str) -> tuple[str, str]:
+    """(code, message) of one field's change."""
+    if field_name[:3] in ("dq_", "kv_") and (field_name[3:], value) in _KERNEL_FINDINGS:
+        code, message = _KERNEL_FINDINGS[(field_name[3:], value)]
+        return code, message.format(who=_WHO[field_name[:2]])
+    return _GLOBAL_FINDINGS[(field_name, value)]
+
+
+FLASH_FINDINGS: dict[tuple[str, str], tuple[str, str]] = {
+    **{(f"{k}_{name}", value): _finding(f"{k}_{name}", value) for k in ("dq", "kv")
+       for name, values in KERNEL_CHOICES.items() for value in values},
+    **{(name, value): _finding(name, value) for name, values in GLOBAL_CHOICES.items() for value in values},
+}
+
+
+def moves() -> list[dict[str, str]]:
+    """The single changes :func:`explain` tries, in order: each kernel's choice in both kernels, then in
+    the dQ kernel alone, then in the dK/dV kernel alone; then the other fields and :data:`JOINT`."""
+    out: list[dict[str, str]] = []
+    for name, values in KERNEL_CHOICES.items():
+        for value in values:
+            out += [{f"dq_{name}": value, f"kv_{name}": value}, {f"dq_{name}": value}, {f"kv_{name}": value}]
+    out += [{name: value} for name, values in GLOBAL_CHOICES.items() for value in values]
+    return out + [dict(j) for j in JOINT]
+
+
+# ---------------------------------------------------------------- the model
+def _tiles(case: FlashCase) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(L, 1) and (1, S) index grids: query i, key j, i's query tile start and j's key tile start."""
+    _, _, _, L, S = case.shape
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    return i, j, i // case.bq * case.bq, j // case.bk * case.bk
+
+
+def _keep_visit(case: FlashCase, mask: str) -> tuple[Tensor, Tensor]:
+    """(L, S) bool each: where P is kept, and the (query, key) pairs of the tiles the loop visits."""
+    _, _, _, L, S = case.shape
+    full = torch.ones(L, S, dtype=torch.bool)
+    if not case.causal:
+        return full, full
+    i, j, q0, k0 = _tiles(case)
+    q_last = torch.clamp(q0 + case.bq, max=L) - 1  # the last query of i's tile
+    tiles = k0 <= q_last  # the tile holds a pair j <= i: visited
+    tri = j <= i
+    if mask == "right":
+        return tri & full, tiles & full
+    if mask == "none":
+        return full, full
+    if mask == "tiles":
+        return tiles & full, tiles & full
+    if mask == "bottom_right":
+        return (j <= i + S - L) & full, (k0 <= q_last + S - L) & full
+    if mask == "strict":
+        return (j < i) & full, tiles & full
+    visit = (k0 < q0) & full  # skip_diag: only the tiles wholly before the query tile
+    return tri & visit, visit
+
+
+def _last(use: Tensor, tile_of_other: Tensor, dim: int) -> Tensor:
+    """``use`` kept only in the last tile along ``dim`` (1: each row's last key tile; 0: each key's last
+    query tile): what an assignment in place of ``+=`` leaves."""
+    t = tile_of_other.expand_as(use)
+    last = torch.where(use, t, torch.full_like(t, -1)).amax(dim=dim, keepdim=True)
+    return use & (t == last)
+
+
+def _kernel_p(case: FlashCase, m: FlashBackward, kernel: str, heads: Tensor) -> dict[str, Tensor]:
+    """One kernel's P, dP, dS and the pairs it uses, (B, H, L, S) each (``use``: (L, S))."""
+    get = (lambda name: getattr(m, f"{kernel}_{name}"))  # noqa: E731
+    o, lse = case.forward()
+    q, do = case.q, case.do
+    if m.swap_o_do == "yes":
+        o, do = do, o
+    kx, vx = case.k[:, heads], case.v[:, heads]  # (B, H, S, E), (B, H, S, Ev)
+    s = q @ kx.transpose(-2, -1) * (case.scale if get("p_scale") == "yes" else 1.0)
+    keep, visit = _keep_visit(case, get("mask"))
+    z = {"exp": lambda: torch.exp(s - lse[..., None]), "exp2": lambda: torch.exp2(s - lse[..., None]),
+         "lse2": lambda: torch.exp(s - lse[..., None] * math.log(2.0))}[get("base")]()
+    p = z.where(keep, torch.zeros_like(z))
+    dp = do @ vx.transpose(-2, -1)
+    i, j, q0, k0 = _tiles(case)
+    d_how = get("d")
+    if d_how == "tile":  # each key tile's own rowsum(P * dP), broadcast over its keys
+        pdp = p * dp
+        d = torch.zeros_like(pdp)
+        for start in range(0, pdp.shape[-1], case.bk):
+            d[..., start:start + case.bk] = pdp[..., start:start + case.bk].sum(-1, keepdim=True)
+    else:
+        d = {"do_o": (do * o).sum(-1), "none": torch.zeros_like(lse), "do": do.sum(-1)}[d_how][..., None]
+    ds_how = get("ds")
+    if ds_how == "p_times":
+        ds = p * (dp - d)
+    elif ds_how == "minus_d":
+        ds = (p * dp - d).where(visit, torch.zeros_like(dp))
+    else:
+        ds = (dp - d).where(keep, torch.zeros_like(dp))
+    _, _, _, L, S = case.shape
+    use = visit.clone()
+    if get("tail") == "drop":
+        use &= (j < S // case.bk * case.bk) if kernel == "dq" else (i < L // case.bq * case.bq)
+    return {"p": p, "dp": dp.where(visit, torch.zeros_like(dp)), "ds": ds, "use": use, "kx": kx}
+
+
+def _fold(g: Tensor, heads: Tensor, Hkv: int, how: str) -> Tensor:
+    """(B, H, S, F) per query head -> (B, Hkv, S, F): each key/value head's share of the heads read it."""
+    out = []
+    for hk in range(Hkv):
+        mine = (heads == hk).nonzero().flatten().tolist()
+        if not mine:
+            out.append(torch.zeros_like(g[:, 0]))
+            continue
+        part = g[:, mine]  # (B, n, S, F)
+        out.append({"sum": part.sum(1), "first": part[:, 0], "last": part[:, -1], "mean": part.mean(1)}[how])
+    return torch.stack(out, dim=1)
+
+
+def flash_gradients(case: FlashCase, m: FlashBackward = FlashBackward()) -> dict[str, Tensor]:
+    """The gradients ``m`` gives on ``case``, float64: ``dq`` (B, H, L, E), ``dk`` (B, Hkv, S, E),
+    ``dv`` (B, Hkv, S, Ev)."""
+    B, H, Hkv, L, S = case.shape
+    times = {"once": case.scale, "none": 1.0, "twice": case.scale * case.scale}
+    i, j, q0, k0 = _tiles(case)
+    # the dQ kernel
+    a = _kernel_p(case, m, "dq", case.heads(m.dq_heads))
+    use = _last(a["use"], k0, 1) if m.dq_acc == "last" else a["use"]
+    dq = (a["ds"] * use) @ a["kx"] * times[m.dq_scale]
+    # the dK/dV kernel
+    kv_heads = case.heads(m.kv_heads)
+    b = _kernel_p(case, m, "kv", kv_heads)
+    do = case.forward()[0] if m.swap_o_do == "yes" else case.do
+    use_k = _last(b["use"], q0, 0) if m.dk_acc == "last" else b["use"]
+    use_v = _last(b["use"], q0, 0) if m.dv_acc == "last" else b["use"]
+    dk_from = b["ds"] if m.dk_from == "ds" else b["dp"]
+    dk = (dk_from * use_k).transpose(-2, -1) @ case.q * times[m.dk_scale]  # (B, H, S, E)
+    dv = (b["p"] * use_v).transpose(-2, -1) @ do * (case.scale if m.dv_scale == "once" else 1.0)
+    dk, dv = _fold(dk, kv_heads, Hkv, m.kv_fold), _fold(dv, kv_heads, Hkv, m.kv_fold)
+    if m.kv_grid == "drop":
+        dk[:, :, S // case.bk * case.bk:] = 0.0
+        dv[:, :, S // case.bk * case.bk:] = 0.0
+    return {"dq": dq, "dk": dk, "dv": dv}
+
+
+# ---------------------------------------------------------------- the search
+@dataclass(frozen=True)
+class Explanation:
+    """The choices that reproduce a learner's gradients: the findings (code, message), in the order of
+    the changed fields, and the model."""
+
+    findings: tuple[tuple[str, str], ...]
+    model: FlashBackward
+
+    @property
+    def code(self) -> str:
+        return self.findings[0][0]
+
+    @property
+    def message(self) -> str:
+        return "; and ".join(message for _, message in self.findings)
+
+
+def _describe(change: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The findings of one move: a kernel choice made in both kernels is said once, 'in the backward'."""
+    names = sorted(change)
+    if len(names) == 2 and names[0][3:] == names[1][3:] and {n[:3] for n in names} == {"dq_", "kv_"} \
+            and (names[0][3:], change[names[0]]) in _KERNEL_FINDINGS:
+        code, message = _KERNEL_FINDINGS[(names[0][3:], change[names[0]])]
+        return ((code, message.format(who=_WHO["both"])),)
+    return tuple(FLASH_FINDINGS[(n, change[n])] for n in change)
+
+
+def explain(cases: list[FlashCase], got: list[dict[str, Optional[Tensor]]],
+            match: Callable[[Tensor, Tensor], bool], pairs: bool = True) -> Optional[Explanation]:
+    """The first model (one move of :func:`moves`, then two) whose gradients ``match`` the learner's on
+    every case, and differ from the right ones somewhere: every tensor of ``got[i]`` (``dq``, ``dk``,
+    ``dv``; None: not judged) is compared. ``match(got, model)``: the lab's closeness (its float32
+    tolerance). None when nothing explains them."""
+    right = [flash_gradients(c) for c in cases]
+
+    def explains(model: FlashBackward) -> bool:
+        differs = False
+        for case, want, mine in zip(cases, right, got):
+            theirs = flash_gradients(case, model)
+            for name, tensor in mine.items():
+                if tensor is None:
+                    continue
+                if tensor.shape != theirs[name].shape or not match(tensor, theirs[name]):
+                    return False
+                differs = differs or not torch.equal(theirs[name], want[name])
+        return differs
+
+    singles = moves()
+    for change in singles:
+        model = replace(FlashBackward(), **change)
+        if explains(model):
+            return Explanation(_describe(change), model)
+    if not pairs:
+        return None
+    for one, two in itertools.combinations(singles, 2):
+        if set(one) & set(two):
+            continue
+        model = replace(FlashBackward(), **one, **two)
+        if explains(model):
+            return Explanation(_describe(one) + _describe(two), model)
+    return None

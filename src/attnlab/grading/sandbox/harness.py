@@ -1,0 +1,51 @@
+"""Trusted steps the grader takes in the child around a learner's object: part of the runner.
+
+Imports the standard library and torch, never attnlab. What an exercise grades must come from the
+thing the rule names, not from a learner function that reports on it: lab 04's ex5 and lab 05's ex6
+grade "one autograd Function", and until now the child called the file's given
+``attention_and_grads``, which a third attacker of issue 61 rewrote to call the forward and backward
+directly and return made-up saved shapes (100/100 in both labs with no Function written). So the
+child runs those steps itself (:func:`autograd`): ``cls.apply`` on fresh leaves, the output's node
+checked to be that Function's, the shapes that node saved, and torch's ``autograd.grad`` through
+it. The torch functions it uses are captured (:func:`capture`) before the learner's file runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_CAPTURED: dict = {}
+
+
+def capture() -> None:
+    """Keep the torch functions :func:`autograd` calls, before any learner code runs (the static
+    rule refuses a store on torch's attributes; this keeps a rebinding from mattering even so)."""
+    import torch
+
+    base = torch._C.TensorBase
+    _CAPTURED.update(grad=torch.autograd.grad, function=torch.autograd.Function, tensor=torch.Tensor,
+                     detach=base.detach, requires_grad_=base.requires_grad_,
+                     grad_fn=base.grad_fn.__get__, shape=base.shape.__get__)
+
+
+def autograd(cls: Any, args: tuple, name: str) -> tuple:
+    """``(o, dq, dk, dv, saved)`` of the learner's Function ``cls`` on ``args = (q, k, v, do,
+    is_causal)``: ``o = cls.apply(q, k, v, is_causal)`` on leaves that require grad, ``dq, dk, dv``
+    its gradients against the cotangent ``do`` (torch's autograd calling ``cls.backward``), and
+    ``saved`` the shape of each tensor its node saved. Raises TypeError, with the why, when ``cls``
+    is not a Function or the output was not made by it."""
+    q, k, v, do, causal = args
+    if not isinstance(cls, type) or not issubclass(cls, _CAPTURED["function"]):
+        raise TypeError(f"{name} must be a class deriving from torch.autograd.Function "
+                        f"(got {type(cls).__name__})")
+    leaves = tuple(_CAPTURED["requires_grad_"](_CAPTURED["detach"](t), True) for t in (q, k, v))
+    out = cls.apply(*leaves, causal)
+    if type(out) is not _CAPTURED["tensor"]:
+        raise TypeError(f"{name}.apply must return the output tensor, got {type(out).__name__}")
+    node = _CAPTURED["grad_fn"](out)
+    if node is None or getattr(type(node), "_forward_cls", None) is not cls:
+        raise TypeError(f"{name}.apply's output was not made by {name}.forward (its grad_fn is "
+                        f"{type(node).__name__}): return the forward's output itself")
+    saved = [list(_CAPTURED["shape"](t)) for t in node.saved_tensors if type(t) is _CAPTURED["tensor"]]
+    dq, dk, dv = _CAPTURED["grad"](out, leaves, grad_outputs=do)
+    return _CAPTURED["detach"](out), dq, dk, dv, saved
