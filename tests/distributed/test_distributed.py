@@ -35,11 +35,11 @@ def test_ring_one_head_group_at_a_time(world, dtype):
 
 
 def test_head_groups_cover_every_head_once():
-    from attnlab import distributed
+    from attnlab.distributed import ring
 
-    groups = distributed._head_groups(Nb=10, rows=8192, width=64, itemsize=4)  # 2 MiB per head
+    groups = ring._head_groups(Nb=10, rows=8192, width=64, itemsize=4)  # 2 MiB per head
     assert groups == [slice(h, h + 1) for h in range(10)]
-    groups = distributed._head_groups(Nb=10, rows=1024, width=64, itemsize=4)  # 256 KiB per head: 8 at a time
+    groups = ring._head_groups(Nb=10, rows=1024, width=64, itemsize=4)  # 256 KiB per head: 8 at a time
     assert groups == [slice(0, 8), slice(8, 10)]
 
 

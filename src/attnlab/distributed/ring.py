@@ -1,4 +1,4 @@
-"""Ring (sequence-parallel) attention on torch.distributed.
+"""Ring (sequence-parallel) attention on torch.distributed (package-internal: use :mod:`attnlab.distributed`).
 
 Each of W ranks holds a slice of the sequence: ``query``, ``key``, ``value`` of shape
 ``(B, H, L/W, E)``. Key/value blocks travel around the ring (rank r sends to r+1 and
@@ -27,8 +27,8 @@ Layouts (``W`` ranks, the sequence cut into chunks):
 * ``"zigzag"``: the sequence is cut into 2W chunks and rank r owns chunks r and
   2W-1-r, so every rank does the same causal work.
 
-Use :func:`shard_sequence` and :func:`gather_sequence` to move between a full
-sequence and a rank's slice.
+Use :func:`attnlab.distributed.shard_sequence` and :func:`attnlab.distributed.gather_sequence`
+to move between a full sequence and a rank's slice.
 """
 
 from __future__ import annotations
@@ -44,57 +44,9 @@ from attnlab import kernels
 from attnlab.kernels import block_sparse, dense, mask_blocks, native
 from attnlab.kernels import sinks as sinks_
 from attnlab._validation import compute_dtype, default_scale, validate, validate_sinks
+from attnlab.distributed.layout import check_layout, positions
 
-__all__ = ["ring_attention", "shard_sequence", "gather_sequence", "positions", "LAYOUTS"]
-
-LAYOUTS = ("contiguous", "zigzag")
-
-
-def _check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-
-
-def positions(rank: int, world: int, local_len: int, layout: str = "contiguous") -> Tensor:
-    """The absolute sequence positions of rank ``rank``'s ``local_len`` rows."""
-    _check_layout(layout)
-    if layout == "contiguous":
-        return torch.arange(rank * local_len, (rank + 1) * local_len)
-    c = local_len // 2
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
-                      torch.arange((2 * world - 1 - rank) * c, (2 * world - rank) * c)])
-
-
-def shard_sequence(x: Tensor, rank: int, world: int, layout: str = "contiguous", dim: int = -2) -> Tensor:
-    """Rank ``rank``'s slice of a full sequence ``x`` along ``dim`` (default -2, the L of ``(B, H, L, E)``).
-
-    Raises ``ValueError`` when the length does not split evenly: L must be a multiple of
-    W (contiguous) or of 2W (zigzag).
-    """
-    _check_layout(layout)
-    L = x.shape[dim]
-    parts = world if layout == "contiguous" else 2 * world
-    if L % parts:
-        raise ValueError(f"shard_sequence: a sequence of length {L} does not split evenly into {parts} "
-                         f"{'slices' if layout == 'contiguous' else 'zigzag chunks (2 x world)'}; pad it to a "
-                         f"multiple of {parts}")
-    if not 0 <= rank < world:
-        raise ValueError(f"shard_sequence: rank must be in [0, {world}), got {rank}")
-    idx = positions(rank, world, L // world, layout).to(x.device)
-    return x.index_select(dim, idx)
-
-
-def gather_sequence(local: Tensor, layout: str = "contiguous", dim: int = -2,
-                    group: Optional[dist.ProcessGroup] = None) -> Tensor:
-    """The full sequence from every rank's slice (an all-gather, then the layout undone)."""
-    _check_layout(layout)
-    world = dist.get_world_size(group)
-    parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    n = local.shape[dim]
-    full = torch.cat(parts, dim=dim)
-    order = torch.cat([positions(r, world, n, layout) for r in range(world)]).to(local.device)
-    return full.index_select(dim, torch.argsort(order))
+__all__ = ["ring_attention"]
 
 
 # --------------------------------------------------------------------------- #
@@ -385,7 +337,7 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optional
     """Attention over a sequence split across the ranks of ``group`` (default: the world).
 
     Args:
-        query: this rank's ``(B, H, L/W, E)`` slice (see :func:`shard_sequence`).
+        query: this rank's ``(B, H, L/W, E)`` slice (see :func:`attnlab.distributed.shard_sequence`).
         key: ``(B, Hkv, L/W, E)``, the same positions.
         value: ``(B, Hkv, L/W, Ev)``.
         group: the process group (gloo on CPU, NCCL on GPU); must be initialised.
@@ -416,7 +368,7 @@ def ring_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optional
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_attention: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group first (gloo on CPU)")
-    _check_layout(layout)
+    check_layout(layout)
     batch = validate(query, key, value, None, 0.0, is_causal, scale, enable_gqa, fn="ring_attention")
     if mask_mod is not None and not callable(mask_mod):
         raise TypeError(f"ring_attention: mask_mod must be a callable mask_mod(b, h, q_idx, kv_idx), got "
