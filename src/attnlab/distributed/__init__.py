@@ -5,13 +5,19 @@ Each of W ranks holds a slice of the sequence, ``(B, H, L/W, E)`` (:func:`shard_
 
 * :func:`ring_attention`: key/value slices travel around a ring of ranks, partial results merged
   by their log-sum-exps (Liu et al., 2023). Any head count; one slice a step, W steps.
+* :func:`ulysses_attention`: two all-to-alls, heads scattered and the sequence gathered
+  (DeepSpeed-Ulysses): each rank attends its H/W heads over the whole sequence. ``H % W == 0``.
 
-Forward and backward, on gloo (CPU) or NCCL.
+Both take the same arguments with the same meanings (``is_causal``, ``scale``, ``layout``,
+``enable_gqa``, ``mask_mod`` over absolute positions, ``sinks``), forward and backward, on gloo
+(CPU) or NCCL. :mod:`attnlab.distributed.testing` runs W gloo ranks inside a test.
 """
 
 from __future__ import annotations
 
 from attnlab.distributed.layout import LAYOUTS, gather_sequence, positions, shard_sequence
 from attnlab.distributed.ring import MESSAGE_BYTES, ring_attention
+from attnlab.distributed.ulysses import kv_heads_for, ulysses_attention
 
-__all__ = ["ring_attention", "shard_sequence", "gather_sequence", "positions", "LAYOUTS", "MESSAGE_BYTES"]
+__all__ = ["ring_attention", "ulysses_attention", "kv_heads_for", "shard_sequence", "gather_sequence", "positions",
+           "LAYOUTS", "MESSAGE_BYTES"]
