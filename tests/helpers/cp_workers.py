@@ -131,3 +131,29 @@ def refusals(rank, world):
         except (ValueError, TypeError, RuntimeError) as exc:
             out.append(f"{type(exc).__name__}: {exc}")
     return out
+
+
+def attend_usp(rank, world, wr, wu, q, k, v, do, causal=False, mask="", sinks=None, layout="contiguous"):
+    """One rank of a (wr, wu) mesh through context_parallel_attention; as :func:`attend`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from attnlab.distributed import context_parallel_attention, usp_shard
+
+    mesh = init_device_mesh("cpu", (wr, wu), mesh_dim_names=("ring", "ulysses"))
+    r, u = rank // wu, rank % wu
+    shards = [usp_shard(t, r, wr, u, wu, layout).requires_grad_() for t in (q, k, v)]
+    s_leaf = sinks.clone().requires_grad_() if sinks is not None else None
+    kw = dict(is_causal=causal, layout=layout, enable_gqa=q.shape[1] != k.shape[1], sinks=s_leaf)
+    mod = mask_mod(mask, q.shape[2])
+    if mod is not None:
+        kw["mask_mod"] = mod
+    out = context_parallel_attention(*shards, mesh=mesh, **kw)
+    out.backward(usp_shard(do, r, wr, u, wu, layout))
+    return (out.detach(), *(t.grad for t in shards), s_leaf.grad if s_leaf is not None else None)
+
+
+def assemble_usp(parts, wr, wu, layout="contiguous"):
+    """The whole sequence from the (wr, wu) mesh's rows, rank r * wu + u holding piece u of ring chunk r."""
+    n = parts[0].shape[2]
+    order = torch.cat([positions(r, wr, n * wu, layout)[u * n:(u + 1) * n] for r in range(wr) for u in range(wu)])
+    return torch.cat(parts, dim=2).index_select(2, torch.argsort(order))

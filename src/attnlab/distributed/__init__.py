@@ -8,7 +8,10 @@ Each of W ranks holds a slice of the sequence, ``(B, H, L/W, E)`` (:func:`shard_
 * :func:`ulysses_attention`: two all-to-alls, heads scattered and the sequence gathered
   (DeepSpeed-Ulysses): each rank attends its H/W heads over the whole sequence. ``H % W == 0``.
 
-Both take the same arguments with the same meanings (``is_causal``, ``scale``, ``layout``,
+* :func:`context_parallel_attention`: USP, Ulysses inside each group of a 2-D mesh and the ring
+  across the groups (:func:`usp_shard` says which rows a rank holds).
+
+All take the same arguments with the same meanings (``is_causal``, ``scale``, ``layout``,
 ``enable_gqa``, ``mask_mod`` over absolute positions, ``sinks``), forward and backward, on gloo
 (CPU) or NCCL. :mod:`attnlab.distributed.testing` runs W gloo ranks inside a test.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 from attnlab.distributed.layout import LAYOUTS, gather_sequence, positions, shard_sequence
 from attnlab.distributed.ring import MESSAGE_BYTES, ring_attention
 from attnlab.distributed.ulysses import kv_heads_for, ulysses_attention
+from attnlab.distributed.usp import context_parallel_attention, usp_groups, usp_shard
 
-__all__ = ["ring_attention", "ulysses_attention", "kv_heads_for", "shard_sequence", "gather_sequence", "positions",
+__all__ = ["ring_attention", "ulysses_attention", "context_parallel_attention", "usp_shard", "usp_groups", "kv_heads_for", "shard_sequence", "gather_sequence", "positions",
            "LAYOUTS", "MESSAGE_BYTES"]

@@ -35,9 +35,10 @@ from typing import Any, Callable, Optional
 __all__ = ["run_ranks", "RanksFailed", "COLLECTIVES"]
 
 # the collectives a rank's progress is recorded in (torch.distributed's, and the autograd-aware ones)
+# (not isend/irecv: torch's P2POp checks them by identity; a hang on their requests is in request.wait())
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single", "broadcast",
-               "barrier", "reduce_scatter", "reduce_scatter_tensor", "send", "recv", "isend", "irecv",
-               "batch_isend_irecv", "gather", "scatter", "reduce")
+               "barrier", "reduce_scatter", "reduce_scatter_tensor", "send", "recv", "batch_isend_irecv", "gather",
+               "scatter", "reduce")
 _NAME_BYTES = 64
 
 
@@ -166,7 +167,7 @@ def run_ranks(fn: Callable, world: int = 2, *, args: tuple = (), kwargs: Optiona
             elif status == "error":
                 problems.append(f"rank {r} raised:\n{value}")
             else:
-                inside = hung.get(r) or "no collective (its own code)"
+                inside = hung.get(r) or "no collective call (its own code, or waiting on a request)"
                 problems.append(f"rank {r} did not finish in {timeout:g} s: it was in {inside}")
     if problems:
         raise RanksFailed(f"run_ranks({getattr(fn, '__name__', fn)}, world={world}): " + "\n".join(problems))

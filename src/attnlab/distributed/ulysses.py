@@ -4,8 +4,8 @@ Each of W ranks holds a slice of the sequence, ``(B, H, L/W, E)``, as for the ri
 turns that into ``(B, H/W, L, E)``: every rank gets the *whole* sequence of its ``H/W`` heads, runs
 attnlab's kernels on it (heads are independent, so nothing else is exchanged), and a second
 all-to-all turns the output back into the rank's sequence slice ``(B, H, L/W, Ev)``. The backward
-is the same two exchanges transposed (``torch.distributed.nn.functional.all_to_all`` carries the
-gradients; gloo has ``all_to_all`` since torch 2.12, pytorch PR #165435).
+is the same two exchanges transposed (:class:`_AllToAll`; gloo has ``all_to_all`` since torch 2.12,
+pytorch PR #165435).
 
 Per layer a rank sends about ``3 (W-1)/W`` of its q, k, v slice and ``(W-1)/W`` of its output
 slice, whatever W: the volume per rank falls as ``1/W`` of the sequence, while the ring's stays one
@@ -24,7 +24,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import Tensor
 
 from attnlab._validation import validate, validate_sinks
@@ -48,21 +47,39 @@ def kv_heads_for(H: int, Hkv: int, world: int) -> int:
     return n
 
 
-def _seq_to_heads(x: Tensor, world: int, group) -> Tensor:
+class _AllToAll(torch.autograd.Function):
+    """``dist.all_to_all`` with its transpose as the backward. torch's own differentiable one
+    (``torch.distributed.nn.functional.all_to_all``) falls back on gloo to ``scatter`` with a group's
+    rank where a global one is due, and fails on any subgroup (USP's Ulysses groups), torch 2.13."""
+
+    @staticmethod
+    def forward(ctx, group, *parts: Tensor) -> tuple[Tensor, ...]:
+        ctx.group = group
+        out = [torch.empty_like(p) for p in parts]
+        dist.all_to_all(out, [p.contiguous() for p in parts], group=group)  # part j to rank j, out[j] from it
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        back = [torch.empty_like(g) for g in grads]
+        dist.all_to_all(back, [g.contiguous() for g in grads], group=ctx.group)  # each gradient to its source
+        return (None, *back)
+
+
+def seq_to_heads(x: Tensor, world: int, group) -> Tensor:
     """(B, N, L/W, F) sequence slice -> (B, N/W, L, F) all of the sequence for this rank's N/W heads,
     the sequence in the order of the ranks' slices."""
     B, N, Lw, F = x.shape
     parts = list(x.reshape(B, world, N // world, Lw, F).unbind(1))  # W x (B, N/W, L/W, F): heads for rank j
-    parts = [p.contiguous() for p in parts]
-    got = dist_fn.all_to_all([torch.empty_like(p) for p in parts], parts, group=group)  # from rank j: its slice
+    got = _AllToAll.apply(group, *parts)  # from rank j: its slice
     return torch.cat(got, dim=2)  # (B, N/W, W * L/W, F)
 
 
-def _heads_to_seq(y: Tensor, world: int, group) -> Tensor:
-    """The transpose of :func:`_seq_to_heads`: (B, N/W, L, F) -> (B, N, L/W, F)."""
+def heads_to_seq(y: Tensor, world: int, group) -> Tensor:
+    """The transpose of :func:`seq_to_heads`: (B, N/W, L, F) -> (B, N, L/W, F)."""
     B, n, L, F = y.shape
-    parts = [p.contiguous() for p in y.reshape(B, n, world, L // world, F).unbind(2)]  # slice j for rank j
-    got = dist_fn.all_to_all([torch.empty_like(p) for p in parts], parts, group=group)  # rank j's heads, my slice
+    parts = y.reshape(B, n, world, L // world, F).unbind(2)  # slice j for rank j
+    got = _AllToAll.apply(group, *parts)  # rank j's heads, my slice
     return torch.cat(got, dim=1)  # (B, W * N/W, L/W, F)
 
 
@@ -128,8 +145,8 @@ def ulysses_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optio
     n_kv = kv_heads_for(H, Hkv, world)
     if n_kv != Hkv:  # DeepSpeed's rule: repeat each key/value head in place, so the groups stay neighbours
         key, value = key.repeat_interleave(n_kv // Hkv, dim=1), value.repeat_interleave(n_kv // Hkv, dim=1)
-    q = _seq_to_heads(query, world, group)  # (B, H/W, L, E)
-    k, v = _seq_to_heads(key, world, group), _seq_to_heads(value, world, group)  # (B, n_kv/W, L, E/Ev)
+    q = seq_to_heads(query, world, group)  # (B, H/W, L, E)
+    k, v = seq_to_heads(key, world, group), seq_to_heads(value, world, group)  # (B, n_kv/W, L, E/Ev)
     q, order = _natural(q, world, layout)
     k, _ = _natural(k, world, layout)
     v, _ = _natural(v, world, layout)
@@ -138,7 +155,7 @@ def ulysses_attention(query: Tensor, key: Tensor, value: Tensor, *, group: Optio
     out = _local(q, k, v, is_causal, scale, enable_gqa or n_kv != H, mask_mod, first, mine)  # (B, H/W, L, Ev)
     if order is not None:
         out = out.index_select(2, order)  # back to the ranks' order
-    return _heads_to_seq(out, world, group)
+    return heads_to_seq(out, world, group)
 
 
 def _local(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: Optional[float], gqa: bool,
