@@ -549,6 +549,11 @@ ATTACKS = Path(__file__).resolve().parents[1] / "hostile" / "issue61"
     # rule for kernel bodies (grading/kernel_rules.py) refuses the file
     ("lab05_python_attention_via_interpreter_str", "05", "flash_triton.py"),
     ("lab05_python_attention_via_interpreter_bool", "05", "flash_triton.py"),
+    # a fourth attacker: a grid function (kernel[grid_fn]) that tl.load-s and tl.store-s every value in Python once
+    # the launch has patched tl in, the kernels empty; and values read from a kernel's error text (tl.max(v, v):
+    # "axis [<the block>]") caught by try: 100/100 each; now refused on the source (kernel_rules._outside_kernels)
+    ("lab05_grid_callable_python_attention", "05", "flash_triton.py"),
+    ("lab05_exception_text_channel", "05", "flash_triton.py"),
 ])
 def test_an_independent_attackers_files_score_nothing(name, lab, file):
     """Written by an attacker of the grader (a helper given the grader and its claims, after the
@@ -600,6 +605,38 @@ KERNEL_ROADS = {
     "method": "    y = x.tolist()\n",
     "dict": "    y = {0: x}\n",
 }
+LAUNCHER_ROADS = {  # the code around the kernels (a fourth attacker's)
+    "tl_outside": "def grid(meta):\n    return tl.load(meta['X'])\n",
+    "kernel_called": "def peek(x):\n    return other(x)\n",
+    "try": "def read(x):\n    try:\n        return x\n    except Exception as e:\n        return str(e)\n",
+}
+
+
+@pytest.mark.parametrize("road", sorted(LAUNCHER_ROADS))
+def test_the_code_around_kernels_cannot_run_them_in_python(road):
+    from attnlab import labs
+    from attnlab.grading.static import check_source
+
+    lab = labs.find_lab("05")
+    source = KERNEL_HEAD + "    tl.store(Y + offs, x)\n\n\n" + LAUNCHER_ROADS[road]
+    report = check_source(source, "flash_triton.py", lab.allowed_names, lab.modules, lab.decorators)
+    assert [v for v in report.violations if v.function != "kernel"], road
+    clean = check_source(KERNEL_HEAD + "    tl.store(Y + offs, x)\n", "flash_triton.py", lab.allowed_names, lab.modules,
+                         lab.decorators)
+    assert not clean.violations, clean.violations  # the control
+
+
+@pytest.mark.slow
+def test_a_grid_that_is_not_numbers_is_no_kernels_answer():
+    """A grid function runs in Python with tl patched in: the launch is reported, the exercise scores 0."""
+    source = LAB05.replace("    grid = (triton.cdiv(L, BLOCK_Q), B * H)\n",
+                           "    grid = lambda meta: (triton.cdiv(L, BLOCK_Q), B * H)\n")
+    assert source != LAB05
+    report = _grade(source, "flash_triton.py", "05")
+    scores = report.exercise_scores()
+    assert scores["ex1"][0] == 0 and scores["ex4"] == (8, 8), report.to_text()
+    why = [f["message"] for r in report.results if r.exercise.id == "ex1" for f in r.verdict.findings]
+    assert why and "attn_fwd_kernel's grid: function" in why[0], why
 
 
 def _kernel_refusals(body: str) -> list:

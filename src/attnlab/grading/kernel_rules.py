@@ -26,7 +26,7 @@ a number or a dtype.
 from __future__ import annotations
 
 import ast
-from typing import Iterable
+from typing import Iterable, Optional
 
 __all__ = ["KERNEL_BUILTINS", "KERNEL_METHODS", "kernel_violations"]
 
@@ -121,13 +121,48 @@ def _call(node: ast.Call, line: int, where: str, jit: set[str], local: set[str],
     return [(line, f"a call of a computed function {where}")]
 
 
-def kernel_violations(tree: ast.Module, jit: Iterable[str], modules: Iterable[str]) -> list[tuple[int, str, str]]:
-    """(line, kernel, why) for each construct of the file's kernels (the top-level functions named in
-    ``jit``) that may carry a value out to Python; ``modules``: the names the file binds to the lab's
-    modules (``tl``, ``triton``), whose functions a kernel may call."""
+def kernel_violations(tree: ast.Module, jit: Iterable[str], modules) -> list[tuple[int, Optional[str], str]]:
+    """(line, unit, why) for each construct of the file's kernels (the top-level functions named in
+    ``jit``), or of the code around them, that may carry a value out to Python; ``modules``: the
+    names the file binds to the lab's modules, ``{"tl": "triton.language", "triton": "triton"}``."""
     kernels = set(jit)
     callable_ = kernels | {(a.asname or a.name) for n in tree.body if isinstance(n, ast.ImportFrom)
                            and (n.module or "").split(".")[0] == "triton" for a in n.names}
     readable, bound = _module_names(tree, callable_)
-    return [(line, node.name, why) for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in kernels
-            for line, why in _kernel(node, callable_, readable, bound, set(modules))]
+    out = [(line, node.name, why) for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in kernels
+           for line, why in _kernel(node, callable_, readable, bound, set(modules))]
+    language = {name for name, module in dict(modules).items() if module == "triton.language"} \
+        if isinstance(modules, dict) else {"tl"}
+    return out + _outside_kernels(tree, kernels, language)
+
+
+def _outside_kernels(tree: ast.Module, kernels: set[str], language: set[str]) -> list[tuple[int, str, str]]:
+    """The launchers' side: Triton's interpreter runs ``tl``'s functions wherever they are called once
+    a launch has patched them (a fourth attacker's grid function, ``kernel[grid_fn]``, loaded and
+    stored every value in Python), a kernel called without a launch returns its values to Python,
+    and a kernel's error carries values in its text (``tl.max(v, v)``: "axis [<the block>]"), which
+    only a ``try`` could read. So outside the kernels: no call of ``tl``'s functions, no kernel called
+    but by ``kernel[grid](...)``, and no ``try``."""
+    out: list[tuple[int, str, str]] = []
+    for top in tree.body:
+        if isinstance(top, ast.FunctionDef) and top.name in kernels:
+            continue
+        unit = getattr(top, "name", None)
+        for node in ast.walk(top):
+            line = getattr(node, "lineno", 0)
+            if isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
+                out.append((line, unit, "try in a file with kernels: a kernel's error is the grader's to report "
+                                        "(its text can hold the kernel's values)"))
+            elif isinstance(node, ast.Call):
+                root = node.func
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                text = ast.unparse(node.func)
+                if isinstance(node.func, ast.Attribute) and isinstance(root, ast.Name) and (
+                        root.id in language or text.startswith("triton.language.")):
+                    out.append((line, unit, f"{text}() outside a kernel: tl's functions run only inside "
+                                            "@triton.jit kernels"))
+                elif isinstance(node.func, ast.Name) and node.func.id in kernels:
+                    out.append((line, unit, f"{node.func.id}() called outside a kernel: launch it, "
+                                            f"{node.func.id}[grid](...)"))
+    return out

@@ -117,6 +117,12 @@ def _foreign_arguments(kernel: str, args: tuple, kwargs: dict) -> None:
     from triton.language import core
 
     plain = (torch.Tensor, int, float, bool, type(None), core.dtype, core.constexpr)
+    grid = kwargs.get("grid")
+    # a grid is numbers: a function there runs in Python with tl's functions patched in (a fourth attacker
+    # loaded and stored every value from one), before and instead of any kernel
+    if not (type(grid) is int or type(grid) in (tuple, list) and all(type(g) is int for g in grid)):
+        if len(_FOREIGN) < 8:
+            _FOREIGN.append(f"{kernel}'s grid: {type(grid).__name__[:40]} (a grid is a tuple of ints)")
     for where, arg in [*enumerate(args), *kwargs.items()]:
         if where in ("grid", "warmup", "num_warps", "num_stages", "num_ctas") or type(arg) in plain:
             continue
