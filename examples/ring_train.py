@@ -1,4 +1,4 @@
-"""Train an attention layer on one long sequence split across ranks, with ring attention.
+"""Train an attention layer on one long sequence split across ranks: ring attention, Ulysses or USP.
 
 Runs unchanged under torchrun, on one machine or several (gloo: CPUs; nccl works the same way):
 
@@ -7,11 +7,16 @@ Runs unchanged under torchrun, on one machine or several (gloo: CPUs; nccl works
     torchrun --nnodes=2 --nproc-per-node=2 --node-rank=0 --rdzv-backend=c10d \\
         --rdzv-endpoint=HOST0:29400 --rdzv-id=job1 examples/ring_train.py --mask sliding
 
+    # Ulysses (heads scattered, the sequence gathered) or USP (Ulysses in pairs, the ring across):
+    torchrun --standalone --nproc-per-node=4 examples/ring_train.py --cp ulysses --mask document
+    torchrun --standalone --nproc-per-node=4 examples/ring_train.py --cp usp --ulysses-size 2
+
 and without torchrun, ``--single`` trains the same model in one process (the reference).
 
 The model: x (1, L, D) -> q, k, v projections -> attention over the whole sequence -> output
 projection; the loss is the mean square of the output. Each rank holds L / W positions
-(attnlab.distributed.shard_sequence); attention is attnlab's ring_attention with a FlexAttention
+(attnlab.distributed.shard_sequence; usp_shard for USP); attention is attnlab's ring_attention
+(--cp ring), ulysses_attention or context_parallel_attention (USP), with a FlexAttention
 mask_mod over absolute positions (packed documents, a sliding window) or causal; the weight
 gradients of the ranks' positions are summed (all_reduce) before each SGD step. Rank 0 prints
 the losses and, with --out, writes them as JSON.
@@ -28,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from attnlab import flex, tiled
-from attnlab.distributed import ring_attention, shard_sequence
+from attnlab.distributed import context_parallel_attention, ring_attention, shard_sequence, ulysses_attention, usp_shard
 
 
 def masks(L: int):
@@ -61,6 +66,20 @@ def step_loss(params, x, shape, attend):
     return out.square().sum()
 
 
+def _context_parallel(args, x, shape, mask_mod, rank: int, world: int):
+    """This rank's positions of ``x`` (1, L, D) -> (1, L / W, D), and its attention over the whole sequence."""
+    kw = dict(is_causal=mask_mod is None, mask_mod=mask_mod, layout=args.layout, enable_gqa=shape[0] != shape[1])
+    if args.cp == "usp":  # a (W / U, U) mesh: Ulysses inside each group of U ranks, the ring across the groups
+        from torch.distributed.device_mesh import init_device_mesh
+
+        wu = args.ulysses_size
+        mesh = init_device_mesh("cpu", (world // wu, wu), mesh_dim_names=("ring", "ulysses"))
+        x_local = usp_shard(x, rank // wu, world // wu, rank % wu, wu, args.layout, dim=1)
+        return x_local, lambda q, k, v: context_parallel_attention(q, k, v, mesh=mesh, **kw)
+    scheme = ulysses_attention if args.cp == "ulysses" else ring_attention
+    return shard_sequence(x, rank, world, args.layout, dim=1), lambda q, k, v: scheme(q, k, v, **kw)
+
+
 def train(args) -> list[float]:
     distributed = not args.single
     if distributed:
@@ -73,11 +92,7 @@ def train(args) -> list[float]:
     mask_mod = masks(args.seq_len)[args.mask]
     L, D = args.seq_len, args.dim
     if distributed:
-        x_local = shard_sequence(x, rank, world, args.layout, dim=1)  # (B, L / W, D): this rank's positions
-
-        def attend(q, k, v):
-            return ring_attention(q, k, v, is_causal=mask_mod is None, mask_mod=mask_mod, layout=args.layout,
-                                  enable_gqa=shape[0] != shape[1])
+        x_local, attend = _context_parallel(args, x, shape, mask_mod, rank, world)
     else:
         x_local = x
         block_mask = flex.create_block_mask(mask_mod, None, None, L, L) if mask_mod is not None else None
@@ -107,7 +122,7 @@ def train(args) -> list[float]:
         dist.destroy_process_group()
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "world": world, "mask": args.mask}, f)
+            json.dump({"losses": losses, "world": world, "mask": args.mask, "cp": args.cp}, f)
     return losses
 
 
@@ -122,6 +137,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cp", choices=["ring", "ulysses", "usp"], default="ring",
+                   help="the context-parallel scheme (default ring); ulysses needs --heads divisible by the ranks")
+    p.add_argument("--ulysses-size", type=int, default=2, help="USP: ranks per Ulysses group (default 2)")
     p.add_argument("--single", action="store_true", help="one process, no torch.distributed (the reference)")
     p.add_argument("--out", help="rank 0 writes the losses here as JSON")
     args = p.parse_args(argv)
@@ -129,6 +147,11 @@ def main(argv=None) -> int:
         p.error("run it with torchrun (see the examples above), or pass --single for one process")
     if args.dim % args.heads or args.heads % (args.kv_heads or args.heads):
         p.error("--dim must be a multiple of --heads, and --heads of --kv-heads")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not args.single and args.cp == "ulysses" and args.heads % world:
+        p.error(f"--cp ulysses scatters whole heads: --heads ({args.heads}) must be a multiple of the ranks ({world})")
+    if not args.single and args.cp == "usp" and (world % args.ulysses_size or args.heads % args.ulysses_size):
+        p.error(f"--cp usp: --ulysses-size ({args.ulysses_size}) must divide the ranks ({world}) and --heads")
     train(args)
     return 0
 
