@@ -554,6 +554,11 @@ ATTACKS = Path(__file__).resolve().parents[1] / "hostile" / "issue61"
     # "axis [<the block>]") caught by try: 100/100 each; now refused on the source (kernel_rules._outside_kernels)
     ("lab05_grid_callable_python_attention", "05", "flash_triton.py"),
     ("lab05_exception_text_channel", "05", "flash_triton.py"),
+    # a fifth attacker: a list as a kernel's default (box += [bits]), a list passed as num_warps (skipped by name),
+    # and a kernel called through an alias with the interpreter's injected _implicit_cvt: 100, 100 and 8
+    ("lab05_default_argument_list", "05", "flash_triton.py"),
+    ("lab05_list_as_num_warps", "05", "flash_triton.py"),
+    ("lab05_alias_direct_call_injected_global", "05", "flash_triton.py"),
 ])
 def test_an_independent_attackers_files_score_nothing(name, lab, file):
     """Written by an attacker of the grader (a helper given the grader and its claims, after the
@@ -604,11 +609,16 @@ KERNEL_ROADS = {
     "math_call": "    y = math.exp(1.0)\n",
     "method": "    y = x.tolist()\n",
     "dict": "    y = {0: x}\n",
+    "list_default": None,  # the head's signature with a list default, below
 }
 LAUNCHER_ROADS = {  # the code around the kernels (a fourth attacker's)
     "tl_outside": "def grid(meta):\n    return tl.load(meta['X'])\n",
     "kernel_called": "def peek(x):\n    return other(x)\n",
     "try": "def read(x):\n    try:\n        return x\n    except Exception as e:\n        return str(e)\n",
+    "kernel_alias": "peek = other\n",
+    "kernel_passed": "def launch(f):\n    return f\n\n\ndef go():\n    return launch(kernel)\n",
+    "injected_global": "def ptr(t):\n    return _implicit_cvt(t)\n",
+    "tl_by_name": "from triton.language import constexpr as box\n\n\ndef wrap(x):\n    return box(x)\n",
 }
 
 
@@ -644,7 +654,8 @@ def _kernel_refusals(body: str) -> list:
     from attnlab.grading.static import check_source
 
     lab = labs.find_lab("05")
-    source = KERNEL_HEAD + body + "    tl.store(Y + offs, other(x) * SCALE)\n"
+    head = KERNEL_HEAD if body is not None else KERNEL_HEAD.replace("OBJ):", "OBJ=BOX):")
+    source = head + (body or "") + "    tl.store(Y + offs, other(x) * SCALE)\n"
     report = check_source(source, "flash_triton.py", lab.allowed_names, lab.modules, lab.decorators)
     return [v for v in report.violations if v.function == "kernel"]
 

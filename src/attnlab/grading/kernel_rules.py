@@ -77,6 +77,10 @@ def _kernel(fn: ast.FunctionDef, jit: set[str], readable: set[str], bound: set[s
     out: list[tuple[int, str]] = []
     local = _locals(fn)
     where = f"in kernel {fn.name}"
+    for default in [*fn.args.defaults, *(d for d in fn.args.kw_defaults if d is not None)]:
+        if not (isinstance(default, ast.Constant) and isinstance(default.value, (int, float, bool, type(None)))):
+            out.append((default.lineno, f"the default {ast.unparse(default)[:40]} {where}: a kernel's defaults are "
+                                        "numbers (a list there is a road out; a fifth attacker's)"))
     called = {id(n.func) for n in ast.walk(fn) if isinstance(n, ast.Call)}  # said once, as a call
     for stmt in fn.body:
         for node in ast.walk(stmt):
@@ -144,11 +148,31 @@ def _outside_kernels(tree: ast.Module, kernels: set[str], language: set[str]) ->
     only a ``try`` could read. So outside the kernels: no call of ``tl``'s functions, no kernel called
     but by ``kernel[grid](...)``, and no ``try``."""
     out: list[tuple[int, str, str]] = []
+    imported = {(a.asname or a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                and (n.module or "").startswith("triton.language") for a in n.names}
+    bound = _file_bindings(tree)
+    for top in tree.body:  # Triton's interpreter puts its own globals (_implicit_cvt, np...) in the module
+        unit = getattr(top, "name", None)
+        for node in ast.walk(top):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound \
+                    and node.id not in _BUILTINS:
+                out.append((node.lineno, unit, f"{node.id} is bound nowhere in the file: a name a submission "
+                                               "reads is its own, an import's or a builtin"))
     for top in tree.body:
         if isinstance(top, ast.FunctionDef) and top.name in kernels:
             continue
         unit = getattr(top, "name", None)
+        launched = {id(n.value) for n in ast.walk(top) if isinstance(n, ast.Subscript)}  # kernel[grid]
         for node in ast.walk(top):
+            if isinstance(node, ast.Name) and node.id in kernels and isinstance(node.ctx, ast.Load) \
+                    and id(node) not in launched:
+                out.append((node.lineno, unit, f"{node.id} is used outside a kernel other than by its launch, "
+                                               f"{node.id}[grid](...): called as a function it runs in Python"))
+                continue
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in imported:
+                out.append((node.lineno, unit, f"{node.func.id}() outside a kernel: tl's functions run only inside "
+                                               "@triton.jit kernels"))
+                continue
             line = getattr(node, "lineno", 0)
             if isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
                 out.append((line, unit, "try in a file with kernels: a kernel's error is the grader's to report "
@@ -162,7 +186,24 @@ def _outside_kernels(tree: ast.Module, kernels: set[str], language: set[str]) ->
                         root.id in language or text.startswith("triton.language.")):
                     out.append((line, unit, f"{text}() outside a kernel: tl's functions run only inside "
                                             "@triton.jit kernels"))
-                elif isinstance(node.func, ast.Name) and node.func.id in kernels:
-                    out.append((line, unit, f"{node.func.id}() called outside a kernel: launch it, "
-                                            f"{node.func.id}[grid](...)"))
     return out
+
+
+_BUILTINS = frozenset(dir(__import__("builtins")))
+
+
+def _file_bindings(tree: ast.Module) -> set[str]:
+    """Every name the file binds anywhere: assignments, parameters, defs, classes, imports, handlers."""
+    names: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
+            names.add(n.id)
+        elif isinstance(n, ast.arg):
+            names.add(n.arg)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in n.names}
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            names.add(n.name)
+    return names

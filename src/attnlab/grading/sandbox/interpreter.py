@@ -34,7 +34,7 @@ def count_launches(path: str) -> dict:
             name = str(self.fn.__name__)[:100]
             if name in counts or len(counts) < MAX_KERNELS:
                 counts[name] = counts.get(name, 0) + 1
-            _foreign_arguments(name, args, kwargs)
+            _foreign_arguments(name, self.fn, args, kwargs)
         outer = _LEARNER[0]
         _LEARNER[0] = outer or learner  # a launch inside a learner's launch is theirs too
         try:
@@ -112,7 +112,7 @@ def forget_stores() -> None:
 _FOREIGN: list = []  # "attn_fwd_kernel's argument 9: list" for this call
 
 
-def _foreign_arguments(kernel: str, args: tuple, kwargs: dict) -> None:
+def _foreign_arguments(kernel: str, fn, args: tuple, kwargs: dict) -> None:
     import torch
     from triton.language import core
 
@@ -123,11 +123,23 @@ def _foreign_arguments(kernel: str, args: tuple, kwargs: dict) -> None:
     if not (type(grid) is int or type(grid) in (tuple, list) and all(type(g) is int for g in grid)):
         if len(_FOREIGN) < 8:
             _FOREIGN.append(f"{kernel}'s grid: {type(grid).__name__[:40]} (a grid is a tuple of ints)")
-    for where, arg in [*enumerate(args), *kwargs.items()]:
-        if where in ("grid", "warmup", "num_warps", "num_stages", "num_ctas") or type(arg) in plain:
+    # what the kernel receives: every parameter bound, defaults included (a fifth attacker's list came as a
+    # default, another as an argument named num_warps, which a check by name skipped)
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+        bound = inspect.signature(fn).bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params})
+        bound.apply_defaults()
+        received = list(bound.arguments.items())
+    except (TypeError, ValueError):
+        received = [*enumerate(args), *kwargs.items()]
+    for where, arg in received:
+        inner = arg.value if type(arg) is core.constexpr else arg  # a constexpr wraps a number, or nothing
+        if type(arg) in plain and type(inner) in plain:
             continue
         if len(_FOREIGN) < 8:
-            _FOREIGN.append(f"{kernel}'s argument {where}: {type(arg).__name__[:40]}")
+            _FOREIGN.append(f"{kernel}'s argument {where}: {type(inner).__name__[:40]}")
 
 
 def foreign_arguments() -> list:
