@@ -13,6 +13,7 @@ HELP = """\
 Time attnlab vs torch's SDPA, or a suite below (docs/cli.md, BENCHMARKS.md); examples:
   attnlab bench --seq-lens 4096 --impls tiled,flash --dtypes float32 --threads 2
   attnlab bench --decode --seq-lens 4096,32768 --dtypes float32,bfloat16
+  attnlab bench --cp --seq-lens 4096          # ring, Ulysses and USP on 2 and 4 local ranks
 """
 
 DEFAULT_LENS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -58,6 +59,8 @@ def add(sub) -> argparse.ArgumentParser:
                    help="GFLOP/s against L as a PNG (matplotlib)")
     p.add_argument("--ring", action="store_true",
                    help="instead: ring attention, 2 ranks against 1 process")
+    p.add_argument("--cp", action="store_true",
+                   help="instead: the ring, Ulysses and USP at 2 and 4 ranks x 1 thread, with the bytes a rank sends")
     p.add_argument("--ring-layout", choices=["contiguous", "zigzag"], default="contiguous", metavar="LAYOUT",
                    help="with --ring: contiguous or zigzag")
     p.add_argument("--ring-masks", type=choices(["causal", "sliding", "document"]), default=None, metavar="M,...",
@@ -141,6 +144,15 @@ def run(args: argparse.Namespace) -> int:
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     if args.device == "cuda":
         return _run_gpu(args, causals)
+    if args.cp:
+        from attnlab.bench import cp
+
+        L = args.seq_lens[0] if args.seq_lens != DEFAULT_LENS else 4096
+        rows = cp.cp_benchmark(L, B=args.batch, H=args.heads, Hkv=args.heads, E=args.dim, progress=_progress())
+        _end_progress()
+        print(f"machine: {bench.machine_line()}\n\n{cp.CP_HEADER}\n")
+        print(cp.cp_table(rows))
+        return 0
     if args.ring and args.ring_masks:
         L = args.seq_lens[0] if args.seq_lens != DEFAULT_LENS else 16384
         print(f"machine: {bench.machine_line()}\n")

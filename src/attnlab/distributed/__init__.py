@@ -18,6 +18,12 @@ All take the same arguments with the same meanings (``is_causal``, ``scale``, ``
 
 from __future__ import annotations
 
+# torch._dynamo before any process group: the local kernels ask torch.compiler.is_compiling(), which imports
+# it on first use; imported that way inside a rank's first backward, after gloo's threads had started, one
+# rank in 2 to 4 runs of 6 (4 ranks, Ulysses) aborted at interpreter exit ("terminate called without an
+# active exception"); imported here first, 0 of 8 (and 0 of 12 with a gc.collect() before the exit)
+import torch._dynamo  # noqa: F401  (the import is the point)
+
 from attnlab.distributed.layout import LAYOUTS, gather_sequence, positions, shard_sequence
 from attnlab.distributed.ring import MESSAGE_BYTES, ring_attention
 from attnlab.distributed.ulysses import kv_heads_for, ulysses_attention
