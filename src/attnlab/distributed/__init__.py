@@ -29,5 +29,6 @@ from attnlab.distributed.ring import MESSAGE_BYTES, ring_attention
 from attnlab.distributed.ulysses import kv_heads_for, ulysses_attention
 from attnlab.distributed.usp import context_parallel_attention, usp_groups, usp_shard
 
-__all__ = ["ring_attention", "ulysses_attention", "context_parallel_attention", "usp_shard", "usp_groups", "kv_heads_for", "shard_sequence", "gather_sequence", "positions",
+__all__ = ["ring_attention", "ulysses_attention", "context_parallel_attention", "usp_shard", "usp_groups",
+           "kv_heads_for", "shard_sequence", "gather_sequence", "positions",
            "LAYOUTS", "MESSAGE_BYTES"]

@@ -125,10 +125,12 @@ def _call(node: ast.Call, line: int, where: str, jit: set[str], local: set[str],
     return [(line, f"a call of a computed function {where}")]
 
 
-def kernel_violations(tree: ast.Module, jit: Iterable[str], modules) -> list[tuple[int, Optional[str], str]]:
+def kernel_violations(tree: ast.Module, jit: Iterable[str], modules,
+                      file_names: Iterable[str]) -> list[tuple[int, Optional[str], str]]:
     """(line, unit, why) for each construct of the file's kernels (the top-level functions named in
     ``jit``), or of the code around them, that may carry a value out to Python; ``modules``: the
-    names the file binds to the lab's modules, ``{"tl": "triton.language", "triton": "triton"}``."""
+    names the file binds to the lab's modules, ``{"tl": "triton.language", "triton": "triton"}``;
+    ``file_names``: every name the file binds anywhere (:mod:`.static` works it out)."""
     kernels = set(jit)
     callable_ = kernels | {(a.asname or a.name) for n in tree.body if isinstance(n, ast.ImportFrom)
                            and (n.module or "").split(".")[0] == "triton" for a in n.names}
@@ -137,10 +139,11 @@ def kernel_violations(tree: ast.Module, jit: Iterable[str], modules) -> list[tup
            for line, why in _kernel(node, callable_, readable, bound, set(modules))]
     language = {name for name, module in dict(modules).items() if module == "triton.language"} \
         if isinstance(modules, dict) else {"tl"}
-    return out + _outside_kernels(tree, kernels, language)
+    return out + _outside_kernels(tree, kernels, language, frozenset(file_names))
 
 
-def _outside_kernels(tree: ast.Module, kernels: set[str], language: set[str]) -> list[tuple[int, str, str]]:
+def _outside_kernels(tree: ast.Module, kernels: set[str], language: set[str],
+                     bound: Iterable[str]) -> list[tuple[int, str, str]]:
     """The launchers' side: Triton's interpreter runs ``tl``'s functions wherever they are called once
     a launch has patched them (a fourth attacker's grid function, ``kernel[grid_fn]``, loaded and
     stored every value in Python), a kernel called without a launch returns its values to Python,
@@ -150,7 +153,6 @@ def _outside_kernels(tree: ast.Module, kernels: set[str], language: set[str]) ->
     out: list[tuple[int, str, str]] = []
     imported = {(a.asname or a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                 and (n.module or "").startswith("triton.language") for a in n.names}
-    bound = _file_bindings(tree)
     for top in tree.body:  # Triton's interpreter puts its own globals (_implicit_cvt, np...) in the module
         unit = getattr(top, "name", None)
         for node in ast.walk(top):
@@ -191,19 +193,3 @@ def _outside_kernels(tree: ast.Module, kernels: set[str], language: set[str]) ->
 
 _BUILTINS = frozenset(dir(__import__("builtins")))
 
-
-def _file_bindings(tree: ast.Module) -> set[str]:
-    """Every name the file binds anywhere: assignments, parameters, defs, classes, imports, handlers."""
-    names: set[str] = set()
-    for n in ast.walk(tree):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):
-            names.add(n.id)
-        elif isinstance(n, ast.arg):
-            names.add(n.arg)
-        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(n.name)
-        elif isinstance(n, (ast.Import, ast.ImportFrom)):
-            names |= {(a.asname or a.name).split(".")[0] for a in n.names}
-        elif isinstance(n, ast.ExceptHandler) and n.name:
-            names.add(n.name)
-    return names

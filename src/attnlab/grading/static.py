@@ -729,7 +729,7 @@ def check_source(source: str | bytes, filename: str = "attention.py",
             jit = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)
                    and any(visitor._qualified(d) in visitor.decorators for d in n.decorator_list)}
             visitor.violations += [Violation(line, fn if fn in top else None, "unsafe", why) for line, fn, why
-                                   in kernel_violations(tree, jit, dict(visitor.aliases))]
+                                   in kernel_violations(tree, jit, dict(visitor.aliases), visitor.bound)]
     except (RecursionError, MemoryError) as exc:  # never for a real lab file; a refusal, not a traceback
         return StaticReport([], {}, f"the file is too deeply nested or too large to check ({type(exc).__name__})")
     return StaticReport(visitor.violations, visitor.calls, imports=visitor.imports, tree=tree)
