@@ -354,6 +354,17 @@ def test_a_kernel_passed_a_python_object_is_no_kernels_answer():
 
 
 @pytest.mark.slow
+def test_an_honest_rewrite_with_type_as_scores_100():
+    """Issue 62's independent author: TritonAttention.backward returning dq.type_as(q) (a conversion) was
+    refused whole by the static allow-list, 0 points for a correct file."""
+    old = "return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None"
+    assert old in LAB05
+    report = _grade(LAB05.replace(old, "return dq.type_as(q), dk.type_as(k), dv.type_as(v), None"), "flash_triton.py",
+                    "05")
+    assert report.score == 100, report.to_text()
+
+
+@pytest.mark.slow
 def test_the_lab05_solution_scores_100_with_every_answer_traced_to_its_stores():
     report = _grade(LAB05, "flash_triton.py", "05")
     assert report.score == 100, report.to_text()

@@ -94,7 +94,8 @@ class FlashBackward:
     dq_base: str = "exp"
     kv_base: str = "exp"
     # the causal mask: right | none (every tile, no mask) | tiles (the tiles visited, unmasked inside) |
-    # bottom_right (j <= i + S - L) | strict (j < i: the diagonal hidden) | skip_diag (the diagonal tile skipped)
+    # bottom_right (j <= i + S - L, and the loops' bounds) | bottom_right_mask (the mask alone, top-left loops) |
+    # strict (j < i: the diagonal hidden) | skip_diag (the diagonal tile skipped)
     dq_mask: str = "right"
     kv_mask: str = "right"
     # D: do_o | none (dS = P * dP) | do (rowsum(dO)) | tile (rowsum(P * dP) over each key tile) | swap_o_do?
@@ -124,7 +125,8 @@ class FlashBackward:
 
 
 KERNEL_CHOICES: dict[str, list[str]] = {  # per-kernel fields without their dq_/kv_ prefix
-    "p_scale": ["no"], "base": ["exp2", "lse2"], "mask": ["none", "tiles", "bottom_right", "strict", "skip_diag"],
+    "p_scale": ["no"], "base": ["exp2", "lse2"],
+    "mask": ["none", "tiles", "bottom_right", "bottom_right_mask", "strict", "skip_diag"],
     "d": ["none", "do", "tile"], "ds": ["minus_d", "no_p"], "tail": ["drop"],
 }
 GLOBAL_CHOICES: dict[str, list[str]] = {
@@ -153,6 +155,9 @@ _KERNEL_FINDINGS: dict[tuple[str, str], tuple[str, str]] = {
                                          "the diagonal tile needs key j <= query i"),
     ("mask", "bottom_right"): ("causal_alignment", "the causal mask {who} is aligned bottom-right (key j <= i + S - "
                                                    "L): is_causal is top-left, as in the forward (key j <= query i)"),
+    ("mask", "bottom_right_mask"): ("causal_alignment", "the causal mask {who} is aligned bottom-right (key j <= i "
+                                                        "+ S - L) inside the top-left loop bounds: is_causal is "
+                                                        "top-left, as in the forward (key j <= query i)"),
     ("mask", "strict"): ("off_by_one", "the causal mask {who} hides the diagonal (key j < query i): query i sees "
                                        "key i too (j <= i)"),
     ("mask", "skip_diag"): ("causal_block_skip", "the diagonal tile is skipped {who}: under is_causal a loop skips "
@@ -247,8 +252,10 @@ def _keep_visit(case: FlashCase, mask: str) -> tuple[Tensor, Tensor]:
         return full, full
     if mask == "tiles":
         return tiles & full, tiles & full
-    if mask == "bottom_right":
+    if mask == "bottom_right":  # the mask and the loops' bounds both aligned bottom-right
         return (j <= i + S - L) & full, (k0 <= q_last + S - L) & full
+    if mask == "bottom_right_mask":  # the mask line changed, the loops still skip as top-left does
+        return (j <= i + S - L) & tiles, tiles & full
     if mask == "strict":
         return (j < i) & full, tiles & full
     visit = (k0 < q0) & full  # skip_diag: only the tiles wholly before the query tile

@@ -126,6 +126,7 @@ COMMON_ATTRIBUTES = frozenset({
     # in-place ones then reach the child's mutates_input check, which names them)
     "movedim", "moveaxis", "tril_indices", "triu_indices", "outer", "diagonal", "logical_not_", "logical_and_",
     "logical_or_", "unsqueeze_", "squeeze_", "clamp_", "exp_", "neg_", "masked_scatter", "causal",
+    "type_as",  # a conversion (issue 62's independent author: TritonAttention.backward's dq.type_as(q) scored 0)
     # Python's list and dict methods
     "append", "extend", "pop", "insert", "index", "count", "get", "update", "copy", "sort", "reverse", "remove",
     "clear",

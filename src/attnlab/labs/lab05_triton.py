@@ -396,7 +396,8 @@ def _d_over_rows(o: Tensor, do: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- ex5: dK, dV, dQ
-EX5 = ((37, 45, False), (40, 40, True))  # L, S, causal
+# L, S, causal; rectangular causal both ways (issue 62: a backward whose mask was aligned bottom-right scored 100)
+EX5 = ((37, 45, False), (40, 40, True), (24, 40, True), (40, 24, True))
 EX5_HALF = (64, 16)  # the float16 case: L, S; dV of key 0 is about 64 x 1500 = 96000 > 65504
 
 
@@ -529,8 +530,9 @@ def _judge_ex5(ctx, results, outcome):
         explanation = explain_backward(cases, [r if _triple(r, "")[1] is None else None for r in raw])
         if explanation is not None:
             out = _ex5_verdicts(cases, raw, explanation)
-    out["fp32_accumulators"] = _judge_half(ctx[2], value(results, 2), out.get("dv", Verdict(False)).passed)
-    out["skips_masked_tiles"] = _judge_skip(ctx[3], value(results, 3))
+    n = len(EX5)  # then the float16 case and the skip case
+    out["fp32_accumulators"] = _judge_half(ctx[n], value(results, n), out.get("dv", Verdict(False)).passed)
+    out["skips_masked_tiles"] = _judge_skip(ctx[n + 1], value(results, n + 1))
     return out
 
 

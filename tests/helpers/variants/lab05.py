@@ -8,7 +8,7 @@ from corpus.lab05 import (B_ACC, B_DK, B_DS, B_DV, B_GROUP, D_SUM, F_ACC, F_DIAG
 LAB = "05-triton-flash"
 SEED = 5
 NAMED = {"online_rescale", "lse_saved", "causal_block_skip", "load_mask", "backward_d_term", "accumulate_dtype",
-         "gqa_group_mapping", "gqa_grad_sum"}
+         "gqa_group_mapping", "gqa_grad_sum", "causal_alignment"}
 # printed by the walkthrough run on the solution
 WALKTHROUGH = ("max |O - SDPA|", "is_causal=True", "max |dv - torch|", "GQA: max |O - SDPA|",
                # issue 48 item 7: the tile grid one program covers, and its m_i, l_i, acc tile by tile
@@ -20,6 +20,8 @@ FP16_ACC = [(B_ACC, "dk = tl.zeros([BK, E], K.dtype.element_ty)\n    dv = tl.zer
             (B_DV, "dv += tl.dot(tl.trans(p), do.to(tl.float32)).to(V.dtype.element_ty)"),
             (B_DK, "dk += (tl.dot(tl.trans(ds), q.to(tl.float32)) * scale).to(K.dtype.element_ty)")]
 
+BR_KV = "            if CAUSAL:\n                seen = seen & (keys[None, :] <= rows[:, None])\n            p = tl.where"
+BR_Q = "        if CAUSAL:\n            seen = seen & (keys[None, :] <= rows[:, None])\n        p = tl.where"
 GROUP_HEAD = "for g in range(0, r):\n        bh = b * H + hk * r + g"
 DQ_HEAD = "    bhk = b * Hkv + h // (H // Hkv)\n    rows"
 
@@ -49,4 +51,9 @@ VARIANTS = {
     # the dQ kernel reads key/value head h % Hkv (the forward's is right)
     "H": ([(DQ_HEAD, "    bhk = b * Hkv + h % Hkv\n    rows")],
           [("ex7", "gqa_group_mapping")]),
+    # the backward's causal mask aligned bottom-right (j <= i + S - L), in both kernels and in the dK/dV one
+    # alone: invisible on square cases, it scored 100 in ex5 before its rectangular causal cases (issue 62)
+    "I": ([(BR_KV, BR_KV.replace("rows[:, None])", "rows[:, None] + S - L)")),
+           (BR_Q, BR_Q.replace("rows[:, None])", "rows[:, None] + S - L)"))], [("ex5", "causal_alignment")]),
+    "J": ([(BR_KV, BR_KV.replace("rows[:, None])", "rows[:, None] + S - L)"))], [("ex5", "causal_alignment")]),
 }
