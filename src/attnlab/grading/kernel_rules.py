@@ -16,11 +16,17 @@ helper it calls):
 * a name from module level is an import, another kernel or a number (``BLOCK_Q = 16``);
 * nothing is stored into an attribute or an item, nothing deleted; no ``assert``, ``try``, ``with``,
   ``lambda``, comprehension, nested ``def`` or ``class``; ``raise`` only of ``NotImplementedError``
-  (the stub's own line).
+  (the stub's own line); a parameter's default is a number.
 
-The launcher's side (a list, an object or a class passed *as* a kernel's argument) is evidence in
-the child: :func:`.sandbox.interpreter.count_launches` reports every argument that is not a tensor,
-a number or a dtype.
+And around the kernels (:func:`_outside_kernels`; the fourth and fifth attackers' roads): no call of
+``tl``'s functions (a launch patches them in, so a grid function ran them in Python), a kernel used
+only by its launch ``kernel[grid](...)`` (called as a function it runs in Python and returns its
+values), no ``try`` (a kernel's error text holds its values), and no name the file does not bind
+(the interpreter puts its own helpers, ``_implicit_cvt`` among them, into the module).
+
+The launch's side (a list, an object or a class passed *as* a kernel's argument, a grid that is not
+numbers) is evidence in the child: :func:`.sandbox.interpreter.count_launches` reports every
+parameter a kernel receives, defaults included, that is not a tensor, a number or a dtype.
 """
 
 from __future__ import annotations
