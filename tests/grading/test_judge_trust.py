@@ -354,6 +354,21 @@ def test_a_kernel_passed_a_python_object_is_no_kernels_answer():
 
 
 @pytest.mark.slow
+def test_a_backward_autograd_computes_and_weights_kept_on_ctx_score_nothing():
+    """A sixth attacker, lab 04: flash_backward returned torch.autograd.grad of a naive recompute (ex4 25/25,
+    no backward written), and TiledAttention kept its [L, S] weights as ctx.values, never in
+    save_for_backward (saves_lse_not_weights 3/3): 100/100. Now the call may not reach autograd (Call.forbid,
+    a [policy] finding) and the harness reads the ctx's own attributes too. Its honest ex1-ex3 keep theirs."""
+    report = _grade((ATTACKS / "lab04_autograd_backward_and_ctx_weights.py").read_text(), "flash.py", "04")
+    scores = report.exercise_scores()
+    assert scores["ex4"][0] == 0, report.to_text()
+    saves = [r.verdict for r in report.results if r.exercise.id == "ex5" and r.check == "saves_lse_not_weights"]
+    assert saves and not saves[0].passed and "[L, S] weights" in saves[0].message, report.to_text()
+    codes = {f["code"] for r in report.results if r.exercise.id == "ex4" for f in r.verdict.findings}
+    assert codes == {"policy"}, codes
+
+
+@pytest.mark.slow
 def test_an_honest_rewrite_with_type_as_scores_100():
     """Issue 62's independent author: TritonAttention.backward returning dq.type_as(q) (a conversion) was
     refused whole by the static allow-list, 0 points for a correct file."""

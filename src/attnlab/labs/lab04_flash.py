@@ -410,7 +410,8 @@ def _prep_ex4(g):
         q, k, v = _inputs(g, L, S)
         do = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=g)
         o, lse = simulate_forward(q.double(), k.double(), v.double(), causal, bq, bk)  # the forward's output, exact
-        calls.append(Call("flash_backward", (q, k, v, o.float(), lse.float(), do, causal, bq, bk)))
+        calls.append(Call("flash_backward", (q, k, v, o.float(), lse.float(), do, causal, bq, bk),
+                          forbid=AUTOGRAD))
         ctx.append((q, k, v, do))
     return calls, ctx
 
@@ -419,9 +420,19 @@ def _triple(got) -> Optional[tuple]:
     return got if isinstance(got, tuple) and len(got) == 3 else None
 
 
+# what a hand-written backward may not reach: torch's autograd computing the gradients of a recomputed forward
+# (issue 61's sixth attacker: 25/25 in ex4 with torch.autograd.grad over a naive softmax, no dS written)
+AUTOGRAD = ("grad", "backward", "vjp", "jvp", "jacobian")
+
+
 def _judge_ex4(ctx, results, outcome):
     """Each case's gradients against the right backward; where one is off, the shared bug-model
     library (:mod:`attnlab.bugmodels`) is asked which choices, one or two, explain every case."""
+    reached = sorted({n for r in results for n in r.get("torch_compute", ())})
+    if reached:
+        msg = (f"[policy] flash_backward reached torch's autograd ({', '.join(reached[:3])}): this exercise is the "
+               "backward written by hand (dV = P^T dO, dS = P * (dP - D), ...), so gradients autograd computes score 0")
+        return {name: Verdict(False, msg, [{"code": "policy", "message": msg}]) for name in ("dv", "dq_dk", "causal")}
     cases = [FlashCase(*ctx[i], causal, bq, bk) for i, (L, S, causal, bq, bk) in enumerate(EX4_CASES)]
     raw = [value(results, i) for i in range(len(cases))]
     out = _ex4_verdicts(cases, raw, None)

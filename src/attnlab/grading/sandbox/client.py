@@ -81,6 +81,9 @@ class Call:
     # "autograd": the child runs the grader's own steps around the learner's Function named ``function``
     # (sandbox/harness.py: apply, its node's saved shapes, autograd.grad), not a learner function reporting them
     harness: str = ""
+    # torch functions (by their last name: "grad", "backward") the call may not reach; what it reached is
+    # reported in the result's "torch_compute", as lab 05's arithmetic outside its kernels is
+    forbid: tuple = ()
 
 
 @dataclass
@@ -384,8 +387,8 @@ class Sandbox:
             return task
         try:
             task_limits = {**dataclasses.asdict(limits), "timeout_s": float(timeout)}
-            wire = [{"function": c.function, "args": tuple(c.args), "kwargs": dict(c.kwargs), "harness": c.harness}
-                    for c in task.calls]
+            wire = [{"function": c.function, "args": tuple(c.args), "kwargs": dict(c.kwargs), "harness": c.harness,
+                     "forbid": list(c.forbid)} for c in task.calls]
             self._cpu0 = self._cgroup_cpu(server)  # before the task starts
             write_frame(server.request_fd, encode_request("run", calls=wire, policy=policy, exempt=list(exempt), traced=traced,
                                                           limits=task_limits,

@@ -25,7 +25,20 @@ def capture() -> None:
     base = torch._C.TensorBase
     _CAPTURED.update(grad=torch.autograd.grad, function=torch.autograd.Function, tensor=torch.Tensor,
                      detach=base.detach, requires_grad_=base.requires_grad_,
-                     grad_fn=base.grad_fn.__get__, shape=base.shape.__get__)
+                     grad_fn=base.grad_fn.__get__, shape=base.shape.__get__, vars=vars)
+
+
+def _tensors_in(values, depth: int = 0) -> list:
+    """The plain tensors among ``values``, looking into tuples, lists and dicts a few levels deep."""
+    out = []
+    for v in values:
+        if type(v) is _CAPTURED["tensor"]:
+            out.append(v)
+        elif depth < 3 and type(v) in (tuple, list):
+            out += _tensors_in(v, depth + 1)
+        elif depth < 3 and type(v) is dict:
+            out += _tensors_in(list(v.values()), depth + 1)
+    return out[:64]
 
 
 def autograd(cls: Any, args: tuple, name: str) -> tuple:
@@ -47,5 +60,8 @@ def autograd(cls: Any, args: tuple, name: str) -> tuple:
         raise TypeError(f"{name}.apply's output was not made by {name}.forward (its grad_fn is "
                         f"{type(node).__name__}): return the forward's output itself")
     saved = [list(_CAPTURED["shape"](t)) for t in node.saved_tensors if type(t) is _CAPTURED["tensor"]]
+    # and what the forward kept on ctx itself (ctx.values = (w, k, v): a sixth attacker's [L, S] weights,
+    # never in save_for_backward): the node is the ctx, its instance attributes are the file's
+    saved += [list(_CAPTURED["shape"](t)) for t in _tensors_in(_CAPTURED["vars"](node).values())]
     dq, dk, dv = _CAPTURED["grad"](out, leaves, grad_outputs=do)
     return _CAPTURED["detach"](out), dq, dk, dv, saved

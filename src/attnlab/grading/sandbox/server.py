@@ -309,8 +309,11 @@ def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = 
         if stores and recorder is not None:  # lab 05: what the call ran outside its kernels (evidence, like the rest)
             computed = launchers.outside_kernels(recorder.kernels.names[ran[0]:], recorder.functions.names[ran[1]:])
             computed = (_interpreter().foreign_arguments() + computed)[:8]
+        elif recorder is not None and call.get("forbid"):  # e.g. lab 04's backward: no autograd computing it
+            forbid = frozenset(call["forbid"])
+            computed = sorted({n for n in recorder.functions.names[ran[1]:] if n.rsplit(".", 1)[-1] in forbid})[:8]
         result = {"value": _portable(value)}
-        if stores and recorder is not None and computed:
+        if recorder is not None and (stores or call.get("forbid")) and computed:
             result["torch_compute"] = computed
         if stores:  # lab 05: the elements of the answer its kernels did not store read as NaN (interpreter.poison)
             interp, missed, untouched = _interpreter(), 0, 0
@@ -644,7 +647,8 @@ def _guarded(value):
 def _task(request: dict) -> dict:
     """A ``run`` request as the child uses it: the calls (tensors guarded), limits as attributes."""
     calls = [{"function": c["function"], "args": _guarded(tuple(c["args"])), "kwargs": _guarded(c["kwargs"]),
-              "harness": str(c.get("harness", ""))} for c in request["calls"]]
+              "harness": str(c.get("harness", "")), "forbid": [str(n) for n in c.get("forbid", [])][:8]}
+             for c in request["calls"]]
     route = str(request.get("seccomp", ""))
     try:
         programs = seccomp.compiled(route) if route in seccomp.ROUTES or not route else None
