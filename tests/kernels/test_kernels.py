@@ -130,8 +130,9 @@ def _attnlab_imports(tree) -> set[str]:
 
 
 def test_the_ring_and_the_tiled_path_share_the_kernel_layer_only():
-    """distributed.py reaches the tiles and the mask blocks through attnlab.kernels only, never
-    through tiled.py or flex (an allow-list: the kernel layer and the argument checks);
+    """The ring (distributed/ring.py) reaches the tiles and the mask blocks through attnlab.kernels only,
+    never through tiled.py or flex (an allow-list: the kernel layer, the argument checks and the package's
+    own layouts; Ulysses and USP go through the front door, dispatch, as any caller does);
     tiled.py keeps the public function, its autograd.Function and the op pair that stands for it
     under tracing only; the kernel layer
     imports nothing above it at run time."""
@@ -141,8 +142,9 @@ def test_the_ring_and_the_tiled_path_share_the_kernel_layer_only():
     import attnlab
 
     root = Path(attnlab.__file__).parent
-    imported = _attnlab_imports(ast.parse((root / "distributed.py").read_text()))
-    outside = {m for m in imported if m != "attnlab.kernels" and not m.startswith(("attnlab.kernels.", "attnlab._validation."))}
+    imported = _attnlab_imports(ast.parse((root / "distributed" / "ring.py").read_text()))
+    outside = {m for m in imported if m != "attnlab.kernels" and not m.startswith(
+        ("attnlab.kernels.", "attnlab._validation.", "attnlab.distributed.layout."))}
     assert not outside and "attnlab.kernels.mask_blocks" in imported, imported
     for path in sorted((root / "kernels").glob("*.py")):
         above = {m for m in _attnlab_imports(ast.parse(path.read_text())) if not m.startswith("attnlab.kernels")}

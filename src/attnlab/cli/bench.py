@@ -13,7 +13,6 @@ HELP = """\
 Time attnlab vs torch's SDPA, or a suite below (docs/cli.md, BENCHMARKS.md); examples:
   attnlab bench --seq-lens 4096 --impls tiled,flash --dtypes float32 --threads 2
   attnlab bench --decode --seq-lens 4096,32768 --dtypes float32,bfloat16
-  attnlab bench --cp --seq-lens 4096          # ring, Ulysses and USP on 2 and 4 local ranks
 """
 
 DEFAULT_LENS = [512, 1024, 2048, 4096, 8192, 16384]
@@ -60,7 +59,7 @@ def add(sub) -> argparse.ArgumentParser:
     p.add_argument("--ring", action="store_true",
                    help="instead: ring attention, 2 ranks against 1 process")
     p.add_argument("--cp", action="store_true",
-                   help="instead: the ring, Ulysses and USP at 2 and 4 ranks x 1 thread, with the bytes a rank sends")
+                   help="instead: ring, Ulysses, USP on 2, 4 ranks; bytes sent")
     p.add_argument("--ring-layout", choices=["contiguous", "zigzag"], default="contiguous", metavar="LAYOUT",
                    help="with --ring: contiguous or zigzag")
     p.add_argument("--ring-masks", type=choices(["causal", "sliding", "document"]), default=None, metavar="M,...",
@@ -68,7 +67,7 @@ def add(sub) -> argparse.ArgumentParser:
     p.add_argument("--transformers", action="store_true",
                    help="instead: small Hugging Face models, sdpa vs attnlab")
     p.add_argument("--generate", action="store_true",
-                   help="instead: HF generation per token, sdpa vs attnlab, caches")
+                   help="instead: HF generation per token, sdpa vs attnlab")
     p.add_argument("--compile", action="store_true",
                    help="instead: a model step, eager vs torch.compile")
     p.add_argument("--decode", action="store_true",
