@@ -180,6 +180,40 @@ def test_sdpa_reached_through_the_exempt_function_is_a_violation():
     assert "policy" in codes
 
 
+FIXED_DIFFERENCE = """
+def compare_with_sdpa(X, W_Q, W_K, W_V, mask=None):
+    return {fixed}
+"""
+
+# compare_with_sdpa measuring a copy of self_attention, not the function by its name
+MEASURES_A_COPY = """
+def compare_with_sdpa(X, W_Q, W_K, W_V, mask=None):
+    Q, K, V = project_qkv(X, W_Q, W_K, W_V)
+    mine, _ = _copy(X, W_Q, W_K, W_V, mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(Q, K, V, attn_mask=mask)
+    return (mine - ref).abs().max().item()
+"""
+
+
+def test_a_fixed_number_for_the_difference_from_sdpa_scores_nothing():
+    """On the code before: ex9 5/5 for ``return 0.0`` (a seventh attacker): a correct self_attention is
+    ~1e-7 from SDPA, inside the check's tolerance. Now a third call runs compare_with_sdpa while
+    self_attention answers a secret difference off, and only a real measurement finds it."""
+    for fixed in ("0.0", "1e-7", "float(torch.zeros(()))"):
+        report = _grade(_replace_function(SOLUTION, "compare_with_sdpa", FIXED_DIFFERENCE.format(fixed=fixed)))
+        scores = report.exercise_scores()
+        assert scores["ex9"][0] == 0 and scores["ex8"][0] == scores["ex8"][1], (fixed, report.to_text())
+        assert "do not return a fixed number" in report.to_text()
+
+
+def test_a_measurement_that_does_not_call_self_attention_by_name_is_told_so():
+    """The brief asks for *your self_attention* against SDPA: a copy of it measured inside
+    compare_with_sdpa is another function, and the feedback says to call it by name."""
+    report = _grade(_replace_function(SOLUTION, "compare_with_sdpa", MEASURES_A_COPY) + "\n\n_copy = self_attention\n")
+    assert report.exercise_scores()["ex9"][0] == 0, report.to_text()
+    assert "call it by name" in report.to_text()
+
+
 def test_the_solution_still_scores_100_with_the_recorder_on_in_ex9():
     report = _grade(SOLUTION)
     assert report.score == 100, report.to_text()

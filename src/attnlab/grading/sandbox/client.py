@@ -84,6 +84,10 @@ class Call:
     # torch functions (by their last name: "grad", "backward") the call may not reach; what it reached is
     # reported in the result's "torch_compute", as lab 05's arithmetic outside its kernels is
     forbid: tuple = ()
+    # ("self_attention", delta): for this call the module's ``self_attention`` returns its own answer plus
+    # ``delta`` (sandbox/harness.py: planted), so that a function that reports on it (lab 01's ex9) must
+    # have measured it: a planted difference only a real measurement finds
+    plant: tuple = ()
 
 
 @dataclass
@@ -388,7 +392,7 @@ class Sandbox:
         try:
             task_limits = {**dataclasses.asdict(limits), "timeout_s": float(timeout)}
             wire = [{"function": c.function, "args": tuple(c.args), "kwargs": dict(c.kwargs), "harness": c.harness,
-                     "forbid": list(c.forbid)} for c in task.calls]
+                     "forbid": list(c.forbid), "plant": tuple(c.plant)} for c in task.calls]
             self._cpu0 = self._cgroup_cpu(server)  # before the task starts
             write_frame(server.request_fd, encode_request("run", calls=wire, policy=policy, exempt=list(exempt), traced=traced,
                                                           limits=task_limits,

@@ -8,6 +8,10 @@ directly and return made-up saved shapes (100/100 in both labs with no Function 
 child runs those steps itself (:func:`autograd`): ``cls.apply`` on fresh leaves, the output's node
 checked to be that Function's, the shapes that node saved, and torch's ``autograd.grad`` through
 it. The torch functions it uses are captured (:func:`capture`) before the learner's file runs.
+
+Likewise a function that *reports on* another (lab 01's ex9 returns how far ``self_attention`` is
+from SDPA) could return a constant near the true, tiny difference. :func:`planted` runs it while
+the module's function answers with a secret difference added: only a real measurement finds it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ def capture() -> None:
     base = torch._C.TensorBase
     _CAPTURED.update(grad=torch.autograd.grad, function=torch.autograd.Function, tensor=torch.Tensor,
                      detach=base.detach, requires_grad_=base.requires_grad_,
-                     grad_fn=base.grad_fn.__get__, shape=base.shape.__get__, vars=vars)
+                     grad_fn=base.grad_fn.__get__, shape=base.shape.__get__, vars=vars, add=base.add)
 
 
 def _tensors_in(values, depth: int = 0) -> list:
@@ -65,3 +69,27 @@ def autograd(cls: Any, args: tuple, name: str) -> tuple:
     saved += [list(_CAPTURED["shape"](t)) for t in _tensors_in(_CAPTURED["vars"](node).values())]
     dq, dk, dv = _CAPTURED["grad"](out, leaves, grad_outputs=do)
     return _CAPTURED["detach"](out), dq, dk, dv, saved
+
+
+def planted(module: Any, fn: Any, plant: tuple, args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)`` while ``module``'s function ``plant[0]`` returns its own answer plus the
+    tensor ``plant[1]`` (a difference the learner cannot know in advance; added to the first element
+    of a tuple answer, as lab 01's ``(output, weights)``); the module's own function is put back
+    afterwards. The dict written is the module's own (``vars``), not a learner ``__setattr__``."""
+    name, delta = plant
+    namespace = _CAPTURED["vars"](module)
+    original, add = namespace.get(name), _CAPTURED["add"]
+    if not callable(original):
+        raise TypeError(f"{name} is not a function in your file")
+
+    def with_difference(*a, **k):
+        answer = original(*a, **k)
+        if type(answer) is tuple and answer:
+            return (add(answer[0], delta), *answer[1:])
+        return add(answer, delta)
+
+    namespace[name] = with_difference
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        namespace[name] = original

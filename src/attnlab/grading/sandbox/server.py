@@ -304,6 +304,8 @@ def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = 
         ran = (len(recorder.kernels.names), len(recorder.functions.names)) if recorder is not None else (0, 0)
         if call.get("harness") == "autograd":  # the grader's own steps around the learner's Function (harness.py)
             value = harness.autograd(fn, tuple(call["args"]), str(call["function"])[:60])
+        elif call.get("plant"):  # a difference planted in the function this one must measure (harness.py)
+            value = harness.planted(module, fn, call["plant"], call["args"], call["kwargs"])
         else:
             value = fn(*call["args"], **call["kwargs"])
         if stores and recorder is not None:  # lab 05: what the call ran outside its kernels (evidence, like the rest)
@@ -647,7 +649,8 @@ def _guarded(value):
 def _task(request: dict) -> dict:
     """A ``run`` request as the child uses it: the calls (tensors guarded), limits as attributes."""
     calls = [{"function": c["function"], "args": _guarded(tuple(c["args"])), "kwargs": _guarded(c["kwargs"]),
-              "harness": str(c.get("harness", "")), "forbid": [str(n) for n in c.get("forbid", [])][:8]}
+              "harness": str(c.get("harness", "")), "forbid": [str(n) for n in c.get("forbid", [])][:8],
+              "plant": _guarded(tuple(c.get("plant", ())))[:2]}
              for c in request["calls"]]
     route = str(request.get("seccomp", ""))
     try:
