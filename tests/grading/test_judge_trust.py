@@ -214,6 +214,17 @@ def test_a_measurement_that_does_not_call_self_attention_by_name_is_told_so():
     assert "call it by name" in report.to_text()
 
 
+def test_an_untiled_forward_that_cleans_nan_takes_no_skip_points():
+    """On the code before: lab 04's ex2 35/35 (a seventh attacker) for a forward that builds [L, S] and
+    runs ``v.nan_to_num()``, so the NaN of the keys no query sees never reaches an output. Now one NaN at a
+    key that later queries attend to must reach them: the skip check fails; ex3's memory cap as before."""
+    report = _grade((ATTACKS / "lab04_untiled_forward_cleans_nan.py").read_text(), "flash.py", "04")
+    checks = {(r.exercise.id, r.check): r.score for r in report.results}
+    assert checks[("ex2", "skips_future_tiles")] == 0 and checks[("ex3", "no_L_by_S")] == 0, report.to_text()
+    assert checks[("ex2", "output")] == 12, report.to_text()  # the answers are right: only the skip is taken
+    assert "the NaN was cleaned" in report.to_text()
+
+
 def test_the_solution_still_scores_100_with_the_recorder_on_in_ex9():
     report = _grade(SOLUTION)
     assert report.score == 100, report.to_text()

@@ -256,12 +256,28 @@ def _prep_ex2(g):
     # the same call with finite values: a NaN above is the skip's only where this one is finite (an inverted
     # rescale or K read through the wrong strides makes NaN from finite inputs too)
     calls.append(Call("flash_forward", (q, k, v, True, bq, bk)))
+    # and one NaN at a key every later query attends to (a secret one): it must reach them. A forward
+    # that cleans V (v.nan_to_num(): a seventh attacker's untiled forward took the skip's points) cannot
+    # tell the NaN it must drop from the one it must keep; a loop that skips tiles never has to
+    v_one = v.clone()
+    v_one[:, :, int(torch.randint(1, nan_from, (1,), generator=g)), 0] = float("nan")
+    calls.append(Call("flash_forward", (q, k, v_one, True, bq, bk)))
+    ctx.append(v_one)
     return calls, ctx
 
 
-def _judge_skip(ctx, result, finite: object = None) -> Verdict:
+def _keeps_nan(result, v_one: Tensor) -> bool:
+    """Whether the forward on ``v_one`` (one NaN in V's first column at key j) returned NaN in that column
+    for every query i >= j, as any attention must (their weight on key j is positive)."""
+    o = result[0] if isinstance(result, tuple) and len(result) == 2 else None
+    j = int(v_one[0, 0, :, 0].isnan().nonzero()[0])
+    return isinstance(o, Tensor) and o.shape[:-1] == v_one.shape[:-1] and bool(o[:, :, j:, 0].isnan().all())
+
+
+def _judge_skip(ctx, result, finite: object = None, v_one: Optional[Tensor] = None, one: object = None) -> Verdict:
     """``result``: the call whose values past ``nan_from`` are NaN; ``finite``: the same call on finite
-    values (what it returned), which decides whether a NaN is the skip's."""
+    values (what it returned), which decides whether a NaN is the skip's; ``one``: what it returned on
+    ``v_one``, whose single NaN must reach every query after it."""
     L, bq, bk, nan_from = EX2_SKIP
     q, k, v = (t.double() for t in ctx)
     o, _, bad = _pair(result, "flash_forward")
@@ -282,7 +298,13 @@ def _judge_skip(ctx, result, finite: object = None) -> Verdict:
                "but 0 x NaN = NaN in P @ V, and they cost time. Stop each query block's key loop at its last query "
                "(k_stop = min(S, q_end))")
         return Verdict(False, msg, [{"code": "causal_block_skip", "message": msg}], (got, expected))
-    return tensor_verdict(got, expected, what)
+    verdict = tensor_verdict(got, expected, what)
+    if verdict.passed and v_one is not None and not _keeps_nan(one, v_one):
+        msg = ("with is_causal and one NaN in V at a key the later queries attend to, their outputs were not NaN: "
+               "the NaN was cleaned, not the future tiles skipped. Stop each query block's key loop at its last "
+               "query (k_stop = min(S, q_end)) and leave V's values alone")
+        return Verdict(False, msg, [{"code": "causal_block_skip", "message": msg}])
+    return verdict
 
 
 def _judge_ex2(ctx, results, outcome):
@@ -364,7 +386,8 @@ def _judge_ex2(ctx, results, outcome):
             mistake("online_rescale", "l_i is not rescaled when the running max grows: l_i * exp(m_old - m_new)",
                     simulate_forward(q, k, v, True, bq, bk, "l")[0]),
         ])
-    out["skips_future_tiles"] = _judge_skip(ctx[3], value(results, 3), results[4].get("value"))
+    out["skips_future_tiles"] = _judge_skip(ctx[3], value(results, 3), results[4].get("value"), ctx[4],
+                                            results[5].get("value"))
     return out
 
 

@@ -430,8 +430,8 @@ def _prep_ex5(g):
         calls.append(call)
         ctx.append(c)
     call, c = _half_case(g)
-    skip_call, skip_ctx = _skip_case(g)
-    return calls + [call, skip_call], ctx + [c, skip_ctx]
+    skip_call, skip_ctx, one_call = _skip_case(g)
+    return calls + [call, skip_call, one_call], ctx + [c, skip_ctx]
 
 
 EX5_SKIP = (32, 48)  # L, S under is_causal: keys 32.. are seen by no query, their K and V are NaN
@@ -448,11 +448,24 @@ def _skip_case(g):
     k_nan, v_nan = k.clone(), v.clone()
     k_nan[:, :, L:] = float("nan")
     v_nan[:, :, L:] = float("nan")
-    return Call("flash_backward", (q, k_nan, v_nan, o.float(), lse.float(), do, True)), (q, k, v, do)
+    # and one NaN in V at a key the later queries attend to (a secret one): through dP it must reach their
+    # dq. Kernels that clean V (tl.where(v == v, v, 0)) cannot keep this NaN and drop the others
+    v_one = v.clone()
+    v_one[:, :, int(torch.randint(1, L, (1,), generator=g)), 0] = float("nan")
+    return (Call("flash_backward", (q, k_nan, v_nan, o.float(), lse.float(), do, True)), (q, k, v, do, v_one),
+            Call("flash_backward", (q, k, v_one, o.float(), lse.float(), do, True)))
 
 
-def _judge_skip(ctx, result) -> Verdict:
-    q, k, v, do = (t.double() for t in ctx)
+def _keeps_nan(result, v_one: Tensor) -> bool:
+    """Whether dq on ``v_one`` (one NaN in V at key j) is NaN in every row i >= j, as the backward of any
+    attention is (dP[i, j] = dO[i] . v_j is NaN, and P[i, j] > 0)."""
+    dq = result[0] if isinstance(result, tuple) and len(result) == 3 else None
+    j = int(v_one[0, 0, :, 0].isnan().nonzero()[0])
+    return isinstance(dq, Tensor) and dq.shape[-2] == EX5_SKIP[0] and bool(dq[:, :, j:].isnan().all())
+
+
+def _judge_skip(ctx, result, one: object = None) -> Verdict:
+    q, k, v, do = (t.double() for t in ctx[:4])
     got, bad = _triple(result, "flash_backward")
     if bad:
         return bad
@@ -470,7 +483,13 @@ def _judge_skip(ctx, result) -> Verdict:
                "its query loop at the tile that holds its first key, (pid_k * BK) // BQ * BQ")
         return Verdict(False, msg, [{"code": "causal_block_skip", "message": msg}])
     flat = (lambda t: torch.cat([x.flatten() for x in t]))  # noqa: E731
-    return tensor_verdict(flat(got) if shaped else got[0], flat(want) if shaped else want[0], what)
+    verdict = tensor_verdict(flat(got) if shaped else got[0], flat(want) if shaped else want[0], what)
+    if verdict.passed and not _keeps_nan(one, ctx[4]):
+        msg = ("with is_causal and one NaN in V at a key the later queries attend to, their dq was not NaN: the NaN "
+               "was cleaned, not the tiles skipped. Stop the dQ kernel's key loop at the diagonal and the dK/dV "
+               "kernel's query loop at its first key's tile, and leave the values alone")
+        return Verdict(False, msg, [{"code": "causal_block_skip", "message": msg}])
+    return verdict
 
 
 def _judge_grads(got, case: FlashCase, where: str, explanation) -> tuple[Verdict, Verdict]:
@@ -532,7 +551,7 @@ def _judge_ex5(ctx, results, outcome):
             out = _ex5_verdicts(cases, raw, explanation)
     n = len(EX5)  # then the float16 case and the skip case
     out["fp32_accumulators"] = _judge_half(ctx[n], value(results, n), out.get("dv", Verdict(False)).passed)
-    out["skips_masked_tiles"] = _judge_skip(ctx[n + 1], value(results, n + 1))
+    out["skips_masked_tiles"] = _judge_skip(ctx[n + 1], value(results, n + 1), results[n + 2].get("value"))
     return out
 
 

@@ -62,4 +62,10 @@ VARIANTS = {
     # every tile computed, the future ones masked to -inf: right answers, but the work (and 0 x NaN)
     # of the tiles it should skip
     "I": ([(K_STOP, "        k_stop = S")], [("ex2", "causal_block_skip")]),
+    # the same loop with V's NaN cleaned first (a seventh attacker's road past the skip check): one NaN
+    # at a key the later queries attend to must reach them, and does not
+    "I2": ([(K_STOP, "        k_stop = S"),
+            ("    lse = torch.empty(B, H, L, dtype=q.dtype)\n",
+             "    lse = torch.empty(B, H, L, dtype=q.dtype)\n    v = v.nan_to_num()\n")],
+           [("ex2", "causal_block_skip")]),
 }

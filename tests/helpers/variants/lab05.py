@@ -56,4 +56,12 @@ VARIANTS = {
     "I": ([(BR_KV, BR_KV.replace("rows[:, None])", "rows[:, None] + S - L)")),
            (BR_Q, BR_Q.replace("rows[:, None])", "rows[:, None] + S - L)"))], [("ex5", "causal_alignment")]),
     "J": ([(BR_KV, BR_KV.replace("rows[:, None])", "rows[:, None] + S - L)"))], [("ex5", "causal_alignment")]),
+    # the dQ kernel visits every key tile and cleans K and V of NaN (tl.where(v == v, v, 0)): right values,
+    # and the skip case's NaN never shows; one NaN at a key the later queries see must reach their dq
+    "S2": ([("dq = tl.zeros([BQ, E], tl.float32)\n    stop = S\n    if CAUSAL:\n        stop = tl.minimum(S, (pid_q + 1) * BQ)\n",
+             "dq = tl.zeros([BQ, E], tl.float32)\n    stop = S\n"),
+            ("        dp = tl.dot(do.to(tl.float32), tl.trans(v.to(tl.float32)))\n        ds = p * (dp - d[:, None])\n",
+             "        k = tl.where(k == k, k, 0.0)\n        v = tl.where(v == v, v, 0.0)\n"
+             "        dp = tl.dot(do.to(tl.float32), tl.trans(v.to(tl.float32)))\n        ds = p * (dp - d[:, None])\n")],
+           [("ex5", "causal_block_skip")]),
 }
