@@ -638,6 +638,23 @@ def test_an_independent_attackers_files_score_nothing(name, lab, file):
     assert report.score == 0, report.to_text()
 
 
+@pytest.mark.parametrize("name,lab,file,check", [
+    # an eighth attacker (on the code with ex9's planted difference): compare_with_sdpa measured self_attention
+    # against the file's own second attention, never SDPA (ex9 5/5); SDPA's answer is now moved too
+    ("lab01_ex9_measures_itself_not_sdpa", "01", "attention.py", ("ex9", "returns_max_diff")),
+    # flash_backward as a forward rebuilt on leaves and each node's grad_fn(g) called by hand (ex4 25/25); the
+    # call now runs under no_grad, so no node is ever made
+    ("lab04_backward_by_grad_fn_nodes", "04", "flash.py", ("ex4", "dq_dk")),
+    # the [L, S] weights kept as ctx.grad = Keep(p), an instance of the file's own class (ex5 13/13); the harness
+    # now opens the file's objects and classes, and the module's globals
+    ("lab04_weights_kept_in_own_object_on_ctx", "04", "flash.py", ("ex5", "saves_lse_not_weights")),
+])
+def test_an_eighth_attackers_files_lose_the_points_they_took(name, lab, file, check):
+    report = _grade((ATTACKS / f"{name}.py").read_text(), file, lab)
+    scores = {(r.exercise.id, r.check): r.score for r in report.results}
+    assert scores[check] == 0, report.to_text()
+
+
 # ------------------------------------------------------------------ what a kernel may do (kernel_rules)
 KERNEL_HEAD = '''
 import math

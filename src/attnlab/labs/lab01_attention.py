@@ -493,18 +493,21 @@ def _prep_ex9(g):
     pad = (torch.arange(T) < torch.tensor([5, 2, 4])[:, None])[:, None, :]
     # A third call measures a self_attention that is off by a secret amount at a secret place: a
     # constant near the true, tiny difference (a seventh attacker's 0.0) cannot find it, a measurement does
-    delta = torch.zeros(B, T, DV)
+    delta, delta_sdpa = torch.zeros(B, T, DV), torch.zeros(B, T, DV)
     at = [int(torch.randint(n, (1,), generator=g)) for n in (B, T, DV)]
-    delta[at[0], at[1], at[2]] = float(torch.rand(1, generator=g) - 0.5)  # |delta| <= 0.5 at one element
+    # and SDPA's answer moved at the same place, the other way (an eighth attacker measured self_attention
+    # against the file's own second attention): the number is |both| only where both were measured
+    delta[at[0], at[1], at[2]] = float(0.1 + 0.4 * torch.rand(1, generator=g))
+    delta_sdpa[at[0], at[1], at[2]] = -float(0.1 + 0.4 * torch.rand(1, generator=g))
     # self_attention first: once compare_with_sdpa has run, the child holds SDPA's output, which a
     # module-level list could hand the later call to measure SDPA against itself (issue 61's attacker)
     calls = [Call("self_attention", (*_args(inp), pad)), Call("compare_with_sdpa", (*_args(inp), pad)),
-             Call("compare_with_sdpa", (*_args(inp), pad), plant=("self_attention", delta))]
-    return calls, (inp, pad, delta)
+             Call("compare_with_sdpa", (*_args(inp), pad), plant=("self_attention", delta, delta_sdpa))]
+    return calls, (inp, pad, delta, delta_sdpa)
 
 
 def _judge_ex9(ctx, results, outcome):
-    inp, pad, delta = ctx
+    inp, pad, delta, delta_sdpa = ctx
     got = value(results, 1)
     if isinstance(got, Tensor) and got.numel() == 1:
         got = got.item()
@@ -536,12 +539,13 @@ def _judge_ex9(ctx, results, outcome):
                 f"{got:.3g} is your output's difference from SDPA called without the mask: pass it on, "
                 "scaled_dot_product_attention(Q, K, V, attn_mask=mask)")}])}
         return {"returns_max_diff": Verdict(False, text)}
-    return {"returns_max_diff": _judge_planted(results, own.double() + delta, sdpa_out, got)}
+    return {"returns_max_diff": _judge_planted(results, own.double() + delta, sdpa_out + delta_sdpa, got)}
 
 
 def _judge_planted(results, planted: Tensor, sdpa_out: Tensor, got: float) -> Verdict:
     """The third call: compare_with_sdpa while self_attention answers ``planted`` (its own output plus a
-    secret difference); the float returned must be that difference from SDPA."""
+    secret difference) and SDPA ``sdpa_out`` (its answer moved the other way at the same place); the
+    float returned must be the difference of the two."""
     try:
         claim = value(results, 2)
     except CallFailed as exc:
@@ -551,9 +555,9 @@ def _judge_planted(results, planted: Tensor, sdpa_out: Tensor, got: float) -> Ve
     expected = max_abs_diff(planted, sdpa_out)
     if isinstance(claim, bool) or not isinstance(claim, (int, float)) or not abs(claim - expected) <= 1e-4 + 1e-3 * expected:
         shown = f"{claim:.3g}" if isinstance(claim, (int, float)) else describe(claim)
-        return Verdict(False, f"when self_attention's output was moved by {expected:.3g} from SDPA's, "
+        return Verdict(False, f"when self_attention's and SDPA's outputs were moved {expected:.3g} apart, "
                               f"compare_with_sdpa returned {shown}: measure your self_attention (call it by name) "
-                              "against scaled_dot_product_attention, do not return a fixed number")
+                              "against torch's scaled_dot_product_attention, do not return a fixed number")
     return Verdict(True, f"max |diff| = {got:.2e}; a planted difference of {expected:.3g} measured")
 
 

@@ -238,11 +238,16 @@ def validate_message(msg: Any, n_calls: int) -> None:
                 raise BadMessage("a list of changed inputs that is not a short list")
             for name in mutated:
                 _check_str(name, "an input's name")
-        elif "error" in r and set(r) <= {"error", "traceback", "memory"}:
+        elif "error" in r and set(r) <= {"error", "traceback", "memory", "torch_compute"}:
             _check_str(r["error"], "an error")
             _check_str(r.get("traceback", ""), "a traceback")
             if not isinstance(r.get("memory", False), bool):
                 raise BadMessage("a memory flag that is not a bool")
+            computed = r.get("torch_compute", [])  # what a call that raised reached first (Call.forbid)
+            if not isinstance(computed, list) or len(computed) > 8:
+                raise BadMessage("torch_compute is not a short list")
+            for name in computed:
+                _check_str(name, "a function's name")
         else:
             raise BadMessage("a result with unknown fields")
 
@@ -526,6 +531,8 @@ class Sandbox:
             else:
                 results.append({"error": clean_text(r["error"]), "traceback": clean_text(r.get("traceback", "")),
                                 "memory": r.get("memory", False)})
+                if r.get("torch_compute"):  # Call.forbid: what the call reached before it raised
+                    results[-1]["torch_compute"] = [clean_text(n, 60) for n in r["torch_compute"]]
         return Outcome(msg["status"], results=results, message=clean_text(msg.get("message", "")),
                        traceback=clean_text(msg.get("traceback", "")),
                        violations=[clean_text(v, 200) for v in msg.get("violations", [])],

@@ -45,19 +45,29 @@ def _name(func: Any) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
 
 
+_ADD = torch._C.TensorBase.add  # taken before any learner code runs
+
+
 class FunctionRecorder(TorchFunctionMode):
-    """Records the name of every torch function and Tensor method called inside it."""
+    """Records the name of every torch function and Tensor method called inside it. ``offset``: a
+    tensor the grader plants for one call (``sandbox/harness.planted``), added to what an exempt call of
+    torch's SDPA returns, so that a measurement against SDPA must have used SDPA's answer."""
 
     def __init__(self, policy: Optional["Policy"] = None) -> None:
         super().__init__()
         self.names: list[str] = []
         self.policy = policy
+        self.offset: Any = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = _name(func)
-        if self.policy is None or not self.policy.exempt_here(name):
+        exempt = self.policy is not None and self.policy.exempt_here(name)
+        if not exempt:
             self.names.append(name)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if exempt and self.offset is not None and "scaled_dot_product_attention" in name:
+            out = _ADD(out, self.offset)
+        return out
 
 
 class KernelRecorder(TorchDispatchMode):

@@ -297,15 +297,19 @@ def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = 
     if not callable(fn):  # a constant such as EXERCISE_2_ANSWER
         message["results"].append({"value": _portable(fn)})
         return
+    ran = None
     try:
         before = _inputs(fn, call)
         if stores:
             _interpreter().forget_stores()
         ran = (len(recorder.kernels.names), len(recorder.functions.names)) if recorder is not None else (0, 0)
         if call.get("harness") == "autograd":  # the grader's own steps around the learner's Function (harness.py)
-            value = harness.autograd(fn, tuple(call["args"]), str(call["function"])[:60])
+            value = harness.autograd(fn, tuple(call["args"]), str(call["function"])[:60], module)
+        elif call.get("forbid"):  # a call that may not reach autograd runs with no graph to reach (harness.py)
+            with harness.no_grad():
+                value = fn(*call["args"], **call["kwargs"])
         elif call.get("plant"):  # a difference planted in the function this one must measure (harness.py)
-            value = harness.planted(module, fn, call["plant"], call["args"], call["kwargs"])
+            value = harness.planted(module, fn, call["plant"], call["args"], call["kwargs"], recorder)
         else:
             value = fn(*call["args"], **call["kwargs"])
         if stores and recorder is not None:  # lab 05: what the call ran outside its kernels (evidence, like the rest)
@@ -345,9 +349,14 @@ def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = 
             exc = exc.__cause__
         # capped here, in the child: a message of megabytes would be refused whole by the grader
         text = _cap("".join(traceback.format_exception_only(type(exc), exc)).strip())
-        message["results"].append({"error": text, "traceback": _cap(_trim_traceback(exc, path)),
-                                   "memory": "can't allocate memory" in text or "alloc" in text.lower()
-                                   and "memory" in text.lower()})
+        result = {"error": text, "traceback": _cap(_trim_traceback(exc, path)),
+                  "memory": "can't allocate memory" in text or "alloc" in text.lower() and "memory" in text.lower()}
+        if recorder is not None and call.get("forbid") and ran is not None:  # reached before it raised (no graph
+            forbid = frozenset(call["forbid"])  # under no_grad: torch.autograd.grad raises, and is still named)
+            reached = sorted({n for n in recorder.functions.names[ran[1]:] if n.rsplit(".", 1)[-1] in forbid})[:8]
+            if reached:
+                result["torch_compute"] = reached
+        message["results"].append(result)
 
 
 def _stuck(frame, path: str) -> None:
@@ -650,7 +659,7 @@ def _task(request: dict) -> dict:
     """A ``run`` request as the child uses it: the calls (tensors guarded), limits as attributes."""
     calls = [{"function": c["function"], "args": _guarded(tuple(c["args"])), "kwargs": _guarded(c["kwargs"]),
               "harness": str(c.get("harness", "")), "forbid": [str(n) for n in c.get("forbid", [])][:8],
-              "plant": _guarded(tuple(c.get("plant", ())))[:2]}
+              "plant": _guarded(tuple(c.get("plant", ())))[:3]}
              for c in request["calls"]]
     route = str(request.get("seccomp", ""))
     try:
