@@ -81,6 +81,12 @@ CODES: dict[str, str] = {
     "backward_accumulate": "a gradient tile is assigned where it must be accumulated: dQ sums over the key tiles, "
                            "dK and dV over the query tiles (and the group's heads), so write dq += ..., with the "
                            "accumulator zeroed once per output tile",
+    "backward_p": "the backward rebuilds P = exp(scale * Q K^T - lse) from the forward's saved lse, one per query "
+                  "row: not from a tile's own max, not exp(S) / lse, and with lse in the scores' units",
+    "backward_operand": "each product of the backward has its own operands: dP = dO V^T, dV = P^T dO, dQ = scale * "
+                        "dS K, dK = scale * dS^T Q; another tensor of the same shape gives plausible numbers",
+    "stale_tile": "a pointer or offset is not advanced in its loop, so every tile reads the first tile's values: "
+                  "step it with the loop (ptr += BK * stride, or index by the loop variable)",
     "exp_base": "exp and exp2 are mixed: exp2(x) = exp(x * ln 2), so a base-2 kernel folds log2(e) into its scores "
                 "(and its lse) and uses exp2 throughout, a natural one uses exp throughout",
     "backward_mask": "the backward must apply the forward's mask where it recomputes P = exp(S - lse): the same "

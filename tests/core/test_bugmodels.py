@@ -53,13 +53,22 @@ def test_every_choice_is_named_in_the_one_vocabulary():
     assert changed == {f for f, _ in FLASH_FINDINGS}  # every choice is tried, and nothing else
 
 
+def _makes(case: FlashCase, model: FlashBackward) -> bool:
+    try:
+        flash_gradients(case, model)
+    except RuntimeError:
+        return False
+    return True
+
+
 def test_each_choice_is_found_again_from_its_own_gradients():
     """A model's own float32 gradients are explained by that model's codes (the first move that fits
     may be another spelling of the same mistake, never another mistake)."""
-    cases = _cases(1)
     missed = []
     for move in moves():
         model = replace(FlashBackward(), **move)
+        cases = [c for c in _cases(1) if _makes(c, model)]  # dQ = dS V needs E = Ev: the GQA case has it
+        assert cases, move
         gots = [{n: t.float() for n, t in flash_gradients(c, model).items()} for c in cases]
         found = explain(cases, gots, _close, pairs=False)
         want = {FLASH_FINDINGS[(f, v)][0] for f, v in move.items()}

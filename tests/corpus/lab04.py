@@ -321,3 +321,19 @@ MUTANTS += [
 MUTANTS += [
     M("d", "lse_left_a_column", "torch.cat(lses, dim=-2).squeeze(-1)", "torch.cat(lses, dim=-2)", "ex2", "lse_saved"),
 ]
+# issue 62, item 5's first held-out corpus: classes it left unnamed, now bug models (attnlab.bugmodels) or
+# error-line rules (attnlab.grading.errors)
+A4_P = "p = torch.exp(s - lse[:, :, qs:qe, None])  # [B, H, bq, bk]"
+MUTANTS += [
+    M("a", "backward_scale_over_E", "    scale = 1.0 / math.sqrt(E)\n    D = (do", "    scale = 1.0 / E\n    D = (do",
+      "ex4", "wrong_scale"),
+    M("a", "ds_sign_flipped", A4_DS, "ds = p * (D[:, :, qs:qe, None] - dp)", "ex4", "softmax_backward"),
+    M("a", "D_from_do_do", "D = (do * o).sum(dim=-1)  # [B, H, L]", "D = (do * do).sum(dim=-1)  # [B, H, L]", "ex4",
+      "backward_d_term"),
+    M("a", "dk_from_p", A4_DK, "dk[:, :, ks:ke] += (p.transpose(-2, -1) @ q_i) * scale", "ex4", "softmax_backward"),
+    M("a", "p_divided_by_lse", A4_P, "p = torch.exp(s) / lse[:, :, qs:qe, None]  # [B, H, bq, bk]", "ex4", "backward_p"),
+    M("a", "backward_mask_inverted", '                    s = s.masked_fill(~mask, float("-inf"))\n            p = torch.exp(s - lse',
+      '                    s = s.masked_fill(mask, float("-inf"))\n            p = torch.exp(s - lse', "ex4", "backward_mask"),
+    M("a", "dq_from_v", A4_DQ, "dq[:, :, qs:qe] += (ds @ v_j) * scale", "ex4", "backward_operand"),
+    M("a", "lse_by_key_tile", A4_P, "p = torch.exp(s - lse[:, :, ks:ke, None])  # [B, H, bq, bk]", "ex4", "wrong_axis"),
+]

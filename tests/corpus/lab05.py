@@ -359,3 +359,13 @@ MUTANTS += [
     M("d", "causal_reversed", 's = tl.where(offs_k[None, :] <= rows[:, None], s, float("-inf"))  # ex2',
       's = tl.where(offs_k[None, :] >= rows[:, None], s, float("-inf"))  # ex2', "ex2", "causal_future"),
 ]
+# issue 62, item 5's first held-out corpus: classes it left unnamed, now bug models (attnlab.bugmodels)
+DQ_V = ("        v = tl.load(V + bhk * S * E + keys[:, None] * E + cols_e[None, :], mask=keys[:, None] < S, other=0.0)\n"
+        "        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale\n")
+MUTANTS += [
+    M("a", "dq_scale_with_log2e", B_DQ, "dq += tl.dot(ds, k.to(tl.float32)) * scale * 1.4426950408889634", "ex5",
+      "backward_scale"),
+    M("a", "dq_v_never_advanced", DQ_V, DQ_V.replace("keys[:, None] * E", "(keys - start)[:, None] * E"), "ex5",
+      "stale_tile"),
+    M("a", "gqa_group_head_never_advanced", "bh = b * H + hk * r + g", "bh = b * H + hk * r", "ex7", "gqa_grad_sum"),
+]

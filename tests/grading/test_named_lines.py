@@ -52,6 +52,34 @@ def test_keepdim_is_named_only_for_a_reduction_that_feeds_the_failing_line():
     assert at_4 == [], at_4  # line 4 reads D (kept its dim); m lost one but feeds nothing there
 
 
+BACKWARD = ("def backward_pass(q, k, v, o, lse, do, S, bk, qs, qe, scale):\n"
+            "    D = (do * o).sum(dim=-1)\n"                          # line 2: right, always read with None
+            "    for ks in range(0, S, bk):\n"
+            "        k_j, v_j = k[:, :, ks:ks + bk], v[:, :, ks:ks + bk]\n"
+            "        p = torch.exp(q @ k_j.transpose(-2, -1) - lse[:, :, ks:ks + bk, None])\n"  # line 5: lse by keys
+            "        ds = p * (do @ v_j.transpose(-2, -1) - D[:, :, qs:qe, None])\n"  # line 6
+            "        dq = (ds @ v_j) * scale\n"                       # line 7: V where K belongs
+            "        dk = ds.transpose(-2, -1) @ do\n"                # line 8: dO where Q belongs
+            "        dv = p.transpose(-2, -1) @ do\n"                 # line 9: right
+            "    return dq, dk, dv\n")
+
+
+def test_a_backward_line_names_its_wrong_operand_or_axis_not_a_right_reduction():
+    """On the code before, each of these shape errors (an independent author's lab 04 mutants: dQ from V, dK
+    from dO, lse sliced by the key tile) was named ``keepdim`` for the right ``D = (do * o).sum(dim=-1)``,
+    which every later line reads as ``D[..., None]``."""
+    tree = ast.parse(BACKWARD)
+    codes = {line: [(f["code"], f["message"]) for f in explain(BROADCAST.format(line=line), tree, "flash.py")]
+             for line in (5, 6, 7, 8, 9)}
+    assert [c for c, _ in codes[7]] == ["backward_operand"] and "dq is built from v" in codes[7][0][1], codes
+    assert [c for c, _ in codes[8]] == ["backward_operand"] and "dk is built from do" in codes[8][0][1], codes
+    assert [c for c, _ in codes[5]] == ["wrong_axis"] and "lse" in codes[5][0][1], codes
+    assert codes[6] == [] and codes[9] == [], codes  # D kept its dim through None; dv's operands are right
+    matmul = BROADCAST.replace("The size of tensor a (4) must match the size of tensor b (3) at non-singleton "
+                               "dimension 1", "Expected size for first two dimensions of batch2 tensor to be: [4, 16]")
+    assert [f["code"] for f in explain(matmul.format(line=7), tree, "flash.py")] == ["backward_operand"]
+
+
 def test_a_policy_refusal_carries_its_code_where_the_learner_reads_it():
     """On the code before, lab 05's refusal of tl.atomic_add printed no [policy]."""
     source = LAB05.replace("    tl.store(DK + bhk * S * E + keys[:, None] * E + cols_e[None, :], dk, mask=keys[:, None] < S)",

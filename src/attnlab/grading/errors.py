@@ -10,7 +10,10 @@ nothing of the learner's runs) and names the mistake when the error and the code
 * a matmul shape error on a line that transposes with ``.T`` or ``transpose(0, 1)``:
   ``wrong_transpose``;
 * autograd's "returned an invalid gradient at index i": backward's gradients are not in the
-  order of forward's inputs: ``order``.
+  order of forward's inputs: ``order``;
+* a shape error on a backward line that builds a gradient from another input than its operand
+  (``dq += ds @ v_j``): ``backward_operand``; one that slices a per-query tensor (lse, D) by the
+  key loop's bounds: ``wrong_axis``.
 
 Anything else is left to the exercise's own checks.
 """
@@ -67,6 +70,88 @@ def _reductions_without_keepdim(func: ast.FunctionDef) -> list[ast.Call]:
         if has_dim:
             found.append(node)
     return found
+
+
+def _restored(func: ast.FunctionDef, calls: list[ast.Call]) -> list[ast.Call]:
+    """Those of ``calls`` whose result is assigned to names that every later read gives the dim back
+    (``D[:, :, qs:qe, None]``, ``m.unsqueeze(-1)``): such a reduction lost nothing (issue 62's held-out
+    corpus: a right ``D = (do * o).sum(dim=-1)`` read as ``D[..., None]`` was blamed for another line)."""
+    parents = {id(child): node for node in ast.walk(func) for child in ast.iter_child_nodes(node)}
+
+    def gives_back(load: ast.Name) -> bool:
+        up = parents.get(id(load))
+        if isinstance(up, ast.Subscript) and up.value is load:
+            parts = up.slice.elts if isinstance(up.slice, ast.Tuple) else [up.slice]
+            return any(isinstance(e, ast.Constant) and e.value is None for e in parts)
+        if isinstance(up, ast.Attribute) and up.value is load and up.attr in ("unsqueeze", "unsqueeze_"):
+            return True
+        return False
+
+    out = []
+    for call in calls:
+        assign = parents.get(id(call))
+        if not (isinstance(assign, ast.Assign) and assign.value is call
+                and all(isinstance(t, ast.Name) for t in assign.targets)):
+            continue
+        names = {t.id for t in assign.targets}
+        loads = [n for n in ast.walk(func) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+                 and n.id in names and n.lineno > call.lineno]
+        if loads and all(gives_back(n) for n in loads):
+            out.append(call)
+    return out
+
+
+# a backward's products and their operands (lab 04's names: q_i, k_j, v_j, do_i): a gradient line that reads
+# another input where these belong is the mistake, whatever shape error it raised
+_OPERANDS = {"dq": {"k"}, "dk": {"q"}, "dv": {"do"}, "dp": {"v"}}  # the input each product needs
+_ALSO = {"dp": {"do"}}  # and the inputs it may read besides
+_STEM = re.compile(r"^(do|q|k|v)(?:_?[ij]|_?tile|_?blk|_?block)?$")
+
+
+def _wrong_operand(func: ast.FunctionDef, line: int, name: str) -> list[dict]:
+    """``backward_operand`` when the failing ``line`` assigns a gradient (``dq``, ``dk``, ``dv``, ``dp``, or a
+    slice of one) from an input that is not its operand: ``dq += ds @ v_j`` (dQ = scale * dS K)."""
+    for node in ast.walk(func):
+        if getattr(node, "lineno", None) != line or not isinstance(node, (ast.Assign, ast.AugAssign)):
+            continue
+        target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+        while isinstance(target, ast.Subscript):
+            target = target.value
+        grad = target.id.lower().rstrip("_ij") if isinstance(target, ast.Name) else ""
+        grad = next((g for g in _OPERANDS if grad == g or grad.startswith(g + "_")), None)
+        if grad is None:
+            continue
+        stems = {m.group(1) for n in ast.walk(node.value) if isinstance(n, ast.Name)
+                 for m in [_STEM.match(n.id.lower())] if m}
+        wrong = stems - _OPERANDS[grad] - _ALSO.get(grad, set())
+        if wrong and not stems & _OPERANDS[grad]:
+            right = {"dq": "dQ = scale * dS K", "dk": "dK = scale * dS^T Q", "dv": "dV = P^T dO",
+                     "dp": "dP = dO V^T"}[grad]
+            return [{"code": "backward_operand",
+                     "message": f"line {line} in {name}(): {grad} is built from {sorted(wrong)[0]}: {right}"}]
+    return []
+
+
+_PER_QUERY = re.compile(r"^(lse|d|delta|m|l)(_?i)?$", re.IGNORECASE)  # one value per query row
+
+
+def _key_sliced(func: ast.FunctionDef, line: int, name: str) -> list[dict]:
+    """``wrong_axis`` when the failing ``line`` slices a per-query tensor (lse, D) by the key loop's bounds:
+    ``lse[:, :, ks:ke, None]`` in a loop ``for ks in range(0, S, block_k)``."""
+    key_vars = {n.target.id for n in ast.walk(func) if isinstance(n, ast.For) and isinstance(n.target, ast.Name)
+                and (n.target.id.lower().startswith("k")
+                     or any(isinstance(a, ast.Name) and a.id == "S" for a in ast.walk(n.iter)))}
+    for node in ast.walk(func):
+        if not (isinstance(node, ast.Subscript) and getattr(node, "lineno", None) == line
+                and isinstance(node.value, ast.Name) and _PER_QUERY.match(node.value.id)):
+            continue
+        parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if any(isinstance(e, ast.Slice) and isinstance(e.lower, ast.Name)
+               and (e.lower.id in key_vars or e.lower.id.lower().startswith("k")) for e in parts):
+            return [{"code": "wrong_axis",
+                     "message": f"line {line} in {name}(): {node.value.id} has one value per query row, but it is "
+                                "sliced by the key tile's bounds: index it by the query tile (qs:qe)"}]
+    return []
 
 
 def _feeding(func: ast.FunctionDef, line: int, calls: list[ast.Call]) -> list[ast.Call]:
@@ -140,8 +225,14 @@ def explain(text: str, tree: Optional[ast.Module], file_name: "str | tuple[str, 
                 return [{"code": "wrong_transpose",
                          "message": f"line {line} in {name}(): .T (or transpose(0, 1)) on a 3-D or 4-D tensor swaps "
                                     "the wrong dims; transpose the last two with .transpose(-2, -1)"}]
+    if any(s in text for s in (*_BROADCAST, *_MATMUL)):
+        operand = _wrong_operand(func, line, name) or _key_sliced(func, line, name)
+        if operand:
+            return operand
     if any(s in text for s in _BROADCAST):
-        calls = _feeding(func, line, _reductions_without_keepdim(func))
+        reductions = _reductions_without_keepdim(func)
+        restored = {id(c) for c in _restored(func, reductions)}
+        calls = _feeding(func, line, [c for c in reductions if id(c) not in restored])
         if calls:
             shown = ", ".join(f"line {c.lineno}: .{c.func.attr}(...)" for c in calls[:2])
             return [{"code": "keepdim",
