@@ -222,7 +222,7 @@ def test_an_untiled_forward_that_cleans_nan_takes_no_skip_points():
     checks = {(r.exercise.id, r.check): r.score for r in report.results}
     assert checks[("ex2", "skips_future_tiles")] == 0 and checks[("ex3", "no_L_by_S")] == 0, report.to_text()
     assert checks[("ex2", "output")] == 12, report.to_text()  # the answers are right: only the skip is taken
-    assert "the NaN was cleaned" in report.to_text()
+    assert "received those NaN values" in report.to_text()  # the NaN kernels that read the unseen keys, counted
 
 
 def test_the_solution_still_scores_100_with_the_recorder_on_in_ex9():
@@ -648,6 +648,11 @@ def test_an_independent_attackers_files_score_nothing(name, lab, file):
     # the [L, S] weights kept as ctx.grad = Keep(p), an instance of the file's own class (ex5 13/13); the harness
     # now opens the file's objects and classes, and the module's globals
     ("lab04_weights_kept_in_own_object_on_ctx", "04", "flash.py", ("ex5", "saves_lse_not_weights")),
+    # every key tile visited, the unseen keys' V zeroed by torch.where (lab 04) or masked out of the loads with K's
+    # NaN scores dropped by tl.where (lab 05): right outputs, the skip's 4 points; now the child counts the NaN
+    # that reached a torch kernel (lab 04, Call.watch_nan) or a kernel's tl.load (lab 05, interpreter.nan_loads)
+    ("lab04_visits_future_tiles_zeroes_their_v", "04", "flash.py", ("ex2", "skips_future_tiles")),
+    ("lab05_visits_future_tiles_masks_v_load", "05", "flash_triton.py", ("ex2", "skips_future_tiles")),
 ])
 def test_an_eighth_attackers_files_lose_the_points_they_took(name, lab, file, check):
     report = _grade((ATTACKS / f"{name}.py").read_text(), file, lab)

@@ -121,9 +121,9 @@ def test_causal_block_skip_is_named_only_when_finite_inputs_give_a_finite_output
     L, bq, bk, nan_from = lab.EX2_SKIP
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, L, 8, generator=g) for _ in range(3))
-    nan_out = torch.full((1, 2, L, 8), float("nan"))
-    finite = (torch.zeros(1, 2, L, 8) if finite_too else nan_out, torch.zeros(1, 2, L))
-    verdict = lab._judge_skip((q, k, v), (nan_out, torch.zeros(1, 2, L)), finite)
+    nan_out = torch.full((1, 2, nan_from, 8), float("nan"))  # the skip call: queries 0..nan_from - 1
+    finite = (torch.zeros(1, 2, L, 8) if finite_too else torch.full((1, 2, L, 8), float("nan")), torch.zeros(1, 2, L))
+    verdict = lab._judge_skip((q, k, v), (nan_out, torch.zeros(1, 2, nan_from)), finite)
     assert not verdict.passed
     assert ({f["code"] for f in verdict.findings} == {"causal_block_skip"}) == finite_too, verdict
 

@@ -234,10 +234,12 @@ def _judge_ex1(x, results, outcome):
 
 # --------------------------------------------------------------------------- ex2: the tiled forward
 EX2_CASES = ((37, 45, False, 16, 16), (40, 40, True, 16, 8), (24, 40, True, 8, 8))  # (L, S, causal, bq, bk)
-# Whether the tiles wholly after a query block are skipped: the values of keys 32.. are NaN. A
-# query before 32 gives them weight 0, and a loop that skips their tiles never reads them; one
-# that computes those tiles anyway (masked to -inf) gets 0 x NaN = NaN in P @ V. (32 is a tile
-# boundary of both sizes: the diagonal tiles of queries 0..31 hold no NaN.)
+# Whether the tiles wholly after a query block are skipped: the queries 0..31 of a causal L = S = 48 call
+# are given alone (L = 32, S = 48), and the values and keys of keys 32.. are NaN: no query sees them. A loop
+# that skips their tiles never computes on them; one that computes those tiles anyway (masked to -inf) gets
+# 0 x NaN = NaN in P @ V, and one that cleans them first (torch.where, nan_to_num) hands a NaN to a torch
+# kernel, which the child counts (Call.watch_nan: a ninth road zeroed the future keys' V and scored the
+# skip's points). (32 is a tile boundary of both sizes: the diagonal tiles of queries 0..31 hold no NaN.)
 EX2_SKIP = (48, 16, 8, 32)  # (L = S, bq, bk, first NaN value)
 
 
@@ -249,9 +251,10 @@ def _prep_ex2(g):
         ctx.append((q, k, v))
     L, bq, bk, nan_from = EX2_SKIP
     q, k, v = _inputs(g, L, L)
-    v_nan = v.clone()
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[:, :, nan_from:] = float("nan")
     v_nan[:, :, nan_from:] = float("nan")
-    calls.append(Call("flash_forward", (q, k, v_nan, True, bq, bk)))
+    calls.append(Call("flash_forward", (q[:, :, :nan_from], k_nan, v_nan, True, bq, bk), watch_nan=True))
     ctx.append((q, k, v))
     # the same call with finite values: a NaN above is the skip's only where this one is finite (an inverted
     # rescale or K read through the wrong strides makes NaN from finite inputs too)
@@ -274,21 +277,24 @@ def _keeps_nan(result, v_one: Tensor) -> bool:
     return isinstance(o, Tensor) and o.shape[:-1] == v_one.shape[:-1] and bool(o[:, :, j:, 0].isnan().all())
 
 
-def _judge_skip(ctx, result, finite: object = None, v_one: Optional[Tensor] = None, one: object = None) -> Verdict:
-    """``result``: the call whose values past ``nan_from`` are NaN; ``finite``: the same call on finite
+def _judge_skip(ctx, result, finite: object = None, v_one: Optional[Tensor] = None, one: object = None,
+                loaded: int = 0) -> Verdict:
+    """``result``: the call whose keys past ``nan_from`` are NaN; ``finite``: the same call on finite
     values (what it returned), which decides whether a NaN is the skip's; ``one``: what it returned on
-    ``v_one``, whose single NaN must reach every query after it."""
+    ``v_one``, whose single NaN must reach every query after it; ``loaded``: the torch kernels that
+    received those NaN (the child's count)."""
     L, bq, bk, nan_from = EX2_SKIP
     q, k, v = (t.double() for t in ctx)
     o, _, bad = _pair(result, "flash_forward")
     if bad:
         return bad
-    if not (isinstance(o, Tensor) and o.shape[:-2] == q.shape[:-2] and o.shape[-2] == L):
-        return tensor_verdict(o, q[..., :1].expand(*q.shape[:-1], v.shape[-1]), "flash_forward output")
+    if not (isinstance(o, Tensor) and o.shape[:-2] == q.shape[:-2] and o.shape[-2] == nan_from):
+        return tensor_verdict(o, q[:, :, :nan_from, :1].expand(*q.shape[:-2], nan_from, v.shape[-1]),
+                              "flash_forward output")
     expected = scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(L, L))[:, :, :nan_from]
     got = o[:, :, :nan_from]
-    what = (f"flash_forward with is_causal, the values of keys {nan_from}.. NaN, queries 0..{nan_from - 1} (which "
-            "give those keys weight 0)")
+    what = (f"flash_forward with is_causal, L = {nan_from} queries and S = {L} keys (keys {nan_from}.., seen by no "
+            "query, NaN)")
     finite_out = finite[0] if isinstance(finite, tuple) and len(finite) == 2 else None
     if got.isnan().any() and not (isinstance(finite_out, Tensor) and bool(finite_out.isfinite().all())):
         return Verdict(False, f"{what}: NaN, and NaN or inf also where every input is finite: look at the rescale "
@@ -299,6 +305,11 @@ def _judge_skip(ctx, result, finite: object = None, v_one: Optional[Tensor] = No
                "(k_stop = min(S, q_end))")
         return Verdict(False, msg, [{"code": "causal_block_skip", "message": msg}], (got, expected))
     verdict = tensor_verdict(got, expected, what)
+    if verdict.passed and loaded:
+        msg = (f"{what}: {loaded} torch operation{'s' if loaded > 1 else ''} received those NaN values, so the tiles "
+               "wholly after a query block are read (and cleaned or masked), not skipped. Stop each query block's key "
+               "loop at its last query (k_stop = min(S, q_end)) and leave K and V alone")
+        return Verdict(False, msg, [{"code": "causal_block_skip", "message": msg}])
     if verdict.passed and v_one is not None and not _keeps_nan(one, v_one):
         msg = ("with is_causal and one NaN in V at a key the later queries attend to, their outputs were not NaN: "
                "the NaN was cleaned, not the future tiles skipped. Stop each query block's key loop at its last "
@@ -387,7 +398,7 @@ def _judge_ex2(ctx, results, outcome):
                     simulate_forward(q, k, v, True, bq, bk, "l")[0]),
         ])
     out["skips_future_tiles"] = _judge_skip(ctx[3], value(results, 3), results[4].get("value"), ctx[4],
-                                            results[5].get("value"))
+                                            results[5].get("value"), results[3].get("nan_loads", 0))
     return out
 
 

@@ -215,15 +215,21 @@ def _judge_ex1(ctx, results, outcome):
 
 # --------------------------------------------------------------------------- ex2: causal
 EX2 = 48  # L = S: three tiles
-EX2_NAN_FROM = 32  # the skip check: values of keys 32.. are NaN; queries 0..31 give them weight 0
+# the skip check: L = 32 queries, S = 48 keys under is_causal (top-left), so keys 32.. are seen by no query;
+# their K and V are NaN, and a kernel that skips the tiles wholly after each query tile never loads them. A
+# NaN in the output shows a tile computed; a NaN *loaded* shows it visited (the child counts them: a ninth
+# road masked V's loads and dropped K's NaN scores with tl.where, and its output was right)
+EX2_NAN_FROM = 32
+EX2_SKIP = (EX2_NAN_FROM, EX2)
 
 
 def _prep_ex2(g):
     q, k, v = _inputs(g, EX2, EX2)
-    q2, k2, v2 = _inputs(g, EX2, EX2)
-    v_nan = v2.clone()
+    q2, k2, v2 = _inputs(g, *EX2_SKIP)
+    k_nan, v_nan = k2.clone(), v2.clone()
+    k_nan[:, :, EX2_NAN_FROM:] = float("nan")
     v_nan[:, :, EX2_NAN_FROM:] = float("nan")
-    return [Call("flash_forward", (q, k, v, True)), Call("flash_forward", (q2, k2, v_nan, True))], \
+    return [Call("flash_forward", (q, k, v, True)), Call("flash_forward", (q2, k_nan, v_nan, True))], \
         ((q, k, v), (q2, k2, v2))
 
 
@@ -270,12 +276,19 @@ def _judge_ex2(ctx, results, outcome):
         return out
     q2, k2, v2 = (t.double() for t in ctx[1])
     rows = slice(0, EX2_NAN_FROM)
-    want = scaled_dot_product_attention(q2, k2, v2, attn_mask=causal_mask(EX2, EX2))[:, :, rows]
-    what = (f"flash_forward with is_causal, the values of keys {EX2_NAN_FROM}.. NaN, queries 0..{EX2_NAN_FROM - 1} "
-            "(which give them weight 0)")
+    want = scaled_dot_product_attention(q2, k2, v2, attn_mask=causal_mask(*EX2_SKIP))[:, :, rows]
+    what = (f"flash_forward with is_causal, L = {EX2_SKIP[0]} and S = {EX2_SKIP[1]}: keys {EX2_NAN_FROM}.. are "
+            "seen by no query, and their K and V are NaN")
+    loaded = results[1].get("nan_loads", 0)
     # the NaN says 'tiles loaded, not skipped' only of a kernel whose causal output is right: a wrong one
     # (transposed loads, a missing diagonal) can carry the NaN values anywhere
-    if isinstance(o2, Tensor) and o2.shape == o.shape and bool(o2[:, :, rows].isnan().any()) and out["causal"].passed:
+    if loaded and out["causal"].passed:
+        msg = (f"{what}: your kernel loaded {loaded} of those NaN values, so it visits the key tiles wholly after a "
+               "query tile (masking them after the load changes nothing: they are read, and cost time). Stop the key "
+               "loop at the tile's last query: range(0, tl.minimum(S, (pid_q + 1) * BQ), BK)")
+        out["skips_future_tiles"] = Verdict(False, msg, [{"code": "causal_block_skip", "message": msg}])
+    elif isinstance(o2, Tensor) and o2.shape[:-1] == q2.shape[:-1] and bool(o2[:, :, rows].isnan().any()) \
+            and out["causal"].passed:
         msg = (f"{what}: NaN. The key tiles wholly after a query tile are loaded, not skipped: their weights are 0 "
                "but 0 x NaN = NaN in tl.dot(p, v), and they cost time. Stop the key loop at the tile's last query: "
                "range(0, tl.minimum(S, (pid_q + 1) * BQ), BK)")

@@ -88,6 +88,9 @@ class Call:
     # ``delta`` (sandbox/harness.py: planted), so that a function that reports on it (lab 01's ex9) must
     # have measured it: a planted difference only a real measurement finds
     plant: tuple = ()
+    # count, in the result's "nan_loads", the torch kernels past allocation, views, copies and conversions that
+    # received a tensor holding NaN (recorder.KernelRecorder.nan_watch): lab 04's skip case
+    watch_nan: bool = False
 
 
 @dataclass
@@ -223,9 +226,9 @@ def validate_message(msg: Any, n_calls: int) -> None:
     for r in results:
         if not isinstance(r, dict):
             raise BadMessage("a result that is not a dict")
-        if "value" in r and set(r) <= {"value", "mutated", "unwritten", "untouched", "torch_compute"}:
+        if "value" in r and set(r) <= {"value", "mutated", "unwritten", "untouched", "torch_compute", "nan_loads"}:
             _check_value(r["value"], budget)
-            for key in ("unwritten", "untouched"):
+            for key in ("unwritten", "untouched", "nan_loads"):
                 if type(r.get(key, 0)) is not int or not 0 <= r.get(key, 0) < 2**40:
                     raise BadMessage(f"{key} is not a count")
             computed = r.get("torch_compute", [])
@@ -397,7 +400,8 @@ class Sandbox:
         try:
             task_limits = {**dataclasses.asdict(limits), "timeout_s": float(timeout)}
             wire = [{"function": c.function, "args": tuple(c.args), "kwargs": dict(c.kwargs), "harness": c.harness,
-                     "forbid": list(c.forbid), "plant": tuple(c.plant)} for c in task.calls]
+                     "forbid": list(c.forbid), "plant": tuple(c.plant),
+                     "watch_nan": c.watch_nan} for c in task.calls]
             self._cpu0 = self._cgroup_cpu(server)  # before the task starts
             write_frame(server.request_fd, encode_request("run", calls=wire, policy=policy, exempt=list(exempt), traced=traced,
                                                           limits=task_limits,
@@ -523,7 +527,7 @@ class Sandbox:
                 results.append({"value": _restore(r["value"])})
                 if r.get("mutated"):  # the learner's function changed these inputs in place
                     results[-1]["mutated"] = [clean_text(name, 40) for name in r["mutated"]]
-                for key in ("unwritten", "untouched"):  # lab 05: what of the answer its kernels did not store
+                for key in ("unwritten", "untouched", "nan_loads"):  # lab 05: what its kernels did not store, loaded NaN
                     if key in r:
                         results[-1][key] = r[key]
                 if r.get("torch_compute"):  # lab 05: torch's arithmetic the call ran outside the kernels

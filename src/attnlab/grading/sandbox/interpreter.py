@@ -363,6 +363,33 @@ def _outside(ptrs, mask, dtype_np):
     return int((~inside).sum())
 
 
+# NaN values the learner's kernels loaded (mask-true lanes) since forget_nan_loads: where the grader's inputs
+# hold NaN only at keys no query sees (lab 05's skip case), a kernel that loads one visited a tile it must skip,
+# whatever it did with the values after (a ninth road: V's loads masked, K's NaN scores dropped by tl.where)
+_NAN_LOADS = [0]
+
+
+def _count_nan_loads(out, mask) -> None:
+    import numpy as np
+
+    data = np.asarray(out.data)
+    if not np.issubdtype(data.dtype, np.floating):
+        return
+    nan = np.isnan(data)
+    if mask is not None:
+        nan &= np.broadcast_to(np.asarray(mask.data).astype(bool), nan.shape)
+    _NAN_LOADS[0] += int(nan.sum())
+
+
+def forget_nan_loads() -> None:
+    _NAN_LOADS[0] = 0
+
+
+def nan_loads() -> int:
+    """How many NaN values (mask-true lanes) the learner's kernels loaded since :func:`forget_nan_loads`."""
+    return _NAN_LOADS[0]
+
+
 def guard_pointers() -> bool:
     """Every load and store of a kernel under the interpreter is checked against the storages of
     the tensors passed to that launch: one that reaches outside raises :class:`OutOfBounds` in the
@@ -383,7 +410,9 @@ def guard_pointers() -> bool:
         if n:
             raise OutOfBounds(f"tl.load reads outside every tensor passed to the kernel ({n} lanes of this load): "
                               "load with mask= (rows < L, keys < S) and other=0.0")
-        return load(self, ptrs, mask, other, cache_policy, is_volatile)
+        out = load(self, ptrs, mask, other, cache_policy, is_volatile)
+        _count_nan_loads(out, mask)
+        return out
 
     def create_masked_store(self, ptrs, value, mask, cache_policy):
         n = _outside(ptrs, mask, _np_dtype(ptrs.get_element_ty()))

@@ -302,7 +302,13 @@ def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = 
         before = _inputs(fn, call)
         if stores:
             _interpreter().forget_stores()
+            _interpreter().forget_nan_loads()
         ran = (len(recorder.kernels.names), len(recorder.functions.names)) if recorder is not None else (0, 0)
+        watch = recorder is not None and call.get("watch_nan")
+        if recorder is not None:  # never left on from a call that raised
+            recorder.kernels.nan_watch = None
+        if watch:
+            recorder.kernels.nan_watch, recorder.kernels.nan_reads = launchers.LAUNCHER_ATEN, 0
         if call.get("harness") == "autograd":  # the grader's own steps around the learner's Function (harness.py)
             value = harness.autograd(fn, tuple(call["args"]), str(call["function"])[:60], module)
         elif call.get("forbid"):  # a call that may not reach autograd runs with no graph to reach (harness.py)
@@ -318,7 +324,11 @@ def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = 
         elif recorder is not None and call.get("forbid"):  # e.g. lab 04's backward: no autograd computing it
             forbid = frozenset(call["forbid"])
             computed = sorted({n for n in recorder.functions.names[ran[1]:] if n.rsplit(".", 1)[-1] in forbid})[:8]
+        if watch:
+            recorder.kernels.nan_watch = None
         result = {"value": _portable(value)}
+        if watch:
+            result["nan_loads"] = recorder.kernels.nan_reads
         if recorder is not None and (stores or call.get("forbid")) and computed:
             result["torch_compute"] = computed
         if stores:  # lab 05: the elements of the answer its kernels did not store read as NaN (interpreter.poison)
@@ -329,6 +339,7 @@ def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = 
                 untouched += bool(mask.size) and bool(mask.all())
                 f.data = interp.poison(f.dtype, f.data, f.itemsize, mask)
             result["unwritten"], result["untouched"] = missed, untouched
+            result["nan_loads"] = _interpreter().nan_loads()
         changed = [name for name, tensor, frozen in before if _changed(tensor, frozen)]
         if changed:  # evidence for the mistake 'mutates_input', like the recorders: never a fence
             result["mutated"] = changed[:8]
@@ -659,7 +670,7 @@ def _task(request: dict) -> dict:
     """A ``run`` request as the child uses it: the calls (tensors guarded), limits as attributes."""
     calls = [{"function": c["function"], "args": _guarded(tuple(c["args"])), "kwargs": _guarded(c["kwargs"]),
               "harness": str(c.get("harness", "")), "forbid": [str(n) for n in c.get("forbid", [])][:8],
-              "plant": _guarded(tuple(c.get("plant", ())))[:3]}
+              "plant": _guarded(tuple(c.get("plant", ())))[:3], "watch_nan": bool(c.get("watch_nan", False))}
              for c in request["calls"]]
     route = str(request.get("seccomp", ""))
     try:
