@@ -369,3 +369,7 @@ MUTANTS += [
       "stale_tile"),
     M("a", "gqa_group_head_never_advanced", "bh = b * H + hk * r + g", "bh = b * H + hk * r", "ex7", "gqa_grad_sum"),
 ]
+MUTANTS += [
+    # issue 62, item 2: ex5 has a case with B = 2 now; with B = 1 everywhere but ex7 this was ex7's alone
+    M("a", "dq_kv_head_without_batch", B_DQ_HEAD, "bhk = h // (H // Hkv)\n    rows", "ex5", "wrong_strides"),
+]
