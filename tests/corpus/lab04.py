@@ -337,3 +337,9 @@ MUTANTS += [
     M("a", "dq_from_v", A4_DQ, "dq[:, :, qs:qe] += (ds @ v_j) * scale", "ex4", "backward_operand"),
     M("a", "lse_by_key_tile", A4_P, "p = torch.exp(s - lse[:, :, ks:ke, None])  # [B, H, bq, bk]", "ex4", "wrong_axis"),
 ]
+MUTANTS += [
+    # issue 62, item 2: the tiled forward's running max taken over the whole tile (every row's): ex2 scored it
+    # whole until a case with rows of very different scale
+    M("a", "forward_block_max", "m_new = torch.maximum(m_i, s.amax(dim=-1))",
+      "m_new = torch.maximum(m_i, s.amax(dim=(-2, -1))[..., None].expand_as(m_i))", "ex2", "block_max"),
+]

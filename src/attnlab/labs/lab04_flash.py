@@ -266,6 +266,14 @@ def _prep_ex2(g):
     v_one[:, :, int(torch.randint(1, nan_from, (1,), generator=g)), 0] = float("nan")
     calls.append(Call("flash_forward", (q, k, v_one, True, bq, bk)))
     ctx.append(v_one)
+    # rows of very different scale (issue 62: a tile-wide running max scored ex2 whole): every other query 40x
+    # longer, so its scores reach ~±100 while its neighbours' stay ~±3; shifted by the tile's largest score,
+    # the small rows' exp underflows to 0 and l_i = 0, where each row's own max keeps them
+    L, S, _, bq, bk = EX2_CASES[0]
+    q, k, v = _inputs(g, L, S)
+    q[:, :, ::2] *= 40.0
+    calls.append(Call("flash_forward", (q, k, v, False, bq, bk)))
+    ctx.append((q, k, v))
     return calls, ctx
 
 
@@ -318,6 +326,22 @@ def _judge_skip(ctx, result, finite: object = None, v_one: Optional[Tensor] = No
     return verdict
 
 
+def _judge_row_scales(ctx, result) -> Verdict:
+    """The forward on queries whose every other row is 40x longer: right only with each row's own max."""
+    q, k, v = (t.double() for t in ctx)
+    o, _, bad = _pair(result, "flash_forward")
+    if bad:
+        return bad
+    want = scaled_dot_product_attention(q, k, v)
+    what = "flash_forward output with rows of very different scale (every other query 40x longer)"
+    if isinstance(o, Tensor) and o.shape == want.shape and not bool(o.isfinite().all()):
+        msg = (f"{what}: NaN or inf in the short rows. Their scores (~±3) shifted by a running max taken over the "
+               "whole tile (a long row's ~100) underflow to 0, so l_i = 0: the max is each row's own, "
+               "s.amax(dim=-1)")
+        return Verdict(False, msg, [{"code": "block_max", "message": msg}], (o, want))
+    return tensor_verdict(o, want, what)
+
+
 def _judge_ex2(ctx, results, outcome):
     out = {}
     # the plain forward: o and lse
@@ -359,6 +383,8 @@ def _judge_ex2(ctx, results, outcome):
         mistake("wrong_scale", "the scores are multiplied by sqrt(E) instead of divided by it",
                 scaled_dot_product_attention(q, k, v, scale=math.sqrt(q.shape[-1]))),
     ])
+    if out["output"].passed:  # then the rows of very different scale (the last call)
+        out["output"] = _judge_row_scales(ctx[5], results[6].get("value"))
     out["lse"] = tensor_verdict(lse, ref_lse, "lse (natural log-sum-exp of each row's scaled scores)", [
         mistake("lse_saved", "lse keeps a trailing dim of 1 ([B, H, L, 1], the column m_i and l_i were kept in): "
                              "return it as [B, H, L], lse.squeeze(-1)", ref_lse[..., None]),
