@@ -151,6 +151,25 @@ CODES: dict[str, str] = {
               "SDPA, an import outside the lab's list (os, sys, numpy...), eval, exec or open, a private or dunder "
               "attribute, or a decorator or hook the lab does not allow; the file is not run until it is gone "
               "(each lab's rule says what its code is built from)",
+    "cp_sinks": "under context parallelism each sink joins each row's softmax once: every rank's share of the "
+                "row merges its log-sum-exp without the sink, and the sink is added once, after the merge (or by "
+                "one rank only), never dropped and never once per rank",
+    "cp_lse_merge": "partial results from the key/value shards merge by their log-sum-exps in one base: o = sum_j "
+                    "exp(lse_j - lse) o_j with lse = logsumexp_j(lse_j), natural units throughout (a base-2 kernel "
+                    "converts its lse before the merge)",
+    "cp_causal_offset": "a shard's causal mask compares absolute positions: query rank r, row i is position "
+                        "positions(r, W, n, layout)[i]; a mask built from the shard's own 0..n-1 hides or shows "
+                        "the wrong keys of every other shard",
+    "cp_layout": "the positions a rank holds follow its layout: zigzag gives rank r chunks r and 2W - 1 - r "
+                 "(attnlab.distributed.positions); a mask or merge that takes the shards in rank order treats "
+                 "them as contiguous",
+    "cp_missing_shard": "every rank's queries must meet every key/value shard they may see: a ring of W ranks "
+                        "takes W steps (its own shard, then W - 1 received); one step short drops a shard",
+    "cp_heads": "the heads a rank attends come back to the slots they left: Ulysses scatters heads in contiguous "
+                "groups (rank r: heads r*H/W .. (r+1)*H/W - 1) and gathers them the same way",
+    "cp_grad_reduce": "a key/value shard's gradient sums over every rank's queries: the contributions computed on "
+                      "other ranks travel back (the ring's dK/dV pass on, a gather's backward reduces); only the "
+                      "local queries' share is missing the rest",
     "unknown": "the output differs from SDPA in a way the doctor has no model for",
 }
 
@@ -166,6 +185,11 @@ BACKWARD_CODES = ("grad_missing", "gqa_group_mapping", "gqa_grad_sum", "lse_save
                   "softmax_backward", "backward_d_term", "backward_mask", "sink_grad", "low_precision",
                   "grad_test_blind", "shape_error", "unknown")
 
+# what `attnlab doctor --context-parallel` (attnlab.doctor.diagnose_context_parallel) names; each is named on a
+# planted fault (tests/helpers/cp_faults.py) by tests/distributed/test_cp_doctor.py
+CP_CODES = ("cp_sinks", "cp_lse_merge", "cp_causal_offset", "cp_layout", "cp_missing_shard", "cp_heads",
+            "cp_grad_reduce", "unknown")
+
 
 def hint(code: str) -> str:
     """The hint of a code; a ``KeyError`` names the vocabulary when the code is not in it."""
@@ -180,7 +204,8 @@ def as_markdown() -> str:
     """The vocabulary as the documentation's page (``docs/mistakes.md``, which a test holds equal
     to this): each code, whether the doctor names it, and its hint."""
     def named(code: str) -> str:
-        return ", ".join(w for w, codes in (("forward", DOCTOR_CODES), ("backward", BACKWARD_CODES)) if code in codes)
+        return ", ".join(w for w, codes in (("forward", DOCTOR_CODES), ("backward", BACKWARD_CODES),
+                                             ("context parallel", CP_CODES)) if code in codes)
 
     rows = [f"| `{code}` | {named(code)} | {text.replace('|', '&#124;')} |" for code, text in CODES.items()]
     return ("# Named mistakes\n\n"
@@ -188,7 +213,7 @@ def as_markdown() -> str:
             "(`attnlab.mistakes.CODES`): a failed check that recognises a mistake prints `-> [code]` and "
             "this hint, and the class report counts learners by code. The page is generated from the code "
             "(`python -m attnlab.mistakes > docs/mistakes.md`); a test keeps them equal.\n\n"
-            "| code | the doctor names it (`attnlab doctor`, `--backward`) | hint |\n| --- | --- | --- |\n" + "\n".join(rows) + "\n")
+            "| code | the doctor names it (`attnlab doctor`, `--backward`, `--context-parallel`) | hint |\n| --- | --- | --- |\n" + "\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":  # python -m attnlab.mistakes > docs/mistakes.md

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 from attnlab.doctor.analysis import DoctorReport, Finding, analyze
 from attnlab.doctor.backward import (BACKWARD_FEATURES, audit_gradient_test, backward_capabilities,
                                      diagnose_backward)
+from attnlab.doctor.context_parallel import diagnose_context_parallel
 from attnlab.doctor.models import CODES
 from attnlab.doctor.probes import (ALL_CAPABILITIES, FEATURES, FailedCall, Probe, ProbeResult, build_probes,
                                    probe_arguments, probe_result, run_probes)
@@ -42,6 +43,7 @@ __all__ = [
     "CODES",
     "load_function",
     "Finding",
+    "diagnose_context_parallel",
     "DoctorReport",
     "Probe",
     "ProbeResult",

@@ -21,7 +21,8 @@ from attnlab.softmax import stable_softmax
 __all__ = ["CODES", "BugModel", "SCALE_TEXT", "FIELD_FINDINGS", "model_attention"]
 
 # The doctor's codes, from the one vocabulary of named mistakes (attnlab.mistakes).
-CODES: dict[str, str] = {code: mistakes.CODES[code] for code in mistakes.DOCTOR_CODES + mistakes.BACKWARD_CODES}
+CODES: dict[str, str] = {code: mistakes.CODES[code]
+                         for code in mistakes.DOCTOR_CODES + mistakes.BACKWARD_CODES + mistakes.CP_CODES}
 
 @dataclass(frozen=True)
 class BugModel:
