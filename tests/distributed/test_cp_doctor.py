@@ -39,3 +39,8 @@ def test_a_function_without_layout_or_sinks_is_probed_on_what_it_takes():
     report = diagnose_context_parallel(cp_faults.plain, world=2)
     assert report.ok and report.probes_run == 1, str(report)
     assert len(report.not_probed) == 3 and "zigzag" in report.not_probed[0]
+
+
+def test_usp_on_a_two_by_two_mesh_raises_no_alarm():
+    report = diagnose_context_parallel(cp_faults.usp_2x2, world=4)
+    assert report.ok and report.probes_run == 3, str(report)  # no layout=: the zigzag probe is left out

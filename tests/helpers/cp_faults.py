@@ -107,3 +107,20 @@ def heads_gathered_strided(query, key, value, **kw):
 def plain(query, key, value, *, group=None, is_causal=False):
     """A right function that takes no layout=, sinks= or enable_gqa=: probed on what it takes."""
     return ring_attention(query, key, value, group=group, is_causal=is_causal)
+
+
+_USP_GROUPS: list = []
+
+
+def usp_2x2(query, key, value, *, group=None, is_causal=False, sinks=None, enable_gqa=False):
+    """attnlab's USP on a 2 x 2 mesh of 4 ranks (rank g: ring chunk g // 2, Ulysses piece g % 2), which holds
+    the contiguous layout's rows of rank g: no layout= here (a zigzag USP shard is not shard_sequence's)."""
+    from attnlab.distributed import context_parallel_attention
+
+    if not _USP_GROUPS:  # every rank makes every group, in the same order
+        uly = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        ring = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        g = dist.get_rank()
+        _USP_GROUPS.extend([uly[g // 2], ring[g % 2]])
+    return context_parallel_attention(query, key, value, groups=tuple(_USP_GROUPS), is_causal=is_causal,
+                                      sinks=sinks, enable_gqa=enable_gqa)
