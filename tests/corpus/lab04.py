@@ -343,3 +343,10 @@ MUTANTS += [
     M("a", "forward_block_max", "m_new = torch.maximum(m_i, s.amax(dim=-1))",
       "m_new = torch.maximum(m_i, s.amax(dim=(-2, -1))[..., None].expand_as(m_i))", "ex2", "block_max"),
 ]
+MUTANTS += [
+    # the first held-out corpus: the Function's backward with O and dO swapped, or three gradients for four inputs
+    M("a", "function_o_do_swapped", "dq, dk, dv = flash_backward(q, k, v, o, lse, do, ctx.is_causal)",
+      "dq, dk, dv = flash_backward(q, k, v, do, lse, o, ctx.is_causal)", "ex5", "order"),
+    M("a", "function_three_gradients", "        return dq, dk, dv, None  # no gradient for is_causal",
+      "        return dq, dk, dv", "ex5", "order"),
+]

@@ -192,6 +192,9 @@ _GRADIENT_SHAPE = re.compile(r"returned an invalid gradient at index (\d+) - got
                              r"compatible with (\[[\d, ]*\])")
 
 
+_GRADIENT_COUNT = re.compile(r"returned an incorrect number of gradients \(expected (\d+), got (\d+)\)")
+
+
 def explain(text: str, tree: Optional[ast.Module], file_name: "str | tuple[str, ...]") -> list[dict]:
     """The named mistake behind an exception, as findings (``{"code", "message"}``), or none.
 
@@ -200,6 +203,12 @@ def explain(text: str, tree: Optional[ast.Module], file_name: "str | tuple[str, 
     """
     if tree is None or "raised " not in text:
         return []
+    count = _GRADIENT_COUNT.search(text)
+    if count:  # autograd's own check: one gradient per input of forward
+        want, got = count.groups()
+        return [{"code": "order",
+                 "message": f"backward returned {got} gradients, forward takes {want} inputs: return one per input, "
+                            "in forward's order, None for those without one (dq, dk, dv, None for is_causal)"}]
     wrong_grad = _GRADIENT_SHAPE.search(text)
     if wrong_grad:  # autograd's own check: backward's i-th gradient has another input's shape
         i, got, want = wrong_grad.groups()

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from attnlab.functional import scaled_dot_product_attention
-from attnlab.bugmodels import FlashCase, flash_gradients
+from attnlab.bugmodels import FlashBackward, FlashCase, flash_gradients
 from attnlab.grading.exercise import Exercise, Verdict, explain_backward, mistake, model_mistakes, tensor_verdict, value
 from attnlab.grading.sandbox import Call
 from attnlab.labs import Lab
@@ -568,12 +568,16 @@ def judge_autograd_function(ctx, results, cases, *, output_of: str, function: st
         unmasked = simulate_grads(q, k, v, do, mask, p_mask=torch.ones(L, S, dtype=torch.bool)) if causal else (None,) * 3
         expected = simulate_grads(q, k, v, do, mask)
         swapped = (None, expected[2], expected[1])  # dK where dV belongs and back (when E = Ev)
+        # O and dO handed to flash_backward swapped (the shared bug models; no tile size matters to it)
+        o_do = flash_gradients(FlashCase(q, k, v, do, causal, 16, 16), FlashBackward(swap_o_do="yes"))
         for name, g_, e_, u, w in zip(("dq", "dk", "dv"), got[1:4], expected, unmasked, swapped):
             if grads.passed:
                 grads = tensor_verdict(g_, e_, f"{name} through {function}.backward {where}", [
                     mistake("causal_block_skip", f"the backward runs without the causal mask: {causal_fix}", u),
                     mistake("order", "dK and dV come back swapped: backward returns the gradients in forward's "
-                                     "argument order, (dq, dk, dv, ...)", w)])
+                                     "argument order, (dq, dk, dv, ...)", w),
+                    mistake("order", f"{function}.backward hands O and dO to flash_backward swapped: pass them in "
+                                     "the order of its signature", o_do.get(name))])
         shapes = got[4] if isinstance(got[4], list) else []
         big = [s for s in shapes if isinstance(s, list) and len(s) >= 2 and s[-2:] == [L, S]]
         if big and saved_v.passed:
