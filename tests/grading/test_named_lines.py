@@ -80,6 +80,28 @@ def test_a_backward_line_names_its_wrong_operand_or_axis_not_a_right_reduction()
     assert [f["code"] for f in explain(matmul.format(line=7), tree, "flash.py")] == ["backward_operand"]
 
 
+SECOND = ("def backward_pass(q, k, v, o, lse, do, L, bq, ks, ke, scale):\n"
+          "    delta = (do * o).sum(dim=-2)\n"                      # line 2: over the rows
+          "    for qs in range(0, L, bq):\n"
+          "        qt, dot_, vt = q[:, :, qs:qs + bq], do[:, :, qs:qs + bq], v[:, :, ks:ke]\n"
+          "        lse_t = lse[:, :, qs:qs + bq]\n"
+          "        p = torch.exp(q @ k.transpose(-2, -1) - lse_t)\n"   # line 6: lse_t without [..., None]
+          "        ds = p * (dot_ @ vt.transpose(-2, -1) - delta[:, :, qs:qs + bq][..., None])\n"  # line 7
+          "        dk[:, :, qs:qs + bq] += ds.transpose(-2, -1) @ qt\n"  # line 8: a key gradient at query rows
+          "        dv[:, :, ks:ke] += p.transpose(-2, -1) @ vt\n"       # line 9: V where dO belongs
+          "    return dk, dv\n")
+
+
+def test_an_independent_authors_names_and_axes_are_read_too():
+    """The second held-out corpus wrote ``qt``, ``dot_``, ``vt``, sliced D through two subscripts and summed it
+    over the rows: on the code before, each shape error here was ``keepdim`` for the D line, or nothing."""
+    tree = ast.parse(SECOND)
+    named = {line: [f["code"] for f in explain(BROADCAST.format(line=line), tree, "flash.py")] for line in (6, 7, 8, 9)}
+    assert named == {6: ["keepdim"], 7: ["wrong_axis"], 8: ["wrong_axis"], 9: ["backward_operand"]}, named
+    at_7 = explain(BROADCAST.format(line=7), tree, "flash.py")[0]["message"]
+    assert "dim=-2" in at_7 and "line 2" in at_7, at_7
+
+
 def test_a_policy_refusal_carries_its_code_where_the_learner_reads_it():
     """On the code before, lab 05's refusal of tl.atomic_add printed no [policy]."""
     source = LAB05.replace("    tl.store(DK + bhk * S * E + keys[:, None] * E + cols_e[None, :], dk, mask=keys[:, None] < S)",

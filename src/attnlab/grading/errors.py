@@ -79,13 +79,13 @@ def _restored(func: ast.FunctionDef, calls: list[ast.Call]) -> list[ast.Call]:
     parents = {id(child): node for node in ast.walk(func) for child in ast.iter_child_nodes(node)}
 
     def gives_back(load: ast.Name) -> bool:
-        up = parents.get(id(load))
-        if isinstance(up, ast.Subscript) and up.value is load:
+        node, up = load, parents.get(id(load))
+        while isinstance(up, ast.Subscript) and up.value is node:  # D[:, :, qs:qe][..., None]: climb the slices
             parts = up.slice.elts if isinstance(up.slice, ast.Tuple) else [up.slice]
-            return any(isinstance(e, ast.Constant) and e.value is None for e in parts)
-        if isinstance(up, ast.Attribute) and up.value is load and up.attr in ("unsqueeze", "unsqueeze_"):
-            return True
-        return False
+            if any(isinstance(e, ast.Constant) and e.value is None for e in parts):
+                return True
+            node, up = up, parents.get(id(up))
+        return isinstance(up, ast.Attribute) and up.value is node and up.attr in ("unsqueeze", "unsqueeze_")
 
     out = []
     for call in calls:
@@ -105,7 +105,7 @@ def _restored(func: ast.FunctionDef, calls: list[ast.Call]) -> list[ast.Call]:
 # another input where these belong is the mistake, whatever shape error it raised
 _OPERANDS = {"dq": {"k"}, "dk": {"q"}, "dv": {"do"}, "dp": {"v"}}  # the input each product needs
 _ALSO = {"dp": {"do"}}  # and the inputs it may read besides
-_STEM = re.compile(r"^(do|q|k|v)(?:_?[ij]|_?tile|_?blk|_?block)?$")
+_STEM = re.compile(r"^(do|q|k|v)(?:_?[ijt]|_?tile|_?blk|_?block)?_?$")
 
 
 def _wrong_operand(func: ast.FunctionDef, line: int, name: str) -> list[dict]:
@@ -132,7 +132,58 @@ def _wrong_operand(func: ast.FunctionDef, line: int, name: str) -> list[dict]:
     return []
 
 
-_PER_QUERY = re.compile(r"^(lse|d|delta|m|l)(_?i)?$", re.IGNORECASE)  # one value per query row
+_PER_QUERY = re.compile(r"^(lse|d|delta|m|l)(_?[it])?$", re.IGNORECASE)  # one value per query row
+
+
+def _row_vector_unexpanded(func: ast.FunctionDef, line: int, name: str) -> list[dict]:
+    """``keepdim`` when the failing ``line`` subtracts a per-query vector (lse, D: ``[B, H, bq]``) from a tile
+    (``[B, H, bq, bk]``) without its trailing dim: ``s - lse_t`` where ``lse_t = lse[:, :, qs:qe]`` (a slice
+    with no None) or ``lse`` itself, a parameter."""
+    params = {a.arg for a in func.args.args + func.args.kwonlyargs}
+    sliced = set()  # names bound to a per-query tensor's slice that adds no dim
+    for node in ast.walk(func):
+        value = node.value if isinstance(node, ast.Assign) else None
+        while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) \
+                and value.func.attr in ("float", "double", "to", "contiguous", "clone", "detach"):
+            value = value.func.value  # lse[:, :, qs:qe].float(): the conversion keeps the shape
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                and isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name) \
+                and _PER_QUERY.match(value.value.id):
+            parts = value.slice.elts if isinstance(value.slice, ast.Tuple) else [value.slice]
+            if not any(isinstance(e, ast.Constant) and e.value is None for e in parts):
+                sliced.add(node.targets[0].id)
+    for node in ast.walk(func):
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and getattr(node, "lineno", None) == line
+                and isinstance(node.right, ast.Name) and _PER_QUERY.match(node.right.id)
+                and node.right.id in sliced | params):
+            continue
+        vec = node.right.id
+        return [{"code": "keepdim",
+                 "message": f"line {line} in {name}(): {vec} holds one value per query row ([B, H, rows]) and is "
+                            f"subtracted from a tile ([B, H, rows, keys]) without its trailing dim: {vec}[..., None]"}]
+    return []
+
+
+_PER_KEY = re.compile(r"^(dk|dv)$", re.IGNORECASE)  # one row per key
+
+
+def _query_sliced(func: ast.FunctionDef, line: int, name: str) -> list[dict]:
+    """``wrong_axis`` when the failing ``line`` writes a per-key gradient by the query tile's bounds:
+    ``dk[:, :, qs:qe] += ...``."""
+    for node in ast.walk(func):
+        if not (isinstance(node, (ast.Assign, ast.AugAssign)) and getattr(node, "lineno", None) == line):
+            continue
+        target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+        if not (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)
+                and _PER_KEY.match(target.value.id)):
+            continue
+        parts = target.slice.elts if isinstance(target.slice, ast.Tuple) else [target.slice]
+        if any(isinstance(e, ast.Slice) and isinstance(e.lower, ast.Name) and e.lower.id.lower().startswith("q")
+               for e in parts):
+            return [{"code": "wrong_axis",
+                     "message": f"line {line} in {name}(): {target.value.id} has one row per key, but it is "
+                                "written at the query tile's rows: index it by the key tile (ks:ke)"}]
+    return []
 
 
 def _key_sliced(func: ast.FunctionDef, line: int, name: str) -> list[dict]:
@@ -154,6 +205,37 @@ def _key_sliced(func: ast.FunctionDef, line: int, name: str) -> list[dict]:
     return []
 
 
+def _wrong_reduction_axis(calls: list[ast.Call], name: str) -> list[dict]:
+    """``wrong_axis`` for a per-row reduction (its dim given back later) taken over another dim than the
+    last: ``(do * o).sum(dim=-2)`` sums over the rows, where D is one number per row."""
+    for c in calls:
+        keywords = {k.arg: k.value for k in c.keywords}
+        dim = keywords.get("dim", c.args[-1] if c.args and not (isinstance(c.func.value, ast.Name)
+                                                                 and c.func.value.id == "torch") else None)
+        value = dim.operand.value * -1 if isinstance(dim, ast.UnaryOp) and isinstance(dim.operand, ast.Constant) \
+            else getattr(dim, "value", None)
+        if isinstance(value, int) and value not in (-1, 3):
+            return [{"code": "wrong_axis",
+                     "message": f"line {c.lineno} in {name}(): .{c.func.attr}(dim={value}) reduces over another dim "
+                                "than the last: a per-row quantity (D = rowsum(dO * O), a row max) reduces the "
+                                "feature or key dim, dim=-1"}]
+    return []
+
+
+def _stored(target: ast.AST) -> set[str]:
+    """The names an assignment target binds or updates: ``a, b`` both, ``dk[:, :, qs:qe]`` dk alone (not
+    the names its index reads)."""
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return {n for e in target.elts for n in _stored(e)}
+    if isinstance(target, ast.Starred):
+        return _stored(target.value)
+    if isinstance(target, (ast.Subscript, ast.Attribute)):
+        return _stored(target.value)
+    return set()
+
+
 def _feeding(func: ast.FunctionDef, line: int, calls: list[ast.Call]) -> list[ast.Call]:
     """Those of ``calls`` that feed the failing ``line``: on it, or assigned to a name that line reads
     (directly or through other assignments in the function): a reduction elsewhere that lost its dim
@@ -172,7 +254,7 @@ def _feeding(func: ast.FunctionDef, line: int, calls: list[ast.Call]) -> list[as
             pair = ([node.target], node.value)
         if pair is not None:
             targets, value = pair
-            names = {t.id for tg in targets for t in ast.walk(tg) if isinstance(t, ast.Name)}
+            names = {n for tg in targets for n in _stored(tg)}
             used = {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
             for name in names:
                 sources.setdefault(name, set()).update(used)
@@ -235,13 +317,18 @@ def explain(text: str, tree: Optional[ast.Module], file_name: "str | tuple[str, 
                          "message": f"line {line} in {name}(): .T (or transpose(0, 1)) on a 3-D or 4-D tensor swaps "
                                     "the wrong dims; transpose the last two with .transpose(-2, -1)"}]
     if any(s in text for s in (*_BROADCAST, *_MATMUL)):
-        operand = _wrong_operand(func, line, name) or _key_sliced(func, line, name)
+        operand = _wrong_operand(func, line, name) or _key_sliced(func, line, name) or _query_sliced(func, line, name)
         if operand:
             return operand
     if any(s in text for s in _BROADCAST):
         reductions = _reductions_without_keepdim(func)
-        restored = {id(c) for c in _restored(func, reductions)}
-        calls = _feeding(func, line, [c for c in reductions if id(c) not in restored])
+        restored = _restored(func, reductions)
+        axis = _wrong_reduction_axis(_feeding(func, line, restored), name)
+        if axis:
+            return axis
+        calls = _feeding(func, line, [c for c in reductions if all(c is not r for r in restored)])
+        if not calls:
+            return _row_vector_unexpanded(func, line, name)
         if calls:
             shown = ", ".join(f"line {c.lineno}: .{c.func.attr}(...)" for c in calls[:2])
             return [{"code": "keepdim",
