@@ -653,8 +653,17 @@ def test_an_independent_attackers_files_score_nothing(name, lab, file):
     # that reached a torch kernel (lab 04, Call.watch_nan) or a kernel's tl.load (lab 05, interpreter.nan_loads)
     ("lab04_visits_future_tiles_zeroes_their_v", "04", "flash.py", ("ex2", "skips_future_tiles")),
     ("lab05_visits_future_tiles_masks_v_load", "05", "flash_triton.py", ("ex2", "skips_future_tiles")),
+    # a ninth attacker: each loop stopped at L, not at its block's own last query (the NaN lay only past the last
+    # query); every tile visited with K and V cleaned through an int64 view (lab 04) or loaded as int32 bits
+    # (lab 05); the backward's tiles visited and masked (lab 05 ex5); the weights saved flattened: 4, 4, 4, 2, 3
+    ("lab04_ex2_call_wide_key_bound", "04", "flash.py", ("ex2", "skips_future_tiles")),
+    ("lab05_ex2_call_wide_key_bound", "05", "flash_triton.py", ("ex2", "skips_future_tiles")),
+    ("lab04_ex2_visits_all_tiles_int_view_clean", "04", "flash.py", ("ex2", "skips_future_tiles")),
+    ("lab05_ex2_int_bits_loads_visit_all", "05", "flash_triton.py", ("ex2", "skips_future_tiles")),
+    ("lab05_ex5_masks_instead_of_skipping", "05", "flash_triton.py", ("ex5", "skips_masked_tiles")),
+    ("lab04_ex5_weights_saved_flattened", "04", "flash.py", ("ex5", "saves_lse_not_weights")),
 ])
-def test_an_eighth_attackers_files_lose_the_points_they_took(name, lab, file, check):
+def test_the_later_attackers_files_lose_the_points_they_took(name, lab, file, check):
     report = _grade((ATTACKS / f"{name}.py").read_text(), file, lab)
     scores = {(r.exercise.id, r.check): r.score for r in report.results}
     assert scores[check] == 0, report.to_text()

@@ -274,6 +274,16 @@ def _prep_ex2(g):
     q[:, :, ::2] *= 40.0
     calls.append(Call("flash_forward", (q, k, v, False, bq, bk)))
     ctx.append((q, k, v))
+    # and the tiles after an *earlier* query block: K and V NaN from key 16 (L = 32, S = 48), so query block 0
+    # sees none of them and block 1 reads them by right; block 0's output must stay finite (a tenth road
+    # stopped every block's loop at L, not at its own last query: the NaN of keys 32.. alone never showed it)
+    L, bq, bk, nan_from = EX2_SKIP
+    q, k, v = _inputs(g, L, L)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[:, :, bq:] = float("nan")
+    v_nan[:, :, bq:] = float("nan")
+    calls.append(Call("flash_forward", (q[:, :, :nan_from], k_nan, v_nan, True, bq, bk)))
+    ctx.append((q, k, v))
     return calls, ctx
 
 
@@ -425,7 +435,26 @@ def _judge_ex2(ctx, results, outcome):
         ])
     out["skips_future_tiles"] = _judge_skip(ctx[3], value(results, 3), results[4].get("value"), ctx[4],
                                             results[5].get("value"), results[3].get("nan_loads", 0))
+    if out["skips_future_tiles"].passed:
+        out["skips_future_tiles"] = _judge_first_block(ctx[6], results[7].get("value"))
     return out
+
+
+def _judge_first_block(ctx, result) -> Verdict:
+    """Query block 0 of a causal L = 32, S = 48 call whose keys from 16 are NaN: it sees none of them."""
+    L, bq, bk, nan_from = EX2_SKIP
+    q, k, v = (t.double() for t in ctx)
+    o = result[0] if isinstance(result, tuple) and len(result) == 2 else None
+    want = scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(L, L))[:, :, :bq]
+    what = (f"flash_forward with is_causal, L = {nan_from}, S = {L}, keys {bq}.. NaN: queries 0..{bq - 1} (block 0) "
+            "see none of them")
+    if not (isinstance(o, Tensor) and o.shape[-2] == nan_from):
+        return tensor_verdict(o, want, what)
+    if bool(o[:, :, :bq].isnan().any()):
+        msg = (f"{what}: NaN in block 0. Its loop visits the key tiles after its own last query (up to L, or S): "
+               "stop each query block's key loop at its own last query, k_stop = min(S, q_end)")
+        return Verdict(False, msg, [{"code": "causal_block_skip", "message": msg}])
+    return tensor_verdict(o[:, :, :bq], want, what)
 
 
 # --------------------------------------------------------------------------- ex3: no [L, S] tensor
@@ -579,7 +608,10 @@ def judge_autograd_function(ctx, results, cases, *, output_of: str, function: st
                     mistake("order", f"{function}.backward hands O and dO to flash_backward swapped: pass them in "
                                      "the order of its signature", o_do.get(name))])
         shapes = got[4] if isinstance(got[4], list) else []
-        big = [s for s in shapes if isinstance(s, list) and len(s) >= 2 and s[-2:] == [L, S]]
+        # the [L, S] weights by their size, whatever their shape (a ninth attacker saved p.flatten(-2)): every
+        # honest saved tensor (q, k, v, o, lse: at most L or S rows of E) is smaller than B·H·L·S here
+        whole = q.shape[0] * q.shape[1] * L * S
+        big = [s for s in shapes if isinstance(s, list) and len(s) >= 2 and (s[-2:] == [L, S] or math.prod(s) >= whole)]
         if big and saved_v.passed:
             msg = (f"the forward saves a tensor of shape {big[0]}: the [L, S] weights; save lse ([B, H, L]) and "
                    f"{recompute}")

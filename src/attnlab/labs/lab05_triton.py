@@ -215,12 +215,14 @@ def _judge_ex1(ctx, results, outcome):
 
 # --------------------------------------------------------------------------- ex2: causal
 EX2 = 48  # L = S: three tiles
-# the skip check: L = 32 queries, S = 48 keys under is_causal (top-left), so keys 32.. are seen by no query;
-# their K and V are NaN, and a kernel that skips the tiles wholly after each query tile never loads them. A
-# NaN in the output shows a tile computed; a NaN *loaded* shows it visited (the child counts them: a ninth
-# road masked V's loads and dropped K's NaN scores with tl.where, and its output was right)
-EX2_NAN_FROM = 32
-EX2_SKIP = (EX2_NAN_FROM, EX2)
+# the skip check: L = 32 queries, S = 48 keys under is_causal (top-left), K and V NaN from key 16. Query tile 1
+# sees keys 16..31 and loads each of them once; query tile 0 sees none of them, and keys 32.. are seen by no
+# query. So a kernel that skips the tiles wholly after each query tile loads each NaN of keys 16..31 once and
+# no other (the child counts the NaN its kernels' tl.load returns); one that visits a tile it should skip loads
+# more, whatever it does with them after (a ninth road masked the loads of V and dropped K's NaN scores with
+# tl.where; a tenth stopped every tile's loop at L, not at its own last query). Queries 0..15 are judged.
+EX2_NAN_FROM = 16
+EX2_SKIP = (32, EX2)
 
 
 def _prep_ex2(g):
@@ -277,15 +279,18 @@ def _judge_ex2(ctx, results, outcome):
     q2, k2, v2 = (t.double() for t in ctx[1])
     rows = slice(0, EX2_NAN_FROM)
     want = scaled_dot_product_attention(q2, k2, v2, attn_mask=causal_mask(*EX2_SKIP))[:, :, rows]
-    what = (f"flash_forward with is_causal, L = {EX2_SKIP[0]} and S = {EX2_SKIP[1]}: keys {EX2_NAN_FROM}.. are "
-            "seen by no query, and their K and V are NaN")
+    what = (f"flash_forward with is_causal, L = {EX2_SKIP[0]} and S = {EX2_SKIP[1]}, K and V NaN from key "
+            f"{EX2_NAN_FROM}: queries 0..{EX2_NAN_FROM - 1} see none of them")
     loaded = results[1].get("nan_loads", 0)
+    B, H, L2, _ = q2.shape
+    seen_once = 2 * B * k2.shape[1] * (L2 - EX2_NAN_FROM) * k2.shape[-1]  # K and V of keys 16..31, once each
     # the NaN says 'tiles loaded, not skipped' only of a kernel whose causal output is right: a wrong one
     # (transposed loads, a missing diagonal) can carry the NaN values anywhere
-    if loaded and out["causal"].passed:
-        msg = (f"{what}: your kernel loaded {loaded} of those NaN values, so it visits the key tiles wholly after a "
-               "query tile (masking them after the load changes nothing: they are read, and cost time). Stop the key "
-               "loop at the tile's last query: range(0, tl.minimum(S, (pid_q + 1) * BQ), BK)")
+    if loaded > seen_once and out["causal"].passed:
+        msg = (f"{what}: your kernels loaded {loaded} of those NaN values, where skipping loads {seen_once} (the keys "
+               f"{EX2_NAN_FROM}..{L2 - 1} of query tile 1, once each): they visit key tiles wholly after a query tile "
+               "(masking them after the load changes nothing: they are read, and cost time). Stop the key loop at the "
+               "tile's own last query: range(0, tl.minimum(S, (pid_q + 1) * BQ), BK)")
         out["skips_future_tiles"] = Verdict(False, msg, [{"code": "causal_block_skip", "message": msg}])
     elif isinstance(o2, Tensor) and o2.shape[:-1] == q2.shape[:-1] and bool(o2[:, :, rows].isnan().any()) \
             and out["causal"].passed:
@@ -478,7 +483,7 @@ def _keeps_nan(result, v_one: Tensor) -> bool:
     return isinstance(dq, Tensor) and dq.shape[-2] == EX5_SKIP[0] and bool(dq[:, :, j:].isnan().all())
 
 
-def _judge_skip(ctx, result, one: object = None) -> Verdict:
+def _judge_skip(ctx, result, one: object = None, loaded: int = 0) -> Verdict:
     q, k, v, do = (t.double() for t in ctx[:4])
     got, bad = _triple(result, "flash_backward")
     if bad:
@@ -498,6 +503,12 @@ def _judge_skip(ctx, result, one: object = None) -> Verdict:
         return Verdict(False, msg, [{"code": "causal_block_skip", "message": msg}])
     flat = (lambda t: torch.cat([x.flatten() for x in t]))  # noqa: E731
     verdict = tensor_verdict(flat(got) if shaped else got[0], flat(want) if shaped else want[0], what)
+    once = 2 * k.shape[0] * k.shape[1] * (S - L) * k.shape[-1]  # the NaN K and V, each by its own dK/dV program
+    if verdict.passed and loaded > once:  # a ninth road visited every tile and masked what it read
+        msg = (f"{what}: your kernels loaded {loaded} of those NaN values, where skipping loads {once} (each key's K "
+               "and V once, by its own dK/dV program, which then finds no query tile): the dQ kernel visits key tiles "
+               "past its diagonal, or the dK/dV kernel query tiles before its first key, and masks what it read")
+        return Verdict(False, msg, [{"code": "causal_block_skip", "message": msg}])
     if verdict.passed and not _keeps_nan(one, ctx[4]):
         msg = ("with is_causal and one NaN in V at a key the later queries attend to, their dq was not NaN: the NaN "
                "was cleaned, not the tiles skipped. Stop the dQ kernel's key loop at the diagonal and the dK/dV "
@@ -565,7 +576,8 @@ def _judge_ex5(ctx, results, outcome):
             out = _ex5_verdicts(cases, raw, explanation)
     n = len(EX5)  # then the float16 case and the skip case
     out["fp32_accumulators"] = _judge_half(ctx[n], value(results, n), out.get("dv", Verdict(False)).passed)
-    out["skips_masked_tiles"] = _judge_skip(ctx[n + 1], value(results, n + 1), results[n + 2].get("value"))
+    out["skips_masked_tiles"] = _judge_skip(ctx[n + 1], value(results, n + 1), results[n + 2].get("value"),
+                                            results[n + 1].get("nan_loads", 0))
     return out
 
 

@@ -373,6 +373,8 @@ def _count_nan_loads(out, mask) -> None:
     import numpy as np
 
     data = np.asarray(out.data)
+    if np.issubdtype(data.dtype, np.integer) and data.dtype.itemsize in (2, 4, 8):  # NaN's bits in an int load
+        data = data.view(np.dtype(f"float{8 * data.dtype.itemsize}"))
     if not np.issubdtype(data.dtype, np.floating):
         return
     nan = np.isnan(data)

@@ -93,7 +93,8 @@ class KernelRecorder(TorchDispatchMode):
         name = str(func)
         if self.policy is None or not self.policy.exempt_here(name):
             self.names.append(name)
-        if self.nan_watch is not None and name.split(".")[1:2] and name.split(".")[1] not in self.nan_watch:
+        if self.nan_watch is not None and name.split(".")[1:2] and (name.split(".")[1] not in self.nan_watch
+                                                                     or name == "aten.view.dtype"):
             self.nan_reads += sum(1 for t in _float_tensors(args) if bool(_ISNAN(t).any()))
         return func(*args, **(kwargs or {}))
 
@@ -101,13 +102,24 @@ class KernelRecorder(TorchDispatchMode):
 _ISNAN = torch.isnan
 
 
+_AS_FLOAT = {2: torch.float16, 4: torch.float32, 8: torch.float64}
+
+
 def _float_tensors(args) -> list:
-    """The floating-point tensors among a kernel's arguments (one level into lists and tuples)."""
+    """The floating-point tensors among a kernel's arguments (one level into lists and tuples), and the
+    integer ones read as the float of their width (NaN's bits in an int64 view are still NaN's)."""
     out = []
     for a in args:
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.is_floating_point():
                 out.append(t)
+            elif t.dtype != torch.bool and not t.is_complex() and t.element_size() in _AS_FLOAT:
+                try:
+                    out.append(t.view(_AS_FLOAT[t.element_size()]))
+                except RuntimeError:  # a view the layout does not allow: not ours to read
+                    pass
     return out
 
 
