@@ -243,6 +243,13 @@ EX2_CASES = ((37, 45, False, 16, 16), (40, 40, True, 16, 8), (24, 40, True, 8, 8
 EX2_SKIP = (48, 16, 8, 32)  # (L = S, bq, bk, first NaN value)
 
 
+def _nan_from(t: Tensor, start: int) -> Tensor:
+    """A copy of ``t`` (B, H, S, E) whose keys from ``start`` on are NaN."""
+    out = t.clone()
+    out[:, :, start:] = float("nan")
+    return out
+
+
 def _prep_ex2(g):
     calls, ctx = [], []
     for L, S, causal, bq, bk in EX2_CASES:
@@ -251,10 +258,8 @@ def _prep_ex2(g):
         ctx.append((q, k, v))
     L, bq, bk, nan_from = EX2_SKIP
     q, k, v = _inputs(g, L, L)
-    k_nan, v_nan = k.clone(), v.clone()
-    k_nan[:, :, nan_from:] = float("nan")
-    v_nan[:, :, nan_from:] = float("nan")
-    calls.append(Call("flash_forward", (q[:, :, :nan_from], k_nan, v_nan, True, bq, bk), watch_nan=True))
+    calls.append(Call("flash_forward", (q[:, :, :nan_from], _nan_from(k, nan_from), _nan_from(v, nan_from), True,
+                                        bq, bk), watch_nan=True))
     ctx.append((q, k, v))
     # the same call with finite values: a NaN above is the skip's only where this one is finite (an inverted
     # rescale or K read through the wrong strides makes NaN from finite inputs too)
@@ -279,10 +284,7 @@ def _prep_ex2(g):
     # stopped every block's loop at L, not at its own last query: the NaN of keys 32.. alone never showed it)
     L, bq, bk, nan_from = EX2_SKIP
     q, k, v = _inputs(g, L, L)
-    k_nan, v_nan = k.clone(), v.clone()
-    k_nan[:, :, bq:] = float("nan")
-    v_nan[:, :, bq:] = float("nan")
-    calls.append(Call("flash_forward", (q[:, :, :nan_from], k_nan, v_nan, True, bq, bk)))
+    calls.append(Call("flash_forward", (q[:, :, :nan_from], _nan_from(k, bq), _nan_from(v, bq), True, bq, bk)))
     ctx.append((q, k, v))
     return calls, ctx
 
