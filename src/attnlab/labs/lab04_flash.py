@@ -235,7 +235,7 @@ def _judge_ex1(x, results, outcome):
 # --------------------------------------------------------------------------- ex2: the tiled forward
 EX2_CASES = ((37, 45, False, 16, 16), (40, 40, True, 16, 8), (24, 40, True, 8, 8))  # (L, S, causal, bq, bk)
 # Whether the tiles wholly after a query block are skipped: the queries 0..31 of a causal L = S = 48 call
-# are given alone (L = 32, S = 48), and the values and keys of keys 32.. are NaN: no query sees them. A loop
+# are given alone (L = 32, S = 48), and the values of keys 32.. are NaN: no query sees them. A loop
 # that skips their tiles never computes on them; one that computes those tiles anyway (masked to -inf) gets
 # 0 x NaN = NaN in P @ V, and one that cleans them first (torch.where, nan_to_num) hands a NaN to a torch
 # kernel, which the child counts (Call.watch_nan: a ninth road zeroed the future keys' V and scored the
@@ -244,7 +244,8 @@ EX2_SKIP = (48, 16, 8, 32)  # (L = S, bq, bk, first NaN value)
 
 
 def _nan_from(t: Tensor, start: int) -> Tensor:
-    """A copy of ``t`` (B, H, S, E) whose keys from ``start`` on are NaN."""
+    """A copy of ``t`` (B, H, S, Ev) whose rows from ``start`` on are NaN. V only: K's NaN would reach a
+    forward that builds the whole [L, S] scores first (ex3's mistake) and name it twice."""
     out = t.clone()
     out[:, :, start:] = float("nan")
     return out
@@ -258,8 +259,7 @@ def _prep_ex2(g):
         ctx.append((q, k, v))
     L, bq, bk, nan_from = EX2_SKIP
     q, k, v = _inputs(g, L, L)
-    calls.append(Call("flash_forward", (q[:, :, :nan_from], _nan_from(k, nan_from), _nan_from(v, nan_from), True,
-                                        bq, bk), watch_nan=True))
+    calls.append(Call("flash_forward", (q[:, :, :nan_from], k, _nan_from(v, nan_from), True, bq, bk), watch_nan=True))
     ctx.append((q, k, v))
     # the same call with finite values: a NaN above is the skip's only where this one is finite (an inverted
     # rescale or K read through the wrong strides makes NaN from finite inputs too)
@@ -279,12 +279,12 @@ def _prep_ex2(g):
     q[:, :, ::2] *= 40.0
     calls.append(Call("flash_forward", (q, k, v, False, bq, bk)))
     ctx.append((q, k, v))
-    # and the tiles after an *earlier* query block: K and V NaN from key 16 (L = 32, S = 48), so query block 0
+    # and the tiles after an *earlier* query block: V NaN from key 16 (L = 32, S = 48), so query block 0
     # sees none of them and block 1 reads them by right; block 0's output must stay finite (a tenth road
     # stopped every block's loop at L, not at its own last query: the NaN of keys 32.. alone never showed it)
     L, bq, bk, nan_from = EX2_SKIP
     q, k, v = _inputs(g, L, L)
-    calls.append(Call("flash_forward", (q[:, :, :nan_from], _nan_from(k, bq), _nan_from(v, bq), True, bq, bk)))
+    calls.append(Call("flash_forward", (q[:, :, :nan_from], k, _nan_from(v, bq), True, bq, bk)))
     ctx.append((q, k, v))
     return calls, ctx
 
@@ -313,8 +313,8 @@ def _judge_skip(ctx, result, finite: object = None, v_one: Optional[Tensor] = No
                               "flash_forward output")
     expected = scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(L, L))[:, :, :nan_from]
     got = o[:, :, :nan_from]
-    what = (f"flash_forward with is_causal, L = {nan_from} queries and S = {L} keys (keys {nan_from}.., seen by no "
-            "query, NaN)")
+    what = (f"flash_forward with is_causal, L = {nan_from} queries and S = {L} keys (the values of keys {nan_from}.., "
+            "seen by no query, NaN)")
     finite_out = finite[0] if isinstance(finite, tuple) and len(finite) == 2 else None
     if got.isnan().any() and not (isinstance(finite_out, Tensor) and bool(finite_out.isfinite().all())):
         return Verdict(False, f"{what}: NaN, and NaN or inf also where every input is finite: look at the rescale "
@@ -448,7 +448,7 @@ def _judge_first_block(ctx, result) -> Verdict:
     q, k, v = (t.double() for t in ctx)
     o = result[0] if isinstance(result, tuple) and len(result) == 2 else None
     want = scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(L, L))[:, :, :bq]
-    what = (f"flash_forward with is_causal, L = {nan_from}, S = {L}, keys {bq}.. NaN: queries 0..{bq - 1} (block 0) "
+    what = (f"flash_forward with is_causal, L = {nan_from}, S = {L}, values of keys {bq}.. NaN: queries 0..{bq - 1} "
             "see none of them")
     if not (isinstance(o, Tensor) and o.shape[-2] == nan_from):
         return tensor_verdict(o, want, what)

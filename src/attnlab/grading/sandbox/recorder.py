@@ -88,6 +88,15 @@ class KernelRecorder(TorchDispatchMode):
         # NaN lie at keys no query sees, so a loop that skips their tiles computes on none of them)
         self.nan_watch: Optional[frozenset] = None
         self.nan_reads = 0
+        # tensors this large (the call's whole K or V, or a view of all of it) are not a tile: an op on the whole
+        # sequence is the untiled forward, which the memory cap names (ex3), not a visit of one tile too many
+        self.nan_whole = 0
+
+    def watch_nan(self, args: tuple, moves: frozenset) -> None:
+        """Count, from now, the kernels past ``moves`` that receive a NaN tile: ``nan_whole`` is the size of
+        the smallest argument that holds NaN (the call's V), and a tensor that large is the whole sequence."""
+        held = [t.numel() for t in _float_tensors(args) if bool(_ISNAN(t).any())]
+        self.nan_watch, self.nan_reads, self.nan_whole = moves, 0, min(held, default=0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
@@ -95,7 +104,8 @@ class KernelRecorder(TorchDispatchMode):
             self.names.append(name)
         if self.nan_watch is not None and name.split(".")[1:2] and (name.split(".")[1] not in self.nan_watch
                                                                      or name == "aten.view.dtype"):
-            self.nan_reads += sum(1 for t in _float_tensors(args) if bool(_ISNAN(t).any()))
+            self.nan_reads += sum(1 for t in _float_tensors(args)
+                                  if (not self.nan_whole or t.numel() < self.nan_whole) and bool(_ISNAN(t).any()))
         return func(*args, **(kwargs or {}))
 
 

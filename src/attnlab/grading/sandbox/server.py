@@ -303,12 +303,12 @@ def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = 
         if stores:
             _interpreter().forget_stores()
             _interpreter().forget_nan_loads()
-        ran = (len(recorder.kernels.names), len(recorder.functions.names)) if recorder is not None else (0, 0)
         watch = recorder is not None and call.get("watch_nan")
         if recorder is not None:  # never left on from a call that raised
             recorder.kernels.nan_watch = None
-        if watch:
-            recorder.kernels.nan_watch, recorder.kernels.nan_reads = launchers.LAUNCHER_ATEN, 0
+        if watch:  # before `ran`: what it dispatches to find the NaN is not the call's
+            recorder.kernels.watch_nan(call["args"], launchers.LAUNCHER_ATEN)
+        ran = (len(recorder.kernels.names), len(recorder.functions.names)) if recorder is not None else (0, 0)
         if call.get("harness") == "autograd":  # the grader's own steps around the learner's Function (harness.py)
             value = harness.autograd(fn, tuple(call["args"]), str(call["function"])[:60], module)
         elif call.get("forbid"):  # a call that may not reach autograd runs with no graph to reach (harness.py)
