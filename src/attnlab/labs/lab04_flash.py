@@ -26,6 +26,7 @@ from attnlab.bugmodels import FlashBackward, FlashCase, flash_gradients
 from attnlab.grading.exercise import Exercise, Verdict, explain_backward, mistake, model_mistakes, tensor_verdict, value
 from attnlab.grading.sandbox import Call
 from attnlab.labs import Lab
+from attnlab.testing import tolerance
 
 # the simulators are lab 05's too (the same algorithm in Triton): package-internal, documented here
 __all__ = ["LAB", "EXERCISES", "BIG", "MEMORY_MB", "simulate_forward", "simulate_grads", "causal_mask", "tiles_kept",
@@ -271,12 +272,13 @@ def _prep_ex2(g):
     v_one[:, :, int(torch.randint(1, nan_from, (1,), generator=g)), 0] = float("nan")
     calls.append(Call("flash_forward", (q, k, v_one, True, bq, bk)))
     ctx.append(v_one)
-    # rows of very different scale (issue 62: a tile-wide running max scored ex2 whole): every other query 40x
-    # longer, so its scores reach ~±100 while its neighbours' stay ~±3; shifted by the tile's largest score,
-    # the small rows' exp underflows to 0 and l_i = 0, where each row's own max keeps them
+    # rows of very different scale (issue 62: a tile-wide running max scored ex2 whole): every other query
+    # ROW_SCALE x longer, so its scores reach ~±500 while its neighbours' stay ~±3; shifted by the tile's largest
+    # score, the small rows' exp underflows to 0 (below e^-104 in float32) and l_i = 0, where each row's own max
+    # keeps them
     L, S, _, bq, bk = EX2_CASES[0]
     q, k, v = _inputs(g, L, S)
-    q[:, :, ::2] *= 40.0
+    q[:, :, ::2] *= ROW_SCALE
     calls.append(Call("flash_forward", (q, k, v, False, bq, bk)))
     ctx.append((q, k, v))
     # and the tiles after an *earlier* query block: V NaN from key 16 (L = 32, S = 48), so query block 0
@@ -338,20 +340,34 @@ def _judge_skip(ctx, result, finite: object = None, v_one: Optional[Tensor] = No
     return verdict
 
 
+# every other query this much longer: 40x left a tile-wide max's short rows at e^-100, a denormal, not 0 (so
+# finite); and float32's error grows with the scores: at 40x two independent solutions were 1.1e-5 off, and
+# at 200x five solutions (the lab's and four independent ones, 20 seeds each) at most 7.7x float32's
+# tolerance, which ROW_SCALE / 10 = 20x covers
+ROW_SCALE = 200.0
+
+
 def _judge_row_scales(ctx, result) -> Verdict:
-    """The forward on queries whose every other row is 40x longer: right only with each row's own max."""
+    """The forward on queries whose every other row is ROW_SCALE x longer: right only with each row's own max.
+    Judged at float32's tolerance times ROW_SCALE / 10: a right forward's rounding grows with |scores|."""
     q, k, v = (t.double() for t in ctx)
     o, _, bad = _pair(result, "flash_forward")
     if bad:
         return bad
     want = scaled_dot_product_attention(q, k, v)
-    what = "flash_forward output with rows of very different scale (every other query 40x longer)"
-    if isinstance(o, Tensor) and o.shape == want.shape and not bool(o.isfinite().all()):
+    what = f"flash_forward output with rows of very different scale (every other query {ROW_SCALE:g}x longer)"
+    if not (isinstance(o, Tensor) and o.shape == want.shape):
+        return tensor_verdict(o, want, what)
+    if not bool(o.isfinite().all()):
         msg = (f"{what}: NaN or inf in the short rows. Their scores (~±3) shifted by a running max taken over the "
-               "whole tile (a long row's ~100) underflow to 0, so l_i = 0: the max is each row's own, "
+               "whole tile (a long row's ~500) underflow to 0, so l_i = 0: the max is each row's own, "
                "s.amax(dim=-1)")
         return Verdict(False, msg, [{"code": "block_max", "message": msg}], (o, want))
-    return tensor_verdict(o, want, what)
+    tol, grow = tolerance(torch.float32), ROW_SCALE / 10
+    err = (o.double() - want).abs()
+    if bool((err <= grow * (tol.atol + tol.rtol * want.abs())).all()):
+        return Verdict(True)
+    return Verdict(False, f"{what}: values differ from the reference by up to {float(err.max()):.3g}", [], (o, want))
 
 
 def _judge_ex2(ctx, results, outcome):
