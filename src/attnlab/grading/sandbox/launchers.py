@@ -27,7 +27,7 @@ caught by the stores' record and by the static rule, not by this).
 
 from __future__ import annotations
 
-__all__ = ["LAUNCHER_ATEN", "REINTERPRET", "VALUE_ESCAPES", "outside_kernels"]
+__all__ = ["LAUNCHER_ATEN", "REINTERPRET", "VALUE_ESCAPES", "moves_data", "outside_kernels"]
 
 # ATen packets a launcher may dispatch: allocation, views, copies and conversions
 LAUNCHER_ATEN = frozenset({
@@ -51,10 +51,15 @@ VALUE_ESCAPES = frozenset({"tolist", "numpy", "__repr__", "__str__", "__format__
                            "__reduce_ex__", "__reduce__", "__getstate__", "__deepcopy__"})
 
 
+def moves_data(name: str) -> bool:
+    """Whether the ATen kernel ``name`` (``aten.view.default``) only allocates, views, copies or converts."""
+    return name.startswith("aten.") and name.split(".")[1] in LAUNCHER_ATEN and name not in REINTERPRET
+
+
 def outside_kernels(aten: list, functions: list) -> list:
     """What a call ran outside its kernels: the ATen kernels among ``aten`` (``aten.mul.Tensor``) whose
     packet is not in :data:`LAUNCHER_ATEN`, and the functions among ``functions``
     (``TensorBase.tolist``) named in :data:`VALUE_ESCAPES`; distinct, sorted, at most 8."""
-    found = {n for n in aten if n.startswith("aten.") and (n.split(".")[1] not in LAUNCHER_ATEN or n in REINTERPRET)}
+    found = {n for n in aten if n.startswith("aten.") and not moves_data(n)}
     found |= {n for n in functions if n.rsplit(".", 1)[-1] in VALUE_ESCAPES}
     return sorted(found)[:8]

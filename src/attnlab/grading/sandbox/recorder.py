@@ -21,7 +21,7 @@ too.
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional
@@ -83,18 +83,19 @@ class KernelRecorder(TorchDispatchMode):
         super().__init__()
         self.names: list[str] = []
         self.policy = policy
-        # for one call (Call.watch_nan): the ATen packets that only allocate, view, copy or convert; every
-        # other kernel that receives a float tensor holding NaN counts in nan_reads (lab 04's skip case: the
-        # NaN lie at keys no query sees, so a loop that skips their tiles computes on none of them)
-        self.nan_watch: Optional[frozenset] = None
+        # for one call (Call.watch_nan): which ATen kernels only allocate, view, copy or convert; every other
+        # kernel that receives a float tensor holding NaN counts in nan_reads (lab 04's skip case: the NaN lie
+        # at keys no query sees, so a loop that skips their tiles computes on none of them)
+        self.nan_watch: Optional[Callable[[str], bool]] = None
         self.nan_reads = 0
         # tensors this large (the call's whole K or V, or a view of all of it) are not a tile: an op on the whole
         # sequence is the untiled forward, which the memory cap names (ex3), not a visit of one tile too many
         self.nan_whole = 0
 
-    def watch_nan(self, args: tuple, moves: frozenset) -> None:
-        """Count, from now, the kernels past ``moves`` that receive a NaN tile: ``nan_whole`` is the size of
-        the smallest argument that holds NaN (the call's V), and a tensor that large is the whole sequence."""
+    def watch_nan(self, args: tuple, moves: Callable[[str], bool]) -> None:
+        """Count, from now, the kernels for which ``moves(name)`` is false that receive a NaN tile:
+        ``nan_whole`` is the size of the smallest argument that holds NaN (the call's V), and a tensor that
+        large is the whole sequence."""
         held = [t.numel() for t in _float_tensors(args) if bool(_ISNAN(t).any())]
         self.nan_watch, self.nan_reads, self.nan_whole = moves, 0, min(held, default=0)
 
@@ -102,8 +103,7 @@ class KernelRecorder(TorchDispatchMode):
         name = str(func)
         if self.policy is None or not self.policy.exempt_here(name):
             self.names.append(name)
-        if self.nan_watch is not None and name.split(".")[1:2] and (name.split(".")[1] not in self.nan_watch
-                                                                     or name == "aten.view.dtype"):
+        if self.nan_watch is not None and not self.nan_watch(name):
             self.nan_reads += sum(1 for t in _float_tensors(args)
                                   if (not self.nan_whole or t.numel() < self.nan_whole) and bool(_ISNAN(t).any()))
         return func(*args, **(kwargs or {}))

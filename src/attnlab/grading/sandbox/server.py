@@ -286,6 +286,12 @@ def _frozen_in(value: Any) -> list:
     return []
 
 
+def _forbidden_reached(recorder: Any, call: dict, ran: tuple) -> list:
+    """The torch functions of ``call["forbid"]`` (by their last name) the call reached since ``ran``."""
+    forbid = frozenset(call["forbid"])
+    return sorted({n for n in recorder.functions.names[ran[1]:] if n.rsplit(".", 1)[-1] in forbid})[:8]
+
+
 def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = False,
               recorder: Any = None) -> None:
     """One call's result (a value or an error) appended to ``message``; raises _Done on sys.exit."""
@@ -307,7 +313,7 @@ def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = 
         if recorder is not None:  # never left on from a call that raised
             recorder.kernels.nan_watch = None
         if watch:  # before `ran`: what it dispatches to find the NaN is not the call's
-            recorder.kernels.watch_nan(call["args"], launchers.LAUNCHER_ATEN)
+            recorder.kernels.watch_nan(call["args"], launchers.moves_data)
         ran = (len(recorder.kernels.names), len(recorder.functions.names)) if recorder is not None else (0, 0)
         if call.get("harness") == "autograd":  # the grader's own steps around the learner's Function (harness.py)
             value = harness.autograd(fn, tuple(call["args"]), str(call["function"])[:60], module)
@@ -322,8 +328,7 @@ def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = 
             computed = launchers.outside_kernels(recorder.kernels.names[ran[0]:], recorder.functions.names[ran[1]:])
             computed = (_interpreter().foreign_arguments() + computed)[:8]
         elif recorder is not None and call.get("forbid"):  # e.g. lab 04's backward: no autograd computing it
-            forbid = frozenset(call["forbid"])
-            computed = sorted({n for n in recorder.functions.names[ran[1]:] if n.rsplit(".", 1)[-1] in forbid})[:8]
+            computed = _forbidden_reached(recorder, call, ran)
         if watch:
             recorder.kernels.nan_watch = None
         result = {"value": _portable(value)}
@@ -363,8 +368,7 @@ def _call_one(module: Any, call: dict, path: str, message: dict, stores: bool = 
         result = {"error": text, "traceback": _cap(_trim_traceback(exc, path)),
                   "memory": "can't allocate memory" in text or "alloc" in text.lower() and "memory" in text.lower()}
         if recorder is not None and call.get("forbid") and ran is not None:  # reached before it raised (no graph
-            forbid = frozenset(call["forbid"])  # under no_grad: torch.autograd.grad raises, and is still named)
-            reached = sorted({n for n in recorder.functions.names[ran[1]:] if n.rsplit(".", 1)[-1] in forbid})[:8]
+            reached = _forbidden_reached(recorder, call, ran)  # under no_grad: autograd.grad raises, still named)
             if reached:
                 result["torch_compute"] = reached
         message["results"].append(result)
