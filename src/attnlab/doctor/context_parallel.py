@@ -150,7 +150,8 @@ def _merged_base2(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, owner: Tensor, 
 
 
 def _run_model(name: str, t: dict, probe: tuple, world: int) -> Optional[tuple]:
-    """``name``'s (out, dq, dk, dv, dsinks) on a probe's inputs; None where it is the right answer there."""
+    """``name``'s (out, dq, dk, dv, dsinks) on a probe's inputs (``"right"``: the right ones); None where
+    a fault's model is the right answer there."""
     _, causal, layout, sinks, _, _ = probe
     L = t["q"].shape[2]
     n = L // world
@@ -172,7 +173,7 @@ def _run_model(name: str, t: dict, probe: tuple, world: int) -> Optional[tuple]:
         keep = rank_order[:, None] >= rank_order[None, :]
     elif name == "cp_missing_shard":
         keep = right & (owner[None, :] != (owner[:, None] + 1) % world)
-    elif name not in ("cp_lse_merge", "cp_heads", "cp_grad_reduce"):
+    elif name not in ("right", "cp_lse_merge", "cp_heads", "cp_grad_reduce"):
         raise ValueError(name)
     leaves = {n_: t[n_].clone().requires_grad_() for n_ in ("q", "k", "v")}
     s_leaf = sink_t.clone().requires_grad_() if sink_t is not None else None
@@ -288,7 +289,7 @@ def diagnose_context_parallel(fn: Union[str, Callable], world: int = 2, *, seed:
         ds = answers[0][4]
         full.append(sum(a[4] for a in answers) if ds is not None else None)
         gathered.append(tuple(full))
-    rights = [_run_model_right(i, p, world, seed) for i, p in enumerate(probes)]
+    rights = [_run_model("right", _inputs(p, world, seed + i), p, world) for i, p in enumerate(probes)]
     wrong = [i for i, g in enumerate(gathered) if g is not None and not _matches(g, rights[i])]
     for i in wrong:
         worst = max(worst, float((gathered[i][0].double() - rights[i][0]).abs().max()))
@@ -300,18 +301,6 @@ def diagnose_context_parallel(fn: Union[str, Callable], world: int = 2, *, seed:
             "unknown", f"probes {', '.join(repr(probes[i][0]) for i in wrong)} differ from one process "
                        "(max |error| {:.3g}) in a way no context-parallel model reproduces".format(worst)))
     return ContextParallelReport(False, worst if wrong else float("inf"), findings, len(probes), not_probed)
-
-
-def _run_model_right(i: int, probe: tuple, world: int, seed: int) -> tuple:
-    t = _inputs(probe, world, seed + i)
-    L = t["q"].shape[2]
-    pos = torch.arange(L)
-    keep = (pos[:, None] >= pos[None, :]) if probe[1] else torch.ones(L, L, dtype=torch.bool)
-    leaves = [t[n].clone().requires_grad_() for n in ("q", "k", "v")]
-    s_leaf = t["sinks"].clone().requires_grad_() if t["sinks"] is not None else None
-    o = _attend(*leaves, keep, s_leaf)
-    got = torch.autograd.grad(o, leaves + ([s_leaf] if s_leaf is not None else []), t["do"])
-    return o.detach(), got[0], got[1], got[2], got[3] if s_leaf is not None else None
 
 
 def _explain(gathered: list, rights: list, probes: tuple, world: int, seed: int) -> Optional[Finding]:
