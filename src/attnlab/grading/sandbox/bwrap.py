@@ -62,7 +62,7 @@ UID = 65534  # "nobody" inside the sandbox
 RUNNER = "/runner"  # where the runner's files are, inside
 # what is bound there, read-only: the server and what it imports, nothing else of attnlab
 RUNNER_FILES = ("server.py", "protocol.py", "frames.py", "seccomp.py", "recorder.py", "template.py",
-                "interpreter.py", "launchers.py", "harness.py")
+                "interpreter.py", "launchers.py", "harness.py", "calls.py")
 STAGE = "/tmp/attnlab-stage"  # under a private tmpfs on /tmp, in the mount namespace of the process that becomes bwrap
 _UID_RANGE = (1 << 30, 1 << 31)  # unassigned on any distribution (useradd stops at 60000; systemd's dynamic range < 2**17)
 
