@@ -112,6 +112,10 @@ CODES: dict[str, str] = {
     "store_mask": "a store past the end of a tensor writes memory that is not the tensor's (on a GPU another "
                   "tensor, or a fault; here the grader stops it): store with mask= (rows < L, keys < S), the same "
                   "mask as the tile's loads",
+    "head_offset": "each program's pointers start at its own (batch, head): Q, O, dO, dQ + (b * H + h) * L * E, lse "
+                   "and D + (b * H + h) * L, K, V, dK, dV + (b * Hkv + h // (H // Hkv)) * S * E; an offset with "
+                   "another tensor's sizes (S for L, H for Hkv), without the batch, or at another head reads or "
+                   "writes another head's rows",
     "wrong_strides": "a tile is read with the wrong strides: in a contiguous (.., N, E) tensor the element (row i, "
                      "column e) is at base + i * E + e (pass and use the tensor's strides when it may not be "
                      "contiguous); reading it as i + e * N loads its transpose",

@@ -74,7 +74,7 @@ MUTANTS = [
     M("a", "row_mask_le", O_ST, O_ST.replace("rows[:, None] < L)", "rows[:, None] <= L)"), "ex3", "store_mask"),
     M("a", "program_ids_swapped", "    pid_q = tl.program_id(0)\n    bh = tl.program_id(1)\n    b = bh // H\n    h = bh % H\n"
       "    bhk = b * Hkv + h // (H // Hkv)  # ex7", "    pid_q = tl.program_id(1)\n    bh = tl.program_id(0)\n"
-      "    b = bh // H\n    h = bh % H\n    bhk = b * Hkv + h // (H // Hkv)  # ex7", "ex2", "store_mask"),
+      "    b = bh // H\n    h = bh % H\n    bhk = b * Hkv + h // (H // Hkv)  # ex7", "ex2", "head_offset"),
     # the dQ kernel's key loop not stopped at the diagonal under CAUSAL (masked inside: right values, 0 x NaN)
     M("a", "dq_visits_masked_tiles", "    stop = S\n    if CAUSAL:\n        stop = tl.minimum(S, (pid_q + 1) * BQ)\n"
       "    for start in range(0, stop, BK):\n        keys = start + tl.arange(0, BK)\n        k = tl.load(K + bhk * S * E + "
@@ -371,5 +371,12 @@ MUTANTS += [
 ]
 MUTANTS += [
     # issue 62, item 2: ex5 has a case with B = 2 now; with B = 1 everywhere but ex7 this was ex7's alone
-    M("a", "dq_kv_head_without_batch", B_DQ_HEAD, "bhk = h // (H // Hkv)\n    rows", "ex5", "wrong_strides"),
+    M("a", "dq_kv_head_without_batch", B_DQ_HEAD, "bhk = h // (H // Hkv)\n    rows", "ex5", "head_offset"),
+    # issue 62's held-out corpora: pointer offsets, named by the (batch, head) each program reached (grading/offsets.py)
+    M("a", "dkdv_lse_without_head", "            lse = tl.load(LSE + bh * L + rows,", "            lse = tl.load(LSE + rows,",
+      "ex5", "head_offset"),
+    M("a", "dkdv_q_offset_with_S", "            q = tl.load(Q + bh * L * E", "            q = tl.load(Q + bh * S * E", "ex5",
+      "head_offset"),
+    M("a", "dq_d_at_kv_head", "    d = tl.load(D + bh * L + rows, mask=rows < L, other=0.0)\n    dq = tl.zeros",
+      "    d = tl.load(D + bhk * L + rows, mask=rows < L, other=0.0)\n    dq = tl.zeros", "ex7", "head_offset"),
 ]

@@ -258,7 +258,7 @@ _GLOBAL_FINDINGS: dict[tuple[str, str], tuple[str, str]] = {
                                         "the first tile's"),
     ("kv_stale", "d"): ("stale_tile", "the dK/dV kernel's query loop never advances D: every query tile reads the "
                                       "first tile's"),
-    ("dq_heads", "no_batch"): ("wrong_strides", "dQ's kernel reads key/value head h // r without the batch's offset "
+    ("dq_heads", "no_batch"): ("head_offset", "dQ's kernel reads key/value head h // r without the batch's offset "
                                                 "(b * Hkv + h // r): every batch reads batch 0's keys and values"),
     ("kv_fold", "first_r"): ("gqa_grad_sum", "dK and dV read the group's first query head for every head of the "
                                              "group: the head index is never advanced (hk * r + g)"),

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from attnlab import mistakes
+from attnlab.grading import offsets
 from attnlab.grading.sandbox import Call, Outcome, Unsupported
 from attnlab.testing import max_abs_diff, tolerance
 
@@ -239,7 +240,8 @@ def judge_outcome(ex: Exercise, ctx: Any, outcome: Outcome, rule: str = "") -> d
     except CallFailed as exc:
         r = exc.result
         memory = " (the memory limit was hit: is something huge allocated?)" if r.get("memory") else ""
-        hints = ex.on_error(r.get("error", ""), r.get("traceback", "")) if ex.on_error else []
+        hints = _offset_findings(outcome) or (ex.on_error(r.get("error", ""), r.get("traceback", ""))
+                                               if ex.on_error else [])
         if r.get("memory"):  # its own code: not a shape error, whatever else the traceback suggests
             hints = [{"code": "memory_limit", "message": f"{ex.function}() allocated past the exercise's memory "
                                                          "limit"}]
@@ -248,7 +250,27 @@ def judge_outcome(ex: Exercise, ctx: Any, outcome: Outcome, rule: str = "") -> d
     except Exception as exc:  # a return value of a shape the judge did not foresee
         return all_checks(ex.checks, Verdict(False, f"the returned value could not be checked: {type(exc).__name__}: {exc}"))
     verdicts = {name: verdicts.get(name, Verdict(False, "not checked")) for name in ex.checks}
-    return _with_mutation(ex, outcome, verdicts)
+    return _with_mutation(ex, outcome, _with_offsets(outcome, verdicts))
+
+
+def _offset_findings(outcome: Outcome) -> list[dict]:
+    """What the exercise's kernels reached outside the (batch, head) their programs own (lab 05's
+    calls carry it: :mod:`.offsets`), once each, over every call."""
+    found: list[dict] = []
+    seen: set = set()  # one finding per (kernel, argument, load or store) over the exercise's calls
+    for r in outcome.results:
+        found += offsets.findings(r.get("slices"), seen)
+    return found[:offsets.MAX_FINDINGS]
+
+
+def _with_offsets(outcome: Outcome, verdicts: dict[str, Verdict]) -> dict[str, Verdict]:
+    """A failed check of an exercise whose kernels read or wrote another (batch, head)'s rows is
+    named by that: the addresses are the direct evidence, where a bug model only resembles the
+    values (issue 62: lse without its head offset was named a stale tile or a causal skip)."""
+    found = _offset_findings(outcome)
+    if not found:
+        return verdicts
+    return {name: v if v.passed else Verdict(False, v.message, list(found), v.arrays) for name, v in verdicts.items()}
 
 
 def _with_mutation(ex: Exercise, outcome: Outcome, verdicts: dict[str, Verdict]) -> dict[str, Verdict]:

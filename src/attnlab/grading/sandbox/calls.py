@@ -180,6 +180,7 @@ def call_one(module: Any, call: dict, path: str, message: dict, stores: bool = F
                 f.data = interp.poison(f.dtype, f.data, f.itemsize, mask)
             result["unwritten"], result["untouched"] = missed, untouched
             result["nan_loads"] = interpreter().nan_loads()
+            result["slices"] = interpreter().touched()
         changed = [name for name, tensor, frozen in before if _changed(tensor, frozen)]
         if changed:  # evidence for the mistake 'mutates_input', like the recorders: never a fence
             result["mutated"] = changed[:8]
@@ -202,6 +203,8 @@ def call_one(module: Any, call: dict, path: str, message: dict, stores: bool = F
         text = cap("".join(traceback.format_exception_only(type(exc), exc)).strip())
         result = {"error": text, "traceback": cap(trim_traceback(exc, path)),
                   "memory": "can't allocate memory" in text or "alloc" in text.lower() and "memory" in text.lower()}
+        if stores:  # lab 05: the (batch, head) slices its kernels reached before it raised (out of bounds, say)
+            result["slices"] = interpreter().touched()
         if recorder is not None and call.get("forbid") and ran is not None:  # reached before it raised (no graph
             reached = _forbidden_reached(recorder, call, ran)  # under no_grad: autograd.grad raises, still named)
             if reached:

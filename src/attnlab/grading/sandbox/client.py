@@ -226,7 +226,10 @@ def validate_message(msg: Any, n_calls: int) -> None:
     for r in results:
         if not isinstance(r, dict):
             raise BadMessage("a result that is not a dict")
-        if "value" in r and set(r) <= {"value", "mutated", "unwritten", "untouched", "torch_compute", "nan_loads"}:
+        if "slices" in r:
+            _check_slices(r["slices"])
+        if "value" in r and set(r) <= {"value", "mutated", "unwritten", "untouched", "torch_compute", "nan_loads",
+                                       "slices"}:
             _check_value(r["value"], budget)
             for key in ("unwritten", "untouched", "nan_loads"):
                 if type(r.get(key, 0)) is not int or not 0 <= r.get(key, 0) < 2**40:
@@ -241,7 +244,7 @@ def validate_message(msg: Any, n_calls: int) -> None:
                 raise BadMessage("a list of changed inputs that is not a short list")
             for name in mutated:
                 _check_str(name, "an input's name")
-        elif "error" in r and set(r) <= {"error", "traceback", "memory", "torch_compute"}:
+        elif "error" in r and set(r) <= {"error", "traceback", "memory", "torch_compute", "slices"}:
             _check_str(r["error"], "an error")
             _check_str(r.get("traceback", ""), "a traceback")
             if not isinstance(r.get("memory", False), bool):
@@ -253,6 +256,36 @@ def validate_message(msg: Any, n_calls: int) -> None:
                 _check_str(name, "a function's name")
         else:
             raise BadMessage("a result with unknown fields")
+
+
+def _small_int(x: Any, limit: int = 2**31) -> bool:
+    return type(x) is int and 0 <= x < limit
+
+
+def _check_slices(slices: Any) -> None:
+    """The (batch, head) slices a call's kernels reached (:func:`.interpreter.touched`): exactly
+    that shape, bounded, ints and short names."""
+    if not isinstance(slices, dict) or set(slices) != {"launches", "touched"}:
+        raise BadMessage("slices is not {launches, touched}")
+    launches, touched = slices["launches"], slices["touched"]
+    if not isinstance(launches, list) or len(launches) > 16 or not isinstance(touched, list) or len(touched) > 1024:
+        raise BadMessage("slices is not two short lists")
+    for launch in launches:
+        if not (isinstance(launch, list) and len(launch) == 3 and isinstance(launch[1], list)
+                and len(launch[1]) in (0, 3) and all(_small_int(g) for g in launch[1])
+                and isinstance(launch[2], list) and len(launch[2]) <= 32):
+            raise BadMessage("a launch that is not [kernel, grid, tensors]")
+        _check_str(launch[0], "a kernel's name")
+        for t in launch[2]:
+            if not (isinstance(t, list) and 4 <= len(t) <= 5 and all(_small_int(n) for n in t[1:])):
+                raise BadMessage("a tensor that is not [name, shape...]")
+            _check_str(t[0], "an argument's name")
+    for t in touched:
+        if not (isinstance(t, list) and len(t) == 5 and _small_int(t[0], len(launches)) and _small_int(t[1])
+                and t[3] in (0, 1) and type(t[3]) is int and isinstance(t[4], list) and len(t[4]) <= 16
+                and all(isinstance(x, list) and len(x) == 3 and all(_small_int(n) for n in x) for x in t[4])):
+            raise BadMessage("a touch that is not [launch, program, name, kind, slices]")
+        _check_str(t[2], "an argument's name")
 
 
 # --------------------------------------------------------------------------- #
@@ -530,11 +563,15 @@ class Sandbox:
                 for key in ("unwritten", "untouched", "nan_loads"):  # lab 05: what its kernels did not store, loaded NaN
                     if key in r:
                         results[-1][key] = r[key]
+                if "slices" in r:  # lab 05: the (batch, head) slices its kernels reached
+                    results[-1]["slices"] = _clean_slices(r["slices"])
                 if r.get("torch_compute"):  # lab 05: torch's arithmetic the call ran outside the kernels
                     results[-1]["torch_compute"] = [clean_text(n, 60) for n in r["torch_compute"]]
             else:
                 results.append({"error": clean_text(r["error"]), "traceback": clean_text(r.get("traceback", "")),
                                 "memory": r.get("memory", False)})
+                if "slices" in r:  # lab 05: what its kernels reached before it raised
+                    results[-1]["slices"] = _clean_slices(r["slices"])
                 if r.get("torch_compute"):  # Call.forbid: what the call reached before it raised
                     results[-1]["torch_compute"] = [clean_text(n, 60) for n in r["torch_compute"]]
         return Outcome(msg["status"], results=results, message=clean_text(msg.get("message", "")),
@@ -578,6 +615,14 @@ _RUNTIME_NOISE = re.compile(r"^(?:.*(?:double free|free\(\)|malloc\(\)|realloc\(
 def _without_runtime_noise(output: str) -> str:
     """A crashed child's output less glibc's heap messages and the packages' warnings with their paths."""
     return "\n".join(line for line in output.splitlines() if not _RUNTIME_NOISE.match(line)).strip()
+
+
+def _clean_slices(slices: dict) -> dict:
+    """A validated slices record with every name through the one sanitiser."""
+    return {"launches": [[clean_text(k, 100), list(g), [[clean_text(t[0], 40), *t[1:]] for t in ts]]
+                         for k, g, ts in slices["launches"]],
+            "touched": [[a, p, clean_text(n, 40), kind, [list(x) for x in reached]]
+                        for a, p, n, kind, reached in slices["touched"]]}
 
 
 def _restore(value: Any) -> Any:

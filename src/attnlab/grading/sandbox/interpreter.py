@@ -103,6 +103,8 @@ def forget_stores() -> None:
     """A new call starts: what earlier calls' kernels wrote is not its answer."""
     _STORES.clear()
     _FOREIGN.clear()
+    _LAUNCHES.clear()
+    _TOUCHED.clear()
 
 
 # A kernel takes tensors, numbers and dtypes. Under the interpreter it takes anything, and a list or an
@@ -342,6 +344,8 @@ def _record_extents(init):
         walk(args_hst)
         walk(list(kwargs_hst.values()))
         _extents[:] = found
+        if _LEARNER[0]:
+            _record_launch(self, args_hst, kwargs_hst)
         return args_hst, kwargs_hst
 
     return init_args_hst
@@ -408,6 +412,7 @@ def guard_pointers() -> bool:
         return False
 
     def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        _touch(self, ptrs, mask, 0)  # before the bounds check: what it reached on the way there says why
         n = _outside(ptrs, mask, _np_dtype(ptrs.get_element_ty()))
         if n:
             raise OutOfBounds(f"tl.load reads outside every tensor passed to the kernel ({n} lanes of this load): "
@@ -417,6 +422,7 @@ def guard_pointers() -> bool:
         return out
 
     def create_masked_store(self, ptrs, value, mask, cache_policy):
+        _touch(self, ptrs, mask, 1)
         n = _outside(ptrs, mask, _np_dtype(ptrs.get_element_ty()))
         if n:
             raise OutOfBounds(f"tl.store writes outside every tensor passed to the kernel ({n} lanes of this "
@@ -427,3 +433,82 @@ def guard_pointers() -> bool:
     fn_class._init_args_hst = _record_extents(init)
     builder.create_masked_load, builder.create_masked_store = create_masked_load, create_masked_store
     return True
+
+
+# ------------------------------------------------------------------ the (batch, head) each program reaches (issue 62)
+# A pointer offset computed with another tensor's sizes, without the batch, or at the wrong head (lse read at head
+# 0, D at the key/value head, K at the query head under GQA) reads or writes another (batch, head)'s rows: values
+# no bug model of the arithmetic explains. So each learner load and store (its active lanes) is mapped to the
+# tensor arguments it falls in, and the index of the (batch, head) slice it reached there (an element's flat index
+# // the elements of one slice, prod(shape[2:])), with the first and last element of that slice reached, is kept per
+# (launch, program along grid axis 1, argument, load or store): a last tile read unmasked reaches only the next
+# slice's first rows, which the grader names load_mask, not an offset. The grader knows which slices each program owns (lab 05's launchers put batch x head on axis 1) and names
+# what went elsewhere (:mod:`attnlab.grading.offsets`). Evidence for a name, never a grade.
+MAX_LAUNCHES = 16  # learner launches described per call (lab 05's calls make at most 4)
+MAX_TOUCHED = 1024  # (launch, program, argument, kind) keys per call (lab 05's largest call, ex7's GQA backward: ~300)
+MAX_SLICES = 16  # slice indices kept per key (a program owns at most H / Hkv = 2 of a tensor's)
+_LAUNCHES: list = []  # [kernel, grid (3 ints or []), [[name, shape...], ...]] of each learner launch of this call
+_SPANS: list = []  # (name, first byte, end byte, bytes of one slice) of the running launch's tensor arguments
+_TOUCHED: dict = {}  # (launch, pid along axis 1, name, 0 load / 1 store) -> {slice: (first, last) element reached}
+
+
+def _record_launch(executor, args: list, kwargs: dict) -> None:
+    """What the grader needs to know of a learner launch: its kernel, its grid, and the name and
+    shape of each contiguous tensor argument of 3 or more dimensions (B, H, ...)."""
+    _SPANS.clear()
+    if len(_LAUNCHES) >= MAX_LAUNCHES:
+        return
+    names = list(getattr(executor, "arg_names", ()))
+    grid = getattr(executor, "grid", None)
+    grid = list(grid) + [1] * (3 - len(grid)) if type(grid) in (tuple, list) and 0 < len(grid) <= 3 and all(
+        type(g) is int for g in grid) else []
+    described = []
+    named = [(names[i], a) for i, a in enumerate(args) if i < len(names)] + list(kwargs.items())
+    for name, arg in named:
+        if hasattr(arg, "untyped_storage") and arg.dim() >= 3 and arg.is_contiguous() and arg.numel():
+            first, size = arg.data_ptr(), arg.element_size()
+            _SPANS.append((str(name)[:40], first, first + arg.numel() * size, arg[0, 0].numel() * size, size))
+            described.append([str(name)[:40], *[int(n) for n in arg.shape[:4]]])
+    _LAUNCHES.append([str(getattr(getattr(executor, "fn", None), "__name__", "?"))[:100], grid, described[:32]])
+
+
+def _touch(builder, ptrs, mask, kind: int) -> None:
+    if not _LEARNER[0] or not _SPANS or len(_LAUNCHES) > MAX_LAUNCHES:
+        return
+    import numpy as np
+
+    shape = np.asarray(ptrs.data).shape
+    addrs = np.asarray(ptrs.data).reshape(-1).astype(np.int64)
+    if mask is not None:
+        addrs = addrs[np.broadcast_to(np.asarray(mask.data).astype(bool), shape).reshape(-1)]
+    if addrs.size == 0:
+        return
+    pid = int(builder.grid_idx[1]) if getattr(builder, "grid_idx", None) else 0
+    for name, first, end, per_slice, size in _SPANS:
+        inside = addrs[(addrs >= first) & (addrs < end)] - first
+        if not inside.size:
+            continue
+        key = (len(_LAUNCHES) - 1, pid, name, kind)
+        seen = _TOUCHED.get(key)
+        if seen is None:
+            if len(_TOUCHED) >= MAX_TOUCHED:
+                continue
+            seen = _TOUCHED[key] = {}
+        slices, which = np.unique(inside // per_slice, return_inverse=True)
+        at = (inside % per_slice) // size  # the element of its slice each lane reached
+        first_at, last_at = np.full(slices.shape, per_slice, dtype=np.int64), np.zeros(slices.shape, dtype=np.int64)
+        np.minimum.at(first_at, which.reshape(-1), at)
+        np.maximum.at(last_at, which.reshape(-1), at)
+        for sl, lo, hi in zip(slices.tolist(), first_at.tolist(), last_at.tolist()):
+            if sl in seen or len(seen) < MAX_SLICES:
+                old = seen.get(sl, (lo, hi))
+                seen[sl] = (min(old[0], lo), max(old[1], hi))
+
+
+def touched() -> dict:
+    """The learner's launches of this call and the (batch, head) slices each program reached:
+    ``{"launches": [[kernel, grid, [[name, *shape], ...]], ...], "touched": [[launch, pid, name,
+    kind, [[slice, first, last element of it reached], ...]], ...]}`` (kind 0 a load, 1 a store)."""
+    return {"launches": [list(x) for x in _LAUNCHES[:MAX_LAUNCHES]],
+            "touched": [[*key, sorted([sl, lo, hi] for sl, (lo, hi) in seen.items())[:MAX_SLICES]]
+                        for key, seen in list(_TOUCHED.items())[:MAX_TOUCHED]]}
