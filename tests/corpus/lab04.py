@@ -126,6 +126,24 @@ MUTANTS = [
       "ex5", "scores_materialized", ("q, k, v, out, lse = ctx.saved_tensors", "q, k, v, out, lse, p = ctx.saved_tensors")),
     M("b", "function_backward_not_causal", "dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal)",
       "dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out)", "ex5", "causal_block_skip"),
+    # issue 62's held-out corpora: a product that does not line up, P from a tile's own max
+    M("b", "dq_einsum_ds_transposed", 'torch.einsum("bhqk,bhke->bhqe", ds, kb)', 'torch.einsum("bhkq,bhke->bhqe", ds, kb)',
+      "ex4", "backward_operand"),
+    M("b", "backward_p_tile_max", "p = torch.exp(s - lse[:, :, q0:q1, None])", "p = torch.exp(s - s.amax(dim=-1, keepdim=True))",
+      "ex4", "backward_p"),
+]
+
+
+MUTANTS += [  # issue 62's held-out corpora, on solution a: shape errors that name their line
+    M("a", "dv_p_not_transposed", "dv[:, :, ks:ke] += p.transpose(-2, -1) @ do_i", "dv[:, :, ks:ke] += p @ do_i", "ex4",
+      "backward_operand"),
+    M("a", "backward_mask_transposed", "* scale  # [B, H, bq, bk]\n            if is_causal:\n                mask = "
+      "causal_block_mask(qs, qe, ks, ke)", "* scale  # [B, H, bq, bk]\n            if is_causal:\n                mask = "
+      "causal_block_mask(ks, ke, qs, qe)", "ex4", "backward_mask"),
+    M("a", "lse_without_trailing_dim", "p = torch.exp(s - lse[:, :, qs:qe, None])", "p = torch.exp(s - lse[:, :, qs:qe])",
+      "ex4", "keepdim"),
+    M("a", "saved_unpacked_out_of_order", "q, k, v, o, lse = ctx.saved_tensors", "q, k, v, lse, o = ctx.saved_tensors",
+      "ex5", "order"),
 ]
 
 

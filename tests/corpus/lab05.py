@@ -377,6 +377,12 @@ MUTANTS += [
       "ex5", "head_offset"),
     M("a", "dkdv_q_offset_with_S", "            q = tl.load(Q + bh * L * E", "            q = tl.load(Q + bh * S * E", "ex5",
       "head_offset"),
+    M("a", "dkdv_lse_along_keys", "p = tl.where(seen, tl.exp(s - lse[:, None]), 0.0)  # P rebuilt",
+      "p = tl.where(seen, tl.exp(s - lse[None, :]), 0.0)  # P rebuilt", "ex5", "wrong_axis"),
+    M("a", "dq_d_along_keys", "        ds = p * (dp - d[:, None])\n        dq +=", "        ds = p * (dp - d[None, :])\n        dq +=",
+      "ex5", "wrong_axis"),
+    M("a", "dv_stored_as_float16", "tl.store(DV + bhk * S * E + keys[:, None] * E + cols_e[None, :], dv, mask",
+      "tl.store(DV + bhk * S * E + keys[:, None] * E + cols_e[None, :], dv.to(tl.float16), mask", "ex5", "low_precision"),
     M("a", "dq_d_at_kv_head", "    d = tl.load(D + bh * L + rows, mask=rows < L, other=0.0)\n    dq = tl.zeros",
       "    d = tl.load(D + bhk * L + rows, mask=rows < L, other=0.0)\n    dq = tl.zeros", "ex7", "head_offset"),
 ]

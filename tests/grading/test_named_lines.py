@@ -186,3 +186,59 @@ def test_a_key_value_offset_counted_in_query_heads_loses_lab05s_grouped_heads_po
     report = _grade(LAB05.replace(right, "    bhk = b * H + h // (H // Hkv)  # ex7"), "flash_triton.py", "05")
     scores = report.exercise_scores()
     assert scores["ex7"][0] < scores["ex7"][1] and report.score < 100, report.to_text()
+
+
+SHAPES = ("def backward_pass(q, k, v, o, lse, do, S, L, bq, bk, scale):\n"
+          "    D = (do * o).sum(dim=-1)\n"
+          "    for ks in range(0, S, bk):\n"
+          "        for qs in range(0, L, bq):\n"
+          "            mask = causal_block_mask(ks, ks + bk, qs, qs + bq)\n"              # line 5: keys first
+          "            s = (q[:, :, qs:qs + bq] @ k[:, :, ks:ks + bk].transpose(-2, -1)).masked_fill(~mask, -1e9)\n"
+          "            p = torch.exp(s - lse[:, :, qs:qs + bq])\n"                     # line 7: no trailing None
+          "            dv = p @ do[:, :, qs:qs + bq]\n"                                # line 8: P not transposed
+          "            dq = torch.einsum('bhkq,bhke->bhqe', p, k)\n"                   # line 9: dS read as (k, q)
+          "    return dq, dv\n")
+
+
+def test_a_shape_error_names_the_transpose_the_mask_or_the_row_vector_of_its_line():
+    """Issue 62's first held-out corpus left these unnamed (a broadcast or matmul error, no reduction
+    without keepdim feeding the line): each now names its line's mistake."""
+    tree = ast.parse(SHAPES)
+    matmul = BROADCAST.replace("The size of tensor a (4) must match the size of tensor b (3) at non-singleton "
+                               "dimension 1", "Expected size for first two dimensions of batch2 tensor to be: [4, 16]")
+    einsum = BROADCAST.replace("The size of tensor a (4) must match the size of tensor b (3) at non-singleton "
+                               "dimension 1", "einsum(): subscript k has size 13 for operand 1 which does not broadcast")
+    at_6 = explain(BROADCAST.format(line=6), tree, "flash.py")
+    assert [f["code"] for f in at_6] == ["backward_mask"] and "line 5" in at_6[0]["message"], at_6
+    at_7 = explain(BROADCAST.format(line=7), tree, "flash.py")
+    assert [f["code"] for f in at_7] == ["keepdim"] and "lse" in at_7[0]["message"], at_7
+    at_8 = explain(matmul.format(line=8), tree, "flash.py")
+    assert [f["code"] for f in at_8] == ["backward_operand"] and "dV = P^T dO" in at_8[0]["message"], at_8
+    at_9 = explain(einsum.format(line=9), tree, "flash.py")
+    assert [f["code"] for f in at_9] == ["backward_operand"] and "dQ = scale * dS K" in at_9[0]["message"], at_9
+    right = ast.parse(SHAPES.replace("dv = p @ do", "dv = p.transpose(-2, -1) @ do"))
+    assert explain(matmul.format(line=8), right, "flash.py") == []  # the formula's own transposes: wrong elsewhere
+
+
+FUNCTION = ("class Attn(torch.autograd.Function):\n"
+            "    @staticmethod\n"
+            "    def forward(ctx, q, k, v):\n"
+            "        o, lse = fwd(q, k, v)\n"
+            "        ctx.save_for_backward(q, k, v, o, lse)\n"                         # line 5
+            "        return o\n"
+            "    @staticmethod\n"
+            "    def backward(ctx, do):\n"
+            "        q, k, v, lse, o = ctx.saved_tensors\n"                            # line 9: lse and o swapped
+            "        return bwd(q, k, v, o, lse, do)\n")
+
+
+def test_saved_tensors_unpacked_in_another_order_are_named_under_any_error_below_them():
+    error = ("raised RuntimeError: The size of tensor a (8) must match the size of tensor b (33) at non-singleton "
+             "dimension 3\nTraceback (most recent call last):\n  File \"flash.py\", line 10, in backward\n"
+             "    return bwd(q, k, v, o, lse, do)\n  File \"flash.py\", line 40, in bwd\n    p = torch.exp(s - lse)\n"
+             "RuntimeError: The size of tensor a (8) must match")
+    found = explain(error, ast.parse(FUNCTION), "flash.py")
+    assert [f["code"] for f in found] == ["order"] and "line 9" in found[0]["message"] \
+        and "line 5 saved (q, k, v, o, lse)" in found[0]["message"], found
+    right = ast.parse(FUNCTION.replace("q, k, v, lse, o = ctx", "q, k, v, o, lse = ctx"))
+    assert [f["code"] for f in explain(error, right, "flash.py")] != ["order"]

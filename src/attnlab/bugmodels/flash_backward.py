@@ -92,7 +92,8 @@ class FlashBackward:
     # P's exponential: exp | exp2 (exp2(S - lse), log2(e) not folded in) | lse2 (base-2 scores against the
     # natural lse: exp2(S log2(e) - lse) = exp(S - lse ln 2)) | ln2 (the lse converted with ln 2 in place of
     # log2(e): exp2(S log2(e) - lse ln 2)) | exp2_lse2 (natural scores against a base-2 lse: exp2(S - lse
-    # log2(e))) | tile_max (exp(S - the tile's own row max): no lse) | div_lse (exp(S) / lse: lse taken for l_i)
+    # log2(e))) | tile_max (exp(S - the tile's own row max): no lse) | tile_max_nan (the same, unguarded: a row
+    # that sees no key of a visited tile gets exp(-inf - -inf) = NaN) | div_lse (exp(S) / lse: lse taken for l_i)
     dq_base: str = "exp"
     kv_base: str = "exp"
     # the causal mask: right | none (every tile, no mask) | tiles (the tiles visited, unmasked inside) |
@@ -113,6 +114,10 @@ class FlashBackward:
     kv_dp: str = "v"
     dq_ds: str = "p_times"
     kv_ds: str = "p_times"
+    # the per-row vectors against a tile: rows (lse[:, None], D[:, None]) | lse_keys | d_keys (laid along the keys:
+    # lse[None, :] or no [:, None], so key column c of a square tile gets the value of the tile's row c)
+    dq_vec: str = "rows"
+    kv_vec: str = "rows"
     # the partial last tile of the kernel's loop: all | drop (dQ's key loop, dK/dV's query loop stop short)
     dq_tail: str = "all"
     kv_tail: str = "all"
@@ -144,11 +149,11 @@ class FlashBackward:
 
 
 KERNEL_CHOICES: dict[str, list[str]] = {  # per-kernel fields without their dq_/kv_ prefix
-    "p_scale": ["no"], "base": ["exp2", "lse2", "ln2", "exp2_lse2", "tile_max", "div_lse"],
+    "p_scale": ["no"], "base": ["exp2", "lse2", "ln2", "exp2_lse2", "tile_max", "tile_max_nan", "div_lse"],
     "mask": ["none", "tiles", "bottom_right", "bottom_right_mask", "strict", "skip_diag", "inverted", "inverted_diag",
              "flipped"],
     "d": ["none", "do", "tile", "do_do", "scaled", "lse"], "ds": ["minus_d", "no_p", "no_p_tile", "sign"],
-    "tail": ["drop"], "dp": ["k"],
+    "tail": ["drop"], "dp": ["k"], "vec": ["lse_keys", "d_keys"],
 }
 GLOBAL_CHOICES: dict[str, list[str]] = {
     "dq_acc": ["last"], "dk_acc": ["last"], "dv_acc": ["last"], "kv_grid": ["drop"],
@@ -163,7 +168,9 @@ GLOBAL_CHOICES: dict[str, list[str]] = {
 PAIRED: frozenset = frozenset({"p_scale", "base", "mask", "d", "ds", "tail", "dq_acc", "dk_acc", "dv_acc", "kv_grid",
                                "dq_scale", "dk_scale", "dv_scale", "dk_from", "dq_heads", "kv_heads", "kv_fold",
                                "swap_o_do"})
-NOT_PAIRED: frozenset = frozenset({("base", "ln2"), ("base", "exp2_lse2"), ("base", "tile_max"), ("base", "div_lse"),
+NOT_PAIRED: frozenset = frozenset({("base", "ln2"), ("base", "exp2_lse2"), ("base", "tile_max"),
+                                   ("base", "tile_max_nan"), ("base", "div_lse"), ("vec", "lse_keys"),
+                                   ("vec", "d_keys"),
                                    ("mask", "inverted"), ("mask", "inverted_diag"), ("mask", "flipped"),
                                    ("d", "do_do"), ("d", "scaled"),
                                    ("d", "lse"), ("ds", "no_p_tile"), ("ds", "sign"), ("dq_scale", "log2e"),
@@ -204,6 +211,13 @@ _KERNEL_FINDINGS: dict[tuple[str, str], tuple[str, str]] = {
                                         "fold log2(e) into the scores too, or use exp and the natural lse"),
     ("base", "tile_max"): ("backward_p", "P is rebuilt {who} with each tile's own row max, not the saved lse: "
                                          "P = exp(scale * Q K^T - lse) is already normalised"),
+    ("base", "tile_max_nan"): ("backward_p", "P is rebuilt {who} with each tile's own row max, not the saved lse "
+                                             "(and a row that sees no key of a tile gets NaN from it): P = "
+                                             "exp(scale * Q K^T - lse) is already normalised"),
+    ("vec", "lse_keys"): ("wrong_axis", "lse is laid along the keys {who} (lse[None, :], or no [:, None]): each "
+                                       "query row has its own lse, so P = exp(S - lse[:, None])"),
+    ("vec", "d_keys"): ("wrong_axis", "D is laid along the keys {who} (D[None, :], or no [:, None]): each query row "
+                                     "has its own D, so dS = P * (dP - D[:, None])"),
     ("base", "div_lse"): ("backward_p", "P is rebuilt {who} as exp(S) / lse: lse is a log, P = exp(S - lse)"),
     ("mask", "inverted"): ("backward_mask", "the causal mask {who} keeps the future (key j > query i) and hides the "
                                             "past: keep j <= i"),
@@ -368,6 +382,18 @@ def _stale_rows(case: FlashCase) -> Tensor:
     return torch.clamp(first + (i - q0), max=L - 1)
 
 
+def _along_keys(x: Tensor, case: FlashCase) -> Tensor:
+    """(B, H, L) per query row -> (B, H, L, S) laid along the keys of each square tile: pair (i, j) gets the
+    row q0(i) + (j - k0(j)), 0 past L (a masked load's other=). A tile that is not square raises, as the
+    broadcast of the learner's code does."""
+    if case.bq != case.bk:
+        raise RuntimeError("a vector laid along the keys of a tile that is not square does not broadcast")
+    _, _, _, L, _ = case.shape
+    i, j, q0, k0 = _tiles(case)
+    padded = torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], dim=-1)  # row L reads 0
+    return _per_pair(padded, torch.clamp(q0 + (j - k0), max=L))
+
+
 def _per_pair(x: Tensor, rows: Tensor) -> Tensor:
     """(B, H, L) per query row -> (B, H, L, S): the value of row ``rows[i, j]`` for each pair."""
     B, H, _ = x.shape
@@ -392,8 +418,12 @@ def _kernel_p(case: FlashCase, m: FlashBackward, kernel: str, heads: Tensor) -> 
     s = q @ kx.transpose(-2, -1) * (sc if get("p_scale") == "yes" else 1.0)
     keep, visit = _keep_visit(case, get("mask"))
     lse_p = _per_pair(lse, _stale_rows(case)) if kernel == "kv" and m.kv_stale == "lse" else lse[..., None]
+    if get("vec") == "lse_keys":
+        lse_p = _along_keys(lse, case)
     z = _exponential(get("base"), s, lse_p, keep, case.bk)
     p = z.where(keep, torch.zeros_like(z))
+    if get("base") == "tile_max_nan":
+        p = p + _empty_tile_rows(keep, visit, case.bk)
     dp = do @ (vx if get("dp") == "v" else kx).transpose(-2, -1)
     d_how = get("d")
     if d_how == "tile":  # each key tile's own rowsum(P * dP), broadcast over its keys
@@ -405,7 +435,8 @@ def _kernel_p(case: FlashCase, m: FlashBackward, kernel: str, heads: Tensor) -> 
         d = {"do_o": lambda: (do * o).sum(-1), "none": lambda: torch.zeros_like(lse), "do": lambda: do.sum(-1),
              "do_do": lambda: (do * do).sum(-1), "scaled": lambda: (do * o).sum(-1) * sc,
              "lse": lambda: lse}[d_how]()
-        d = _per_pair(d, _stale_rows(case)) if kernel == "kv" and m.kv_stale == "d" else d[..., None]
+        d = (_per_pair(d, _stale_rows(case)) if kernel == "kv" and m.kv_stale == "d"
+             else _along_keys(d, case) if get("vec") == "d_keys" else d[..., None])
     ds_how = get("ds")
     if ds_how == "p_times":
         ds = p * (dp - d)
@@ -422,10 +453,19 @@ def _kernel_p(case: FlashCase, m: FlashBackward, kernel: str, heads: Tensor) -> 
     return {"p": p, "dp": dp.where(visit, torch.zeros_like(dp)), "ds": ds, "use": use, "kx": kx, "vx": vx}
 
 
+def _empty_tile_rows(keep: Tensor, visit: Tensor, bk: int) -> Tensor:
+    """(L, S): NaN at the visited pairs whose row keeps no key of that key tile, 0 elsewhere: what an
+    unguarded tile max gives there (exp(-inf - -inf))."""
+    empty = torch.zeros(keep.shape, dtype=torch.bool)
+    for start in range(0, keep.shape[-1], bk):
+        empty[:, start:start + bk] = ~keep[:, start:start + bk].any(-1, keepdim=True)
+    return torch.zeros(keep.shape, dtype=torch.float64).masked_fill(empty & visit, float("nan"))
+
+
 def _exponential(base: str, s: Tensor, lse: Tensor, keep: Tensor, bk: int) -> Tensor:
     """P before its mask, from the scores ``s`` (B, H, L, S) and ``lse`` (broadcast to them), by ``base``."""
     ln2 = math.log(2.0)
-    if base == "tile_max":  # each key tile normalised by its own row max (masked keys left out of it)
+    if base in ("tile_max", "tile_max_nan"):  # each key tile normalised by its own row max (masked keys left out)
         z = torch.zeros_like(s)
         masked = s.masked_fill(~keep, float("-inf"))
         for start in range(0, s.shape[-1], bk):

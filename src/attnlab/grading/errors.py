@@ -12,8 +12,12 @@ nothing of the learner's runs) and names the mistake when the error and the code
 * autograd's "returned an invalid gradient at index i": backward's gradients are not in the
   order of forward's inputs: ``order``;
 * a shape error on a backward line that builds a gradient from another input than its operand
-  (``dq += ds @ v_j``): ``backward_operand``; one that slices a per-query tensor (lse, D) by the
-  key loop's bounds: ``wrong_axis``.
+  (``dq += ds @ v_j``), or from the right ones with a transpose missing (``dv += p @ do_i``):
+  ``backward_operand``; one that slices a per-query tensor (lse, D) by the key loop's bounds:
+  ``wrong_axis``; one that reads a mask built with the key bounds first (``mask(ks, ke, qs, qe)``):
+  ``backward_mask``;
+* any error under a ``backward`` that unpacks ``ctx.saved_tensors`` in another order than
+  ``save_for_backward`` saved them: ``order``.
 
 Anything else is left to the exercise's own checks.
 """
@@ -32,7 +36,7 @@ REDUCTIONS = frozenset({"sum", "amax", "amin", "max", "min", "mean", "logsumexp"
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
 _BROADCAST = ("must match the size of tensor", "The size of tensor a")
 _MATMUL = ("cannot be multiplied", "Expected size for first two dimensions", "size mismatch", "shape mismatch",
-           "mat1 and mat2")
+           "mat1 and mat2", "einsum(): ")
 
 
 def frames(text: str, file_names: "str | tuple[str, ...]") -> list[tuple[int, str]]:
@@ -108,9 +112,12 @@ _ALSO = {"dp": {"do"}}  # and the inputs it may read besides
 _STEM = re.compile(r"^(do|q|k|v)(?:_?[ijt]|_?tile|_?blk|_?block)?_?$")
 
 
-def _wrong_operand(func: ast.FunctionDef, line: int, name: str) -> list[dict]:
-    """``backward_operand`` when the failing ``line`` assigns a gradient (``dq``, ``dk``, ``dv``, ``dp``, or a
-    slice of one) from an input that is not its operand: ``dq += ds @ v_j`` (dQ = scale * dS K)."""
+_RIGHT = {"dq": "dQ = scale * dS K", "dk": "dK = scale * dS^T Q", "dv": "dV = P^T dO", "dp": "dP = dO V^T"}
+
+
+def _gradients_assigned(func: ast.FunctionDef, line: int):
+    """(the gradient's name, the assignment) of each assignment on ``line`` to a gradient (``dq``, ``dk``,
+    ``dv``, ``dp``, or a slice of one)."""
     for node in ast.walk(func):
         if getattr(node, "lineno", None) != line or not isinstance(node, (ast.Assign, ast.AugAssign)):
             continue
@@ -119,16 +126,90 @@ def _wrong_operand(func: ast.FunctionDef, line: int, name: str) -> list[dict]:
             target = target.value
         grad = target.id.lower().rstrip("_ij") if isinstance(target, ast.Name) else ""
         grad = next((g for g in _OPERANDS if grad == g or grad.startswith(g + "_")), None)
-        if grad is None:
-            continue
+        if grad is not None:
+            yield grad, node
+
+
+def _wrong_operand(func: ast.FunctionDef, line: int, name: str) -> list[dict]:
+    """``backward_operand`` when the failing ``line`` assigns a gradient from an input that is not its
+    operand: ``dq += ds @ v_j`` (dQ = scale * dS K)."""
+    for grad, node in _gradients_assigned(func, line):
         stems = {m.group(1) for n in ast.walk(node.value) if isinstance(n, ast.Name)
                  for m in [_STEM.match(n.id.lower())] if m}
         wrong = stems - _OPERANDS[grad] - _ALSO.get(grad, set())
         if wrong and not stems & _OPERANDS[grad]:
-            right = {"dq": "dQ = scale * dS K", "dk": "dK = scale * dS^T Q", "dv": "dV = P^T dO",
-                     "dp": "dP = dO V^T"}[grad]
             return [{"code": "backward_operand",
-                     "message": f"line {line} in {name}(): {grad} is built from {sorted(wrong)[0]}: {right}"}]
+                     "message": f"line {line} in {name}(): {grad} is built from {sorted(wrong)[0]}: {_RIGHT[grad]}"}]
+    return []
+
+
+_TRANSPOSED = {"dq": (False, False), "dk": (True, False), "dv": (True, False), "dp": (False, True)}  # dS K, dS^T Q...
+
+
+def _transposed(expr: ast.AST) -> bool:
+    """Whether an operand of ``@`` is a transpose: ``x.transpose(-2, -1)``, ``x.mT``, ``x.T``, ``x.t()``."""
+    while isinstance(expr, ast.Call) and getattr(expr.func, "attr", "") in ("float", "double", "to", "contiguous"):
+        expr = expr.func.value
+    return (isinstance(expr, ast.Attribute) and expr.attr in ("mT", "T")) or (
+        isinstance(expr, ast.Call) and getattr(expr.func, "attr", "") in ("transpose", "t", "swapaxes"))
+
+
+def _product_misaligned(func: ast.FunctionDef, line: int, name: str) -> list[dict]:
+    """``backward_operand`` when the failing ``line`` builds a gradient from a product (``@``, matmul,
+    einsum) of the right operands that does not line up: a transpose missing or extra (``dv += p @ do_i``,
+    an einsum reading dS as ``bhkq``)."""
+    for grad, node in _gradients_assigned(func, line):
+        products = [n for n in ast.walk(node.value) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.MatMult)
+                    or isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", ""))
+                    in ("einsum", "matmul", "bmm", "mm")]
+        at = [(_transposed(n.left), _transposed(n.right)) for n in products if isinstance(n, ast.BinOp)]
+        if at and all(pattern == _TRANSPOSED[grad] for pattern in at):  # as the formula has it: the shapes that
+            continue  # reach this line are wrong elsewhere
+        if products:
+            return [{"code": "backward_operand",
+                     "message": f"line {line} in {name}(): {grad}'s product does not line up: {_RIGHT[grad]}, so a "
+                                "transpose is missing or extra (P^T is p.transpose(-2, -1); in an einsum the "
+                                "subscripts name each operand's axes in its own order)"}]
+    return []
+
+
+def _mask_transposed(func: ast.FunctionDef, line: int, name: str) -> list[dict]:
+    """``backward_mask`` when the failing ``line`` reads a mask built by a call that takes the key
+    tile's bounds before the query tile's (``causal_block_mask(ks, ke, qs, qe)``): a (keys, queries)
+    mask against (queries, keys) scores."""
+    reads = {n.id for n in ast.walk(func) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+             and getattr(n, "lineno", None) == line}
+    for node in ast.walk(func):
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and node.targets[0].id in reads and isinstance(node.value, ast.Call)):
+            continue
+        firsts = [a.id[0].lower() for a in node.value.args if isinstance(a, ast.Name)]
+        if "k" in firsts and "q" in firsts and firsts.index("k") < firsts.index("q"):
+            return [{"code": "backward_mask",
+                     "message": f"line {node.lineno} in {name}(): {node.targets[0].id} is built with the key tile's "
+                                "bounds first, a (keys, queries) mask, where the scores are (queries, keys): pass the "
+                                "query bounds first, as the forward does"}]
+    return []
+
+
+def _saved_out_of_order(tree: ast.Module, functions: list[str]) -> list[dict]:
+    """``order`` when one of ``functions`` (the traceback's) unpacks ``ctx.saved_tensors`` into the names
+    ``save_for_backward`` was given, in another order."""
+    saved = [(n.lineno, [a.id for a in n.args]) for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and getattr(n.func, "attr", "") == "save_for_backward" and all(isinstance(a, ast.Name) for a in n.args)]
+    for fname in functions:
+        func = _function(tree, fname)
+        for node in ast.walk(func) if func is not None else ():
+            if not (isinstance(node, ast.Assign) and getattr(node.value, "attr", "") == "saved_tensors"
+                    and isinstance(node.targets[0], ast.Tuple)
+                    and all(isinstance(e, ast.Name) for e in node.targets[0].elts)):
+                continue
+            names = [e.id for e in node.targets[0].elts]
+            for at, order in saved:
+                if sorted(order) == sorted(names) and order != names:
+                    return [{"code": "order",
+                             "message": f"line {node.lineno} unpacks ctx.saved_tensors as ({', '.join(names)}), but "
+                                        f"line {at} saved ({', '.join(order)}): unpack them in the order saved"}]
     return []
 
 
@@ -153,11 +234,17 @@ def _row_vector_unexpanded(func: ast.FunctionDef, line: int, name: str) -> list[
             if not any(isinstance(e, ast.Constant) and e.value is None for e in parts):
                 sliced.add(node.targets[0].id)
     for node in ast.walk(func):
+        right = node.right if isinstance(node, ast.BinOp) else None
+        if isinstance(right, ast.Subscript) and isinstance(right.value, ast.Name) and _PER_QUERY.match(right.value.id):
+            parts = right.slice.elts if isinstance(right.slice, ast.Tuple) else [right.slice]
+            if not any(isinstance(e, ast.Constant) and e.value is None for e in parts):  # lse[:, :, q0:q1]
+                right = ast.Name(id=right.value.id)
+                sliced = sliced | {right.id}
         if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub) and getattr(node, "lineno", None) == line
-                and isinstance(node.right, ast.Name) and _PER_QUERY.match(node.right.id)
-                and node.right.id in sliced | params):
+                and isinstance(right, ast.Name) and _PER_QUERY.match(right.id)
+                and right.id in sliced | params):
             continue
-        vec = node.right.id
+        vec = right.id
         return [{"code": "keepdim",
                  "message": f"line {line} in {name}(): {vec} holds one value per query row ([B, H, rows]) and is "
                             f"subtracted from a tile ([B, H, rows, keys]) without its trailing dim: {vec}[..., None]"}]
@@ -301,6 +388,9 @@ def explain(text: str, tree: Optional[ast.Module], file_name: "str | tuple[str, 
     where = frames(text, file_name)
     if not where:
         return []
+    saved = _saved_out_of_order(tree, [f for _, f in where])
+    if saved:
+        return saved
     line, name = where[-1]
     func = _function(tree, name)
     if func is None:
@@ -317,7 +407,8 @@ def explain(text: str, tree: Optional[ast.Module], file_name: "str | tuple[str, 
                          "message": f"line {line} in {name}(): .T (or transpose(0, 1)) on a 3-D or 4-D tensor swaps "
                                     "the wrong dims; transpose the last two with .transpose(-2, -1)"}]
     if any(s in text for s in (*_BROADCAST, *_MATMUL)):
-        operand = _wrong_operand(func, line, name) or _key_sliced(func, line, name) or _query_sliced(func, line, name)
+        operand = (_wrong_operand(func, line, name) or _key_sliced(func, line, name) or _query_sliced(func, line, name)
+                   or _mask_transposed(func, line, name))
         if operand:
             return operand
     if any(s in text for s in _BROADCAST):
@@ -328,10 +419,12 @@ def explain(text: str, tree: Optional[ast.Module], file_name: "str | tuple[str, 
             return axis
         calls = _feeding(func, line, [c for c in reductions if all(c is not r for r in restored)])
         if not calls:
-            return _row_vector_unexpanded(func, line, name)
+            return _row_vector_unexpanded(func, line, name) or _product_misaligned(func, line, name)
         if calls:
             shown = ", ".join(f"line {c.lineno}: .{c.func.attr}(...)" for c in calls[:2])
             return [{"code": "keepdim",
                      "message": f"{name}() reduces along a dim without keepdim=True ({shown}), so the result "
                                 "loses that dim and no longer lines up with the tensor it divides or shifts"}]
+    if any(s in text for s in _MATMUL):
+        return _product_misaligned(func, line, name)
     return []

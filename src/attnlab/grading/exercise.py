@@ -119,6 +119,25 @@ def _resembles(got: Tensor, wrong: Tensor) -> bool:
     return max_abs_diff(got, w) <= 1e-4 * max(1.0, float(w.abs().max()) if w.numel() else 1.0)
 
 
+def _rounded_to_half(got: Tensor, expected: Tensor) -> str:
+    """"float16" or "bfloat16" when a float32 answer is made of that dtype's numbers alone, where most of
+    the reference's are not, and is within that dtype's tolerance of it (issue 62: dV stored as
+    .to(tl.float16) into a float32 tensor); "" otherwise."""
+    if got.dtype != torch.float32 or got.shape != expected.shape or got.numel() < 16 or not bool(
+            torch.isfinite(got).all()):
+        return ""
+    for dtype, name in ((torch.float16, "float16"), (torch.bfloat16, "bfloat16")):
+        if not torch.equal(got.to(dtype).float(), got):
+            continue
+        e = expected.float()
+        if float((e.to(dtype).float() != e).float().mean()) < 0.5:  # the reference is such numbers too
+            continue
+        tol = tolerance(dtype)
+        if bool(((got.double() - expected.double()).abs() <= tol.atol + tol.rtol * expected.double().abs()).all()):
+            return name
+    return ""
+
+
 def tensor_verdict(got: Any, expected: Tensor, what: str,
                    mistakes: Optional[list[tuple[str, str, Optional[Tensor]]]] = None) -> Verdict:
     """Compare one returned tensor; on a mismatch try to name the mistake.
@@ -150,6 +169,12 @@ def tensor_verdict(got: Any, expected: Tensor, what: str,
         return Verdict(False, f"{what}: {int((got != expected).sum())} entries differ, e.g. at {wrong}")
     if close(got, expected):
         return Verdict(True)
+    rounded = _rounded_to_half(got, expected)
+    if rounded:
+        message = (f"{what}: every value is a {rounded} number, within {rounded}'s rounding of the reference: it was "
+                   f"cast to {rounded} on the way (a store of .to({rounded}), an accumulator or an operand in "
+                   f"{rounded}); keep float32 where float32 is asked, and cast once, if at all, at the end")
+        return Verdict(False, message, [{"code": "low_precision", "message": message}], (got, expected))
     if not torch.isfinite(got).all() and torch.isfinite(expected).all():
         return Verdict(False, f"{what}: contains NaN/inf where the reference is finite", arrays=(got, expected))
     return Verdict(False, f"{what}: values differ from the reference by up to {max_abs_diff(got, expected):.3g}",
