@@ -142,6 +142,8 @@ MUTANTS += [  # issue 62's held-out corpora, on solution a: shape errors that na
       "causal_block_mask(ks, ke, qs, qe)", "ex4", "backward_mask"),
     M("a", "lse_without_trailing_dim", "p = torch.exp(s - lse[:, :, qs:qe, None])", "p = torch.exp(s - lse[:, :, qs:qe])",
       "ex4", "keepdim"),
+    M("a", "backward_mask_fill_zero", "                    s = s.masked_fill(~mask, float(\"-inf\"))\n            p = torch.exp",
+      "                    s = s.masked_fill(~mask, 0.0)\n            p = torch.exp", "ex4", "mask_fill_zero"),
     M("a", "saved_unpacked_out_of_order", "q, k, v, o, lse = ctx.saved_tensors", "q, k, v, lse, o = ctx.saved_tensors",
       "ex5", "order"),
 ]

@@ -386,3 +386,15 @@ MUTANTS += [
     M("a", "dq_d_at_kv_head", "    d = tl.load(D + bh * L + rows, mask=rows < L, other=0.0)\n    dq = tl.zeros",
       "    d = tl.load(D + bhk * L + rows, mask=rows < L, other=0.0)\n    dq = tl.zeros", "ex7", "head_offset"),
 ]
+
+
+MUTANTS += [  # issue 62's second held-out corpus: pointers not advanced, a transposed tile product or mask
+    M("b", "dkdv_q_pointer_not_advanced", "            qt_ptrs += BQ * E\n", "", "ex5", "stale_tile"),
+    M("b", "dkdv_do_pointer_not_advanced", "            do_ptrs += BQ * E\n", "", "ex5", "stale_tile"),
+    M("b", "dkdv_dp_query_major", "dpt = tl.dot(v, tl.trans(do))", "dpt = tl.dot(do, tl.trans(v))", "ex5",
+      "backward_operand"),
+    M("b", "dkdv_mask_query_major", "keep = keep & (offs_k[:, None] <= rows[None, :])",
+      "keep = keep & (rows[:, None] >= offs_k[None, :])", "ex5", "backward_mask"),
+    M("a", "dv_without_transpose", "dv += tl.dot(tl.trans(p), do.to(tl.float32))", "dv += tl.dot(p, do.to(tl.float32))",
+      "ex5", "backward_operand"),
+]

@@ -92,7 +92,8 @@ class FlashBackward:
     # P's exponential: exp | exp2 (exp2(S - lse), log2(e) not folded in) | lse2 (base-2 scores against the
     # natural lse: exp2(S log2(e) - lse) = exp(S - lse ln 2)) | ln2 (the lse converted with ln 2 in place of
     # log2(e): exp2(S log2(e) - lse ln 2)) | exp2_lse2 (natural scores against a base-2 lse: exp2(S - lse
-    # log2(e))) | tile_max (exp(S - the tile's own row max): no lse) | tile_max_nan (the same, unguarded: a row
+    # log2(e))) | exp_b2 (exp of base-2 scores and lse: exp((S - lse) log2(e)), exp2 forgotten) | tile_max
+    # (exp(S - the tile's own row max): no lse) | tile_max_nan (the same, unguarded: a row
     # that sees no key of a visited tile gets exp(-inf - -inf) = NaN) | div_lse (exp(S) / lse: lse taken for l_i)
     dq_base: str = "exp"
     kv_base: str = "exp"
@@ -100,7 +101,8 @@ class FlashBackward:
     # bottom_right (j <= i + S - L, and the loops' bounds) | bottom_right_mask (the mask alone, top-left loops) |
     # strict (j < i: the diagonal hidden) | skip_diag (the diagonal tile skipped) | inverted (the visited tiles'
     # future kept, j > i) | inverted_diag (the same in the tiles the diagonal crosses, the others whole: a mask
-    # built only where one is needed) | flipped (j >= i kept: the comparison turned round)
+    # built only where one is needed) | flipped (j >= i kept: the comparison turned round) | fill_zero (the
+    # masked scores of the visited tiles set to 0, not -inf: they keep exp(0 - lse))
     dq_mask: str = "right"
     kv_mask: str = "right"
     # D: do_o | none (dS = P * dP) | do (rowsum(dO)) | tile (rowsum(P * dP) over each key tile) | do_do
@@ -132,6 +134,8 @@ class FlashBackward:
     # the softmax scale's value wherever the backward uses it: right (the case's) | inv_e (1/E) | sqrt_e (sqrt(E))
     scale_value: str = "right"
     dk_from: str = "ds"  # ds | dp (dK built from dP) | p (from P)
+    dv_from: str = "p"  # p | ds (dV = dS^T dO: the dK line's operand)
+    dv_tile: str = "transposed"  # transposed (P^T dO) | untransposed (P dO per square tile: no shape error shows it)
     dq_with: str = "k"  # k | v: dQ = dS V where K belongs (E = Ev)
     dk_with: str = "q"  # q | do: dK = dS^T dO where Q belongs (E = Ev)
     # a pointer never advanced in a loop: the dQ kernel reads the first key tile's K or V for every key tile
@@ -149,17 +153,17 @@ class FlashBackward:
 
 
 KERNEL_CHOICES: dict[str, list[str]] = {  # per-kernel fields without their dq_/kv_ prefix
-    "p_scale": ["no"], "base": ["exp2", "lse2", "ln2", "exp2_lse2", "tile_max", "tile_max_nan", "div_lse"],
+    "p_scale": ["no"], "base": ["exp2", "lse2", "ln2", "exp2_lse2", "exp_b2", "tile_max", "tile_max_nan", "div_lse"],
     "mask": ["none", "tiles", "bottom_right", "bottom_right_mask", "strict", "skip_diag", "inverted", "inverted_diag",
-             "flipped"],
+             "flipped", "fill_zero", "tile_t"],
     "d": ["none", "do", "tile", "do_do", "scaled", "lse"], "ds": ["minus_d", "no_p", "no_p_tile", "sign"],
-    "tail": ["drop"], "dp": ["k"], "vec": ["lse_keys", "d_keys"],
+    "tail": ["drop"], "dp": ["k", "tile_t"], "vec": ["lse_keys", "d_keys"],
 }
 GLOBAL_CHOICES: dict[str, list[str]] = {
     "dq_acc": ["last"], "dk_acc": ["last"], "dv_acc": ["last"], "kv_grid": ["drop"],
     "dq_scale": ["none", "twice", "log2e"], "dk_scale": ["none", "twice", "log2e"], "dv_scale": ["once"],
-    "scale_value": ["inv_e", "sqrt_e"], "dk_from": ["dp", "p"], "dq_with": ["v"], "dk_with": ["do"],
-    "dq_stale": ["k", "v"], "kv_stale": ["lse", "d"],
+    "scale_value": ["inv_e", "sqrt_e"], "dk_from": ["dp", "p"], "dv_from": ["ds"], "dv_tile": ["untransposed"], "dq_with": ["v"], "dk_with": ["do"],
+    "dq_stale": ["k", "v"], "kv_stale": ["lse", "d", "q", "do"],
     "dq_heads": ["modulo", "no_batch"], "kv_heads": ["modulo"], "kv_fold": ["first", "last", "mean", "first_r"],
     "swap_o_do": ["yes"],
 }
@@ -172,6 +176,9 @@ NOT_PAIRED: frozenset = frozenset({("base", "ln2"), ("base", "exp2_lse2"), ("bas
                                    ("base", "tile_max_nan"), ("base", "div_lse"), ("vec", "lse_keys"),
                                    ("vec", "d_keys"),
                                    ("mask", "inverted"), ("mask", "inverted_diag"), ("mask", "flipped"),
+                                   ("mask", "fill_zero"), ("base", "exp_b2"), ("dv_from", "ds"),
+                                   ("dv_tile", "untransposed"), ("kv_stale", "q"), ("kv_stale", "do"), ("dp", "tile_t"),
+                                   ("mask", "tile_t"),
                                    ("d", "do_do"), ("d", "scaled"),
                                    ("d", "lse"), ("ds", "no_p_tile"), ("ds", "sign"), ("dq_scale", "log2e"),
                                    ("dk_scale", "log2e"), ("dk_from", "p"), ("dq_heads", "no_batch"),
@@ -209,6 +216,8 @@ _KERNEL_FINDINGS: dict[tuple[str, str], tuple[str, str]] = {
                                   "log2(e) (= lse / ln 2) beside them"),
     ("base", "exp2_lse2"): ("exp_base", "P is rebuilt {who} as exp2 of natural-unit scores against a base-2 lse: "
                                         "fold log2(e) into the scores too, or use exp and the natural lse"),
+    ("base", "exp_b2"): ("exp_base", "P is rebuilt {who} with exp of base-2 scores and a base-2 lse: in base 2 "
+                                     "(log2(e) folded into both) P = exp2(s2 - lse2), or use exp with natural units"),
     ("base", "tile_max"): ("backward_p", "P is rebuilt {who} with each tile's own row max, not the saved lse: "
                                          "P = exp(scale * Q K^T - lse) is already normalised"),
     ("base", "tile_max_nan"): ("backward_p", "P is rebuilt {who} with each tile's own row max, not the saved lse "
@@ -224,6 +233,13 @@ _KERNEL_FINDINGS: dict[tuple[str, str], tuple[str, str]] = {
     ("mask", "inverted_diag"): ("backward_mask", "the causal mask {who} keeps the future (key j > query i) and hides "
                                                  "the past in the diagonal tiles: keep j <= i "
                                                  "(masked_fill(~mask, -inf))"),
+    ("dp", "tile_t"): ("backward_operand", "dP is used transposed in its tile {who} (dO V^T where a key-major tile "
+                                           "needs V dO^T): each product's operands in the tile's own order"),
+    ("mask", "tile_t"): ("backward_mask", "the causal mask {who} is transposed in its tile (a query-major mask on a "
+                                          "key-major tile): compare the tile's own key and query positions"),
+    ("mask", "fill_zero"): ("mask_fill_zero", "the causal mask {who} sets the future's scores to 0, not -inf: "
+                                              "exp(0 - lse) is not 0, so those keys get weight; fill with -inf (or "
+                                              "zero P there)"),
     ("mask", "flipped"): ("backward_mask", "the causal mask {who} compares the wrong way (key j >= query i kept): "
                                            "keep j <= i"),
     ("d", "do_do"): ("backward_d_term", "D is rowsum(dO * dO) {who}: D = rowsum(dO * O)"),
@@ -264,12 +280,19 @@ _GLOBAL_FINDINGS: dict[tuple[str, str], tuple[str, str]] = {
     ("scale_value", "inv_e"): ("wrong_scale", "the backward's scale is 1/E: the softmax scale is 1/sqrt(E)"),
     ("scale_value", "sqrt_e"): ("wrong_scale", "the backward's scale is sqrt(E): the softmax scale is 1/sqrt(E)"),
     ("dk_from", "p"): ("softmax_backward", "dK is built from P, not dS: dK = scale * dS^T Q"),
+    ("dv_from", "ds"): ("backward_operand", "dV is built from dS, not P: dV = P^T dO"),
+    ("dv_tile", "untransposed"): ("backward_operand", "dV adds P dO for each tile, not P^T dO (square tiles hide the "
+                                                      "shape error): dV = P^T dO, tl.dot(tl.trans(p), do)"),
     ("dq_with", "v"): ("backward_operand", "dQ = dS V: dQ = scale * dS K"),
     ("dk_with", "do"): ("backward_operand", "dK = dS^T dO: dK = scale * dS^T Q"),
     ("dq_stale", "k"): ("stale_tile", "dQ's key loop never advances K: every key tile reads the first tile's keys"),
     ("dq_stale", "v"): ("stale_tile", "dQ's key loop never advances V: every key tile reads the first tile's values"),
     ("kv_stale", "lse"): ("stale_tile", "the dK/dV kernel's query loop never advances lse: every query tile reads "
                                         "the first tile's"),
+    ("kv_stale", "q"): ("stale_tile", "the dK/dV kernel's query loop never advances Q: every query tile reads the "
+                                      "first tile's queries; step Q's pointer (or offsets) with the loop"),
+    ("kv_stale", "do"): ("stale_tile", "the dK/dV kernel's query loop never advances dO: every query tile reads the "
+                                       "first tile's dO rows; step dO's pointer (or offsets) with the loop"),
     ("kv_stale", "d"): ("stale_tile", "the dK/dV kernel's query loop never advances D: every query tile reads the "
                                       "first tile's"),
     ("dq_heads", "no_batch"): ("head_offset", "dQ's kernel reads key/value head h // r without the batch's offset "
@@ -339,7 +362,7 @@ def _keep_visit(case: FlashCase, mask: str) -> tuple[Tensor, Tensor]:
         return tri & full, tiles & full
     if mask == "none":
         return full, full
-    if mask == "tiles":
+    if mask in ("tiles", "fill_zero"):  # fill_zero: every visited pair kept, its masked scores 0 (_kernel_p)
         return tiles & full, tiles & full
     if mask == "bottom_right":  # the mask and the loops' bounds both aligned bottom-right
         return (j <= i + S - L) & full, (k0 <= q_last + S - L) & full
@@ -354,6 +377,8 @@ def _keep_visit(case: FlashCase, mask: str) -> tuple[Tensor, Tensor]:
         return torch.where(crossed, j > i, tiles) & tiles, tiles & full
     if mask == "flipped":
         return (j >= i) & tiles, tiles & full
+    if mask == "tile_t":  # the comparison made on the tile's transposed positions (a query-major mask, key-major tile)
+        return (q0 + (j - k0) >= k0 + (i - q0)) & tiles, tiles & full
     visit = (k0 < q0) & full  # skip_diag: only the tiles wholly before the query tile
     return tri & visit, visit
 
@@ -380,6 +405,20 @@ def _stale_rows(case: FlashCase) -> Tensor:
     i, j, q0, k0 = _tiles(case)
     first = (k0 // case.bq * case.bq) if case.causal else torch.zeros_like(k0)
     return torch.clamp(first + (i - q0), max=L - 1)
+
+
+def _tile_t(x: Tensor, case: FlashCase) -> Tensor:
+    """(..., L, S) transposed inside each square tile: pair (i, j) gets x at (q0 + (j - k0), k0 + (i - q0)),
+    0 (False) where that falls outside L or S (a masked load). A tile that is not square raises."""
+    if case.bq != case.bk:
+        raise RuntimeError("a tile that is not square has no transpose in place")
+    _, _, _, L, S = case.shape
+    i, j, q0, k0 = _tiles(case)
+    r, c = q0 + (j - k0), k0 + (i - q0)  # (L, S) each
+    inside = (r < L) & (c < S)
+    flat = (r.clamp(max=L - 1) * S + c.clamp(max=S - 1)).flatten()
+    out = x.reshape(*x.shape[:-2], L * S)[..., flat].reshape(x.shape)
+    return out.where(inside, torch.zeros_like(out))
 
 
 def _along_keys(x: Tensor, case: FlashCase) -> Tensor:
@@ -415,8 +454,16 @@ def _kernel_p(case: FlashCase, m: FlashBackward, kernel: str, heads: Tensor) -> 
     if kernel == "dq" and m.dq_stale != "none":  # every key tile reads the first tile's rows
         first = (j - k0).flatten()
         kx, vx = (kx[:, :, first], vx) if m.dq_stale == "k" else (kx, vx[:, :, first])
-    s = q @ kx.transpose(-2, -1) * (sc if get("p_scale") == "yes" else 1.0)
+    q_pair = None
+    if kernel == "kv" and m.kv_stale == "q":  # every query tile reads the first visited tile's query rows
+        rows = _stale_rows(case)  # (L, S)
+        q_pair = q[:, :, rows.flatten()].reshape(*q.shape[:2], *rows.shape, q.shape[-1])  # (B, H, L, S, E)
+        s = (q_pair * kx[:, :, None]).sum(-1) * (sc if get("p_scale") == "yes" else 1.0)
+    else:
+        s = q @ kx.transpose(-2, -1) * (sc if get("p_scale") == "yes" else 1.0)
     keep, visit = _keep_visit(case, get("mask"))
+    if get("mask") == "fill_zero":  # masked_fill(~mask, 0.0): the future's scores are 0, and exp(0 - lse) > 0
+        s = s.where(_keep_visit(case, "right")[0], torch.zeros_like(s))
     lse_p = _per_pair(lse, _stale_rows(case)) if kernel == "kv" and m.kv_stale == "lse" else lse[..., None]
     if get("vec") == "lse_keys":
         lse_p = _along_keys(lse, case)
@@ -424,7 +471,15 @@ def _kernel_p(case: FlashCase, m: FlashBackward, kernel: str, heads: Tensor) -> 
     p = z.where(keep, torch.zeros_like(z))
     if get("base") == "tile_max_nan":
         p = p + _empty_tile_rows(keep, visit, case.bk)
-    dp = do @ (vx if get("dp") == "v" else kx).transpose(-2, -1)
+    do_pair = None
+    if kernel == "kv" and m.kv_stale == "do":  # every query tile reads the first visited tile's dO rows
+        rows = _stale_rows(case)
+        do_pair = do[:, :, rows.flatten()].reshape(*do.shape[:2], *rows.shape, do.shape[-1])  # (B, H, L, S, Ev)
+        dp = (do_pair * (kx if get("dp") == "k" else vx)[:, :, None]).sum(-1)
+    else:
+        dp = do @ (kx if get("dp") == "k" else vx).transpose(-2, -1)
+    if get("dp") == "tile_t":
+        dp = _tile_t(dp, case)
     d_how = get("d")
     if d_how == "tile":  # each key tile's own rowsum(P * dP), broadcast over its keys
         pdp = p * dp
@@ -450,7 +505,8 @@ def _kernel_p(case: FlashCase, m: FlashBackward, kernel: str, heads: Tensor) -> 
     use = visit.clone()
     if get("tail") == "drop":
         use &= (j < S // case.bk * case.bk) if kernel == "dq" else (i < L // case.bq * case.bq)
-    return {"p": p, "dp": dp.where(visit, torch.zeros_like(dp)), "ds": ds, "use": use, "kx": kx, "vx": vx}
+    return {"p": p, "dp": dp.where(visit, torch.zeros_like(dp)), "ds": ds, "use": use, "kx": kx, "vx": vx,
+            "q_pair": q_pair, "do_pair": do_pair}
 
 
 def _empty_tile_rows(keep: Tensor, visit: Tensor, bk: int) -> Tensor:
@@ -474,7 +530,25 @@ def _exponential(base: str, s: Tensor, lse: Tensor, keep: Tensor, bk: int) -> Te
         return z
     return {"exp": lambda: torch.exp(s - lse), "exp2": lambda: torch.exp2(s - lse),
             "lse2": lambda: torch.exp(s - lse * ln2), "ln2": lambda: torch.exp(s - lse * ln2 * ln2),
-            "exp2_lse2": lambda: torch.exp(s * ln2 - lse), "div_lse": lambda: torch.exp(s) / lse}[base]()
+            "exp2_lse2": lambda: torch.exp(s * ln2 - lse),
+            "exp_b2": lambda: torch.exp((s - lse) / ln2), "div_lse": lambda: torch.exp(s) / lse}[base]()
+
+
+def _untransposed_tiles(p: Tensor, do: Tensor, case: FlashCase) -> Tensor:
+    """(B, H, S, Ev): dV as sum over tile pairs of P_tile dO_tile (not P_tile^T), each tile padded with
+    zeros to BQ x BK and its result row r stored at key k0 + r (keys < S). Square tiles only: another
+    shape raises, as the learner's tl.dot does."""
+    if case.bq != case.bk:
+        raise RuntimeError("P dO of a tile that is not square does not multiply")
+    _, _, _, L, S = case.shape
+    pad_l, pad_s = -L % case.bq, -S % case.bk
+    p = torch.nn.functional.pad(p, (0, pad_s, 0, pad_l))  # (B, H, L', S')
+    do = torch.nn.functional.pad(do, (0, 0, 0, pad_l))  # (B, H, L', Ev)
+    dv = do.new_zeros(*do.shape[:2], S + pad_s, do.shape[-1])
+    for q0 in range(0, L, case.bq):
+        for k0 in range(0, S, case.bk):
+            dv[:, :, k0:k0 + case.bk] += p[:, :, q0:q0 + case.bq, k0:k0 + case.bk] @ do[:, :, q0:q0 + case.bq]
+    return dv[:, :, :S]
 
 
 def _fold(g: Tensor, heads: Tensor, Hkv: int, how: str) -> Tensor:
@@ -510,7 +584,13 @@ def flash_gradients(case: FlashCase, m: FlashBackward = FlashBackward()) -> dict
     use_v = _last(b["use"], q0, 0) if m.dv_acc == "last" else b["use"]
     dk_from = b[{"ds": "ds", "dp": "dp", "p": "p"}[m.dk_from]]
     dk = (dk_from * use_k).transpose(-2, -1) @ (case.q if m.dk_with == "q" else do) * times[m.dk_scale]  # (B, H, S, E)
-    dv = (b["p"] * use_v).transpose(-2, -1) @ do * (sc if m.dv_scale == "once" else 1.0)
+    if b["q_pair"] is not None and m.dk_with == "q":  # the stale query rows, pair by pair
+        dk = torch.einsum("bhij,bhije->bhje", dk_from * use_k, b["q_pair"]) * times[m.dk_scale]
+    dv = (b[m.dv_from] * use_v).transpose(-2, -1) @ do * (sc if m.dv_scale == "once" else 1.0)
+    if b["do_pair"] is not None:  # the stale dO rows, pair by pair
+        dv = torch.einsum("bhij,bhije->bhje", b[m.dv_from] * use_v, b["do_pair"]) * (sc if m.dv_scale == "once" else 1.0)
+    if m.dv_tile == "untransposed":
+        dv = _untransposed_tiles(b[m.dv_from] * use_v, do, case)
     dk, dv = _fold(dk, kv_heads, Hkv, m.kv_fold), _fold(dv, kv_heads, Hkv, m.kv_fold)
     if m.kv_grid == "drop":
         dk[:, :, S // case.bk * case.bk:] = 0.0

@@ -109,7 +109,7 @@ def _restored(func: ast.FunctionDef, calls: list[ast.Call]) -> list[ast.Call]:
 # another input where these belong is the mistake, whatever shape error it raised
 _OPERANDS = {"dq": {"k"}, "dk": {"q"}, "dv": {"do"}, "dp": {"v"}}  # the input each product needs
 _ALSO = {"dp": {"do"}}  # and the inputs it may read besides
-_STEM = re.compile(r"^(do|q|k|v)(?:_?[ijt]|_?tile|_?blk|_?block)?_?$")
+_STEM = re.compile(r"^(do|q|k|v)(?:_?[ijtb]|_?tile|_?blk|_?block)?_?$")  # q_i, k_j, kb, v_tile, do_blk...
 
 
 _RIGHT = {"dq": "dQ = scale * dS K", "dk": "dK = scale * dS^T Q", "dv": "dV = P^T dO", "dp": "dP = dO V^T"}
@@ -125,6 +125,7 @@ def _gradients_assigned(func: ast.FunctionDef, line: int):
         while isinstance(target, ast.Subscript):
             target = target.value
         grad = target.id.lower().rstrip("_ij") if isinstance(target, ast.Name) else ""
+        grad = "d" + grad[5:] if grad.startswith("grad_") else grad  # grad_q: dq
         grad = next((g for g in _OPERANDS if grad == g or grad.startswith(g + "_")), None)
         if grad is not None:
             yield grad, node
@@ -213,7 +214,7 @@ def _saved_out_of_order(tree: ast.Module, functions: list[str]) -> list[dict]:
     return []
 
 
-_PER_QUERY = re.compile(r"^(lse|d|delta|m|l)(_?[it])?$", re.IGNORECASE)  # one value per query row
+_PER_QUERY = re.compile(r"^(lse|d|delta|m|l)2?(_?[it])?$", re.IGNORECASE)  # one value per query row (lse2: base 2)
 
 
 def _row_vector_unexpanded(func: ast.FunctionDef, line: int, name: str) -> list[dict]:

@@ -265,8 +265,8 @@ def judge_outcome(ex: Exercise, ctx: Any, outcome: Outcome, rule: str = "") -> d
     except CallFailed as exc:
         r = exc.result
         memory = " (the memory limit was hit: is something huge allocated?)" if r.get("memory") else ""
-        hints = _offset_findings(outcome) or (ex.on_error(r.get("error", ""), r.get("traceback", ""))
-                                               if ex.on_error else [])
+        hints = [f for f in _offset_findings(outcome) if not f.get("weak")] or (
+            ex.on_error(r.get("error", ""), r.get("traceback", "")) if ex.on_error else [])
         if r.get("memory"):  # its own code: not a shape error, whatever else the traceback suggests
             hints = [{"code": "memory_limit", "message": f"{ex.function}() allocated past the exercise's memory "
                                                          "limit"}]
@@ -285,7 +285,7 @@ def _offset_findings(outcome: Outcome) -> list[dict]:
     seen: set = set()  # one finding per (kernel, argument, load or store) over the exercise's calls
     for r in outcome.results:
         found += offsets.findings(r.get("slices"), seen)
-    return found[:offsets.MAX_FINDINGS]
+    return sorted(found, key=lambda f: bool(f.get("weak")))[:offsets.MAX_FINDINGS]
 
 
 def _with_offsets(outcome: Outcome, verdicts: dict[str, Verdict]) -> dict[str, Verdict]:
@@ -293,9 +293,14 @@ def _with_offsets(outcome: Outcome, verdicts: dict[str, Verdict]) -> dict[str, V
     named by that: the addresses are the direct evidence, where a bug model only resembles the
     values (issue 62: lse without its head offset was named a stale tile or a causal skip)."""
     found = _offset_findings(outcome)
-    if not found:
-        return verdicts
-    return {name: v if v.passed else Verdict(False, v.message, list(found), v.arrays) for name, v in verdicts.items()}
+    strong = [{"code": f["code"], "message": f["message"]} for f in found if not f.get("weak")]
+    weak = [{"code": f["code"], "message": f["message"]} for f in found if f.get("weak")]
+    if strong:
+        return {name: v if v.passed else Verdict(False, v.message, list(strong), v.arrays) for name, v in verdicts.items()}
+    if weak:  # a last tile read unmasked: the name of a failed check that nothing else named
+        return {name: Verdict(False, v.message, list(weak), v.arrays) if not v.passed and not v.findings else v
+                for name, v in verdicts.items()}
+    return verdicts
 
 
 def _with_mutation(ex: Exercise, outcome: Outcome, verdicts: dict[str, Verdict]) -> dict[str, Verdict]:

@@ -61,6 +61,11 @@ def _message(kernel: str, pid: int, hx: int, name: str, kind: int, shape: list, 
     if code == "gqa_group_mapping":
         return (f"{head} {verb} {name} of {them}, where its key/value head is {owned}: query head h reads key/value "
                 f"head h // (H // Hkv) (here H // Hkv = {hx // heads}), in its own batch")
+    if code in ("load_mask", "store_mask"):
+        return (f"{head} {verb} {name} past the last row of its own (batch, head), into the next one's first rows: "
+                f"{'store' if kind else 'load'} with mask= (rows < L, keys < S){'' if kind else ' and other=0.0'}, "
+                "or the last, partial tile reads another head's values (past the last head, memory that is not the "
+                "tensor's)")
     if code == "gqa_grad_sum":
         return (f"{head} {verb} {name} of {them} only: a key/value head's dK and dV sum over every query head of its "
                 f"group ({owned}), each at its own offset")
@@ -91,7 +96,9 @@ def _overreach(extra: list, owned: set, reached: dict, shape: list) -> bool:
 def findings(slices: Any, seen: Optional[set] = None) -> list[dict]:
     """The named mistakes (``{"code", "message"}``) of one call's slices record (a result's
     ``"slices"``, already validated by the client), at most :data:`MAX_FINDINGS`; [] when every
-    program stayed in what it owns, or the record says nothing judgeable. ``seen``: the (kernel,
+    program stayed in what it owns, or the record says nothing judgeable. A last tile that ran past
+    its slice's end unmasked is ``load_mask`` or ``store_mask`` with ``"weak": True``: it names a
+    failed check that nothing else named, and replaces no other name. ``seen``: the (kernel,
     argument, load or store) already named by an earlier call of the same exercise, and added to."""
     if not isinstance(slices, dict):
         return []
@@ -115,17 +122,20 @@ def findings(slices: Any, seen: Optional[set] = None) -> list[dict]:
         got = sorted(reached)
         extra = sorted(set(got) - want)
         code = ""
-        if extra and not _overreach(extra, want, reached, shape):
+        if extra and _overreach(extra, want, reached, shape):  # a mask's business: named only where nothing is
+            code = "store_mask" if kind else "load_mask"
+        elif extra:
             # whole other heads of its own batch, as many as it owns: the group's map; an offset with the wrong
             # sizes reaches into two slices (L rows from h * S span heads h and h + 1), or another batch
             regrouped = len(got) == len(want) and all(s // hy == pid // hx for s in extra)
             code = "gqa_group_mapping" if hx != hy and regrouped else "head_offset"
         elif not extra and hy > hx and not kind and set(got) < want:  # a dK/dV program over part of its group
             code = "gqa_grad_sum"  # unless another program of the kernel read outside its group: that says why
-        rank = 1 if code == "gqa_grad_sum" else 0
-        if code and rank < named.get((kernel, name, kind), (2, None))[0]:
+        rank = {"gqa_grad_sum": 1, "load_mask": 2, "store_mask": 2}.get(code, 0)
+        if code and rank < named.get((kernel, name, kind), (3, None))[0]:
             named[(kernel, name, kind)] = (rank, {"code": code, "message": _message(
                 kernel, pid, hx, name, kind, shape, extra or got, want, code)})
-    out = [finding for _, finding in named.values()]
+    out = [dict(finding, weak=True) if rank == 2 else finding for rank, finding in sorted(
+        named.values(), key=lambda pair: pair[0] == 2)]  # the offsets first, the masks' overreach after
     seen.update(named)
     return out[:MAX_FINDINGS]
