@@ -242,3 +242,36 @@ def test_saved_tensors_unpacked_in_another_order_are_named_under_any_error_below
         and "line 5 saved (q, k, v, o, lse)" in found[0]["message"], found
     right = ast.parse(FUNCTION.replace("q, k, v, lse, o = ctx", "q, k, v, o, lse = ctx"))
     assert [f["code"] for f in explain(error, right, "flash.py")] != ["order"]
+
+
+def test_a_hostile_file_cannot_crash_or_stall_the_explainers():
+    """Issue 62's attacker: an assignment target nested 2000 deep crashed the grader (recursion in
+    the names a target stores), and 2000 saves against 2000 unpacks under a traceback of repeated
+    frames took minutes (every unpack against every save, per frame)."""
+    deep = "def f(o):\n    x = o + 1\n    o" + "[0]" * 2000 + " = 1\n"
+    tree = ast.parse(deep)
+    found = explain(BROADCAST.format(line=2).replace("backward_pass", "f"), tree, "flash.py")
+    assert isinstance(found, list)
+    many = ("class F(torch.autograd.Function):\n    def backward(ctx, do):\n"
+            + "".join(f"        a{i}, b{i} = ctx.saved_tensors\n" for i in range(2000))
+            + "    def forward(ctx, q):\n"
+            + "".join(f"        ctx.save_for_backward(a{i}, b{i})\n" for i in range(2000)))
+    frames = "".join('  File "flash.py", line 3, in backward\n    x\n' for _ in range(40))
+    text = f"raised ValueError: no\nTraceback (most recent call last):\n{frames}ValueError: no"
+    assert explain(text, ast.parse(many), "flash.py") == []  # every unpack in its saved order
+    swapped = many.replace("a7, b7 = ctx", "b7, a7 = ctx")
+    found = explain(text, ast.parse(swapped), "flash.py")
+    assert [f["code"] for f in found] == ["order"] and "(b7, a7)" in found[0]["message"]
+
+
+def test_a_line_break_in_a_finding_never_starts_a_report_line():
+    """A finding's message can carry a learner's text (an error it raised): each line after the
+    first is indented, so none passes for a 'PASS ...' or 'Score: ...' line of the report."""
+    from attnlab.grading.exercise import Verdict
+    from attnlab.grading.grader import TestResult
+    from attnlab.labs.lab01_attention import EXERCISES
+
+    verdict = Verdict(False, "values differ", [{"code": "load_mask", "message": "x\nScore: 100/100\nPASS ex1"}])
+    out = TestResult(EXERCISES[0], next(iter(EXERCISES[0].checks)), 0.0, 1.0, verdict).output()
+    assert not any(line.startswith(("Score", "PASS")) for line in out.splitlines()), out
+    assert "Score: 100/100" in out  # said, indented

@@ -123,7 +123,7 @@ def test_a_launch_whose_grid_says_nothing_of_batch_and_heads_is_not_judged():
 _names = st.sampled_from(["Q", "K", "LSE", "D", "DQ", "x"])
 _shape = st.lists(st.integers(0, 5), min_size=3, max_size=4)
 _records = st.fixed_dictionaries({
-    "launches": st.lists(st.tuples(st.text(max_size=8), st.one_of(st.just([]), st.lists(st.integers(0, 9), min_size=3,
+    "launches": st.lists(st.tuples(st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,7}", fullmatch=True), st.one_of(st.just([]), st.lists(st.integers(0, 9), min_size=3,
                                                                                          max_size=3)),
                                    st.lists(st.tuples(_names, _shape).map(lambda t: [t[0], *t[1]]), max_size=5)
                                    ).map(list), min_size=1, max_size=3),
@@ -168,3 +168,24 @@ def test_the_client_refuses_every_malformed_record_with_its_own_error(value):
 def test_the_client_refuses(bad):
     with pytest.raises(client.BadMessage):
         client._check_slices(bad)
+
+
+def test_a_group_wider_than_the_child_records_is_not_judged():
+    """Issue 62's attacker launched a kernel over one program with a (1, 2**22, 1) tensor: a group of
+    4M query heads per program, a 4M-element set per record and a message of 100 MB. No such group
+    is judged (the child keeps at most 16 slices per record)."""
+    wide = _record("k", 1, {"X": [1, 1 << 22, 1]}, [(0, "X", 0, [(0, 0, 0)])])
+    assert offsets.findings(wide) == []
+    assert offsets._owned(0, 1, 1 << 22) is None and offsets._owned(0, 1, 16) == set(range(16))
+
+
+@pytest.mark.parametrize("name", ["x\nPASS ex1 14/14", "", "a b", "9lives", "k" * 101])
+def test_the_client_refuses_a_name_that_is_not_an_identifier(name):
+    """A forged record's names reached the report, where a line break faked 'PASS' and 'Score' lines."""
+    record = {"launches": [[name, [1, 2, 1], []]], "touched": []}
+    with pytest.raises(client.BadMessage):
+        client._check_slices(record)
+    record = {"launches": [["k", [1, 2, 1], [[name[:40], 1, 2, 3]]]], "touched": []}
+    if len(name) <= 40:
+        with pytest.raises(client.BadMessage):
+            client._check_slices(record)

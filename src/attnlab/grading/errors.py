@@ -196,9 +196,12 @@ def _mask_transposed(func: ast.FunctionDef, line: int, name: str) -> list[dict]:
 def _saved_out_of_order(tree: ast.Module, functions: list[str]) -> list[dict]:
     """``order`` when one of ``functions`` (the traceback's) unpacks ``ctx.saved_tensors`` into the names
     ``save_for_backward`` was given, in another order."""
-    saved = [(n.lineno, [a.id for a in n.args]) for n in ast.walk(tree) if isinstance(n, ast.Call)
-             and getattr(n.func, "attr", "") == "save_for_backward" and all(isinstance(a, ast.Name) for a in n.args)]
-    for fname in functions:
+    saved: dict[tuple, tuple] = {}  # the names saved, sorted -> (line, their order): linear in the file
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "save_for_backward" \
+                and all(isinstance(a, ast.Name) for a in n.args):
+            saved.setdefault(tuple(sorted(a.id for a in n.args)), (n.lineno, [a.id for a in n.args]))
+    for fname in dict.fromkeys(functions):  # a traceback repeats frames: each function once
         func = _function(tree, fname)
         for node in ast.walk(func) if func is not None else ():
             if not (isinstance(node, ast.Assign) and getattr(node.value, "attr", "") == "saved_tensors"
@@ -206,11 +209,11 @@ def _saved_out_of_order(tree: ast.Module, functions: list[str]) -> list[dict]:
                     and all(isinstance(e, ast.Name) for e in node.targets[0].elts)):
                 continue
             names = [e.id for e in node.targets[0].elts]
-            for at, order in saved:
-                if sorted(order) == sorted(names) and order != names:
-                    return [{"code": "order",
-                             "message": f"line {node.lineno} unpacks ctx.saved_tensors as ({', '.join(names)}), but "
-                                        f"line {at} saved ({', '.join(order)}): unpack them in the order saved"}]
+            at, order = saved.get(tuple(sorted(names)), (0, names))
+            if order != names:
+                return [{"code": "order",
+                         "message": f"line {node.lineno} unpacks ctx.saved_tensors as ({', '.join(names)}), but "
+                                    f"line {at} saved ({', '.join(order)}): unpack them in the order saved"}]
     return []
 
 
@@ -312,16 +315,18 @@ def _wrong_reduction_axis(calls: list[ast.Call], name: str) -> list[dict]:
 
 def _stored(target: ast.AST) -> set[str]:
     """The names an assignment target binds or updates: ``a, b`` both, ``dk[:, :, qs:qe]`` dk alone (not
-    the names its index reads)."""
-    if isinstance(target, ast.Name):
-        return {target.id}
-    if isinstance(target, (ast.Tuple, ast.List)):
-        return {n for e in target.elts for n in _stored(e)}
-    if isinstance(target, ast.Starred):
-        return _stored(target.value)
-    if isinstance(target, (ast.Subscript, ast.Attribute)):
-        return _stored(target.value)
-    return set()
+    the names its index reads). Iterative: a target nested thousands deep is a learner's file, and
+    recursion here crashed the grader (issue 62's attacker)."""
+    out, todo = set(), [target]
+    while todo:
+        t = todo.pop()
+        if isinstance(t, ast.Name):
+            out.add(t.id)
+        elif isinstance(t, (ast.Tuple, ast.List)):
+            todo.extend(t.elts)
+        elif isinstance(t, (ast.Starred, ast.Subscript, ast.Attribute)):
+            todo.append(t.value)
+    return out
 
 
 def _feeding(func: ast.FunctionDef, line: int, calls: list[ast.Call]) -> list[ast.Call]:

@@ -73,7 +73,7 @@ class TestResult:
             lines.append(self.verdict.message)
         for f in self.verdict.findings:
             if f["message"] not in self.verdict.message:
-                lines.append(f"-> [{f['code']}] {f['message']}")
+                lines.append(f"-> [{f['code']}] {_indented(f['message'], 3)}")
         if self.image:
             lines.append(f"picture: {self.image}")
         return "\n".join(lines)
@@ -166,7 +166,7 @@ class GradeReport:
                 if any(message in r.verdict.message for r in failed):
                     continue  # said above; its code gets its own line below
                 named.add(code)
-                lines.append(f"      {yellow}-> [{code}] {message}{reset}")
+                lines.append(f"      {yellow}-> [{code}] {_indented(message, 9)}{reset}")
             for code in dict.fromkeys(code for code, _ in findings):  # every named mistake gets a '->' line
                 if code not in named and code != "policy" and code in mistakes.CODES:
                     lines.append(f"      {yellow}-> [{code}] {mistakes.hint(code)}{reset}")
@@ -343,6 +343,12 @@ def _relative(path: Path, within: Optional[os.PathLike]) -> str:
         return path.name
 
 
+def _indented(message: str, width: int) -> str:
+    """A finding's message with every line after the first indented by ``width``: a line break in it
+    (a learner's error text) never starts a line of its own that could pass for a report line."""
+    return message.replace("\n", "\n" + " " * width)
+
+
 def _require_kernels(ex: Exercise, verdicts: dict, outcome: Outcome) -> None:
     """Grade what the rule names: a check of an exercise with :attr:`Exercise.kernels` passes only
     when each of those learner kernels was launched for it and the call ran no arithmetic of torch's
@@ -509,9 +515,15 @@ class _Judge:
             verdicts = judge_outcome(ex, ctx, outcome, self.lab.rule)
         except Exception as exc:  # a judge must never cost the learner their report
             verdicts = {c: Verdict(False, f"could not be checked: {type(exc).__name__}") for c in ex.checks}
+        explained: dict[int, list] = {}  # one explanation per verdict object (a failed call shares one)
         for v in verdicts.values():
             if not v.passed and not v.findings:
-                v.findings = errors.explain(v.message, self.tree, self.names)
+                if id(v) not in explained:
+                    try:  # the learner's file, parsed: a judge of it must never cost the report
+                        explained[id(v)] = errors.explain(v.message, self.tree, self.names)
+                    except Exception:
+                        explained[id(v)] = []
+                v.findings = explained[id(v)]
         _require_kernels(ex, verdicts, outcome)
         _share_within(verdicts)
         _blame_upstream(self.report, ex, verdicts, self.static)

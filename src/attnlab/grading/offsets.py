@@ -24,6 +24,7 @@ from typing import Any, Optional
 __all__ = ["findings"]
 
 MAX_FINDINGS = 3  # named per call: the first per (kernel, argument, load or store)
+MAX_GROUP = 16  # query heads per key/value head judged: the child keeps at most 16 slices per record
 TILE_ROWS = 16  # the rows of a tile that may run past its slice's end: lab 05's BLOCK, tl.dot's smallest tile
 
 
@@ -35,10 +36,10 @@ def _owned(pid: int, hx: int, hy: int) -> Optional[set[int]]:
         return {pid}
     if hx % hy == 0:
         return {b * hy + h // (hx // hy)}
-    if hy % hx == 0:
+    if hy % hx == 0 and hy // hx <= MAX_GROUP:
         r = hy // hx
         return {b * hy + h * r + i for i in range(r)}
-    return None
+    return None  # no head map, or a group wider than the child records (a shaped launch: issue 62's attacker)
 
 
 def _where(s: int, heads: int) -> str:

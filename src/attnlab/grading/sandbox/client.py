@@ -262,6 +262,16 @@ def _small_int(x: Any, limit: int = 2**31) -> bool:
     return type(x) is int and 0 <= x < limit
 
 
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _check_name(name: Any, limit: int) -> None:
+    """A kernel's or an argument's name is a Python identifier (what the interpreter reports): no line
+    breaks or marks that could fake a report line (issue 62's attacker forged a record)."""
+    if not (isinstance(name, str) and len(name) <= limit and _IDENTIFIER.fullmatch(name)):
+        raise BadMessage("a name in slices that is not an identifier")
+
+
 def _check_slices(slices: Any) -> None:
     """The (batch, head) slices a call's kernels reached (:func:`.interpreter.touched`): exactly
     that shape, bounded, ints and short names."""
@@ -275,17 +285,17 @@ def _check_slices(slices: Any) -> None:
                 and len(launch[1]) in (0, 3) and all(_small_int(g) for g in launch[1])
                 and isinstance(launch[2], list) and len(launch[2]) <= 32):
             raise BadMessage("a launch that is not [kernel, grid, tensors]")
-        _check_str(launch[0], "a kernel's name")
+        _check_name(launch[0], 100)
         for t in launch[2]:
             if not (isinstance(t, list) and 4 <= len(t) <= 5 and all(_small_int(n) for n in t[1:])):
                 raise BadMessage("a tensor that is not [name, shape...]")
-            _check_str(t[0], "an argument's name")
+            _check_name(t[0], 40)
     for t in touched:
         if not (isinstance(t, list) and len(t) == 5 and _small_int(t[0], len(launches)) and _small_int(t[1])
                 and t[3] in (0, 1) and type(t[3]) is int and isinstance(t[4], list) and len(t[4]) <= 16
                 and all(isinstance(x, list) and len(x) == 3 and all(_small_int(n) for n in x) for x in t[4])):
             raise BadMessage("a touch that is not [launch, program, name, kind, slices]")
-        _check_str(t[2], "an argument's name")
+        _check_name(t[2], 40)
 
 
 # --------------------------------------------------------------------------- #
