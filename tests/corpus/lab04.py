@@ -370,3 +370,14 @@ MUTANTS += [
     M("a", "function_three_gradients", "        return dq, dk, dv, None  # no gradient for is_causal",
       "        return dq, dk, dv", "ex5", "order"),
 ]
+
+
+MUTANTS += [  # issue 62's third held-out corpus: named by what the gradients are made of (bugmodels.flash_fits)
+    M("a", "D_einsum_typo", "D = (do * o).sum(dim=-1)  # [B, H, L]", 'D = torch.einsum("bhld,bhmd->bhl", do, o)  # [B, H, L]',
+      "ex4", "backward_d_term"),
+    M("a", "query_loop_short_of_the_partial_tile", "        for qs in range(0, L, block_q):\n            qe = min(qs + block_q, L)\n            if is_causal and ks",
+      "        for qs in range(0, L - block_q + 1, block_q):\n            qe = min(qs + block_q, L)\n            if is_causal and ks", "ex4",
+      "dropped_tile"),
+    M("a", "p_from_the_tiles_largest_lse", "p = torch.exp(s - lse[:, :, qs:qe, None])  # [B, H, bq, bk]",
+      "p = torch.exp(s - lse[:, :, qs:qe, None].amax(dim=-2, keepdim=True))  # [B, H, bq, bk]", "ex4", "backward_p"),
+]

@@ -156,7 +156,8 @@ def test_the_doctor_passes_the_solutions(lab, label):
 # code re-executes these modules with the code's string literal replaced by "unknown" (their
 # detections of it removed, nothing else changed), then restores them.
 # (in import order: the labs last, so they take the framework's re-executed functions)
-DETECTING_MODULES = ["attnlab.grading.errors", "attnlab.grading.offsets", "attnlab.grading.exercise", "attnlab.bugmodels.flash_backward",
+DETECTING_MODULES = ["attnlab.grading.errors", "attnlab.grading.offsets", "attnlab.grading.exercise",
+                     "attnlab.bugmodels.flash_backward", "attnlab.bugmodels.flash_fits",
                      "attnlab.doctor.models", "attnlab.doctor.analysis", "attnlab.labs.lab01_attention", "attnlab.labs.lab02_masks",
                      "attnlab.labs.lab03_multihead", "attnlab.labs.lab04_flash", "attnlab.labs.lab05_triton"]
 

@@ -10,11 +10,23 @@ the same way. Two models live here:
   dK/dV over query tiles) with per-kernel choices (scale, exp base, mask, tiles visited, D, dS,
   accumulation, dropped tiles, GQA maps), which labs 04 and 05 ask with :func:`explain`: which
   choices, one or two at a time, reproduce the learner's gradients on every case of an exercise.
+* :mod:`.flash_fits`: what no model reproduces, named by what its gradients are made of (:func:`fit`:
+  the tile pairs each kernel added, a D or a normaliser of its own per query row).
 """
 
 from __future__ import annotations
 
 from attnlab.bugmodels.flash_backward import (FLASH_FINDINGS, FlashBackward, FlashCase, Explanation, explain,
                                               flash_gradients, moves)
+from attnlab.bugmodels.flash_fits import Fitted, fit
 
-__all__ = ["FLASH_FINDINGS", "FlashBackward", "FlashCase", "Explanation", "explain", "flash_gradients", "moves"]
+__all__ = ["FLASH_FINDINGS", "FlashBackward", "FlashCase", "Explanation", "explain", "flash_gradients", "moves",
+           "Fitted", "fit", "gradients_of"]
+
+
+def gradients_of(explanation, case: FlashCase) -> dict:
+    """``dq``, ``dk``, ``dv`` (float64) that ``explanation`` (an :class:`Explanation` of :func:`explain` or a
+    :class:`Fitted` of :func:`fit`) gives on ``case``."""
+    if isinstance(explanation, Fitted):
+        return explanation.gradients(case)
+    return flash_gradients(case, explanation.model)

@@ -185,7 +185,8 @@ def explain_backward(cases: list, gots: list) -> Optional[Any]:
     """What the shared bug-model library (:func:`attnlab.bugmodels.explain`) says explains a learner's
     backward on every case of an exercise: ``cases`` are :class:`attnlab.bugmodels.FlashCase`, ``gots``
     the learner's ``(dq, dk, dv)`` per case (a non-tensor or a wrong shape is left out of the comparison);
-    an :class:`attnlab.bugmodels.Explanation` or None. The labs' judges ask this; no lab keeps a list."""
+    an :class:`attnlab.bugmodels.Explanation`, else what :func:`attnlab.bugmodels.fit` finds (a
+    :class:`attnlab.bugmodels.Fitted`), or None. The labs' judges ask this; no lab keeps a list."""
     from attnlab import bugmodels
 
     compared = []
@@ -196,7 +197,7 @@ def explain_backward(cases: list, gots: list) -> Optional[Any]:
                          for n, t in zip(("dq", "dk", "dv"), triple)})
     if not any(t is not None for c in compared for t in c.values()):
         return None
-    return bugmodels.explain(cases, compared, match=_resembles)
+    return bugmodels.explain(cases, compared, match=_resembles) or bugmodels.fit(cases, compared, match=_resembles)
 
 
 def model_mistakes(explanation: Optional[Any], case: Any) -> dict[str, list[tuple[str, str, Optional[Tensor]]]]:
@@ -206,7 +207,7 @@ def model_mistakes(explanation: Optional[Any], case: Any) -> dict[str, list[tupl
         return {"dq": [], "dk": [], "dv": []}
     from attnlab import bugmodels
 
-    grads = bugmodels.flash_gradients(case, explanation.model)
+    grads = bugmodels.gradients_of(explanation, case)
     return {n: [mistake(explanation.code, explanation.message, g)] for n, g in grads.items()}
 
 
