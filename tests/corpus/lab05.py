@@ -398,3 +398,13 @@ MUTANTS += [  # issue 62's second held-out corpus: pointers not advanced, a tran
     M("a", "dv_without_transpose", "dv += tl.dot(tl.trans(p), do.to(tl.float32))", "dv += tl.dot(p, do.to(tl.float32))",
       "ex5", "backward_operand"),
 ]
+
+
+MUTANTS += [  # issue 62's third held-out corpus: what each program read, past a tensor's end too
+    M("b", "dq_pointers_step_elements", "        kt_ptrs += BK * E\n        vt_ptrs += BK * E\n",
+      "        kt_ptrs += BK\n        vt_ptrs += BK\n", "ex5", "stale_tile"),
+    M("b", "dq_kv_head_without_modulo", "kv_head = (head // H) * Hkv + (head % H) // (H // Hkv)  # ex7",
+      "kv_head = (head // H) * Hkv + head // (H // Hkv)  # ex7", "ex7", "head_offset"),
+    M("b", "D_stored_with_E", "tl.store(D + tl.program_id(1) * L + offs_q, delta, mask=offs_q < L)",
+      "tl.store(D + tl.program_id(1) * L * E + offs_q, delta, mask=offs_q < L)", "ex4", "head_offset"),
+]

@@ -189,3 +189,38 @@ def test_the_client_refuses_a_name_that_is_not_an_identifier(name):
     if len(name) <= 40:
         with pytest.raises(client.BadMessage):
             client._check_slices(record)
+
+
+def test_a_pointer_that_steps_bk_elements_stops_short_of_the_rows_every_program_reaches():
+    # the dQ programs read K only up to row 17 of 45 (BK = 16 elements a tile where 16 rows belong)
+    short = _dq_launch(2, 4, 2, lambda b, h: b * 4 + h, lambda b, h: b * 2 + h // 2)
+    for t in short["touched"]:
+        if t[2] == "K":
+            t[4] = [[t[4][0][0], 0, 17 * E + 3]]
+    found = offsets.findings(short)
+    assert [(f["code"], f.get("weak")) for f in found] == [("stale_tile", True)]
+    assert "read K of (batch 0, head 0) only up to row 17 of its 45" in found[0]["message"]
+    # ending at a tile's last row (row 31: a tile dropped, the diagonal skipped) is the values' to name
+    for t in short["touched"]:
+        if t[2] == "K":
+            t[4] = [[t[4][0][0], 0, 31 * E + E - 1]]
+    assert offsets.findings(short) == []
+    # reaching row min(L, S) - 1 = 36 (a causal dQ program with L < S stops there) is no finding
+    for t in short["touched"]:
+        if t[2] == "K":
+            t[4] = [[t[4][0][0], 0, (L - 1) * E]]
+    assert offsets.findings(short) == []
+
+
+def test_a_slice_past_the_tensors_end_is_an_offset_or_a_tile_past_the_last_head():
+    far = _dq_launch(1, 2, 2, lambda b, h: h, lambda b, h: h)
+    far["touched"] = [t for t in far["touched"] if t[2] != "LSE"]
+    far["touched"].append([0, 1, "LSE", 1, [[16, 0, 15]]])  # D + bh * L * E: 16 slices on, past the end
+    found = offsets.findings(far)
+    assert [f["code"] for f in found] == ["head_offset"]
+    assert "wrote LSE of the rows 15 (batch, head) slices past its end" in found[0]["message"]
+    tile = _dq_launch(1, 2, 2, lambda b, h: h, lambda b, h: h)
+    for t in tile["touched"]:
+        if t[1:4] == [1, "DQ", 1]:
+            t[4].append([2, 0, 10 * E])  # the last tile's rows past the last head, unmasked
+    assert [(f["code"], f.get("weak")) for f in offsets.findings(tile)] == [("store_mask", True)]

@@ -42,17 +42,20 @@ def _owned(pid: int, hx: int, hy: int) -> Optional[set[int]]:
     return None  # no head map, or a group wider than the child records (a shaped launch: issue 62's attacker)
 
 
-def _where(s: int, heads: int) -> str:
-    b, h = divmod(s, heads)
+def _where(s: int, shape: list) -> str:
+    """(batch b, head h) of slice ``s`` of a tensor of ``shape`` (B, H, ...), or how far past its end."""
+    if s >= shape[0] * shape[1]:
+        return f"the rows {s - shape[0] * shape[1] + 1} (batch, head) slices past its end"
+    b, h = divmod(s, shape[1])
     return f"(batch {b}, head {h})"
 
 
 def _message(kernel: str, pid: int, hx: int, name: str, kind: int, shape: list, got: list, want: set,
-             code: str) -> str:
+             code: str, last: int = 0) -> str:
     verb = "wrote" if kind else "read"
     heads = shape[1]
-    them = ", ".join(_where(s, heads) for s in got[:3]) + (" ..." if len(got) > 3 else "")
-    owned = " or ".join(_where(s, heads) for s in sorted(want))
+    them = ", ".join(_where(s, shape) for s in got[:3]) + (" ..." if len(got) > 3 else "")
+    owned = " or ".join(_where(s, shape) for s in sorted(want))
     head = f"{kernel}'s program {pid} along grid axis 1 (batch {pid // hx}, head {pid % hx} of {hx})"
     sizes = " * ".join(str(n) for n in shape[2:])
     if code == "gqa_group_mapping" and heads > hx:  # a key/value program reading the query side
@@ -62,6 +65,14 @@ def _message(kernel: str, pid: int, hx: int, name: str, kind: int, shape: list, 
     if code == "gqa_group_mapping":
         return (f"{head} {verb} {name} of {them}, where its key/value head is {owned}: query head h reads key/value "
                 f"head h // (H // Hkv) (here H // Hkv = {hx // heads}), in its own batch")
+    if code == "stale_tile":
+        row = 1
+        for n in shape[3:]:
+            row *= n
+        return (f"{head} {verb} {name} of {owned} only up to row {last // row} of its {shape[2]}, short of the "
+                f"rows every tile loop reaches (its shape is {list(shape)}): a pointer steps BK rows per tile, BK * (its row's "
+                f"size) elements (ptr += BK * stride), or the offsets come from the loop's index; stepped by BK "
+                f"elements it reads the first rows again, shifted")
     if code in ("load_mask", "store_mask"):
         return (f"{head} {verb} {name} past the last row of its own (batch, head), into the next one's first rows: "
                 f"{'store' if kind else 'load'} with mask= (rows < L, keys < S){'' if kind else ' and other=0.0'}, "
@@ -92,6 +103,24 @@ def _overreach(extra: list, owned: set, reached: dict, shape: list) -> bool:
         if (reached[s - 1][0] // row) % TILE_ROWS:
             return False
     return True
+
+
+def _short(reached: dict, owned: set, shape: list, tensors: list) -> bool:
+    """Whether the program never reached the rows every program of its kind reaches: the first
+    min(L, S) rows of each slice it owns (the rows of the launch's shortest (B, H, N, ...) tensor).
+    A loop over tiles reaches them whatever the mask (under is_causal the last query tile sees the
+    keys up to min(L, S) - 1, and every key tile sees the queries up to L - 1); a pointer stepped by
+    BK elements where BK rows belong stops short, between two tiles' rows."""
+    lengths = [t[3] for t in tensors if len(t) == 5 and t[3] > 0]
+    if not lengths:
+        return False
+    row = 1
+    for n in shape[3:]:
+        row *= n
+    need = (min(lengths) - 1) * row  # the first element of the last row every program reaches
+    # a loop whose bound is off (a tile dropped, the diagonal skipped) ends at a tile's last row, a multiple of
+    # TILE_ROWS rows: that is the values' to name; a pointer stepped by elements ends between tiles
+    return any(reached[s][1] < need and (reached[s][1] // row + 1) % TILE_ROWS for s in owned if s in reached)
 
 
 def findings(slices: Any, seen: Optional[set] = None) -> list[dict]:
@@ -132,10 +161,13 @@ def findings(slices: Any, seen: Optional[set] = None) -> list[dict]:
             code = "gqa_group_mapping" if hx != hy and regrouped else "head_offset"
         elif not extra and hy > hx and not kind and set(got) < want:  # a dK/dV program over part of its group
             code = "gqa_grad_sum"  # unless another program of the kernel read outside its group: that says why
-        rank = {"gqa_grad_sum": 1, "load_mask": 2, "store_mask": 2}.get(code, 0)
+        elif not extra and _short(reached, want, shape, tensors):  # its pointer stepped less than a tile of rows
+            code = "stale_tile"
+        rank = {"gqa_grad_sum": 1, "load_mask": 2, "store_mask": 2, "stale_tile": 2}.get(code, 0)
         if code and rank < named.get((kernel, name, kind), (3, None))[0]:
             named[(kernel, name, kind)] = (rank, {"code": code, "message": _message(
-                kernel, pid, hx, name, kind, shape, extra or got, want, code)})
+                kernel, pid, hx, name, kind, shape, extra or got, want, code,
+                min((reached[s][1] for s in want if s in reached), default=0))})
     out = [dict(finding, weak=True) if rank == 2 else finding for rank, finding in sorted(
         named.values(), key=lambda pair: pair[0] == 2)]  # the offsets first, the masks' overreach after
     seen.update(named)

@@ -448,7 +448,10 @@ MAX_LAUNCHES = 16  # learner launches described per call (lab 05's calls make at
 MAX_TOUCHED = 1024  # (launch, program, argument, kind) keys per call (lab 05's largest call, ex7's GQA backward: ~300)
 MAX_SLICES = 16  # slice indices kept per key (a program owns at most H / Hkv = 2 of a tensor's)
 _LAUNCHES: list = []  # [kernel, grid (3 ints or []), [[name, shape...], ...]] of each learner launch of this call
-_SPANS: list = []  # (name, first byte, end byte, bytes of one slice) of the running launch's tensor arguments
+# (name, first byte, end byte, end of its storage, bytes of one slice, of one element) of the running launch's tensor
+# arguments: a read past a tensor's end inside its storage (the grader's NaN guard) is that tensor's, at a slice
+# past its last, so an offset that runs off the end is seen where it went
+_SPANS: list = []
 _TOUCHED: dict = {}  # (launch, pid along axis 1, name, 0 load / 1 store) -> {slice: (first, last) element reached}
 
 
@@ -467,9 +470,44 @@ def _record_launch(executor, args: list, kwargs: dict) -> None:
     for name, arg in named:
         if hasattr(arg, "untyped_storage") and arg.dim() >= 3 and arg.is_contiguous() and arg.numel():
             first, size = arg.data_ptr(), arg.element_size()
-            _SPANS.append((str(name)[:40], first, first + arg.numel() * size, arg[0, 0].numel() * size, size))
+            storage = arg.untyped_storage()
+            tail = max(first + arg.numel() * size, storage.data_ptr() + storage.nbytes())
+            _SPANS.append((str(name)[:40], first, first + arg.numel() * size, tail, arg[0, 0].numel() * size, size))
             described.append([str(name)[:40], *[int(n) for n in arg.shape[:4]]])
     _LAUNCHES.append([str(getattr(getattr(executor, "fn", None), "__name__", "?"))[:100], grid, described[:32]])
+
+
+FAR = 64  # how far past its base tensor an access is still read as that tensor's: 64 of its sizes (_owners)
+
+
+def _owners(addrs):
+    """(n,) the index in :data:`_SPANS` of the tensor each address of one access is read as, -1 for
+    none. One access is one base pointer's: the tensor that holds its lowest address (or whose
+    storage's tail, the grader's NaN guard, does) is its base, and every lane from there up to
+    :data:`FAR` of that tensor's sizes on is the base's, at a slice past its end where it ran over
+    (a tile stored unmasked past O runs over a small tensor that lies after it, and on). A lane below
+    the base, or past that, is the tensor's that holds it, else the nearest that starts below it (an
+    offset with the wrong strides lands many slices past its tensor's end, a missing mask a few rows)."""
+    import numpy as np
+
+    owner = np.full(addrs.shape, -1, dtype=np.int64)
+    for n, (_, first, end, _, _, _) in enumerate(_SPANS):
+        owner[(owner < 0) & (addrs >= first) & (addrs < end)] = n
+    for n, (_, first, end, tail, _, _) in enumerate(_SPANS):
+        owner[(owner < 0) & (addrs >= end) & (addrs < tail)] = n
+    held = np.flatnonzero(owner >= 0)
+    if held.size:
+        base = int(owner[held[np.argmin(addrs[held])]])
+        _, first, end, _, _, _ = _SPANS[base]
+        owner[(addrs >= first) & (addrs < first + FAR * (end - first))] = base
+    outside = owner < 0
+    if outside.any():
+        best = np.full(addrs.shape, -1, dtype=np.int64)
+        for n in sorted(range(len(_SPANS)), key=lambda n: _SPANS[n][1]):  # a later start is a nearer one
+            _, first, end, _, _, _ = _SPANS[n]
+            best[outside & (addrs >= first) & (addrs < first + FAR * (end - first))] = n
+        owner[outside] = best[outside]
+    return owner
 
 
 def _touch(builder, ptrs, mask, kind: int) -> None:
@@ -484,8 +522,9 @@ def _touch(builder, ptrs, mask, kind: int) -> None:
     if addrs.size == 0:
         return
     pid = int(builder.grid_idx[1]) if getattr(builder, "grid_idx", None) else 0
-    for name, first, end, per_slice, size in _SPANS:
-        inside = addrs[(addrs >= first) & (addrs < end)] - first
+    owner = _owners(addrs)
+    for n, (name, first, end, tail, per_slice, size) in enumerate(_SPANS):
+        inside = addrs[owner == n] - first
         if not inside.size:
             continue
         key = (len(_LAUNCHES) - 1, pid, name, kind)
