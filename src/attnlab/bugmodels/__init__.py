@@ -2,8 +2,11 @@
 
 A bug model is the right algorithm with named choices changed; each choice maps to one code of
 the shared vocabulary (:mod:`attnlab.mistakes`), so a lab and the doctor name the same mistake
-the same way. Two models live here:
+the same way. The models live here:
 
+* :mod:`.sdpa_forward`: SDPA's forward on whole matrices (scale, softmax axis, transposes, masks, causal
+  corners, empty rows, GQA maps), fitted by ``attnlab doctor`` to a function's outputs, and through the
+  doctor by the labs' SDPA-like exercises (labs 02 and 03).
 * :mod:`.sdpa_backward`: SDPA's backward on whole matrices (sinks, bool masks, GQA, precision),
   fitted by ``attnlab doctor --backward`` to a function's gradients on designed probes.
 * :mod:`.flash_backward`: FlashAttention-2's tiled backward as two kernels (dQ over key tiles,

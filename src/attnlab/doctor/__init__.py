@@ -29,11 +29,10 @@ from __future__ import annotations
 import inspect
 from typing import Callable, Optional
 
-from attnlab.doctor.analysis import DoctorReport, Finding, analyze
+from attnlab.doctor.analysis import CODES, DoctorReport, Finding, analyze
 from attnlab.doctor.backward import (BACKWARD_FEATURES, audit_gradient_test, backward_capabilities,
                                      diagnose_backward)
 from attnlab.doctor.context_parallel import diagnose_context_parallel
-from attnlab.doctor.models import CODES
 from attnlab.doctor.probes import (ALL_CAPABILITIES, FEATURES, FailedCall, Probe, ProbeResult, build_probes,
                                    probe_arguments, probe_result, run_probes)
 from attnlab.doctor.self_attention import (SELF_ATTENTION_CAPABILITIES, adapt_self_attention, self_attention_calls,

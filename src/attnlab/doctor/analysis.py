@@ -18,9 +18,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from attnlab.doctor.models import CODES, FIELD_FINDINGS, BugModel, model_attention
+from attnlab import mistakes
+from attnlab.bugmodels.sdpa_forward import FIELD_FINDINGS, BugModel, model_attention
 from attnlab.doctor.probes import FEATURE_PROBE, FEATURES, Probe, ProbeResult
 from attnlab.testing import max_abs_diff
+
+# The doctor's codes, from the one vocabulary of named mistakes (attnlab.mistakes).
+CODES: dict[str, str] = {code: mistakes.CODES[code]
+                         for code in mistakes.DOCTOR_CODES + mistakes.BACKWARD_CODES + mistakes.CP_CODES}
 
 __all__ = ["Finding", "DoctorReport", "analyze"]
 

@@ -1,4 +1,5 @@
-"""The doctor's bug models: attention with each textbook choice made explicit (package-internal).
+"""SDPA's forward with each textbook choice made explicit (package-internal: the doctor fits it to a
+function's outputs, :mod:`attnlab.doctor.analysis`, and the labs' SDPA-like exercises ask the doctor).
 
 A :class:`BugModel` is SDPA with one or more choices changed (no 1/sqrt(E), softmax over the
 query axis, ``Q @ K`` without the transpose, the mask inverted, ...); :func:`model_attention`
@@ -15,14 +16,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from attnlab import masks, mistakes
+from attnlab import masks
 from attnlab.softmax import stable_softmax
 
-__all__ = ["CODES", "BugModel", "SCALE_TEXT", "FIELD_FINDINGS", "model_attention"]
-
-# The doctor's codes, from the one vocabulary of named mistakes (attnlab.mistakes).
-CODES: dict[str, str] = {code: mistakes.CODES[code]
-                         for code in mistakes.DOCTOR_CODES + mistakes.BACKWARD_CODES + mistakes.CP_CODES}
+__all__ = ["BugModel", "SCALE_TEXT", "FIELD_FINDINGS", "model_attention"]
 
 @dataclass(frozen=True)
 class BugModel:
