@@ -175,3 +175,42 @@ def test_a_constant_factor_on_one_gradient_is_its_scale_and_on_all_three_p():
     assert _codes(found) == ["backward_scale"] and "dK is 0.5 times the right one" in found.message
     everything = [{n: t * 1.25 for n, t in _learner(c).items()} for c in cases]
     assert _codes(fit(cases, everything, _close)) == ["backward_p"]
+
+
+def test_p_renormalised_in_each_key_tile_is_named_by_its_weights_per_row_and_tile():
+    cases = _cases()
+    got = []
+    for c in cases:  # P / rowsum(P) over each key tile: a tile's own softmax, dS and dV scaled with it
+        B, H, Hkv, L, S = c.shape
+        want = {"dq": torch.zeros_like(c.q), "dk": torch.zeros(B, H, S, c.k.shape[-1], dtype=torch.float64),
+                "dv": torch.zeros(B, H, S, c.v.shape[-1], dtype=torch.float64)}
+        o, lse = c.forward()
+        idx = c.heads("group")
+        k, v = c.k[:, idx], c.v[:, idx]
+        D = (c.do * o).sum(-1)
+        for ks in range(0, S, c.bk):
+            ke = min(ks + c.bk, S)
+            s = c.scale * c.q @ k[:, :, ks:ke].transpose(-2, -1)
+            if c.causal:
+                s = s.masked_fill(torch.arange(L)[:, None] < torch.arange(ks, ke)[None], float("-inf"))
+            p = torch.exp(s - lse[..., None])
+            p = p / p.sum(-1, keepdim=True).where(p.sum(-1, keepdim=True) > 0, torch.ones(()))
+            ds = p * (c.do @ v[:, :, ks:ke].transpose(-2, -1) - D[..., None])
+            want["dq"] += c.scale * ds @ k[:, :, ks:ke]
+            want["dk"][:, :, ks:ke] += c.scale * ds.transpose(-2, -1) @ c.q
+            want["dv"][:, :, ks:ke] += p.transpose(-2, -1) @ c.do
+        fold = (lambda x: x.reshape(B, Hkv, H // Hkv, S, -1).sum(2))  # noqa: E731
+        got.append({"dq": want["dq"].float(), "dk": fold(want["dk"]).float(), "dv": fold(want["dv"]).float()})
+    assert _codes(fit(cases, got, _close)) == ["backward_p"]
+
+
+def test_a_case_with_nan_is_left_out_of_the_fit_and_keeps_the_right_gradients():
+    cases = _cases()
+    got = [_learner(c, d_row=lambda do, o: torch.einsum("bhld,bhmd->bhl", do, o)) for c in cases]
+    got[1]["dq"] = got[1]["dq"].clone()
+    got[1]["dq"][0, 0, 0, 0] = float("nan")  # this case cannot be fitted; the other two name it
+    found = fit(cases, got, _close)
+    assert _codes(found) == ["backward_d_term"]
+    assert all(torch.equal(found.gradients(cases[1])[n], flash_gradients(cases[1])[n]) for n in ("dq", "dk", "dv"))
+    got = [{n: torch.full_like(t, float("nan")) for n, t in g.items()} for g in got]
+    assert fit(cases, got, _close) is None

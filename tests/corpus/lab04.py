@@ -381,3 +381,12 @@ MUTANTS += [  # issue 62's third held-out corpus: named by what the gradients ar
     M("a", "p_from_the_tiles_largest_lse", "p = torch.exp(s - lse[:, :, qs:qe, None])  # [B, H, bq, bk]",
       "p = torch.exp(s - lse[:, :, qs:qe, None].amax(dim=-2, keepdim=True))  # [B, H, bq, bk]", "ex4", "backward_p"),
 ]
+MUTANTS += [  # issue 62's fourth held-out corpus: a softmax per key tile, the causal mask's rows offset by one
+    M("a", "p_renormalised_per_tile", "            dv[:, :, ks:ke] += p.transpose(-2, -1) @ do_i",
+      "            p = p / p.sum(dim=-1, keepdim=True)\n            dv[:, :, ks:ke] += p.transpose(-2, -1) @ do_i", "ex4",
+      "backward_p"),
+    M("a", "backward_mask_rows_offset_by_one", "mask = causal_block_mask(qs, qe, ks, ke)\n                if mask is not None:\n"
+      "                    s = s.masked_fill(~mask, float(\"-inf\"))\n            p = torch.exp",
+      "mask = causal_block_mask(qs + 1, qe + 1, ks, ke)\n                if mask is not None:\n"
+      "                    s = s.masked_fill(~mask, float(\"-inf\"))\n            p = torch.exp", "ex4", "off_by_one"),
+]

@@ -62,14 +62,16 @@ def backward_preprocess(o, do):
 def bwd_dkdv_kernel(Q, K, V, DO, LSE, D, DK, DV, H, Hkv, L, S, scale, E: tl.constexpr, BQ: tl.constexpr,
                     BK: tl.constexpr, CAUSAL: tl.constexpr):
     """dK, dV of one key tile of one (batch, key/value head), over its group's query heads and
-    their query tiles, accumulated in float32 and written once."""
+    their query tiles, accumulated in float32 and written once. Under CAUSAL, the query tiles
+    wholly before the key tile's first key never see it: start at the tile that holds that key."""
     raise NotImplementedError("TODO(ex5): dK and dV of this key tile, over the group's query heads and their query tiles")
 
 
 @triton.jit
 def bwd_dq_kernel(Q, K, V, DO, LSE, D, DQ, H, Hkv, L, S, scale, E: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
                   CAUSAL: tl.constexpr):
-    """dQ of one query tile of one (batch, head), over the key tiles it sees."""
+    """dQ of one query tile of one (batch, head), over the key tiles it sees (under CAUSAL, stop
+    after the diagonal tile, as the forward does)."""
     raise NotImplementedError("TODO(ex5): dQ of this query tile, over the key tiles it sees")
 
 

@@ -6,15 +6,17 @@ gradients are made of, whatever line made them. Each fit writes the learner's gr
 backward's own terms with a few free numbers, solves for them by least squares, and names the
 mistake only when every judged gradient then matches within the lab's tolerance:
 
-* **tiles** (``a[u, t]``, one per query tile u and key tile t, rounded to 0 or 1): which tile pairs
-  each kernel added up. A pair left out that holds the last, partial tile is ``dropped_tile``; one
-  the causal diagonal crosses is ``causal_block_skip`` (a loop bound off by a tile, however written).
+* **tiles** (``a[i, c]``, one per query row i and chunk c of gcd(bq, bk) keys, rounded to 0 or 1):
+  which keys each kernel added up for each row. Keys left out in the last, partial tile are
+  ``dropped_tile``; left out only next to the causal diagonal, ``causal_block_skip`` (a loop bound off
+  by a tile, however written: a chunk is fine enough for a bound at a query tile's edge or a key tile's).
 * **D** (``delta[i]``, one per query row and kernel): dS = P * (dP - D') with a D' of the learner's own,
   so dV is right and each row of dQ is off along (P K)_i: ``backward_d_term`` (a typo in D's einsum,
   D stored or read at another row, ...).
 * **a constant factor** per gradient: ``backward_scale`` (or ``backward_p`` where all three share it).
 * **row weights** (``w[i]``, one per query row and kernel): P' = w_i P, a normaliser per row that is not
-  the saved lse (its units, its row, its head): ``backward_p``.
+  the saved lse (its units, its row, its head): ``backward_p``; and per row and key chunk (the tiles'
+  fit with any numbers): a softmax per tile, a lse read at the key tile's rows.
 
 Legend as in :mod:`.flash_backward`: q (B, H, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev), r = H // Hkv;
 every tensor float64. A fit needs E >= 4 (with one free number per row, a row of fewer values would
@@ -23,6 +25,7 @@ fit anything).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -118,75 +121,76 @@ def _spans(n: int, size: int) -> list[slice]:
     return [slice(s, min(s + size, n)) for s in range(0, n, size)]
 
 
+def _chunk(case: FlashCase) -> int:
+    """The key chunk the tile fit resolves: gcd(bq, bk), so that a loop clipped at a query tile's
+    edge (a causal bound) and one clipped at a key tile's are both whole chunks."""
+    return math.gcd(case.bq, case.bk)
+
+
 def _tile_fit(case: FlashCase, got: Grads) -> Optional[tuple[dict[str, Tensor], Tensor, Tensor, Tensor]]:
-    """(gradients, a, b, needed): 0/1 per (query tile, key tile) pair of the dQ kernel (``a``) and the
-    dK/dV kernel (``b``) that reproduce ``got`` on this case's tile sizes; ``needed``: the pairs whose
-    terms are not all zero. None where a coefficient is not 0 or 1."""
+    """(gradients, a, b, needed), each (L, nc) over query rows and key chunks (:func:`_chunk`): 0/1
+    whether the dQ kernel (``a``) and the dK/dV kernel (``b``) added that row's terms of that chunk's
+    keys, as reproduce ``got`` (one number per (row, chunk) for every batch and head: a loop bound does
+    not depend on them); ``needed``: the pairs whose terms are not all zero. None where a coefficient
+    is not 0 or 1."""
     t = _terms(case)
     B, H, Hkv, L, S = case.shape
-    qs, ks = _spans(L, case.bq), _spans(S, case.bk)
-    a = torch.ones(len(qs), len(ks), dtype=torch.float64)
+    cs = _spans(S, _chunk(case))
+    a = torch.ones(L, len(cs), dtype=torch.float64)
     b = torch.ones_like(a)
-    needed = torch.stack([torch.stack([t["keep"][u, c].any() for c in ks]) for u in qs])  # (nq, nk)
-    cq = [case.scale * t["ds"][..., c] @ t["kx"][:, :, c] for c in ks]  # per key tile: (B, H, L, E)
+    needed = torch.stack([t["keep"][:, c].any(-1) for c in cs], dim=1)  # (L, nc)
+    cq = [case.scale * t["ds"][..., c] @ t["kx"][:, :, c] for c in cs]  # per key chunk: (B, H, L, E)
     if got.get("dq") is not None:
-        for n, u in enumerate(qs):
-            sol = _solve([x[:, :, u] for x in cq], got["dq"].double()[:, :, u])
+        y = got["dq"].double()
+        for i in range(L):
+            sol = _solve([x[:, :, i] for x in cq], y[:, :, i])
             if sol is None:
                 return None
-            a[n] = sol
+            a[i] = sol
     kv = [name for name in ("dk", "dv") if got.get(name) is not None]
-    parts = {"dk": lambda u: _fold(case.scale * t["ds"][:, :, u].transpose(-2, -1) @ case.q[:, :, u], Hkv),
-             "dv": lambda u: _fold(t["p"][:, :, u].transpose(-2, -1) @ case.do[:, :, u], Hkv)}
-    per_u = {name: [parts[name](u) for u in qs] for name in kv}  # (B, Hkv, S, F) per query tile
-    for n, c in enumerate(ks):
+    # row i's terms of the key rows, per key/value head: (B, Hkv, L, S, F) -- the fold sums the group's heads
+    rows = {"dk": lambda: (case.scale * t["ds"])[..., None] * case.q[:, :, :, None],
+            "dv": lambda: t["p"][..., None] * case.do[:, :, :, None]}
+    terms = {name: _fold_rows(rows[name](), Hkv) for name in ("dk", "dv")}
+    for m, c in enumerate(cs):
         if not kv:
             break
-        cols = [torch.cat([per_u[name][m][:, :, c].flatten() for name in kv]) for m in range(len(qs))]
+        cols = [torch.cat([terms[name][:, :, i, c].flatten() for name in kv]) for i in range(L)]
         sol = _solve(cols, torch.cat([got[name].double()[:, :, c].flatten() for name in kv]))
         if sol is None:
             return None
-        b[:, n] = sol
+        b[:, m] = sol
     for x in (a, b):
         rounded = x.round()
         if not bool(((x - rounded).abs() <= ROUND).all()) or not bool(((rounded == 0) | (rounded == 1)).all()):
             return None
         x.copy_(rounded.where(needed, torch.ones_like(x)))  # a pair with no terms is neither kept nor dropped
-    grads = {"dq": _place_rows(cq, a, qs, ks)}
+    grads = {"dq": sum(a[:, m, None] * cq[m] for m in range(len(cs)))}
     for name in ("dk", "dv"):
-        pieces = per_u[name] if name in per_u else [parts[name](u) for u in qs]
-        grads[name] = _place_keys(pieces, b, ks)
+        out = torch.zeros(B, Hkv, S, terms[name].shape[-1], dtype=torch.float64)
+        for m, c in enumerate(cs):
+            out[:, :, c] = (b[:, m, None, None] * terms[name][:, :, :, c]).sum(2)
+        grads[name] = out
     return grads, a, b, needed
 
 
-def _place_rows(cq: list[Tensor], a: Tensor, qs: list[slice], ks: list[slice]) -> Tensor:
-    """dQ from its per-key-tile terms, each query tile u adding key tile t's share a[u, t] times."""
-    out = torch.zeros_like(cq[0])
-    for n, u in enumerate(qs):
-        for m in range(len(ks)):
-            out[:, :, u] += a[n, m] * cq[m][:, :, u]
-    return out
-
-
-def _place_keys(pieces: list[Tensor], b: Tensor, ks: list[slice]) -> Tensor:
-    """dK or dV from its per-query-tile terms, each key tile t adding query tile u's share b[u, t] times."""
-    out = torch.zeros_like(pieces[0])
-    for m, c in enumerate(ks):
-        for n in range(len(pieces)):
-            out[:, :, c] += b[n, m] * pieces[n][:, :, c]
-    return out
+def _fold_rows(x: Tensor, Hkv: int) -> Tensor:
+    """(B, H, L, S, F) -> (B, Hkv, L, S, F): each key/value head sums its group's r query heads."""
+    B, H = x.shape[:2]
+    return x.reshape(B, Hkv, H // Hkv, *x.shape[2:]).sum(2)
 
 
 def _tile_kind(case: FlashCase, dropped: Tensor) -> str:
-    """How the dropped pairs (nq, nk) sit: 'diagonal' (every one is crossed by the causal diagonal),
-    'partial' (one holds the last, partial tile of L or S) or 'other'."""
+    """How the dropped (row, chunk) pairs (L, nc) sit: 'diagonal' (every one within a tile of its row's
+    diagonal under is_causal: the chunk holds keys <= i, and starts past i - max(bq, bk)), 'partial'
+    (one in the last, partial tile of L or S) or 'other'."""
     _, _, _, L, S = case.shape
-    nq, nk = dropped.shape
+    step = _chunk(case)
     pairs = dropped.nonzero().tolist()
-    if case.causal and all(min((n + 1) * case.bq, L) - 1 >= m * case.bk and min((m + 1) * case.bk, S) - 1 > n * case.bq
-                           for n, m in pairs):
+    if case.causal and all(m * step <= i and m * step > i - max(case.bq, case.bk) for i, m in pairs):
         return "diagonal"
-    if any((m == nk - 1 and S % case.bk) or (n == nq - 1 and L % case.bq) for n, m in pairs):
+    if any(((m + 1) * step > S // case.bk * case.bk and S % case.bk) or (i >= L // case.bq * case.bq and L % case.bq)
+           for i, m in pairs):
         return "partial"
     return "other"
 
@@ -198,6 +202,10 @@ _TILE_MESSAGES = {
     "diagonal": ("causal_block_skip", "the loop {who} leaves out tiles the causal diagonal crosses: under "
                                       "is_causal a loop skips only the tiles wholly past the diagonal, and masks "
                                       "the diagonal tile inside"),
+    "weighted": ("backward_p", "P is multiplied by another number per query row and key tile {who}: a tile's own "
+                               "softmax (P divided by its rowsum in the tile), or a lse read at the tile's rows "
+                               "(lse[ks:ke]) where the query rows' belong; P = exp(scale * Q K^T - lse[rows]) is already "
+                               "normalised over all the keys"),
     "other": ("dropped_tile", "the loop {who} leaves out tiles that hold kept pairs: its bounds must visit "
                               "every tile of the row (or column) up to the causal diagonal"),
 }
@@ -227,6 +235,48 @@ def _tiles(cases: list[FlashCase], got: list[Grads], match) -> Optional[Fitted]:
     kind = "diagonal" if kinds == {"diagonal"} else next(k for k in ("partial", "diagonal", "other") if k in kinds)
     code, message = _TILE_MESSAGES[kind]
     return Fitted(((code, message.format(who=_WHO[(where_q, where_kv)])),), tuple(cases), tuple(f[0] for f in fits))
+
+
+def _weighted_fit(case: FlashCase, got: Grads) -> Optional[dict[str, Tensor]]:
+    """The gradients of P multiplied by w[b, h, i, c] per (batch, head, query row, key chunk), w fitted on
+    dK and dV (per key chunk and key/value head: r * L numbers against |c| * (E + Ev) values each) and dQ
+    then predicted from it, not fitted (with one number per row and chunk, E values a row would fit
+    noise). None where dK or dV is not judged."""
+    if got.get("dk") is None or got.get("dv") is None:
+        return None
+    t = _terms(case)
+    B, H, Hkv, L, S = case.shape
+    r = H // Hkv
+    terms = {"dk": (case.scale * t["ds"])[..., None] * case.q[:, :, :, None],  # (B, H, L, S, F)
+             "dv": t["p"][..., None] * case.do[:, :, :, None]}
+    w = torch.ones(B, H, L, S, dtype=torch.float64)
+    for c in _spans(S, _chunk(case)):
+        for bi in range(B):
+            for hk in range(Hkv):
+                heads = slice(hk * r, (hk + 1) * r)
+                cols = torch.cat([terms[n][bi, heads, :, c] for n in ("dk", "dv")], dim=-1)  # (r, L, |c|, E + Ev)
+                y = torch.cat([got[n].double()[bi, hk, c] for n in ("dk", "dv")], dim=-1)
+                sol = _solve(list(cols.reshape(r * L, -1)), y)
+                if sol is None:
+                    return None
+                w[bi, heads, :, c] = sol.reshape(r, L, 1)
+    w = w.where(t["keep"], torch.ones_like(w))
+    return {"dq": case.scale * (w * t["ds"]) @ t["kx"],
+            "dk": _fold((case.scale * w * t["ds"]).transpose(-2, -1) @ case.q, Hkv),
+            "dv": _fold((w * t["p"]).transpose(-2, -1) @ case.do, Hkv)}
+
+
+def _weighted(cases: list[FlashCase], got: list[Grads], match) -> Optional[Fitted]:
+    grads = []
+    for case, mine in zip(cases, got):
+        found = _weighted_fit(case, mine)
+        if found is None:
+            return None
+        grads.append(found)
+    if not _agrees(cases, got, grads, match):
+        return None
+    code, message = _TILE_MESSAGES["weighted"]
+    return Fitted(((code, message.format(who=_WHO[(True, True)])),), tuple(cases), tuple(grads))
 
 
 # ---------------------------------------------------------------- D and the row weights
@@ -355,13 +405,19 @@ _SAID = {"dq": "dQ", "dk": "dK", "dv": "dV"}
 
 
 def fit(cases: list[FlashCase], got: list[Grads], match: Callable[[Tensor, Tensor], bool]) -> Optional[Fitted]:
-    """The first fit (tiles, a constant factor, D, row weights) that reproduces the learner's gradients ``got``
-    (per case ``{"dq", "dk", "dv"}``, None: not judged) on every case within ``match``, and differs
-    from the right ones somewhere; None when none does (or the inputs are too narrow to fit)."""
+    """The first fit (tiles, a constant factor, D, row weights, weights per row and tile) that
+    reproduces the learner's gradients ``got`` (per case ``{"dq", "dk", "dv"}``, None: not judged)
+    within ``match`` on every case whose gradients are finite, and differs from the right ones
+    somewhere; None when none does (or the inputs are too narrow to fit)."""
+    # a case whose gradients hold NaN or inf cannot be fitted: the fit is made, and checked, on the others (the
+    # NaN case keeps its own verdict, unnamed); none finite, no fit
+    finite = [(c, g) for c, g in zip(cases, got) if all(t is None or bool(torch.isfinite(t).all()) for t in g.values())]
+    cases, got = [c for c, _ in finite], [g for _, g in finite]
     if not cases or not any(_judged(g, ("dq", "dk", "dv")) for g in got):
         return None
     for attempt in (lambda: _tiles(cases, got, match), lambda: _constant(cases, got, match),
-                    lambda: _rows(cases, got, match, "d"), lambda: _rows(cases, got, match, "w")):
+                    lambda: _rows(cases, got, match, "d"), lambda: _rows(cases, got, match, "w"),
+                    lambda: _weighted(cases, got, match)):
         try:
             found = attempt()
         except (RuntimeError, ValueError, IndexError):  # a shape lstsq cannot take: not this fit
