@@ -38,10 +38,10 @@ def _cases(causal_only: bool = False) -> list[FlashCase]:
     return cases if causal_only else [_case(g)] + cases
 
 
-def _learner(case: FlashCase, visit: Callable = lambda qs, qe, ks, ke: True, d_row: Optional[Callable] = None,
+def _learner(case: FlashCase, visit: Callable = lambda qs, qe, ks, ke, case: True, d_row: Optional[Callable] = None,
              lse_rows: Optional[Callable] = None) -> dict[str, torch.Tensor]:
-    """A query-outer tiled backward in float32, as lab 04's learner writes it: ``visit`` the tile
-    pairs its loops reach, ``d_row(do, o)`` its D, ``lse_rows(lse)`` the lse its P reads."""
+    """A query-outer tiled backward in float32, as lab 04's learner writes it: ``visit(qs, qe, ks, ke,
+    case)`` the tile pairs its loops reach, ``d_row(do, o)`` its D, ``lse_rows(lse)`` the lse its P reads."""
     B, H, Hkv, L, S = case.shape
     r, idx = H // Hkv, case.heads("group")
     o, lse = case.forward()
@@ -54,7 +54,7 @@ def _learner(case: FlashCase, visit: Callable = lambda qs, qe, ks, ke: True, d_r
         qe = min(qs + case.bq, L)
         for ks in range(0, S, case.bk):
             ke = min(ks + case.bk, S)
-            if not visit(qs, qe, ks, ke):
+            if not visit(qs, qe, ks, ke, case):
                 continue
             s = case.scale * case.q[:, :, qs:qe] @ k[:, :, ks:ke].transpose(-2, -1)
             if case.causal:
@@ -89,8 +89,9 @@ def test_the_learners_right_backward_is_the_right_one_and_no_fit_names_it():
 
 @pytest.mark.parametrize("name, learner, code", [
     # the key loop stops a tile short where it ends past S: `range(0, k_stop - block_k + 1, block_k)`
-    ("key_loop_short_of_the_end", dict(visit=lambda qs, qe, ks, ke: ke - ks == 16 and ke <= qe + 15), "dropped_tile"),
-    ("query_loop_floor", dict(visit=lambda qs, qe, ks, ke: qe - qs == 16), "dropped_tile"),
+    ("key_loop_short_of_the_end", dict(visit=lambda qs, qe, ks, ke, c: ke - ks == c.bk and ke <= (
+        min(qe, c.shape[4]) if c.causal else c.shape[4])), "dropped_tile"),
+    ("query_loop_floor", dict(visit=lambda qs, qe, ks, ke, c: qe - qs == 16), "dropped_tile"),
     ("D_einsum_typo", dict(d_row=lambda do, o: torch.einsum("bhld,bhmd->bhl", do, o)), "backward_d_term"),
     ("D_of_the_next_row", dict(d_row=lambda do, o: (do * o).sum(-1).roll(-1, dims=-1)), "backward_d_term"),
     ("lse_of_the_previous_row", dict(lse_rows=lambda lse: lse.roll(1, dims=-1)), "backward_p"),
@@ -119,7 +120,7 @@ def test_the_cases_fitted_are_the_ones_it_answers_for_and_others_get_the_right_g
 
 def test_skipping_the_diagonal_tiles_under_is_causal_is_a_block_skip():
     # the model skip_diag says it first (explain); the fit alone says the same
-    diagonal = (lambda qs, qe, ks, ke: not (ks < qe and ke > qs and ks >= qs))  # noqa: E731
+    diagonal = (lambda qs, qe, ks, ke, c: not (ks < qe and ke > qs and ks >= qs))  # noqa: E731
     assert _codes(_named(_cases(causal_only=True), modelled=True, visit=diagonal)) == ["causal_block_skip"]
 
 
@@ -140,7 +141,7 @@ def test_noise_a_tile_counted_twice_and_too_narrow_rows_are_not_named():
     assert fit(cases, noise, _close) is None
     twice = [_learner(c) for c in cases]
     for c, mine in zip(cases, twice):  # the first key tile's share added twice: a coefficient of 2, not 0 or 1
-        once = _learner(c, visit=lambda qs, qe, ks, ke: ks == 0)
+        once = _learner(c, visit=lambda qs, qe, ks, ke, c: ks == 0)
         mine["dq"] = mine["dq"] + once["dq"]
     assert fit(cases, twice, _close) is None
     g = torch.Generator().manual_seed(4)
@@ -214,3 +215,19 @@ def test_a_case_with_nan_is_left_out_of_the_fit_and_keeps_the_right_gradients():
     assert all(torch.equal(found.gradients(cases[1])[n], flash_gradients(cases[1])[n]) for n in ("dq", "dk", "dv"))
     got = [{n: torch.full_like(t, float("nan")) for n, t in g.items()} for g in got]
     assert fit(cases, got, _close) is None
+
+
+def test_the_attackers_misleading_names_first_tile_zeros_and_a_negative_factor():
+    cases = _cases()
+    # the key loop from block_k on: the first key tile is left out, which is no partial tile
+    first = _named(cases, visit=lambda qs, qe, ks, ke, c: ks > 0)
+    assert _codes(first) == ["dropped_tile"] and "partial" not in first.message
+    # a gradient never accumulated is all zeros: grad_missing, not a scale of 0 or a dropped tile
+    got = [_learner(c) for c in cases]
+    for mine in got:
+        mine["dk"] = torch.zeros_like(mine["dk"])
+    zeros = fit(cases, got, _close)
+    assert _codes(zeros) == ["grad_missing"] and "dK is all zeros" in zeros.message
+    # dO negated: all three gradients -1 times, which no P gives
+    negated = [{n: -t for n, t in _learner(c).items()} for c in cases]
+    assert _codes(fit(cases, negated, _close)) == ["backward_scale"]

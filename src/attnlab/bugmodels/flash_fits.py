@@ -189,7 +189,9 @@ def _tile_kind(case: FlashCase, dropped: Tensor) -> str:
     pairs = dropped.nonzero().tolist()
     if case.causal and all(m * step <= i and m * step > i - max(case.bq, case.bk) for i, m in pairs):
         return "diagonal"
-    if any(((m + 1) * step > S // case.bk * case.bk and S % case.bk) or (i >= L // case.bq * case.bq and L % case.bq)
+    # every dropped pair in the last, partial tile's keys or rows: the bound; a whole tile left out elsewhere
+    # (the first one, say) is another bound, and says so
+    if all(((m + 1) * step > S // case.bk * case.bk and S % case.bk) or (i >= L // case.bq * case.bq and L % case.bq)
            for i, m in pairs):
         return "partial"
     return "other"
@@ -209,7 +211,7 @@ _TILE_MESSAGES = {
     "other": ("dropped_tile", "the loop {who} leaves out tiles that hold kept pairs: its bounds must visit "
                               "every tile of the row (or column) up to the causal diagonal"),
 }
-_WHO = {(True, False): "for dQ", (False, True): "for dK and dV", (True, True): "in both kernels"}
+_WHO = {(True, False): "for dQ", (False, True): "for dK and dV", (True, True): "in the backward"}
 
 
 def _tiles(cases: list[FlashCase], got: list[Grads], match) -> Optional[Fitted]:
@@ -225,6 +227,8 @@ def _tiles(cases: list[FlashCase], got: list[Grads], match) -> Optional[Fitted]:
     for case, (_, a, b, needed) in zip(cases, fits):
         for x, is_q in ((a, True), (b, False)):
             dropped = needed & (x == 0)
+            if bool(dropped.any()) and bool(dropped.sum() == needed.sum()):
+                return None  # nothing added at all: a gradient never accumulated or stored (the constant fit's)
             if bool(dropped.any()):
                 kinds.add(_tile_kind(case, dropped))
                 where_q, where_kv = where_q or is_q, where_kv or not is_q
@@ -391,8 +395,15 @@ def _constant(cases: list[FlashCase], got: list[Grads], match) -> Optional[Fitte
     off = {n: c for n, c in factors.items() if abs(c - 1.0) > 1e-6}
     if not off:
         return None
+    zero = [n for n, c in off.items() if abs(c) <= 1e-6]
+    if zero:  # every tile's share left out, or the store never made: not a scale
+        said = " and ".join(_SAID[n] for n in zero)
+        return Fitted((("grad_missing", f"{said} {'is' if len(zero) == 1 else 'are'} all zeros: the accumulation "
+                                        f"(+= over the tiles) or the store of {said} never happens"),),
+                      tuple(cases), tuple(grads))
     said = ", ".join(f"{_SAID[n]} is {c:.4g} times the right one" for n, c in off.items())
-    if len(off) == 3 and max(off.values()) - min(off.values()) <= 1e-4 * max(abs(c) for c in off.values()):
+    shared = len(off) == 3 and max(off.values()) - min(off.values()) <= 1e-4 * max(abs(c) for c in off.values())
+    if shared and min(off.values()) > 0:  # P times a positive factor: exp of a shifted lse (a negative one is no P's)
         return Fitted((("backward_p", f"{said}: P itself is off by that factor (a lse off by log {off['dv']:.4g}): "
                                       "P = exp(scale * Q K^T - lse) with the forward's lse"),), tuple(cases),
                       tuple(grads))
