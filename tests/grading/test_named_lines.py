@@ -275,3 +275,15 @@ def test_a_line_break_in_a_finding_never_starts_a_report_line():
     out = TestResult(EXERCISES[0], next(iter(EXERCISES[0].checks)), 0.0, 1.0, verdict).output()
     assert not any(line.startswith(("Score", "PASS")) for line in out.splitlines()), out
     assert "Score: 100/100" in out  # said, indented
+
+
+def test_a_per_row_vector_with_a_suffix_sliced_by_the_key_tile_is_named_too():
+    """The fourth held-out corpus wrote ``lse_w[:, :, ks:ke, None]``: on the code before, the suffix hid the
+    per-row name and the shape error was named nothing. ``dk``, ``dq`` and ``do`` stay no per-row names."""
+    code = BACKWARD.replace("lse[:, :, ks:ks + bk, None]", "lse_w[:, :, ks:ks + bk, None]")
+    assert "lse_w[:, :, ks:ks + bk, None]" in code
+    found = explain(BROADCAST.format(line=5), ast.parse(code), "flash.py")
+    assert [f["code"] for f in found] == ["wrong_axis"] and "lse_w has one value per query row" in found[0]["message"]
+    from attnlab.grading.errors import _PER_QUERY
+    assert [n for n in ("dk", "dq", "do", "dv", "ds", "dp", "lse_w", "db", "delta2") if _PER_QUERY.match(n)] == [
+        "lse_w", "db", "delta2"]

@@ -217,7 +217,10 @@ def _saved_out_of_order(tree: ast.Module, functions: list[str]) -> list[dict]:
     return []
 
 
-_PER_QUERY = re.compile(r"^(lse|d|delta|m|l)2?(_?[it])?$", re.IGNORECASE)  # one value per query row (lse2: base 2)
+# one value per query row: lse, lse2 (base 2), lse_w, lse_i, delta, D, d_i, m_i, l_i (not do, dq, dk: d takes a suffix
+# only after an underscore, or b/i/t)
+_PER_QUERY = re.compile(r"^(?:(?:lse|delta)2?(?:_?[a-z]{1,5}\d?)?|d2?(?:_[a-z]{1,5}\d?|[bit])?|[ml](?:_?[it])?)$",
+                        re.IGNORECASE)
 
 
 def _row_vector_unexpanded(func: ast.FunctionDef, line: int, name: str) -> list[dict]:
