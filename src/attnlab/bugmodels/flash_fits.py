@@ -127,12 +127,12 @@ def _chunk(case: FlashCase) -> int:
     return math.gcd(case.bq, case.bk)
 
 
-def _tile_fit(case: FlashCase, got: Grads) -> Optional[tuple[dict[str, Tensor], Tensor, Tensor, Tensor]]:
+def _tile_fit(case: FlashCase, got: Grads) -> Optional[tuple[dict[str, Tensor], Tensor, Tensor, tuple]]:
     """(gradients, a, b, needed), each (L, nc) over query rows and key chunks (:func:`_chunk`): 0/1
     whether the dQ kernel (``a``) and the dK/dV kernel (``b``) added that row's terms of that chunk's
     keys, as reproduce ``got`` (one number per (row, chunk) for every batch and head: a loop bound does
-    not depend on them); ``needed``: the pairs whose terms are not all zero. None where a coefficient
-    is not 0 or 1."""
+    not depend on them); ``needed``: per kernel, the pairs whose terms are not all zero. None where a
+    coefficient is not 0 or 1."""
     t = _terms(case)
     B, H, Hkv, L, S = case.shape
     cs = _spans(S, _chunk(case))
@@ -160,18 +160,30 @@ def _tile_fit(case: FlashCase, got: Grads) -> Optional[tuple[dict[str, Tensor], 
         if sol is None:
             return None
         b[:, m] = sol
-    for x in (a, b):
+    # a pair whose terms are all zero is neither kept nor dropped: a masked one, or one whose dS is 0 (row 0
+    # under is_causal sees key 0 alone, so P = 1 and dP = D there)
+    need_a = needed & torch.stack([_nonzero(x) for x in cq], dim=1)
+    need_b = needed & torch.stack([_nonzero(torch.cat([terms[n][:, :, :, c] for n in kv or ("dv",)], dim=-1)
+                                   ) for c in cs], dim=1)
+    for x, need in ((a, need_a), (b, need_b)):
         rounded = x.round()
-        if not bool(((x - rounded).abs() <= ROUND).all()) or not bool(((rounded == 0) | (rounded == 1)).all()):
+        bad = ((x - rounded).abs() > ROUND) | ((rounded != 0) & (rounded != 1))
+        if bool((bad & need).any()):
             return None
-        x.copy_(rounded.where(needed, torch.ones_like(x)))  # a pair with no terms is neither kept nor dropped
+        x.copy_(rounded.where(need, torch.ones_like(x)))
     grads = {"dq": sum(a[:, m, None] * cq[m] for m in range(len(cs)))}
     for name in ("dk", "dv"):
         out = torch.zeros(B, Hkv, S, terms[name].shape[-1], dtype=torch.float64)
         for m, c in enumerate(cs):
             out[:, :, c] = (b[:, m, None, None] * terms[name][:, :, :, c]).sum(2)
         grads[name] = out
-    return grads, a, b, needed
+    return grads, a, b, (need_a, need_b)
+
+
+def _nonzero(x: Tensor) -> Tensor:
+    """(L,): whether row i of ``x`` (B, Hx, L, ...) holds a term that is not (nearly) zero in any batch or head."""
+    size = x.abs().amax() if x.numel() else x.new_zeros(())
+    return (x.abs() > 1e-12 * max(float(size), 1e-300)).transpose(0, 2).reshape(x.shape[2], -1).any(-1)
 
 
 def _fold_rows(x: Tensor, Hkv: int) -> Tensor:
@@ -224,8 +236,8 @@ def _tiles(cases: list[FlashCase], got: list[Grads], match) -> Optional[Fitted]:
     if not _agrees(cases, got, [f[0] for f in fits], match):
         return None
     kinds, where_q, where_kv = set(), False, False
-    for case, (_, a, b, needed) in zip(cases, fits):
-        for x, is_q in ((a, True), (b, False)):
+    for case, (_, a, b, (need_a, need_b)) in zip(cases, fits):
+        for x, needed, is_q in ((a, need_a, True), (b, need_b, False)):
             dropped = needed & (x == 0)
             if bool(dropped.any()) and bool(dropped.sum() == needed.sum()):
                 return None  # nothing added at all: a gradient never accumulated or stored (the constant fit's)

@@ -599,6 +599,7 @@ def judge_autograd_function(ctx, results, cases, *, output_of: str, function: st
     ``output_of``: how the output is named; ``causal_fix``: how to keep the causal mask in the
     backward; ``recompute``: where P is recomputed instead of saved."""
     outputs, grads, saved_v = Verdict(True), Verdict(True), Verdict(True)
+    flash_cases = []
     for i, (L, S, causal) in enumerate(cases):
         q, k, v, do = (t.double() for t in ctx[i])
         got = value(results, i)
@@ -625,6 +626,7 @@ def judge_autograd_function(ctx, results, cases, *, output_of: str, function: st
                                      "argument order, (dq, dk, dv, ...)", w),
                     mistake("order", f"{function}.backward hands O and dO to flash_backward swapped: pass them in "
                                      "the order of its signature", o_do.get(name))])
+        flash_cases.append((FlashCase(q, k, v, do, causal, 16, 16), got[1:4], where))
         shapes = got[4] if isinstance(got[4], list) else []
         # the [L, S] weights by their size, whatever their shape (a ninth attacker saved p.flatten(-2)): every
         # honest saved tensor (q, k, v, o, lse: at most L or S rows of E) is smaller than B·H·L·S here
@@ -636,7 +638,24 @@ def judge_autograd_function(ctx, results, cases, *, output_of: str, function: st
             saved_v = Verdict(False, msg, [{"code": "scores_materialized", "message": msg}])
         elif not shapes and saved_v.passed:
             saved_v = Verdict(False, "the forward saved no tensors: ctx.save_for_backward(q, k, v, o, lse)")
+    if not grads.passed and not grads.findings:  # what the shared bug-model library says of the gradients
+        grads = _named_gradients(flash_cases, function) or grads
     return {"output": outputs, "gradients": grads, "saves_lse_not_weights": saved_v}
+
+
+def _named_gradients(flash_cases: list, function: str) -> Optional[Verdict]:
+    """The first failing gradient of ``flash_cases`` (``(FlashCase, (dq, dk, dv), where)``, the labs' 16 x 16
+    tiles) named by what :func:`explain_backward` finds to explain every case; None when nothing does."""
+    explanation = explain_backward([c for c, _, _ in flash_cases], [list(g) for _, g, _ in flash_cases])
+    if explanation is None:
+        return None
+    for case, got, where in flash_cases:
+        want, named = flash_gradients(case), model_mistakes(explanation, case)
+        for name, g_ in zip(("dq", "dk", "dv"), got):
+            verdict = tensor_verdict(g_, want[name], f"{name} through {function}.backward {where}", named[name])
+            if not verdict.passed:
+                return verdict if verdict.findings else None
+    return None
 
 
 def _judge_ex5(ctx, results, outcome):
