@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["FlashCase", "FlashBackward", "FLASH_FINDINGS", "Explanation", "flash_gradients", "moves", "explain"]
+__all__ = ["FlashCase", "FlashBackward", "FLASH_FINDINGS", "Named", "Explanation", "flash_gradients", "moves", "explain"]
 
 
 @dataclass(frozen=True)
@@ -603,13 +603,11 @@ def flash_gradients(case: FlashCase, m: FlashBackward = FlashBackward()) -> dict
 
 
 # ---------------------------------------------------------------- the search
-@dataclass(frozen=True)
-class Explanation:
-    """The choices that reproduce a learner's gradients: the findings (code, message), in the order of
-    the changed fields, and the model."""
+class Named:
+    """What names a learner's gradients, as the judges read it: ``findings`` (code, message), the first
+    code, and the messages said together (:class:`Explanation`, :class:`.flash_fits.Fitted`)."""
 
     findings: tuple[tuple[str, str], ...]
-    model: FlashBackward
 
     @property
     def code(self) -> str:
@@ -618,6 +616,15 @@ class Explanation:
     @property
     def message(self) -> str:
         return "; and ".join(message for _, message in self.findings)
+
+
+@dataclass(frozen=True)
+class Explanation(Named):
+    """The choices that reproduce a learner's gradients: the findings (code, message), in the order of
+    the changed fields, and the model."""
+
+    findings: tuple[tuple[str, str], ...]
+    model: FlashBackward
 
 
 def _describe(change: dict[str, str]) -> tuple[tuple[str, str], ...]:

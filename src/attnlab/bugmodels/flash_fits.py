@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from attnlab.bugmodels.flash_backward import FlashCase, flash_gradients
+from attnlab.bugmodels.flash_backward import FlashCase, Named, flash_gradients
 
 __all__ = ["Fitted", "fit"]
 
@@ -44,21 +44,13 @@ MIN_E = 4
 
 
 @dataclass(frozen=True)
-class Fitted:
-    """What a fit found, shaped as :class:`.flash_backward.Explanation`: ``findings`` (code, message)
+class Fitted(Named):
+    """What a fit found, read as :class:`.flash_backward.Explanation` is: ``findings`` (code, message)
     and the fitted gradients of each case (``grads[i]`` for ``cases[i]``, the same objects)."""
 
     findings: tuple[tuple[str, str], ...]
     cases: tuple
     grads: tuple
-
-    @property
-    def code(self) -> str:
-        return self.findings[0][0]
-
-    @property
-    def message(self) -> str:
-        return "; and ".join(message for _, message in self.findings)
 
     def gradients(self, case: FlashCase) -> dict[str, Tensor]:
         """The fitted ``dq``, ``dk``, ``dv`` of ``case`` (one of :attr:`cases`); the right ones otherwise."""
