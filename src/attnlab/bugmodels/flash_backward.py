@@ -31,7 +31,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["FlashCase", "FlashBackward", "FLASH_FINDINGS", "Named", "Explanation", "flash_gradients", "moves", "explain"]
+__all__ = ["FlashCase", "FlashBackward", "FLASH_FINDINGS", "Named", "Explanation", "flash_gradients", "moves",
+           "explain"]
 
 
 @dataclass(frozen=True)

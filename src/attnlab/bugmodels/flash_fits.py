@@ -187,7 +187,7 @@ def _fold_rows(x: Tensor, Hkv: int) -> Tensor:
 def _tile_kind(case: FlashCase, dropped: Tensor) -> str:
     """How the dropped (row, chunk) pairs (L, nc) sit: 'diagonal' (every one within a tile of its row's
     diagonal under is_causal: the chunk holds keys <= i, and starts past i - max(bq, bk)), 'partial'
-    (one in the last, partial tile of L or S) or 'other'."""
+    (every one in the last, partial tile of L or S) or 'other'."""
     _, _, _, L, S = case.shape
     step = _chunk(case)
     pairs = dropped.nonzero().tolist()
@@ -210,8 +210,8 @@ _TILE_MESSAGES = {
                                       "the diagonal tile inside"),
     "weighted": ("backward_p", "P is multiplied by another number per query row and key tile {who}: a tile's own "
                                "softmax (P divided by its rowsum in the tile), or a lse read at the tile's rows "
-                               "(lse[ks:ke]) where the query rows' belong; P = exp(scale * Q K^T - lse[rows]) is already "
-                               "normalised over all the keys"),
+                               "(lse[ks:ke]) where the query rows' belong; P = exp(scale * Q K^T - lse[rows]) is "
+                               "already normalised over all the keys"),
     "other": ("dropped_tile", "the loop {who} leaves out tiles that hold kept pairs: its bounds must visit "
                               "every tile of the row (or column) up to the causal diagonal"),
 }
@@ -320,7 +320,8 @@ def _row_fit(case: FlashCase, got: Grads, how: str) -> Optional[tuple[dict[str, 
             return None
         base = case.scale * t["p"] @ t["kx"] if how == "d" else t["dq"]  # (B, H, L, E): a row's direction
         norm = (base * base).sum(-1)
-        coef = torch.where(norm > 1e-300, ((y - (t["dq"] if how == "d" else 0)) * base).sum(-1) / norm.clamp_min(1e-300),
+        off = y - (t["dq"] if how == "d" else 0)
+        coef = torch.where(norm > 1e-300, (off * base).sum(-1) / norm.clamp_min(1e-300),
                            torch.zeros_like(norm) if how == "d" else torch.ones_like(norm))
         grads["dq"] = (t["dq"] + coef[..., None] * base) if how == "d" else coef[..., None] * base
         off_q = bool(((coef - (0.0 if how == "d" else 1.0)).abs() > 1e-6).any())

@@ -70,8 +70,8 @@ def _message(kernel: str, pid: int, hx: int, name: str, kind: int, shape: list, 
         for n in shape[3:]:
             row *= n
         return (f"{head} {verb} {name} of {owned} only up to row {last // row} of its {shape[2]}, short of the "
-                f"rows every tile loop reaches (its shape is {list(shape)}): a pointer steps BK rows per tile, BK * (its row's "
-                f"size) elements (ptr += BK * stride), or the offsets come from the loop's index; stepped by BK "
+                f"rows every tile loop reaches (its shape is {list(shape)}): a pointer steps BK rows per tile, "
+                f"BK * (its row's size) elements (ptr += BK * stride), or the offsets come from the loop's index; stepped by BK "
                 f"elements it reads the first rows again, shifted")
     if code in ("load_mask", "store_mask"):
         return (f"{head} {verb} {name} past the last row of its own (batch, head), into the next one's first rows: "
