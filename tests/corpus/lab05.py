@@ -408,3 +408,9 @@ MUTANTS += [  # issue 62's third held-out corpus: what each program read, past a
     M("b", "D_stored_with_E", "tl.store(D + tl.program_id(1) * L + offs_q, delta, mask=offs_q < L)",
       "tl.store(D + tl.program_id(1) * L * E + offs_q, delta, mask=offs_q < L)", "ex4", "head_offset"),
 ]
+
+
+MUTANTS += [  # issue 62's fifth held-out corpus: a causal mask with a position inside the tile (bugmodels' local_k)
+    M("a", "dq_mask_key_inside_its_tile", "            seen = seen & (keys[None, :] <= rows[:, None])\n        p = tl.where",
+      "            seen = seen & (tl.arange(0, BK)[None, :] <= rows[:, None])\n        p = tl.where", "ex5", "tile_local_index"),
+]

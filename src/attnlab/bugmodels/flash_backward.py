@@ -100,7 +100,8 @@ class FlashBackward:
     kv_base: str = "exp"
     # the causal mask: right | none (every tile, no mask) | tiles (the tiles visited, unmasked inside) |
     # bottom_right (j <= i + S - L, and the loops' bounds) | bottom_right_mask (the mask alone, top-left loops) |
-    # strict (j < i: the diagonal hidden) | plus_one (j <= i + 1) | skip_diag (the diagonal tile skipped) |
+    # strict (j < i: the diagonal hidden) | plus_one (j <= i + 1) | local_k, local_q, local_both (a position inside
+    # its tile compared where the global one belongs) | skip_diag (the diagonal tile skipped) |
     # inverted (the visited tiles' future kept, j > i) | inverted_diag (the same in the tiles the diagonal crosses, the others whole: a mask
     # built only where one is needed) | flipped (j >= i kept: the comparison turned round) | fill_zero (the
     # masked scores of the visited tiles set to 0, not -inf: they keep exp(0 - lse))
@@ -156,7 +157,7 @@ class FlashBackward:
 KERNEL_CHOICES: dict[str, list[str]] = {  # per-kernel fields without their dq_/kv_ prefix
     "p_scale": ["no"], "base": ["exp2", "lse2", "ln2", "exp2_lse2", "exp_b2", "tile_max", "tile_max_nan", "div_lse"],
     "mask": ["none", "tiles", "bottom_right", "bottom_right_mask", "strict", "skip_diag", "inverted", "inverted_diag",
-             "flipped", "fill_zero", "tile_t", "plus_one"],
+             "flipped", "fill_zero", "tile_t", "plus_one", "local_k", "local_q", "local_both"],
     "d": ["none", "do", "tile", "do_do", "scaled", "lse"], "ds": ["minus_d", "no_p", "no_p_tile", "sign"],
     "tail": ["drop"], "dp": ["k", "tile_t"], "vec": ["lse_keys", "d_keys"],
 }
@@ -179,7 +180,8 @@ NOT_PAIRED: frozenset = frozenset({("base", "ln2"), ("base", "exp2_lse2"), ("bas
                                    ("mask", "inverted"), ("mask", "inverted_diag"), ("mask", "flipped"),
                                    ("mask", "fill_zero"), ("base", "exp_b2"), ("dv_from", "ds"),
                                    ("dv_tile", "untransposed"), ("kv_stale", "q"), ("kv_stale", "do"), ("dp", "tile_t"),
-                                   ("mask", "tile_t"), ("mask", "plus_one"),
+                                   ("mask", "tile_t"), ("mask", "plus_one"), ("mask", "local_k"),
+                                   ("mask", "local_q"), ("mask", "local_both"),
                                    ("d", "do_do"), ("d", "scaled"),
                                    ("d", "lse"), ("ds", "no_p_tile"), ("ds", "sign"), ("dq_scale", "log2e"),
                                    ("dk_scale", "log2e"), ("dk_from", "p"), ("dq_heads", "no_batch"),
@@ -210,6 +212,13 @@ _KERNEL_FINDINGS: dict[tuple[str, str], tuple[str, str]] = {
                                                         "top-left, as in the forward (key j <= query i)"),
     ("mask", "plus_one"): ("off_by_one", "the causal mask {who} lets query i see key i + 1 (its rows offset by one: "
                                          "j <= i + 1): query i sees keys j <= i"),
+    ("mask", "local_k"): ("tile_local_index", "the causal mask {who} compares the global query position with the key's "
+                                              "position inside its tile: keys = k0 + tl.arange(0, BK), the global one"),
+    ("mask", "local_q"): ("tile_local_index", "the causal mask {who} compares the query's position inside its tile with "
+                                              "the global key position: rows = q0 + tl.arange(0, BQ), the global one"),
+    ("mask", "local_both"): ("tile_local_index", "the causal mask {who} compares positions inside the tiles (right only "
+                                                 "on a tile of the diagonal whose tiles start together): compare the "
+                                                 "global query and key positions"),
     ("mask", "strict"): ("off_by_one", "the causal mask {who} hides the diagonal (key j < query i): query i sees "
                                        "key i too (j <= i)"),
     ("mask", "skip_diag"): ("causal_block_skip", "the diagonal tile is skipped {who}: under is_causal a loop skips "
@@ -375,6 +384,10 @@ def _keep_visit(case: FlashCase, mask: str) -> tuple[Tensor, Tensor]:
         return (j < i) & full, tiles & full
     if mask == "plus_one":  # the mask's rows offset by one (qs + 1 .. qe + 1) inside the visited tiles
         return (j <= i + 1) & tiles, tiles & full
+    if mask in ("local_k", "local_q", "local_both"):  # a position inside its tile where the global one belongs
+        jj = j - k0 if mask != "local_q" else j
+        ii = i - q0 if mask != "local_k" else i
+        return (jj <= ii) & tiles, tiles & full
     if mask == "inverted":  # ~keep where keep belongs: the visited tiles' future
         return (j > i) & tiles, tiles & full
     if mask == "inverted_diag":  # the same, where a mask is built only for the tiles the diagonal crosses

@@ -120,11 +120,11 @@ def _chunk(case: FlashCase) -> int:
 
 
 def _tile_fit(case: FlashCase, got: Grads) -> Optional[tuple[dict[str, Tensor], Tensor, Tensor, tuple]]:
-    """(gradients, a, b, needed), each (L, nc) over query rows and key chunks (:func:`_chunk`): 0/1
-    whether the dQ kernel (``a``) and the dK/dV kernel (``b``) added that row's terms of that chunk's
-    keys, as reproduce ``got`` (one number per (row, chunk) for every batch and head: a loop bound does
+    """(gradients, a, b, needed), each (L, nc) over query rows and key chunks (:func:`_chunk`): how many
+    times (0, 1 or 2) the dQ kernel (``a``) and the dK/dV kernel (``b``) added that row's terms of that
+    chunk's keys, as reproduce ``got`` (one number per (row, chunk) for every batch and head: a loop bound does
     not depend on them); ``needed``: per kernel, the pairs whose terms are not all zero. None where a
-    coefficient is not 0 or 1."""
+    coefficient is not 0, 1 or 2."""
     t = _terms(case)
     B, H, Hkv, L, S = case.shape
     cs = _spans(S, _chunk(case))
@@ -159,7 +159,7 @@ def _tile_fit(case: FlashCase, got: Grads) -> Optional[tuple[dict[str, Tensor], 
                                    ) for c in cs], dim=1)
     for x, need in ((a, need_a), (b, need_b)):
         rounded = x.round()
-        bad = ((x - rounded).abs() > ROUND) | ((rounded != 0) & (rounded != 1))
+        bad = ((x - rounded).abs() > ROUND) | (rounded < 0) | (rounded > 2)  # 2: a tile visited twice
         if bool((bad & need).any()):
             return None
         x.copy_(rounded.where(need, torch.ones_like(x)))
@@ -212,6 +212,9 @@ _TILE_MESSAGES = {
                                "softmax (P divided by its rowsum in the tile), or a lse read at the tile's rows "
                                "(lse[ks:ke]) where the query rows' belong; P = exp(scale * Q K^T - lse[rows]) is "
                                "already normalised over all the keys"),
+    "twice": ("dropped_tile", "the loop {who} adds some keys' terms twice: it steps by less than its tiles' size "
+                              "(a step of block_q over tiles of block_k), or visits a tile again; step each loop by "
+                              "its own tile size, range(0, N, B) with tiles [s, min(s + B, N))"),
     "other": ("dropped_tile", "the loop {who} leaves out tiles that hold kept pairs: its bounds must visit "
                               "every tile of the row (or column) up to the causal diagonal"),
 }
@@ -230,6 +233,9 @@ def _tiles(cases: list[FlashCase], got: list[Grads], match) -> Optional[Fitted]:
     kinds, where_q, where_kv = set(), False, False
     for case, (_, a, b, (need_a, need_b)) in zip(cases, fits):
         for x, needed, is_q in ((a, need_a, True), (b, need_b, False)):
+            if bool((needed & (x == 2)).any()):
+                kinds.add("twice")
+                where_q, where_kv = where_q or is_q, where_kv or not is_q
             dropped = needed & (x == 0)
             if bool(dropped.any()) and bool(dropped.sum() == needed.sum()):
                 return None  # nothing added at all: a gradient never accumulated or stored (the constant fit's)
@@ -240,7 +246,8 @@ def _tiles(cases: list[FlashCase], got: list[Grads], match) -> Optional[Fitted]:
         return None
     # a pair can be both the diagonal's and partial: every dropped pair on the diagonal says the skip,
     # else a partial one says the bound
-    kind = "diagonal" if kinds == {"diagonal"} else next(k for k in ("partial", "diagonal", "other") if k in kinds)
+    kind = "diagonal" if kinds == {"diagonal"} else next(k for k in ("twice", "partial", "diagonal", "other")
+                                                         if k in kinds)
     code, message = _TILE_MESSAGES[kind]
     return Fitted(((code, message.format(who=_WHO[(where_q, where_kv)])),), tuple(cases), tuple(f[0] for f in fits))
 
@@ -269,6 +276,8 @@ def _weighted_fit(case: FlashCase, got: Grads) -> Optional[dict[str, Tensor]]:
                     return None
                 w[bi, heads, :, c] = sol.reshape(r, L, 1)
     w = w.where(t["keep"], torch.ones_like(w))
+    if bool(((w - w.round()).abs() <= ROUND).all()):
+        return None  # whole counts (0, 1, 2) are tiles left out or added twice: the tile fit's, not a normaliser
     return {"dq": case.scale * (w * t["ds"]) @ t["kx"],
             "dk": _fold((case.scale * w * t["ds"]).transpose(-2, -1) @ case.q, Hkv),
             "dv": _fold((w * t["p"]).transpose(-2, -1) @ case.do, Hkv)}
